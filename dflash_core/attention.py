@@ -1,0 +1,128 @@
+"""The DFlash training mask and the two attention paths that apply it.
+
+KV layout of one micro-batch: [context (S tokens) | block_0 | block_1 | ... | block_{N-1}],
+queries: all blocks (Q = N * B). A query of block j with anchor a_j sees
+  * context position p  iff  doc[p] == doc[a_j] and p < a_j  (strictly before the anchor),
+  * every position of its own block (bidirectional),
+and nothing else. Padding blocks (anchor_valid false) see only their own block, so their rows
+are never empty (no NaN) and their loss weight is zero.
+
+One `mask_mod` defines the rule; `flex` turns it into a BlockMask for compiled flex_attention
+(CUDA), `dense` evaluates it into a boolean [Q, KV] matrix for SDPA (CPU: flex has no backward
+there). Tests check that both compute the same function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dflash_mask_mod(
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+) -> MaskMod:
+    """The visibility rule as a flex_attention mask_mod (also evaluable by broadcasting)."""
+    num_anchors = anchors.shape[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = torch.clamp(q_idx // block_size, max=num_anchors - 1)
+        anchor = anchors[block]
+        in_context = kv_idx < seq_len
+        ctx_pos = torch.clamp(kv_idx, max=seq_len - 1)
+        sees_context = (
+            in_context
+            & anchor_valid[block]
+            & (kv_idx < anchor)
+            & (doc_ids[ctx_pos] == doc_ids[anchor])
+        )
+        own_block = (~in_context) & ((kv_idx - seq_len) // block_size == block)
+        return sees_context | own_block
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str) -> torch.Tensor:
+    """Evaluate a mask_mod on the full [q_len, kv_len] grid (True = may attend)."""
+    q_idx = torch.arange(q_len, device=device).view(-1, 1)
+    kv_idx = torch.arange(kv_len, device=device).view(1, -1)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(zero, zero, q_idx, kv_idx).expand(q_len, kv_len)
+
+
+@dataclass
+class DenseAttention:
+    """SDPA with a boolean mask; `mask=None` means every query sees every key."""
+
+    mask: torch.Tensor | None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, Hq, Q, D], k/v: [1, Hkv, KV, D]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            # Explicit repeat rather than enable_gqa: the math kernel on CPU and older torch lack it.
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        mask = None if self.mask is None else self.mask.view(1, 1, *self.mask.shape)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_compiled_flex = None
+
+
+def compiled_flex_attention():
+    """One process-wide compiled flex_attention (compiling per call site multiplies graphs)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+@dataclass
+class FlexAttention:
+    """flex_attention with a BlockMask built from the same mask_mod."""
+
+    block_mask: object
+    compiled: bool = True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = compiled_flex_attention() if self.compiled else flex_attention
+        return fn(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+
+def training_attention(
+    kind: str,
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    *,
+    compiled: bool = True,
+):
+    """Build the attention callable for one micro-batch ("flex" or "dense")."""
+    mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size)
+    q_len = anchors.shape[0] * block_size
+    kv_len = seq_len + q_len
+    if kind == "dense":
+        return DenseAttention(dense_mask(mask_mod, q_len, kv_len, doc_ids.device))
+    if kind == "flex":
+        return FlexAttention(build_block_mask(mask_mod, q_len, kv_len, doc_ids.device), compiled=compiled)
+    raise ValueError(f"unknown attention kind {kind!r}; expected 'flex' or 'dense'")

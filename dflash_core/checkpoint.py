@@ -1,0 +1,179 @@
+"""Drafter checkpoints in the format the z-lab `DFlashDraftModel`, SGLang and vLLM load:
+a directory with `config.json` (Qwen3 config + DFlash fields) and `model.safetensors` (drafter
+weights only: no embedding, no LM head), plus our training state beside them for resume.
+Every checkpoint is written into a temporary directory and renamed into place, so a crash never
+leaves a torn checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import DrafterConfig
+from .drafter import DFlashDrafter
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TRAINING_STATE_FILE = "training_state.pt"
+METADATA_FILE = "dflash_metadata.json"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def expected_keys(num_layers: int) -> set[str]:
+    keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        keys |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        keys |= {p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    return keys
+
+
+def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+
+
+def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
+    dflash = d.get("dflash_config") or {}
+    return DrafterConfig(
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        vocab_size=d["vocab_size"],
+        block_size=d["block_size"],
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=tuple(dflash["target_layer_ids"]),
+        num_target_layers=d["num_target_layers"],
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=d.get("rope_theta", 1_000_000.0),
+        rope_scaling=d.get("rope_scaling"),
+        max_position_embeddings=d.get("max_position_embeddings", 40960),
+    )
+
+
+def _atomic_dir(final: Path):
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    path: str | Path,
+    drafter: DFlashDrafter,
+    *,
+    training_state: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    final = Path(path)
+    tmp = _atomic_dir(final)
+    tmp.mkdir()
+    try:
+        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
+        missing = expected_keys(drafter.config.num_hidden_layers) ^ set(state)
+        if missing:
+            raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        dt = next(iter(state.values())).dtype
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(drafter.config, dt), indent=2) + "\n")
+        if metadata is not None:
+            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+        if training_state is not None:
+            torch.save(training_state, tmp / TRAINING_STATE_FILE)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_config(path: str | Path) -> DrafterConfig:
+    p = Path(path) / CONFIG_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: not a drafter checkpoint (no {CONFIG_FILE})")
+    return config_from_hf(json.loads(p.read_text()))
+
+
+def load_weights(path: str | Path, num_layers: int) -> dict[str, torch.Tensor]:
+    state = load_file(str(Path(path) / WEIGHTS_FILE))
+    diff = expected_keys(num_layers) ^ set(state)
+    if diff:
+        raise ValueError(f"{path}: checkpoint keys differ from the DFlash format: {sorted(diff)[:8]}")
+    return state
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    cfg = read_config(path)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(load_weights(path, cfg.num_hidden_layers))
+    return drafter.to(device=device, dtype=dtype) if dtype else drafter.to(device)
+
+
+def load_training_state(path: str | Path) -> dict[str, Any] | None:
+    p = Path(path) / TRAINING_STATE_FILE
+    if not p.is_file():
+        return None
+    return torch.load(p, map_location="cpu", weights_only=False)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    p = Path(path) / METADATA_FILE
+    return json.loads(p.read_text()) if p.is_file() else {}

@@ -1,0 +1,1 @@
+"""conversations (JSONL) -> tokens + assistant loss mask -> fixed-shape packing + anchors."""

@@ -1,0 +1,83 @@
+"""Micro-batches of identical shapes, in a deterministic, resumable order.
+
+Micro-batch g (global index over the whole run) depends only on (seed, g): epoch e shuffles
+the documents with seed (seed, e) and packs them; anchors of micro-batch g are drawn with seed
+(seed, g). Resuming at g therefore needs no RNG state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import ShapeConfig
+from .anchors import sample_anchors
+from .packing import PackedSequence, PackingReport, pack_documents
+from .tokenize import Document
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # int64 [S]
+    position_ids: torch.Tensor  # int64 [S]
+    doc_ids: torch.Tensor  # int64 [S]
+    loss_mask: torch.Tensor  # bool [S]
+    anchors: torch.Tensor  # int64 [N]
+    anchor_valid: torch.Tensor  # bool [N]
+    index: int = 0  # global micro-batch index
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "MicroBatch":
+        kw = dict(device=device, non_blocking=non_blocking)
+        return MicroBatch(
+            self.input_ids.to(**kw), self.position_ids.to(**kw), self.doc_ids.to(**kw),
+            self.loss_mask.to(**kw), self.anchors.to(**kw), self.anchor_valid.to(**kw), self.index,
+        )
+
+    def pin_memory(self) -> "MicroBatch":
+        return MicroBatch(*(t.pin_memory() for t in (
+            self.input_ids, self.position_ids, self.doc_ids, self.loss_mask, self.anchors, self.anchor_valid
+        )), index=self.index)
+
+    @property
+    def context_tokens(self) -> int:
+        """Non-padding context tokens (the unit of the tokens/s metrics)."""
+        return int((self.doc_ids >= 0).sum())
+
+
+def make_micro_batch(seq: PackedSequence, shape: ShapeConfig, rng: np.random.Generator, index: int) -> MicroBatch:
+    anchors, valid = sample_anchors(seq.doc_ids, seq.loss_mask, shape.num_anchors, rng)
+    return MicroBatch(
+        torch.from_numpy(seq.input_ids), torch.from_numpy(seq.position_ids), torch.from_numpy(seq.doc_ids),
+        torch.from_numpy(seq.loss_mask), torch.from_numpy(anchors), torch.from_numpy(valid), index,
+    )
+
+
+class MicroBatchStream:
+    """Endless, deterministic sequence of micro-batches over the documents (epoch after epoch).
+
+    Documents are packed once (in a seeded order); each epoch visits the packed sequences in
+    its own seeded order, so every epoch has the same number of micro-batches.
+    """
+
+    def __init__(self, docs: list[Document], shape: ShapeConfig, pad_token_id: int, seed: int):
+        if not docs:
+            raise ValueError("no documents to train on")
+        self.shape, self.seed = shape, seed
+        self.report = PackingReport()
+        order = np.random.default_rng([seed, 0]).permutation(len(docs))
+        self.sequences = pack_documents([docs[i] for i in order], shape.seq_len, pad_token_id, self.report)
+        if not self.sequences:
+            raise ValueError("no document has a trainable (assistant) token after packing")
+        self.per_epoch = len(self.sequences)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, 1, epoch]).permutation(self.per_epoch)}
+        return self._orders[epoch]
+
+    def get(self, index: int) -> MicroBatch:
+        epoch, i = divmod(index, self.per_epoch)
+        seq = self.sequences[int(self._order(epoch)[i])]
+        return make_micro_batch(seq, self.shape, np.random.default_rng([self.seed, 2, index]), index)

@@ -1,0 +1,153 @@
+"""The DFlash drafter (block diffusion draft model), read alongside the paper.
+
+A drafter predicts B-1 tokens in parallel after an anchor token. Its input is the embedding of
+[anchor, MASK, ..., MASK]; its only view of the past is the target's hidden states ("context
+features") of a few target layers, fused by `fc` + `hidden_norm`. Each layer is a Qwen3 decoder
+layer whose attention takes Q from the block and K, V from cat[context, block]; context never
+enters the residual stream. Embedding and LM head are the target's, frozen, and live outside.
+
+Parameter names equal the checkpoint keys of the reference `DFlashDraftModel`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DrafterConfig
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [1, 1, T, head_dim] for integer positions [T]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [1, Q, H] normed block states
+        context: torch.Tensor,  # [1, S, H] fused target features
+        rope_q: tuple[torch.Tensor, torch.Tensor],  # block positions
+        rope_k: tuple[torch.Tensor, torch.Tensor],  # context positions then block positions
+        attend: Attend,
+    ) -> torch.Tensor:
+        q_len, ctx_len = x.shape[1], context.shape[1]
+        q = self.q_norm(self.q_proj(x).view(1, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([context, x], dim=1)
+        k = self.k_proj(kv_in).view(1, ctx_len + q_len, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k).transpose(1, 2)
+        v = self.v_proj(kv_in).view(1, ctx_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_k)
+        out = attend(q, k, v)  # [1, Hq, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(1, q_len, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, context, rope_q, rope_k, attend):
+        h = h + self.self_attn(self.input_layernorm(h), context, rope_q, rope_k, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_target_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic init (normal linears, unit norms), identical for every replica."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [1, Q, H] embedding of [anchor, MASK...] per block
+        target_features: torch.Tensor,  # [1, S, n*H] captured target layers, in order
+        block_positions: torch.Tensor,  # [Q] position id of every block token
+        context_positions: torch.Tensor,  # [S] position id of every context token
+        attend: Attend,
+    ) -> torch.Tensor:
+        """Final normed hidden states of the block tokens, [1, Q, H]."""
+        dtype = block_embeds.dtype
+        context = self.hidden_norm(self.fc(target_features.to(dtype)))
+        rope_q = self.rotary(block_positions, dtype)
+        rope_k = self.rotary(torch.cat([context_positions, block_positions]), dtype)
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, context, rope_q, rope_k, attend)
+        return self.norm(h)

@@ -1,0 +1,82 @@
+"""One drafter micro-step: micro-batch + target features -> weighted loss and statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import DenseAttention, training_attention
+from .blocks import block_inputs, block_labels
+from .data.batches import MicroBatch
+from .drafter import DFlashDrafter
+from .loss import chunked_lm_head_loss
+
+
+@dataclass
+class FrozenHead:
+    """The target's embedding and LM head weights, shared read-only by drafters on a device."""
+
+    embed_weight: torch.Tensor  # [V, H]
+    lm_head_weight: torch.Tensor  # [V, H]
+
+    def to(self, device, dtype) -> "FrozenHead":
+        return FrozenHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype))
+
+
+@dataclass
+class MicroStepResult:
+    loss: torch.Tensor  # fp32 scalar (graph attached when training)
+    correct: torch.Tensor  # bool [N, B]
+    weights: torch.Tensor  # fp32 [N, B]
+
+
+def drafter_forward(
+    drafter: DFlashDrafter, head: FrozenHead, batch: MicroBatch, features: torch.Tensor, attend
+) -> torch.Tensor:
+    """Training-time forward of all blocks: final hidden states [Q, H]."""
+    cfg = drafter.config
+    ids, positions = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
+    embeds = torch.nn.functional.embedding(ids, head.embed_weight).unsqueeze(0)
+    feats = features.unsqueeze(0) if features.dim() == 2 else features
+    return drafter(embeds, feats, positions, batch.position_ids, attend)[0]
+
+
+def micro_step(
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    batch: MicroBatch,
+    features: torch.Tensor,
+    *,
+    attention: str,
+    gamma: float,
+    chunk_size: int,
+    compiled_attention: bool = True,
+) -> MicroStepResult:
+    cfg = drafter.config
+    seq_len = batch.input_ids.shape[0]
+    attend = training_attention(
+        attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, cfg.block_size,
+        compiled=compiled_attention,
+    )
+    hidden = drafter_forward(drafter, head, batch, features, attend)
+    labels, weights = block_labels(batch, cfg.block_size, gamma)
+    loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size)
+    n = batch.anchors.shape[0]
+    return MicroStepResult(loss, correct.view(n, cfg.block_size), weights.view(n, cfg.block_size))
+
+
+def inference_block_forward(
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    context_features: torch.Tensor,  # [T, n*H] target features of positions 0..T-1 (< anchor)
+    block_ids: torch.Tensor,  # [B] anchor token then MASK tokens
+    anchor_position: int,
+) -> torch.Tensor:
+    """Inference-style forward of one block (KV-cache-like: context is all the past, nothing is
+    masked). Returns the final hidden states [B, H]."""
+    b = block_ids.shape[0]
+    device = block_ids.device
+    embeds = torch.nn.functional.embedding(block_ids, head.embed_weight).unsqueeze(0)
+    block_pos = torch.arange(anchor_position, anchor_position + b, device=device)
+    ctx_pos = torch.arange(context_features.shape[0], device=device)
+    return drafter(embeds, context_features.unsqueeze(0), block_pos, ctx_pos, DenseAttention(None))[0]

@@ -1,0 +1,59 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def assets_dir(tmp_path_factory) -> Path:
+    from dflash_core.defaults import ensure_default_assets
+
+    return ensure_default_assets(tmp_path_factory.mktemp("data")).root
+
+
+@pytest.fixture(scope="session")
+def default_assets(assets_dir):
+    from dflash_core.defaults import ensure_default_assets
+
+    return ensure_default_assets(assets_dir.parent.parent)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The default word-level tokenizer, built from the synthetic corpus (no trained target needed)."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.defaults.synthetic import corpus_words
+    from dflash_core.defaults.tokenizer import build_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(corpus_words(), out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+@pytest.fixture(scope="session")
+def random_target_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny Qwen3 with random weights (6 layers) saved as a real HF checkpoint."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_core.defaults.target import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config(len(tokenizer), num_hidden_layers=6, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("random_target")
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,42 @@
+"""Small builders shared by tests (real components, tiny sizes)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflash_core.config import DrafterConfig, ShapeConfig
+from dflash_core.data.batches import MicroBatch, make_micro_batch
+from dflash_core.data.packing import pack_documents
+from dflash_core.data.tokenize import Document
+from dflash_core.drafter import DFlashDrafter
+
+
+def tiny_drafter_config(vocab_size=64, block_size=4, hidden=32, heads=4, kv_heads=2, n_features=2, layers=2, mask_token_id=1):
+    return DrafterConfig(
+        hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab_size, block_size=block_size,
+        mask_token_id=mask_token_id, target_layer_ids=tuple(range(1, 1 + n_features)), num_target_layers=n_features + 2,
+        rope_theta=10000.0,
+    )
+
+
+def random_documents(rng: np.random.Generator, n_docs: int, min_len=4, max_len=20, vocab=64, p_loss=0.6):
+    docs = []
+    for i in range(n_docs):
+        n = int(rng.integers(min_len, max_len + 1))
+        ids = rng.integers(2, vocab, size=n)
+        mask = rng.random(n) < p_loss
+        docs.append(Document(ids.astype(np.int64), mask, f"rand:{i}"))
+    return docs
+
+
+def random_micro_batch(rng: np.random.Generator, shape: ShapeConfig, vocab=64, n_docs=4) -> MicroBatch:
+    docs = random_documents(rng, n_docs, max_len=max(4, shape.seq_len // n_docs), vocab=vocab)
+    seqs = pack_documents(docs, shape.seq_len, pad_token_id=0)
+    return make_micro_batch(seqs[0], shape, rng, 0)
+
+
+def random_drafter(cfg: DrafterConfig, seed=0) -> DFlashDrafter:
+    d = DFlashDrafter(cfg)
+    d.init_weights(seed, std=0.2)
+    return d.double()

@@ -1,0 +1,526 @@
+"""The training engine: builds the target and the drafter replicas, warms every drafter device
+one at a time in the calling thread, then runs jobs on per-device worker threads.
+
+Threads after warmup:
+  target-<dev>   produces micro-batches: packs, captures target features, hands them to the
+                 drafters through bounded queues (one queue per drafter replica)
+  drafter-<dev>  one per replica: forward + backward of its micro-batches, optimizer step
+  caller         (the job's thread) averages gradients across replicas, writes checkpoints
+No worker thread exists before warmup ends (the multi-thread first-compile deadlock, DESIGN §2).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..blocks import expected_acceptance_length
+from ..checkpoint import load_training_state, load_weights, read_config, save_checkpoint
+from ..config import DrafterConfig, ShapeConfig
+from ..data.batches import MicroBatch, MicroBatchStream, make_micro_batch
+from ..data.packing import pack_documents
+from ..data.tokenize import Document
+from ..drafter import DFlashDrafter
+from ..target import TargetModel
+from ..telemetry import RateMeter, allocator_stats
+from .compile_guard import CompileGuard
+from .config import EngineConfig, TrainJob
+from .grad_sync import GradSync
+from .jobdata import load_job_data
+from .optim import build_optimizer, lr_factor
+from .replica import DrafterReplica
+
+
+@dataclass
+class Progress:
+    phase: str
+    drafters_ready: int
+    drafters_total: int
+    elapsed: float
+
+
+@dataclass
+class StepStats:
+    step: int  # steps completed (1-based)
+    total_steps: int
+    loss: float
+    position_accuracy: list[float]  # block positions 1..B-1
+    expected_acceptance_length: float
+    context_tokens: int
+    tokens_per_device: dict[str, int]
+    step_seconds: float
+    seconds_per_device: dict[str, float]
+    tokens_per_second: float
+    learning_rate: float
+    grad_norm: float
+    epoch: float
+
+
+class JobCallbacks:
+    """Hooks a job runner calls; override what you need."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+    def on_checkpoint(self, path: str, step: int) -> None: ...
+    def on_event(self, kind: str, payload: dict) -> None: ...
+    def on_eval(self, step: int, result: dict) -> None: ...
+    def should_cancel(self) -> bool:
+        return False
+
+
+@dataclass
+class JobResult:
+    status: str  # SUCCEEDED | STOPPED
+    steps_done: int
+    total_steps: int
+    final_checkpoint: str | None
+    last_stats: StepStats | None = None
+    eval: dict | None = None
+    skipped_lines: int = 0
+
+
+class JobValidationError(ValueError):
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+class JobFailed(RuntimeError):
+    """A job could not finish; the message is meant for the user."""
+
+
+class _ProducerError:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _pick_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, data_dir: str | Path, progress: Callable[[Progress], None] | None = None):
+        self.config = config
+        self.data_dir = Path(data_dir)
+        self._progress_cb = progress or (lambda p: None)
+        self._t0 = time.monotonic()
+        self.events: list[tuple[float, str]] = []  # ordering record (warmup vs thread starts)
+        self.guard = CompileGuard()
+        self.grad_sync = GradSync()
+        self.rate = RateMeter()
+        self.tokens_per_device: dict[str, int] = {}
+        self.queue_depths: dict[str, int] = {}
+        self.warmup_seconds: list[tuple[str, str, float]] = []  # (component, device, seconds)
+        self.ready = False
+        self.targets: list[TargetModel] = []
+        self.replicas: list[DrafterReplica] = []
+        self._drafter_pools: list[cf.ThreadPoolExecutor] = []
+        self._lock = threading.Lock()
+        self.progress = Progress("starting", 0, len(config.drafter_devices), 0.0)
+
+    # ------------------------------------------------------------------ build + warmup
+    def _report(self, phase: str, ready: int) -> None:
+        self.progress = Progress(phase, ready, len(self.config.drafter_devices), time.monotonic() - self._t0)
+        self.events.append((time.monotonic(), f"progress:{phase}:{ready}"))
+        self._progress_cb(self.progress)
+
+    def _delay(self) -> None:
+        if self.config.warmup_delay_seconds > 0:
+            time.sleep(self.config.warmup_delay_seconds)
+
+    def build(self) -> "Engine":
+        """Load everything and warm it, in the calling thread. Returns self when ready."""
+        cfg = self.config
+        if cfg.inductor_cache_dir:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cfg.inductor_cache_dir)
+        self._report("loading_target", 0)
+        self._delay()
+        target_path = cfg.target_path
+        if target_path is None:
+            from ..defaults import ensure_default_assets
+
+            target_path = str(ensure_default_assets(self.data_dir).target)
+        self.target_path = target_path
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(target_path)
+        hf_cfg = AutoConfig.from_pretrained(target_path)
+        mask_id = self._mask_token_id(hf_cfg)
+        self.drafter_config = DrafterConfig.from_target_config(
+            hf_cfg, num_hidden_layers=cfg.drafter_layers, block_size=cfg.shape.block_size, mask_token_id=mask_id,
+            target_layer_ids=cfg.target_layer_ids, intermediate_size=cfg.drafter_intermediate_size,
+        )
+        if self.tokenizer.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id or 0
+        else:
+            self.pad_token_id = self.tokenizer.pad_token_id
+        for dev in cfg.target_devices:
+            t = time.monotonic()
+            self.targets.append(TargetModel(target_path, self.drafter_config.target_layer_ids, dev))
+            self.warmup_seconds.append(("target_load", dev, time.monotonic() - t))
+
+        self._report("warming_target", 0)
+        self._delay()
+        warm_batch = self._synthetic_batch()
+        for target in self.targets:
+            t = time.monotonic()
+            self._capture(target, warm_batch)
+            self._sync(target.device)
+            self.warmup_seconds.append(("target", str(target.device), time.monotonic() - t))
+
+        head = self.targets[0].frozen_head()
+        attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
+        gamma = cfg.loss.resolved_gamma(cfg.shape.block_size)
+        for i, dev in enumerate(cfg.drafter_devices):
+            self.replicas.append(DrafterReplica(
+                i, self.drafter_config, dev, head, attention=attention, compiled=compiled,
+                compute_dtype=_pick_dtype(torch.device(dev)), gamma=gamma, chunk_size=cfg.loss.chunk_size,
+            ))
+        self._reset_weights(seed=cfg.init_seed, init_from=None)
+
+        self._report("warming_drafters", 0)
+        self._delay()
+        self.events.append((time.monotonic(), "warmup:drafters:start"))
+        for i, rep in enumerate(self.replicas):
+            t = time.monotonic()
+            self._warm_replica(rep, warm_batch)
+            self.warmup_seconds.append(("drafter", str(rep.device), time.monotonic() - t))
+            self.events.append((time.monotonic(), f"warmup:drafter:{rep.device}"))
+            self._report("warming_drafters", i + 1)
+            if i + 1 < len(self.replicas):
+                self._delay()
+        self.grad_sync.average([rep.grads() for rep in self.replicas])  # exercise the sync path once
+        for rep in self.replicas:
+            rep.zero_grad()
+        self._reset_weights(seed=cfg.init_seed, init_from=None)
+        self.guard.end_warmup(enforce=compiled)
+        self.events.append((time.monotonic(), "warmup:done"))
+
+        for rep in self.replicas:
+            name = f"drafter-{rep.device}"
+            self._drafter_pools.append(cf.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=name, initializer=self._thread_started, initargs=(name,)))
+        self.ready = True
+        self._report("ready", len(self.replicas))
+        return self
+
+    def _thread_started(self, name: str) -> None:
+        self.events.append((time.monotonic(), f"thread:{name}"))
+        for rep in self.replicas:
+            if rep.device.type == "cuda" and name.endswith(str(rep.device)):
+                torch.cuda.set_device(rep.device)
+
+    def _mask_token_id(self, hf_cfg) -> int:
+        tok = self.tokenizer
+        name = self.config.mask_token
+        if name is None and tok.mask_token_id is not None:
+            return int(tok.mask_token_id)
+        name = name or "<|mask|>"
+        ids = tok.convert_tokens_to_ids([name])
+        if ids and ids[0] is not None and ids[0] != tok.unk_token_id:
+            return int(ids[0])
+        tok.add_special_tokens({"mask_token": name})
+        mid = int(tok.mask_token_id)
+        if mid >= hf_cfg.vocab_size:
+            raise ValueError(f"mask token {name!r} got id {mid}, outside the target vocabulary ({hf_cfg.vocab_size})")
+        return mid
+
+    def _synthetic_batch(self) -> MicroBatch:
+        """A micro-batch at the production shape with realistic structure (several documents,
+        assistant spans, every anchor slot used) for warmup."""
+        shape = self.config.shape
+        rng = np.random.default_rng(1234)
+        vocab = self.drafter_config.vocab_size
+        docs = []
+        used = 0
+        while used < shape.seq_len:
+            n = int(min(shape.seq_len - used, rng.integers(max(4, shape.seq_len // 8), max(8, shape.seq_len // 3))))
+            if n < 2:
+                break
+            ids = rng.integers(0, vocab, size=n).astype(np.int64)
+            mask = np.zeros(n, dtype=bool)
+            mask[n // 4 :] = True
+            docs.append(Document(ids, mask, "warmup"))
+            used += n
+        seq = pack_documents(docs, shape.seq_len, self.pad_token_id)[0]
+        return make_micro_batch(seq, shape, rng, 0)
+
+    def _capture(self, target: TargetModel, mb: MicroBatch) -> torch.Tensor:
+        dev = target.device
+        return target.capture(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.doc_ids.to(dev))
+
+    @staticmethod
+    def _sync(device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _warm_replica(self, rep: DrafterReplica, mb: MicroBatch) -> None:
+        """One full training step at the production shape, in this thread; weights restored after."""
+        feats = self._capture(self.targets[0], mb).to(rep.device)
+        batch = mb.to(rep.device)
+        rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+        acc = rep.new_accumulator()
+        rep.forward_backward(batch, feats, 1.0, acc)
+        rep.clip_and_step(1.0, 1e-4)
+        float(acc.loss_sum)  # completes the step on the device
+        rep.optimizer = None
+        self._sync(rep.device)
+
+    def _reset_weights(self, seed: int, init_from: str | None) -> None:
+        if init_from:
+            state = load_weights(init_from, self.drafter_config.num_hidden_layers)
+        else:
+            proto = DFlashDrafter(self.drafter_config)
+            proto.init_weights(seed)
+            state = proto.state_dict()
+        for rep in self.replicas:
+            rep.load_state(state)
+            rep.zero_grad()
+
+    # ------------------------------------------------------------------ validation
+    def validate_job(self, job: TrainJob) -> None:
+        shape = self.config.shape
+        for name, want in (("seq_len", shape.seq_len), ("num_anchors", shape.num_anchors), ("block_size", shape.block_size)):
+            got = getattr(job, name)
+            if got is not None and got != want:
+                raise JobValidationError(name, f"{got} differs from the warmed engine's {name}={want}; the engine "
+                                               f"compiled for seq_len={shape.seq_len}, num_anchors={shape.num_anchors}, "
+                                               f"block_size={shape.block_size} and does not recompile at runtime")
+        if job.init_from:
+            try:
+                other = read_config(job.init_from)
+            except (FileNotFoundError, ValueError, KeyError) as e:
+                raise JobValidationError("init_from", str(e)) from None
+            if other != self.drafter_config:
+                diff = [k for k, v in other.to_dict().items() if self.drafter_config.to_dict()[k] != v]
+                raise JobValidationError("init_from", f"checkpoint architecture differs from the engine's drafter in {diff}")
+        if job.steps is None and job.epochs is None:
+            raise JobValidationError("steps", "give steps or epochs")
+
+    # ------------------------------------------------------------------ running jobs
+    def run_job(self, job: TrainJob, callbacks: JobCallbacks | None = None, resume_from: str | None = None) -> JobResult:
+        if not self.ready:
+            raise JobFailed("engine is not ready")
+        cb = callbacks or JobCallbacks()
+        self.validate_job(job)
+        with self._lock:
+            try:
+                return self._run(job, cb, resume_from)
+            except (JobFailed, JobValidationError):
+                raise
+            except torch.OutOfMemoryError as e:
+                raise JobFailed(f"out of memory: {str(e).splitlines()[0]}") from e
+            except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
+                raise JobFailed(f"{type(e).__name__}: {e}") from e
+            finally:
+                for rep in self.replicas:
+                    rep.zero_grad()
+                    rep.optimizer = None
+                if any(r.device.type == "cuda" for r in self.replicas):
+                    torch.cuda.empty_cache()
+
+    def _run(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
+        shape = self.config.shape
+        data = load_job_data(job.datasets, self.tokenizer, max_tokens=shape.seq_len, skip_bad_lines=job.skip_bad_lines,
+                             eval_prompts=job.eval_prompts, eval_fraction=job.eval_fraction, seed=job.seed)
+        if data.skipped_lines:
+            cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
+        stream = MicroBatchStream(data.train, shape, self.pad_token_id, seed=job.seed)
+        replicas = len(self.replicas)
+        per_step = replicas * job.grad_accum
+        total = job.steps if job.steps is not None else max(1, math.ceil(job.epochs * stream.per_epoch / per_step))
+        cb.on_event("data", {"documents": len(data.train), "micro_batches_per_epoch": stream.per_epoch,
+                             "truncated_documents": stream.report.truncated_documents,
+                             "heldout": len(data.heldout), "total_steps": total})
+
+        start_step = 0
+        self._reset_weights(job.seed, job.init_from)
+        for rep in self.replicas:
+            rep.optimizer = build_optimizer(rep.params, job.learning_rate, job.weight_decay, job.adam_betas, rep.device)
+        if resume_from:
+            state = load_training_state(resume_from)
+            if state is None:
+                raise JobFailed(f"{resume_from}: no training state to resume from")
+            weights = load_weights(resume_from, self.drafter_config.num_hidden_layers)
+            for rep in self.replicas:
+                rep.load_state(weights)
+                rep.optimizer.load_state_dict(state["optimizer"])
+            start_step = int(state["step"])
+            cb.on_event("resumed", {"from": str(resume_from), "step": start_step})
+
+        warmup_steps = int(job.warmup_ratio * total)
+        gamma = job.loss_gamma if job.loss_gamma is not None else self.config.loss.resolved_gamma(shape.block_size)
+        for rep in self.replicas:
+            rep.gamma = gamma
+        queues = [queue.Queue(maxsize=max(self.config.queue_depth, job.grad_accum)) for _ in self.replicas]
+        stop = threading.Event()
+        producer = threading.Thread(
+            target=self._produce, name=f"target-{self.targets[0].device}",
+            args=(stream, start_step * per_step, total * per_step, job.grad_accum, queues, stop), daemon=True,
+        )
+        self.events.append((time.monotonic(), f"thread:{producer.name}"))
+        producer.start()
+        last_ckpt: str | None = None
+        last_stats: StepStats | None = None
+        eval_result: dict | None = None
+        status = "SUCCEEDED"
+        step = start_step
+        self.rate.reset()
+        try:
+            while step < total:
+                if cb.should_cancel():
+                    status = "STOPPED"
+                    break
+                t_step = time.monotonic()
+                futures = [pool.submit(self._replica_micro_steps, rep, queues[i], job.grad_accum)
+                           for i, (rep, pool) in enumerate(zip(self.replicas, self._drafter_pools))]
+                accs = [f.result() for f in futures]
+                self.grad_sync.average([rep.grads() for rep in self.replicas])
+                lr = job.learning_rate * lr_factor(step, total, warmup_steps, job.min_lr_ratio)
+                norms = [pool.submit(rep.clip_and_step, job.grad_clip, lr) for rep, pool in zip(self.replicas, self._drafter_pools)]
+                norm = float(norms[0].result())
+                for f in norms[1:]:
+                    f.result()
+                step += 1
+                last_stats = self._step_stats(accs, step, total, time.monotonic() - t_step, lr, norm, stream.per_epoch, per_step)
+                cb.on_step(last_stats)
+                if job.eval_interval and data.heldout and step % job.eval_interval == 0 and step < total:
+                    eval_result = self.evaluate(data.heldout, job)
+                    cb.on_eval(step, eval_result)
+                if step % job.checkpoint_interval == 0 or step == total:
+                    if step == total and data.heldout and (job.eval_interval or job.eval_fraction or job.eval_prompts):
+                        eval_result = self.evaluate(data.heldout, job)
+                        cb.on_eval(step, eval_result)
+                    last_ckpt = self._checkpoint(job, step, total, per_step, last_stats, eval_result)
+                    cb.on_checkpoint(last_ckpt, step)
+            if status == "STOPPED" and step > start_step and (last_ckpt is None or not last_ckpt.endswith(f"{step:08d}")):
+                last_ckpt = self._checkpoint(job, step, total, per_step, last_stats, eval_result)
+                cb.on_checkpoint(last_ckpt, step)
+        finally:
+            stop.set()
+            for q in queues:
+                while True:
+                    try:
+                        q.get_nowait()
+                    except queue.Empty:
+                        break
+            producer.join(timeout=60)
+        return JobResult(status, step, total, last_ckpt, last_stats, eval_result, data.skipped_lines)
+
+    def _produce(self, stream: MicroBatchStream, first: int, end: int, accum: int, queues, stop: threading.Event) -> None:
+        """Target worker: micro-batch g goes to replica (g mod R*accum) // accum."""
+        target = self.targets[0]
+        per_step = len(queues) * accum
+        try:
+            if target.device.type == "cuda":
+                torch.cuda.set_device(target.device)
+            for g in range(first, end):
+                if stop.is_set():
+                    return
+                r = (g % per_step) // accum
+                rep = self.replicas[r]
+                mb = stream.get(g)
+                if target.device.type == "cuda":
+                    mb = mb.pin_memory()
+                feats = self._capture(target, mb)
+                item = (mb.to(rep.device, non_blocking=True), feats.to(rep.device, non_blocking=True), mb.context_tokens)
+                while not stop.is_set():
+                    try:
+                        queues[r].put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                self.queue_depths[f"drafter-{rep.device}"] = queues[r].qsize()
+        except BaseException as e:  # noqa: BLE001 - handed to the drafter threads, which fail the job
+            for q in queues:
+                try:
+                    q.put(_ProducerError(e), timeout=1)
+                except queue.Full:
+                    pass
+
+    def _replica_micro_steps(self, rep: DrafterReplica, q: queue.Queue, accum: int):
+        acc = rep.new_accumulator()
+        t = time.monotonic()
+        for _ in range(accum):
+            while True:
+                try:
+                    item = q.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    continue
+            if isinstance(item, _ProducerError):
+                raise JobFailed(f"target worker failed: {type(item.exc).__name__}: {item.exc}") from item.exc
+            batch, feats, tokens = item
+            rep.forward_backward(batch, feats, 1.0 / accum, acc)
+            acc.context_tokens += tokens
+        self._sync(rep.device)
+        acc.extra["seconds"] = time.monotonic() - t
+        return acc
+
+    def _step_stats(self, accs, step, total, seconds, lr, norm, per_epoch, per_step) -> StepStats:
+        loss = sum(float(a.loss_sum) for a in accs) / sum(a.micro_batches for a in accs)
+        correct = sum(a.correct for a in accs if True).cpu() if len(accs) == 1 else sum(a.correct.cpu() for a in accs)
+        counted = accs[0].counted.cpu() if len(accs) == 1 else sum(a.counted.cpu() for a in accs)
+        acc_per_pos = (correct[1:] / counted[1:].clamp_min(1)).tolist()
+        tokens = sum(a.context_tokens for a in accs)
+        per_dev = {}
+        secs = {}
+        for rep, a in zip(self.replicas, accs):
+            per_dev[str(rep.device)] = per_dev.get(str(rep.device), 0) + a.context_tokens
+            secs[str(rep.device)] = a.extra.get("seconds", seconds)
+            self.tokens_per_device[str(rep.device)] = self.tokens_per_device.get(str(rep.device), 0) + a.context_tokens
+        self.rate.add(tokens)
+        return StepStats(step, total, loss, acc_per_pos, expected_acceptance_length([1.0] + acc_per_pos), tokens, per_dev,
+                         seconds, secs, self.rate.rate(), lr, norm, step * per_step / per_epoch)
+
+    def _checkpoint(self, job: TrainJob, step: int, total: int, per_step: int, stats: StepStats | None, eval_result) -> str:
+        out = job.output_path() / "checkpoints"
+        rep = self.replicas[0]
+        state = {
+            "step": step, "total_steps": total, "micro_batch_index": step * per_step,
+            "optimizer": rep.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+            "replicas": len(self.replicas), "grad_accum": job.grad_accum,
+        }
+        meta = {"step": step, "total_steps": total, "loss": stats.loss if stats else None,
+                "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
+                "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
+                "target": str(self.target_path), "time": time.time()}
+        path = save_checkpoint(out / f"step-{step:08d}", rep.drafter, training_state=state, metadata=meta)
+        kept = sorted(p for p in out.iterdir() if p.name.startswith("step-"))
+        for old in kept[: -max(1, job.keep_checkpoints)]:
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+        return str(path)
+
+    # ------------------------------------------------------------------ evaluation + telemetry
+    def evaluate(self, conversations, job: TrainJob) -> dict:
+        from ..evaluate import evaluate_acceptance
+
+        rep = self.replicas[0]
+        fut = self._drafter_pools[0].submit(
+            evaluate_acceptance, self.targets[0], rep.drafter, self.tokenizer, conversations[: job.eval_max_prompts],
+            max_new_tokens=job.eval_max_new_tokens, drafter_device=rep.device,
+        )
+        return fut.result().summary()
+
+    def allocator_stats(self) -> dict[str, dict[str, int]]:
+        devices = {str(t.device) for t in self.targets} | {str(r.device) for r in self.replicas}
+        return {d: s for d in sorted(devices) if (s := allocator_stats(d))}
+
+    def compile_counts(self) -> dict[str, int]:
+        return self.guard.counts()
+
+    def close(self) -> None:
+        for pool in self._drafter_pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._drafter_pools = []
+        self.ready = False

@@ -1,0 +1,97 @@
+"""One drafter replica: its device, fp32 master weights, frozen head and optimizer."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import DrafterConfig
+from ..data.batches import MicroBatch
+from ..drafter import DFlashDrafter
+from ..train_step import FrozenHead, MicroStepResult, micro_step
+
+
+@dataclass
+class StepAccumulator:
+    """Per-step statistics kept on the device (one host sync per step, when read)."""
+
+    loss_sum: torch.Tensor
+    correct: torch.Tensor  # [B] counts of right predictions among weighted positions
+    counted: torch.Tensor  # [B] weighted positions
+    context_tokens: int = 0
+    micro_batches: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class DrafterReplica:
+    def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
+                 compute_dtype: torch.dtype, gamma: float, chunk_size: int):
+        self.index = index
+        self.device = torch.device(device)
+        self.config = cfg
+        self.drafter = DFlashDrafter(cfg).to(self.device)  # fp32 master weights
+        self.head = head.to(self.device, compute_dtype)
+        self.attention = attention
+        self.compiled = compiled
+        self.compute_dtype = compute_dtype
+        self.gamma = gamma
+        self.chunk_size = chunk_size
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.drafter.parameters())
+
+    def grads(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def autocast(self):
+        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def new_accumulator(self) -> StepAccumulator:
+        b = self.config.block_size
+        z = lambda *s: torch.zeros(*s, dtype=torch.float32, device=self.device)  # noqa: E731
+        return StepAccumulator(z(()), z(b), z(b))
+
+    def forward_backward(self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator) -> MicroStepResult:
+        """Loss and gradients of one micro-batch; gradients accumulate into .grad."""
+        self.drafter.train()
+        with self.autocast():
+            res = micro_step(
+                self.drafter, self.head, batch, features, attention=self.attention, gamma=self.gamma,
+                chunk_size=self.chunk_size, compiled_attention=self.compiled,
+            )
+        (res.loss * loss_scale).backward()
+        with torch.no_grad():
+            counted = res.weights > 0
+            acc.loss_sum += res.loss.detach()
+            acc.correct += (res.correct & counted).sum(0).float()
+            acc.counted += counted.sum(0).float()
+        acc.micro_batches += 1
+        return res
+
+    def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
+        from .optim import set_lr
+
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm) if max_norm > 0 else torch.zeros((), device=self.device)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.zero_grad()
+        return norm
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name, p in self.drafter.named_parameters():
+            p.copy_(state[name].to(p.device, p.dtype))

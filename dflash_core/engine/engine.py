@@ -208,6 +208,8 @@ class Engine:
             name = f"drafter-{rep.device}"
             self._drafter_pools.append(cf.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=name, initializer=self._thread_started, initargs=(name,)))
+        for pool in self._drafter_pools:  # start the threads now (executors start them lazily)
+            pool.submit(lambda: None).result()
         self.ready = True
         self._report("ready", len(self.replicas))
         return self
@@ -287,6 +289,8 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
     def validate_job(self, job: TrainJob) -> None:
+        """Raise JobValidationError(field, message) for a job this engine cannot run as warmed.
+        Works before the engine is built (shape checks), so jobs can be queued while warming."""
         shape = self.config.shape
         for name, want in (("seq_len", shape.seq_len), ("num_anchors", shape.num_anchors), ("block_size", shape.block_size)):
             got = getattr(job, name)
@@ -294,7 +298,9 @@ class Engine:
                 raise JobValidationError(name, f"{got} differs from the warmed engine's {name}={want}; the engine "
                                                f"compiled for seq_len={shape.seq_len}, num_anchors={shape.num_anchors}, "
                                                f"block_size={shape.block_size} and does not recompile at runtime")
-        if job.init_from:
+        if job.steps is not None and job.steps < 1:
+            raise JobValidationError("steps", "must be at least 1")
+        if job.init_from and hasattr(self, "drafter_config"):  # before build: checked again at run time
             try:
                 other = read_config(job.init_from)
             except (FileNotFoundError, ValueError, KeyError) as e:
@@ -518,6 +524,15 @@ class Engine:
 
     def compile_counts(self) -> dict[str, int]:
         return self.guard.counts()
+
+    def threads_alive(self) -> bool:
+        """Liveness: every drafter thread answers (used by /livez)."""
+        try:
+            for pool in self._drafter_pools:
+                pool.submit(lambda: None)
+            return True
+        except RuntimeError:
+            return False
 
     def close(self) -> None:
         for pool in self._drafter_pools:

@@ -1,0 +1,178 @@
+"""The engine on CPU: replicas stay identical, warmup precedes worker threads, no runtime
+compiles, shapes are guarded, cancel/failure/resume behave."""
+import threading
+
+import pytest
+import torch
+
+from dflash_core.checkpoint import load_weights
+from dflash_core.config import ShapeConfig
+from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS
+from dflash_core.engine import Engine, EngineConfig, JobCallbacks, JobFailed, JobValidationError, TrainJob
+
+SMALL = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
+
+
+def make_engine(data_dir, devices, shape=SMALL, progress=None):
+    cfg = EngineConfig(drafter_devices=devices, shape=shape, drafter_layers=DEFAULT_DRAFTER_LAYERS,
+                       target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
+    return Engine(cfg, data_dir, progress=progress).build()
+
+
+def job(default_assets, out, **kw):
+    spec = dict(datasets=[str(default_assets.train)], output_dir=str(out), steps=12, learning_rate=3e-3,
+                checkpoint_interval=1000, seed=1)
+    spec.update(kw)
+    return TrainJob(**spec)
+
+
+class Recorder(JobCallbacks):
+    def __init__(self, cancel_after=None):
+        self.steps, self.events, self.cancel_after = [], [], cancel_after
+
+    def on_step(self, stats):
+        self.steps.append(stats)
+
+    def on_event(self, kind, payload):
+        self.events.append((kind, payload))
+
+    def should_cancel(self):
+        return self.cancel_after is not None and len(self.steps) >= self.cancel_after
+
+
+def params_of(rep):
+    return [p.detach().clone() for p in rep.drafter.parameters()]
+
+
+@pytest.fixture(scope="module")
+def data_dir(default_assets):
+    return default_assets.root.parent.parent
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_identical_and_equal_to_single_replica(data_dir, default_assets, tmp_path, replicas):
+    multi = make_engine(data_dir, ["cpu"] * replicas)
+    rec = Recorder()
+    multi.run_job(job(default_assets, tmp_path / "multi", steps=10), rec)
+    first = params_of(multi.replicas[0])
+    for rep in multi.replicas[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, params_of(rep))), "replicas diverged"
+    assert sum(s.loss for s in rec.steps[-3:]) < sum(s.loss for s in rec.steps[:3])
+    multi.close()
+
+    single = make_engine(data_dir, ["cpu"])
+    rec1 = Recorder()
+    single.run_job(job(default_assets, tmp_path / "single", steps=10, grad_accum=replicas), rec1)
+    for s_multi, s_single in zip(rec.steps, rec1.steps):
+        assert abs(s_multi.loss - s_single.loss) < 1e-4 * s_single.loss
+        assert s_multi.context_tokens == s_single.context_tokens
+    # Adam normalizes updates, so fp32 rounding in the summation order shows up at a small
+    # fraction of one learning-rate step (lr = 3e-3), never more.
+    for a, b in zip(first, params_of(single.replicas[0])):
+        assert (a - b).abs().max() < 1e-4
+    single.close()
+
+
+def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
+    seen = []
+    engine = make_engine(data_dir, ["cpu", "cpu"], progress=seen.append)
+    names = [n for _, n in engine.events]
+    last_warm = max(i for i, n in enumerate(names) if n.startswith("warmup:drafter:"))
+    first_thread = min(i for i, n in enumerate(names) if n.startswith("thread:"))
+    assert names.index("warmup:done") < first_thread and last_warm < first_thread
+    ready = [p.drafters_ready for p in seen]
+    assert ready == sorted(ready) and ready[-1] == seen[-1].drafters_total == 2
+    assert seen[-1].phase == "ready" and [p.elapsed for p in seen] == sorted(p.elapsed for p in seen)
+    engine.close()
+
+
+def test_no_compile_after_warmup_and_other_shapes_refused(data_dir, default_assets, tmp_path):
+    engine = make_engine(data_dir, ["cpu"])
+    before = engine.compile_counts()
+    engine.run_job(job(default_assets, tmp_path, steps=3), Recorder())
+    assert engine.compile_counts()["runtime"] == 0 == before["runtime"]
+    with pytest.raises(JobValidationError) as e:
+        engine.validate_job(job(default_assets, tmp_path, block_size=16))
+    assert e.value.field == "block_size" and "block_size=8" in str(e.value)
+    with pytest.raises(JobValidationError):
+        engine.run_job(job(default_assets, tmp_path, seq_len=1024))
+    engine.close()
+
+
+def test_fail_on_recompile_holds_in_worker_threads():
+    """The guard the engine sets after a compiled warmup: a new shape raises in another thread."""
+    from dflash_core.engine.compile_guard import CompileGuard
+
+    guard = CompileGuard()
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
+    fn(torch.randn(8))
+    guard.end_warmup(enforce=True)
+    errors, results = [], []
+
+    def worker(n):
+        try:
+            results.append(fn(torch.randn(n)).shape[0])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    try:
+        for n in (8, 16):
+            t = threading.Thread(target=worker, args=(n,))
+            t.start()
+            t.join()
+    finally:
+        torch.compiler.set_stance("default")
+    assert results == [8]
+    assert len(errors) == 1 and "recompile" in errors[0].lower()
+    assert guard.counts()["runtime"] == 0
+
+
+def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeypatch):
+    engine = make_engine(data_dir, ["cpu", "cpu"])
+    rec = Recorder(cancel_after=2)
+    res = engine.run_job(job(default_assets, tmp_path / "cancel", steps=50), rec)
+    assert res.status == "STOPPED" and res.steps_done == 2 and len(rec.steps) == 2
+    assert res.final_checkpoint and res.final_checkpoint.endswith("step-00000002")
+
+    # A fault inside one drafter thread fails the job with a readable reason...
+    victim = engine.replicas[1]
+    real = victim.forward_backward
+
+    def broken(*a, **k):
+        raise RuntimeError("injected drafter fault")
+
+    monkeypatch.setattr(victim, "forward_backward", broken)
+    with pytest.raises(JobFailed, match="injected drafter fault"):
+        engine.run_job(job(default_assets, tmp_path / "fail", steps=5), Recorder())
+    monkeypatch.setattr(victim, "forward_backward", real)
+    # ...and the same warm engine runs the next job to completion, without compiling.
+    res = engine.run_job(job(default_assets, tmp_path / "after", steps=4), Recorder())
+    assert res.status == "SUCCEEDED" and res.steps_done == 4
+    assert engine.compile_counts()["runtime"] == 0
+    engine.close()
+
+
+def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path):
+    engine = make_engine(data_dir, ["cpu"])
+    full = engine.run_job(job(default_assets, tmp_path / "full", steps=20, checkpoint_interval=10, keep_checkpoints=5), Recorder())
+    half = tmp_path / "full" / "checkpoints" / "step-00000010"
+    rec = Recorder()
+    resumed = engine.run_job(job(default_assets, tmp_path / "resumed", steps=20, checkpoint_interval=10), rec, resume_from=str(half))
+    assert [s.step for s in rec.steps] == list(range(11, 21))
+    a = load_weights(full.final_checkpoint, DEFAULT_DRAFTER_LAYERS)
+    b = load_weights(resumed.final_checkpoint, DEFAULT_DRAFTER_LAYERS)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    engine.close()
+
+
+def test_fifty_steps_lower_the_loss_on_the_embedded_default(data_dir, default_assets, tmp_path):
+    engine = make_engine(data_dir, ["cpu"], shape=DEFAULT_SHAPE_CPU)
+    rec = Recorder()
+    res = engine.run_job(job(default_assets, tmp_path, steps=50, learning_rate=3e-3), rec)
+    assert res.status == "SUCCEEDED"
+    first = sum(s.loss for s in rec.steps[:5]) / 5
+    last = sum(s.loss for s in rec.steps[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert all(s.context_tokens > 0 for s in rec.steps)
+    engine.close()

@@ -46,7 +46,7 @@ class MicroBatch:
 
 
 def make_micro_batch(seq: PackedSequence, shape: ShapeConfig, rng: np.random.Generator, index: int) -> MicroBatch:
-    anchors, valid = sample_anchors(seq.doc_ids, seq.loss_mask, shape.num_anchors, rng)
+    anchors, valid = sample_anchors(seq.doc_ids, seq.loss_mask, shape.num_anchors, rng, shape.block_size)
     return MicroBatch(
         torch.from_numpy(seq.input_ids), torch.from_numpy(seq.position_ids), torch.from_numpy(seq.doc_ids),
         torch.from_numpy(seq.loss_mask), torch.from_numpy(anchors), torch.from_numpy(valid), index,

@@ -74,6 +74,24 @@ class DenseAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+@dataclass
+class ChunkedDenseAttention:
+    """SDPA over chunks of queries, each with its slice of the dense mask: bounds the mask and
+    score memory per call. The seed tried this; it swung reserved memory and lost throughput,
+    and stays here as the baseline the benchmarks compare against."""
+
+    mask: torch.Tensor
+    chunk: int = 1024
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dense = DenseAttention(None)
+        outs = []
+        for start in range(0, q.shape[2], self.chunk):
+            dense.mask = self.mask[start : start + self.chunk]
+            outs.append(dense(q[:, :, start : start + self.chunk], k, v))
+        return torch.cat(outs, dim=2)
+
+
 _compiled_flex = None
 
 
@@ -117,12 +135,14 @@ def training_attention(
     *,
     compiled: bool = True,
 ):
-    """Build the attention callable for one micro-batch ("flex" or "dense")."""
+    """Build the attention callable for one micro-batch ("flex", "dense" or "dense_chunked")."""
     mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size)
     q_len = anchors.shape[0] * block_size
     kv_len = seq_len + q_len
     if kind == "dense":
         return DenseAttention(dense_mask(mask_mod, q_len, kv_len, doc_ids.device))
+    if kind == "dense_chunked":
+        return ChunkedDenseAttention(dense_mask(mask_mod, q_len, kv_len, doc_ids.device))
     if kind == "flex":
         return FlexAttention(build_block_mask(mask_mod, q_len, kv_len, doc_ids.device), compiled=compiled)
-    raise ValueError(f"unknown attention kind {kind!r}; expected 'flex' or 'dense'")
+    raise ValueError(f"unknown attention kind {kind!r}; expected 'flex', 'dense' or 'dense_chunked'")

@@ -31,7 +31,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # weight in the activation dtype: fp32 master weights under bf16 autocast must not
+        # promote the activations (q, k, v of one attention call share a dtype)
+        return self.weight.to(dtype) * x32.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -28,13 +28,23 @@ def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 class TargetModel:
-    def __init__(self, path: str | Path, layer_ids: list[int] | tuple[int, ...], device: str | torch.device, dtype: torch.dtype | None = None):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, path: str | Path, layer_ids: list[int] | tuple[int, ...], device: str | torch.device,
+                 dtype: torch.dtype | None = None, random_init: bool = False, seed: int = 0):
+        """random_init: build the architecture of `path`'s config.json with random weights,
+        directly on the device (benchmarks and dry runs of large targets without their weights)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(path)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation="sdpa")
+        if random_init:
+            config = AutoConfig.from_pretrained(str(self.path))
+            config._attn_implementation = "sdpa"
+            torch.manual_seed(seed)
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation="sdpa")
         model.requires_grad_(False).eval().to(self.device)
         self.model = model
         self.config = model.config

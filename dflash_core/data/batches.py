@@ -53,6 +53,22 @@ def make_micro_batch(seq: PackedSequence, shape: ShapeConfig, rng: np.random.Gen
     )
 
 
+def synthetic_micro_batch(shape: ShapeConfig, vocab_size: int, pad_token_id: int, seed: int = 1234) -> MicroBatch:
+    """A micro-batch at the given shape with realistic structure (several packed documents whose
+    last three quarters are assistant text) and random tokens: for warmup and benchmarks."""
+    rng = np.random.default_rng(seed)
+    docs, used = [], 0
+    while used < shape.seq_len:
+        n = int(min(shape.seq_len - used, rng.integers(max(4, shape.seq_len // 8), max(8, shape.seq_len // 3))))
+        if n < 2:
+            break
+        mask = np.zeros(n, dtype=bool)
+        mask[n // 4 :] = True
+        docs.append(Document(rng.integers(0, vocab_size, size=n).astype(np.int64), mask, "synthetic"))
+        used += n
+    return make_micro_batch(pack_documents(docs, shape.seq_len, pad_token_id)[0], shape, rng, 0)
+
+
 class MicroBatchStream:
     """Endless, deterministic sequence of micro-batches over the documents (epoch after epoch).
 

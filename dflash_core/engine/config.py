@@ -18,6 +18,7 @@ class EngineConfig:
     """
 
     target_path: str | None = None
+    target_random_init: bool = False  # architecture of target_path, random weights (benchmarks)
     target_devices: list[str] = field(default_factory=lambda: ["cpu"])
     drafter_devices: list[str] = field(default_factory=lambda: ["cpu"])
     shape: ShapeConfig = field(default_factory=lambda: ShapeConfig(seq_len=512, num_anchors=64, block_size=8))

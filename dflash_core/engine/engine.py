@@ -20,15 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..blocks import expected_acceptance_length
 from ..checkpoint import load_training_state, load_weights, read_config, save_checkpoint
 from ..config import DrafterConfig, ShapeConfig
-from ..data.batches import MicroBatch, MicroBatchStream, make_micro_batch
-from ..data.packing import pack_documents
-from ..data.tokenize import Document
+from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
 from ..drafter import DFlashDrafter
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
@@ -164,7 +161,8 @@ class Engine:
             self.pad_token_id = self.tokenizer.pad_token_id
         for dev in cfg.target_devices:
             t = time.monotonic()
-            self.targets.append(TargetModel(target_path, self.drafter_config.target_layer_ids, dev))
+            self.targets.append(TargetModel(target_path, self.drafter_config.target_layer_ids, dev,
+                                            random_init=cfg.target_random_init, seed=cfg.init_seed))
             self.warmup_seconds.append(("target_load", dev, time.monotonic() - t))
 
         self._report("warming_target", 0)
@@ -236,24 +234,7 @@ class Engine:
         return mid
 
     def _synthetic_batch(self) -> MicroBatch:
-        """A micro-batch at the production shape with realistic structure (several documents,
-        assistant spans, every anchor slot used) for warmup."""
-        shape = self.config.shape
-        rng = np.random.default_rng(1234)
-        vocab = self.drafter_config.vocab_size
-        docs = []
-        used = 0
-        while used < shape.seq_len:
-            n = int(min(shape.seq_len - used, rng.integers(max(4, shape.seq_len // 8), max(8, shape.seq_len // 3))))
-            if n < 2:
-                break
-            ids = rng.integers(0, vocab, size=n).astype(np.int64)
-            mask = np.zeros(n, dtype=bool)
-            mask[n // 4 :] = True
-            docs.append(Document(ids, mask, "warmup"))
-            used += n
-        seq = pack_documents(docs, shape.seq_len, self.pad_token_id)[0]
-        return make_micro_batch(seq, shape, rng, 0)
+        return synthetic_micro_batch(self.config.shape, self.drafter_config.vocab_size, self.pad_token_id)
 
     def _capture(self, target: TargetModel, mb: MicroBatch) -> torch.Tensor:
         dev = target.device

@@ -1,0 +1,109 @@
+"""Shared pieces of the GPU benchmarks: reference shapes, target config dirs, timing, peak rate."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_core.config import DrafterConfig, ShapeConfig
+
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+    hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+)
+REFERENCE_SHAPE = ShapeConfig(seq_len=3072, num_anchors=512, block_size=16)
+
+
+def reference_drafter_config(layers: int = 5, mask_token_id: int = 5) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16, mask_token_id=mask_token_id,
+        target_layer_ids=(1, 9, 17, 25, 33), num_target_layers=36, rope_theta=1_000_000.0,
+    )
+
+
+def write_target_dir(out: Path, preset: dict = QWEN3_8B, **overrides) -> Path:
+    """A target directory (config.json + the embedded default tokenizer) for random-init targets."""
+    from dflash_core.defaults import ASSETS
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dict(preset, **overrides), indent=1))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        src = ASSETS / "target" / f
+        if src.exists():
+            (out / f).write_bytes(src.read_bytes())
+    return out
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
+    """Per-iteration milliseconds measured with CUDA events (after warmup)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def measured_bf16_peak_tflops(n: int = 8192) -> float:
+    """Dense bf16 matmul rate on random data (the MFU denominator)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = median(cuda_time_ms(lambda: a @ b, warmup=5, iters=20))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def drafter_flops(cfg: DrafterConfig, shape: ShapeConfig, visible_pairs: int) -> dict[str, float]:
+    """Model FLOPs of one forward+backward, counted as in DESIGN.md section 7."""
+    h, kvd = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    qd = cfg.num_attention_heads * cfg.head_dim
+    per_layer = h * qd + 2 * h * kvd + qd * h + 3 * h * cfg.intermediate_size
+    q = shape.num_query_tokens
+    out = {
+        "block_linears": 6 * per_layer * cfg.num_hidden_layers * q,
+        "context": 6 * (cfg.num_target_features * h * h + 2 * h * kvd * cfg.num_hidden_layers) * shape.seq_len,
+        "lm_head": 4 * cfg.vocab_size * h * q,
+        "attention": 3.5 * 4 * cfg.num_attention_heads * cfg.head_dim * visible_pairs * cfg.num_hidden_layers,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def env_record() -> dict:
+    import triton  # noqa: F401 - version record
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__, "triton": getattr(__import__("triton"), "__version__", "?"),
+        "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
+    }
+
+
+def out_dir() -> Path:
+    p = Path(os.environ.get("OUT", "out"))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))

@@ -1,0 +1,154 @@
+"""Drafter training step at the reference shape (DESIGN.md section 7) on one GPU.
+
+    python -m bench.drafter_step [--layers 5] [--variants flex,sdpa_dense,sdpa_chunked,flex_eager]
+
+Times forward+backward (median of CUDA-event timings after warmup) through the engine's own
+replica code path, counts model FLOPs from the mask, reports MFU against a bf16 matmul measured
+in the same run, peak/steady reserved memory; times the optimizer step on its own; then runs 100
+full steps (fwd+bwd+optimizer) of the first variant and reports memory flatness. Writes
+$OUT/drafter_step.json and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import traceback
+
+import torch
+
+from bench.common import (
+    REFERENCE_SHAPE, cuda_time_ms, drafter_flops, env_record, measured_bf16_peak_tflops, median, out_dir,
+    print_table, reference_drafter_config,
+)
+from dflash_core.attention import dense_mask, dflash_mask_mod
+from dflash_core.data.batches import synthetic_micro_batch
+from dflash_core.engine.optim import build_optimizer
+from dflash_core.engine.replica import DrafterReplica
+from dflash_core.train_step import FrozenHead
+
+VARIANTS = {
+    "flex": dict(attention="flex", compiled=True),
+    "sdpa_dense": dict(attention="dense", compiled=False),
+    "sdpa_chunked": dict(attention="dense_chunked", compiled=False),
+    "flex_eager": dict(attention="flex", compiled=False),
+}
+
+
+def make_replica(cfg, head, variant):
+    rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=2048, **VARIANTS[variant])
+    rep.drafter.init_weights(0)
+    return rep
+
+
+def bench_variant(name, cfg, head, batch, feats, iters):
+    rep = make_replica(cfg, head, name)
+
+    def fwd_bwd():
+        rep.zero_grad()
+        acc = rep.new_accumulator()
+        rep.forward_backward(batch, feats, 1.0, acc)
+
+    fwd_bwd()  # compile (if any) before the clocks
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = cuda_time_ms(fwd_bwd, warmup=2, iters=iters)
+    res = {
+        "variant": name, "median_ms": round(median(times), 2), "min_ms": round(min(times), 2),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "steady_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
+    }
+    return rep, res
+
+
+def bench_optimizer(rep):
+    rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+    for p in rep.params:
+        p.grad = torch.randn_like(p) * 1e-3
+    times = cuda_time_ms(lambda: rep.optimizer.step(), warmup=3, iters=20)
+    return round(median(times), 2), sum(p.numel() for p in rep.params)
+
+
+def flatness(rep, batch, feats, steps=100):
+    rep.optimizer = rep.optimizer or build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+
+    def step():
+        acc = rep.new_accumulator()
+        rep.forward_backward(batch, feats, 1.0, acc)
+        rep.clip_and_step(1.0, 1e-4)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    s0 = torch.cuda.memory_stats()
+    reserved = []
+    for _ in range(steps):
+        step()
+        reserved.append(torch.cuda.memory_reserved())
+    torch.cuda.synchronize()
+    s1 = torch.cuda.memory_stats()
+    return {
+        "steps": steps, "reserved_min_gib": round(min(reserved) / 2**30, 3), "reserved_max_gib": round(max(reserved) / 2**30, 3),
+        "reserved_swing_pct": round(100 * (max(reserved) - min(reserved)) / max(reserved), 3),
+        "alloc_retries": s1.get("num_alloc_retries", 0) - s0.get("num_alloc_retries", 0),
+        "device_allocs": s1.get("num_device_alloc", 0) - s0.get("num_device_alloc", 0),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--variants", default="flex,sdpa_dense,sdpa_chunked,flex_eager")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--flat-steps", type=int, default=100)
+    args = p.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    env = env_record()
+    peak = measured_bf16_peak_tflops()
+    shape = REFERENCE_SHAPE
+    cfg = reference_drafter_config(args.layers)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    head = FrozenHead(
+        torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
+        torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
+    )
+    batch = synthetic_micro_batch(shape, cfg.vocab_size, 0).to("cuda")
+    feats = torch.randn(shape.seq_len, cfg.num_target_features * cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+    mod = dflash_mask_mod(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size)
+    visible = int(dense_mask(mod, shape.num_query_tokens, shape.kv_len, "cuda").sum())
+    flops = drafter_flops(cfg, shape, visible)
+    rows, first_rep = [], None
+    for name in args.variants.split(","):
+        try:
+            rep, res = bench_variant(name, cfg, head, batch, feats, args.iters if "eager" not in name else 5)
+            res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
+            res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
+            if first_rep is None:
+                first_rep = rep
+            else:
+                del rep
+        except Exception as e:  # noqa: BLE001 - a failing variant is a row, not a crash
+            traceback.print_exc()
+            res = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        rows.append(res)
+        gc.collect()
+        torch.cuda.empty_cache()
+    opt_ms, n_params = bench_optimizer(first_rep)
+    first_rep.zero_grad()
+    flat = flatness(first_rep, batch, feats, args.flat_steps)
+    base = {r["variant"]: r.get("median_ms") for r in rows}
+    for r in rows:
+        if r.get("median_ms") and base.get("flex"):
+            r["flex_speedup"] = round(r["median_ms"] / base["flex"], 2)
+    record = {"env": env, "peak_bf16_tflops": round(peak, 1), "shape": vars(shape), "layers": args.layers,
+              "visible_pairs": visible, "flops": flops, "rows": rows, "optimizer_ms": opt_ms,
+              "optimizer_params": n_params, "flatness": flat}
+    (out_dir() / "drafter_step.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({k: v for k, v in record.items() if k != "rows"}, indent=1))
+    print(f"\nDrafter step, {env['gpu']}, torch {env['torch']}, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, "
+          f"{args.layers} layers, {flops['total'] / 1e12:.1f} TFLOP/step, peak {peak:.0f} TFLOP/s, optimizer {opt_ms} ms")
+    print_table(rows, ["variant", "median_ms", "min_ms", "tflops", "mfu_pct", "peak_reserved_gib", "steady_reserved_gib", "flex_speedup", "error"])
+
+
+if __name__ == "__main__":
+    main()

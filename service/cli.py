@@ -1,0 +1,266 @@
+"""`dflash-trainer`: run the daemon (`serve`) and talk to it (`submit`, `status`, `cancel`).
+
+Client commands take --url (default $DFLASH_URL or http://127.0.0.1:8000) and --token (default
+$DFLASH_AUTH_TOKEN). Subcommands are argparse subparsers; `register_client_command` lets other
+modules add their own (e.g. an `eval` command) with the same client options.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from .client import DaemonClient, DaemonError, default_token, default_url
+
+TERMINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+
+
+# --------------------------------------------------------------------------- serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .config import ConfigError, load_config
+    from .logs import configure_logging
+
+    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "data_dir": args.data_dir,
+                                 "log_level": args.log_level, "log_json": True if args.log_json else None}
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as e:
+        print(f"dflash-trainer: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
+    app = create_app(config)
+    daemon = app.state.daemon
+
+    class DaemonServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # before uvicorn drains connections: stop the running job at its next step (checkpointed,
+            # resumable) and end event streams, so open `follow` streams do not hold the shutdown
+            daemon.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = DaemonServer(uvicorn.Config(
+        app, host=config.host, port=config.port, log_config=log_config, log_level=config.log_level,
+        timeout_graceful_shutdown=10, access_log=config.log_level == "debug",
+    ))
+    server.run()
+    return 0 if server.started else 1
+
+
+# --------------------------------------------------------------------------- client commands
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def progress_line(event: dict[str, Any]) -> str:
+    step, total = event.get("step") or 0, event.get("total_steps") or 0
+    width = 24
+    filled = int(width * step / total) if total else 0
+    bar = "#" * filled + "-" * (width - filled)
+    return (f"step {step}/{total} [{bar}] {100 * step / total if total else 0:5.1f}%  loss {_fmt(event.get('loss'), '.4f')}"
+            f"  {_fmt(event.get('tokens_per_second'), ',.0f')} tok/s")
+
+
+def follow_job(client: DaemonClient, job_id: str, out: TextIO = sys.stdout, *, quiet_steps_seconds: float = 1.0) -> dict[str, Any]:
+    """Stream the job's events, drawing a progress line; returns the job when it ends."""
+    tty = out.isatty()
+    last_print = 0.0
+    pending_line = ""
+    for event in client.events(job_id, follow=True):
+        kind = event["kind"]
+        if kind == "step":
+            pending_line = progress_line(event)
+            now = time.monotonic()
+            if tty:
+                out.write("\r" + pending_line)
+                out.flush()
+            elif now - last_print >= quiet_steps_seconds or event.get("step") == event.get("total_steps"):
+                out.write(pending_line + "\n")
+                out.flush()
+                last_print = now
+            continue
+        message = _event_message(event)
+        if message:
+            out.write(("\r\033[K" if tty else "") + message + "\n")
+            if tty and pending_line:
+                out.write(pending_line)
+            out.flush()
+    if tty:
+        out.write("\n")
+    return client.job(job_id)
+
+
+def _event_message(event: dict[str, Any]) -> str | None:
+    kind = event["kind"]
+    if kind == "state":
+        extra = f": {event['error']}" if event.get("error") else ""
+        return f"state {event.get('state')}{extra}"
+    if kind == "checkpoint":
+        return f"checkpoint step {event.get('step')}: {event.get('path')}"
+    if kind == "eval":
+        return f"eval step {event.get('step')}: acceptance length {_fmt(event.get('acceptance_length'), '.3f')}"
+    if kind == "resumed":
+        return f"resumed from step {event.get('step')} ({event.get('reason')}): {event.get('checkpoint')}"
+    if kind == "data":
+        return (f"data: {event.get('documents')} documents, {event.get('micro_batches_per_epoch')} micro-batches per epoch,"
+                f" {event.get('total_steps')} steps")
+    if kind == "skipped_lines":
+        return f"skipped {event.get('count')} bad dataset lines, first: {event.get('first')}"
+    if kind in ("cancel_requested", "interrupted"):
+        return kind.replace("_", " ")
+    return None
+
+
+def _client(args: argparse.Namespace) -> DaemonClient:
+    return DaemonClient(args.url, args.token)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    path = Path(args.job_file)
+    try:
+        spec = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(f"error: {path}: no such file", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as e:
+        print(f"error: {path}: not valid JSON: {e}", file=sys.stderr)
+        return 2
+    if args.name:
+        spec["name"] = args.name
+    if args.submission_id:
+        spec["submission_id"] = args.submission_id
+    with _client(args) as client:
+        status, job = client.submit(spec)
+        verb = "queued" if status == 202 else "already submitted"
+        print(f"{job['id']} {verb} ({job['state']})")
+        if not args.follow:
+            return 0
+        job = follow_job(client, job["id"])
+        _print_outcome(job)
+        return EXIT_CODES.get(job["state"], 1)
+
+
+def _print_outcome(job: dict[str, Any]) -> None:
+    p = job["progress"]
+    print(f"{job['id']} {job['state']} at step {p['step']}/{p['total_steps']}")
+    if p.get("last_checkpoint"):
+        print(f"checkpoint: {p['last_checkpoint']}")
+    if p.get("eval_acceptance_length") is not None:
+        print(f"eval acceptance length: {p['eval_acceptance_length']:.3f}")
+    if job.get("error"):
+        print(f"error: {job['error']}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.job_id:
+            job = client.job(args.job_id)
+            if args.json:
+                print(json.dumps(job, indent=2))
+            else:
+                p = job["progress"]
+                print(f"id          {job['id']}\nname        {job['name'] or '-'}\nstate       {job['state']}")
+                print(f"step        {p['step']}/{p['total_steps'] or '?'}\nloss        {_fmt(p['loss'], '.4f')}")
+                print(f"tokens/s    {_fmt(p['tokens_per_second'], ',.0f')}\ncheckpoint  {p['last_checkpoint'] or '-'}")
+                print(f"eval tau    {_fmt(p['eval_acceptance_length'], '.3f')}\noutput      {job['output_dir']}")
+                if job.get("error"):
+                    print(f"error       {job['error']}")
+            return 0
+        jobs = client.jobs()
+        if args.json:
+            print(json.dumps(jobs, indent=2))
+            return 0
+        health_status, health = client.health()
+        print(f"daemon {client.url}: {health['status']} ({health.get('phase')}, "
+              f"{health.get('drafters_ready')}/{health.get('drafters_total')} drafters)")
+        if not jobs:
+            print("no jobs")
+            return 0
+        print(f"{'ID':<18} {'STATE':<10} {'STEP':>13} {'LOSS':>8} {'TOK/S':>9}  NAME")
+        for job in jobs:
+            p = job["progress"]
+            step = f"{p['step']}/{p['total_steps'] or '?'}"
+            print(f"{job['id']:<18} {job['state']:<10} {step:>13} {_fmt(p['loss'], '.4f'):>8} "
+                  f"{_fmt(p['tokens_per_second'], ',.0f'):>9}  {job['name'] or ''}")
+        return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.job_id)
+        if job["state"] in TERMINAL_STATES:
+            print(f"{job['id']} {job['state']}")
+        else:
+            print(f"{job['id']} stops at its next step (a checkpoint is written)")
+        return 0
+
+
+# --------------------------------------------------------------------------- parser
+def add_client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=default_url(), help="daemon URL (default $DFLASH_URL or %(default)s)")
+    parser.add_argument("--token", default=default_token(), help="bearer token (default $DFLASH_AUTH_TOKEN)")
+
+
+def register_client_command(subparsers, name: str, handler: Callable[[argparse.Namespace], int], help_text: str):
+    """A subcommand that talks to the daemon: gets --url/--token; returns its parser for more arguments."""
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    add_client_options(parser)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-trainer", description="DFlash drafter training daemon")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon", description="Run the training daemon (embedded default "
+                           "target without a config file).")
+    serve.add_argument("--config", help="TOML or YAML config file")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--data-dir", help="data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)")
+    serve.add_argument("--log-json", action="store_true", help="log JSON lines")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=cmd_serve)
+
+    submit = register_client_command(sub, "submit", cmd_submit, "submit a job file (JSON job spec)")
+    submit.add_argument("job_file", metavar="JOB.json")
+    submit.add_argument("--follow", "-f", action="store_true", help="follow progress until the job ends")
+    submit.add_argument("--name", help="override the job's name")
+    submit.add_argument("--submission-id", help="idempotency key: resubmitting returns the same job")
+
+    status = register_client_command(sub, "status", cmd_status, "show the daemon's jobs, or one job")
+    status.add_argument("job_id", nargs="?", metavar="JOB_ID")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    cancel = register_client_command(sub, "cancel", cmd_cancel, "stop a queued or running job")
+    cancel.add_argument("job_id", metavar="JOB_ID")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import httpx
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except DaemonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if 400 <= e.status < 500 else 1
+    except httpx.TransportError as e:
+        print(f"error: cannot reach the daemon at {getattr(args, 'url', '?')}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if args.command == "submit":
+            print("\nstopped following; the job keeps running (dflash-trainer status / cancel)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A small HTTP client of the daemon, shared by the CLI and the demo."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class DaemonError(RuntimeError):
+    """The daemon answered with an error; the message is the daemon's `detail`."""
+
+    def __init__(self, status: int, detail: str):
+        self.status = status
+        self.detail = detail
+        super().__init__(f"HTTP {status}: {detail}")
+
+
+def default_url() -> str:
+    return os.environ.get("DFLASH_URL", DEFAULT_URL)
+
+
+def default_token() -> str | None:
+    return os.environ.get("DFLASH_AUTH_TOKEN") or None
+
+
+class DaemonClient:
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0):
+        self.url = (url or default_url()).rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "DaemonClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _check(response: httpx.Response, ok: tuple[int, ...] = (200,)) -> Any:
+        if response.status_code not in ok:
+            try:
+                detail = response.json().get("detail", response.text)
+            except (json.JSONDecodeError, AttributeError):
+                detail = response.text
+            raise DaemonError(response.status_code, str(detail))
+        return response.json()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        r = self._http.get("/healthz")
+        return r.status_code, r.json()
+
+    def wait_ready(self, timeout: float, on_progress=None, interval: float = 0.5) -> dict[str, Any]:
+        """Poll /healthz until 200; raises DaemonError if the engine failed, TimeoutError on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status, body = self.health()
+            except httpx.TransportError:
+                status, body = 0, {"status": "unreachable"}
+            if status == 200:
+                return body
+            if body.get("status") == "failed":
+                raise DaemonError(503, f"engine failed: {body.get('error')}")
+            if on_progress is not None:
+                on_progress(body)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon at {self.url} not ready after {timeout:.0f} s (last: {body})")
+            time.sleep(interval)
+
+    def submit(self, spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        r = self._http.post("/jobs", json=spec)
+        return r.status_code, self._check(r, ok=(200, 202))
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._check(self._http.get(f"/jobs/{job_id}"))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._check(self._http.get("/jobs"))["jobs"]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._check(self._http.post(f"/jobs/{job_id}/cancel"), ok=(200, 202))
+
+    def events(self, job_id: str, *, follow: bool = False, after: int = 0) -> Iterator[dict[str, Any]]:
+        params = {"follow": "true" if follow else "false", "after": after}
+        with self._http.stream("GET", f"/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(30.0, read=None)) as r:
+            if r.status_code != 200:
+                r.read()
+                self._check(r)
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    def metrics(self) -> str:
+        r = self._http.get("/metrics")
+        if r.status_code != 200:
+            raise DaemonError(r.status_code, r.text)
+        return r.text

@@ -1,0 +1,107 @@
+"""Owns the engine for the daemon: builds and warms it in a background thread (so uvicorn answers
+at once) and turns its progress into the /healthz body."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dflash.engine")
+
+STARTING, WARMING, READY, FAILED = "starting", "warming", "ready", "failed"
+
+
+class EngineHost:
+    def __init__(self, engine_config, data_dir: Path):
+        from dflash_core.engine import Engine
+
+        self.engine = Engine(engine_config, data_dir, progress=self._on_progress)
+        self._started = time.monotonic()
+        self._ready_after: float | None = None
+        self._error: str | None = None
+        self._ready = threading.Event()
+        self._finished = threading.Event()  # ready or failed
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        # daemon: a build cannot be interrupted mid-torch-call; at exit the process must not wait on it
+        self._thread = threading.Thread(target=self._build, name="engine-build", daemon=True)
+        self._thread.start()
+
+    def _build(self) -> None:
+        cfg = self.engine.config
+        log.info("engine build started", extra={"fields": {
+            "target": cfg.target_path or "embedded default", "target_devices": cfg.target_devices,
+            "drafter_devices": cfg.drafter_devices, "shape": dict(vars(cfg.shape))}})
+        try:
+            self.engine.build()
+        except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
+            self._error = f"{type(e).__name__}: {e}"
+            log.exception("engine build failed")
+        else:
+            self._ready_after = time.monotonic() - self._started
+            self._ready.set()
+            log.info("engine ready", extra={"fields": {"seconds": round(self._ready_after, 3),
+                                                       "compiles": self.engine.compile_counts()}})
+        finally:
+            self._finished.set()
+
+    def _on_progress(self, progress) -> None:
+        log.info("engine progress", extra={"fields": {
+            "phase": progress.phase, "drafters_ready": progress.drafters_ready,
+            "drafters_total": progress.drafters_total, "elapsed_seconds": round(progress.elapsed, 3)}})
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until the build ended (ready or failed)."""
+        return self._finished.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.ready:
+            self.engine.close()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def build_thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def status(self) -> str:
+        if self._error is not None:
+            return FAILED
+        if self._ready.is_set():
+            return READY
+        return WARMING if self.engine.progress.phase.startswith("warming") else STARTING
+
+    def health(self) -> dict[str, Any]:
+        progress = self.engine.progress
+        status = self.status()
+        body: dict[str, Any] = {
+            "status": status,
+            "phase": progress.phase if status != FAILED else f"failed during {progress.phase}",
+            "drafters_ready": progress.drafters_ready,
+            "drafters_total": progress.drafters_total,
+            "elapsed_seconds": round(self._ready_after if self._ready_after is not None else time.monotonic() - self._started, 3),
+        }
+        if status == FAILED:
+            body["error"] = self._error
+        if status == READY:
+            body["compiles"] = self.engine.compile_counts()
+            body["warmup_seconds"] = [{"component": c, "device": d, "seconds": round(s, 4)}
+                                      for c, d, s in self.engine.warmup_seconds]
+        return body

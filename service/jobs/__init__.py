@@ -1,0 +1,1 @@
+"""Job specs, the SQLite store and the FIFO job manager."""

@@ -1,0 +1,208 @@
+"""What a client may submit (JobSpec), and its translation into the engine's TrainJob with every
+path checked against the configured roots."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BUILTIN_SCHEME = "builtin://"
+BUILTIN_DATASETS = ("train", "heldout")
+
+
+class SpecError(ValueError):
+    """An invalid job spec; `field` names the offending field (e.g. `datasets[0]`)."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        self.message = message
+        super().__init__(f"{field_name}: {message}")
+
+
+class JobSpec(BaseModel):
+    """A training job as submitted over HTTP (POST /jobs). Unknown fields are rejected, so a typo
+    never silently falls back to a default."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_strip_whitespace=True)
+
+    name: str | None = Field(None, max_length=200)
+    submission_id: str | None = Field(None, min_length=1, max_length=200,
+                                      description="idempotency key: resubmitting the same spec returns the same job")
+    datasets: list[str] = Field(min_length=1, description="JSONL conversation files, or builtin://train|heldout")
+    steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    learning_rate: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables clipping")
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    grad_accum: int = Field(1, ge=1)
+    loss_gamma: float | None = Field(None, gt=0, description="position-weight decay; default by block size")
+    seed: int = Field(0, ge=0)
+    output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
+    checkpoint_interval: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    init_from: str | None = Field(None, description="drafter checkpoint to start from")
+    skip_bad_lines: bool = False
+    eval_prompts: str | None = Field(None, description="JSONL of held-out prompts for acceptance length")
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    eval_interval: int = Field(0, ge=0)
+    eval_max_prompts: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(48, ge=1)
+    seq_len: int | None = Field(None, ge=2)
+    num_anchors: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> "JobSpec":
+        if self.steps is None and self.epochs is None:
+            raise SpecError("steps", "give steps or epochs")
+        if self.steps is not None and self.epochs is not None:
+            raise SpecError("epochs", "give steps or epochs, not both")
+        for i, b in enumerate(self.adam_betas):
+            if not 0 <= b < 1:
+                raise SpecError(f"adam_betas[{i}]", f"{b} must lie in [0, 1)")
+        return self
+
+    def fingerprint(self) -> str:
+        """Identity of the spec for idempotent resubmission: defaults filled in, keys sorted."""
+        return hashlib.sha256(canonical_json(self.model_dump(mode="json")).encode()).hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def field_path(loc: tuple) -> str:
+    """('datasets', 0) -> 'datasets[0]'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def spec_errors(err: ValidationError) -> list[dict[str, str]]:
+    """pydantic errors as [{field, message}], with our own SpecError messages unwrapped."""
+    out = []
+    for e in err.errors():
+        ctx_error = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, SpecError):
+            out.append({"field": ctx_error.field, "message": ctx_error.message})
+            continue
+        name = field_path(tuple(e["loc"]))
+        if e["type"] == "extra_forbidden":
+            out.append({"field": name, "message": "unknown field (not part of the job spec)"})
+        else:
+            out.append({"field": name or "body", "message": e["msg"]})
+    return out
+
+
+def parse_spec(body: Any) -> JobSpec:
+    """Validate a decoded JSON body; raises SpecErrors (list) via InvalidSpec."""
+    if not isinstance(body, dict):
+        raise InvalidSpec([{"field": "body", "message": f"expected a JSON object, got {type(body).__name__}"}])
+    try:
+        return JobSpec.model_validate(body)
+    except ValidationError as e:
+        raise InvalidSpec(spec_errors(e)) from None
+
+
+class InvalidSpec(ValueError):
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+# --------------------------------------------------------------------------- paths
+def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path) -> Path:
+    """Resolve `raw` (relative to `base`) with symlinks followed; it must lie under one of `roots`."""
+    if not raw:
+        raise SpecError(field_name, "empty path")
+    if "\x00" in raw:
+        raise SpecError(field_name, "path contains a NUL byte")
+    candidate = Path(raw).expanduser()
+    if ".." in candidate.parts:
+        raise SpecError(field_name, f"{raw!r}: '..' is not allowed in paths")
+    if not candidate.is_absolute():
+        candidate = base / candidate
+    resolved = candidate.resolve(strict=False)  # follows every symlink that exists
+    if not any(resolved.is_relative_to(root) for root in roots):
+        allowed = ", ".join(str(r) for r in roots)
+        raise SpecError(field_name, f"{raw!r} resolves to {resolved}, outside the allowed roots ({allowed})")
+    return resolved
+
+
+def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: Path) -> Path:
+    if raw.startswith(BUILTIN_SCHEME):
+        name = raw[len(BUILTIN_SCHEME):]
+        if name not in BUILTIN_DATASETS:
+            raise SpecError(field_name, f"unknown builtin dataset {raw!r}; use builtin://train or builtin://heldout")
+        from dflash_core.defaults import ensure_default_assets
+
+        assets = ensure_default_assets(data_dir)
+        return getattr(assets, name).resolve()
+    path = _check_under_roots(raw, field_name, roots, data_dir)
+    if not path.exists():
+        raise SpecError(field_name, f"dataset {raw!r} does not exist ({path})")
+    if not path.is_file():
+        raise SpecError(field_name, f"dataset {raw!r} is not a file ({path})")
+    return path
+
+
+def resolve_output_dir(raw: str | None, *, roots: list[Path], data_dir: Path, job_id: str) -> Path:
+    if raw is None:
+        return (data_dir / "jobs" / job_id).resolve()
+    path = _check_under_roots(raw, "output_dir", roots, data_dir)
+    if path.exists() and not path.is_dir():
+        raise SpecError("output_dir", f"{raw!r} exists and is not a directory")
+    return path
+
+
+def resolve_checkpoint(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
+    path = _check_under_roots(raw, "init_from", roots, data_dir)
+    if not (path / "config.json").is_file():
+        raise SpecError("init_from", f"{raw!r} is not a drafter checkpoint directory (no config.json)")
+    return path
+
+
+def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: list[Path], output_roots: list[Path]):
+    """The engine's TrainJob for this spec: every path absolute and checked."""
+    from dflash_core.engine import TrainJob
+
+    datasets = [str(resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir))
+                for i, d in enumerate(spec.datasets)]
+    eval_prompts = None
+    if spec.eval_prompts is not None:
+        eval_prompts = str(resolve_dataset(spec.eval_prompts, "eval_prompts", roots=dataset_roots, data_dir=data_dir))
+    init_from = None
+    if spec.init_from is not None:
+        init_from = str(resolve_checkpoint(spec.init_from, roots=dataset_roots + output_roots, data_dir=data_dir))
+    output_dir = resolve_output_dir(spec.output_dir, roots=output_roots, data_dir=data_dir, job_id=job_id)
+    values = spec.model_dump(exclude={"name", "submission_id"})
+    values.update(datasets=datasets, eval_prompts=eval_prompts, init_from=init_from, output_dir=str(output_dir),
+                  adam_betas=tuple(spec.adam_betas))
+    return TrainJob(**values)
+
+
+def train_job_to_json(job) -> str:
+    return json.dumps(asdict(job))
+
+
+def train_job_from_json(text: str):
+    """Rebuild a stored TrainJob; keys the engine no longer knows are dropped."""
+    from dflash_core.engine import TrainJob
+
+    data = json.loads(text)
+    known = {f.name for f in fields(TrainJob)}
+    values = {k: v for k, v in data.items() if k in known}
+    if "adam_betas" in values:
+        values["adam_betas"] = tuple(values["adam_betas"])
+    return TrainJob(**values)

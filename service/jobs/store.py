@@ -1,0 +1,369 @@
+"""Jobs, their events and checkpoints in one SQLite file (WAL) under the data directory.
+
+Every write is its own committed transaction, so a SIGKILL loses at most the statement in flight;
+the job runner's resume logic relies on that (the last recorded checkpoint is always complete,
+step events beyond it are discarded before resuming)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
+STATES = (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
+TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED})
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,         -- FIFO order
+    id TEXT NOT NULL UNIQUE,
+    name TEXT,
+    submission_id TEXT UNIQUE,
+    spec_json TEXT NOT NULL,
+    spec_fingerprint TEXT NOT NULL,
+    train_job_json TEXT NOT NULL,
+    output_dir TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER,
+    loss REAL,
+    tokens_per_second REAL,
+    expected_acceptance_length REAL,
+    eval_acceptance_length REAL,
+    learning_rate REAL,
+    epoch REAL,
+    last_checkpoint TEXT,
+    last_checkpoint_step INTEGER,
+    error TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    interrupted_by_shutdown INTEGER NOT NULL DEFAULT 0,
+    resumes INTEGER NOT NULL DEFAULT 0,
+    crash_resumes INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    step INTEGER,
+    payload_json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
+"""
+
+
+@dataclass
+class JobRecord:
+    seq: int
+    id: str
+    name: str | None
+    submission_id: str | None
+    spec: dict[str, Any]
+    spec_fingerprint: str
+    train_job_json: str
+    output_dir: str
+    state: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    step: int
+    total_steps: int | None
+    loss: float | None
+    tokens_per_second: float | None
+    expected_acceptance_length: float | None
+    eval_acceptance_length: float | None
+    learning_rate: float | None
+    epoch: float | None
+    last_checkpoint: str | None
+    last_checkpoint_step: int | None
+    error: str | None
+    cancel_requested: bool
+    interrupted_by_shutdown: bool
+    resumes: int
+    crash_resumes: int
+    checkpoints: list[dict[str, Any]] | None = None  # loaded by get_job(with_checkpoints=True)
+    queue_position: int | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclass
+class EventRecord:
+    id: int
+    job_id: str
+    time: float
+    kind: str
+    step: int | None
+    payload: dict[str, Any]
+
+
+class SubmissionConflict(Exception):
+    def __init__(self, existing: JobRecord):
+        self.existing = existing
+        super().__init__(f"submission_id {existing.submission_id!r} is already used by job {existing.id} with a different spec")
+
+
+_JOB_COLUMNS = (
+    "seq, id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at, "
+    "started_at, finished_at, step, total_steps, loss, tokens_per_second, expected_acceptance_length, "
+    "eval_acceptance_length, learning_rate, epoch, last_checkpoint, last_checkpoint_step, error, cancel_requested, "
+    "interrupted_by_shutdown, resumes, crash_resumes"
+)
+
+
+def _job(row: tuple) -> JobRecord:
+    values = list(row)
+    values[4] = json.loads(values[4])
+    rec = JobRecord(*values)
+    rec.cancel_requested = bool(rec.cancel_requested)
+    rec.interrupted_by_shutdown = bool(rec.interrupted_by_shutdown)
+    return rec
+
+
+class JobStore:
+    """Thread-safe: one connection, one lock; every call is short."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a process crash loses no committed write
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self):
+        return _Transaction(self._db, self._lock)
+
+    # ------------------------------------------------------------------ jobs
+    def create_job(self, *, job_id: str, name: str | None, submission_id: str | None, spec: dict[str, Any],
+                   fingerprint: str, train_job_json: str, output_dir: str) -> tuple[JobRecord, bool]:
+        """Insert a PENDING job. Returns (job, created); an existing job with the same submission_id
+        and fingerprint is returned with created=False; a different fingerprint raises SubmissionConflict."""
+        now = time.time()
+        with self._tx() as db:
+            if submission_id is not None:
+                existing = self._by_submission(db, submission_id)
+                if existing is not None:
+                    if existing.spec_fingerprint != fingerprint:
+                        raise SubmissionConflict(existing)
+                    return existing, False
+            db.execute(
+                "INSERT INTO jobs (id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, name, submission_id, json.dumps(spec), fingerprint, train_job_json, output_dir, PENDING, now),
+            )
+            self._event(db, job_id, "state", None, {"state": PENDING})
+        return self.get_job(job_id), True
+
+    def find_by_submission(self, submission_id: str) -> JobRecord | None:
+        with self._lock:
+            return self._by_submission(self._db, submission_id)
+
+    def _by_submission(self, db, submission_id: str) -> JobRecord | None:
+        row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
+        return _job(row) if row else None
+
+    def get_job(self, job_id: str, *, with_checkpoints: bool = True) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            job = _job(row)
+            if with_checkpoints:
+                job.checkpoints = self.checkpoints(job_id)
+            if job.state == PENDING:
+                job.queue_position = self._db.execute(
+                    "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)).fetchone()[0]
+            return job
+
+    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
+        with self._lock:
+            if state:
+                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = ? ORDER BY seq LIMIT ?", (state, limit))
+            else:
+                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY seq LIMIT ?", (limit,))
+            jobs = [_job(r) for r in rows.fetchall()]
+        position = 0
+        for job in jobs:
+            if job.state == PENDING:
+                job.queue_position = position
+                position += 1
+        return jobs
+
+    def count_by_state(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATES, 0)
+        with self._lock:
+            for state, n in self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+                counts[state] = n
+        return counts
+
+    def next_runnable(self) -> JobRecord | None:
+        """A job left RUNNING by an earlier process comes first (it was already running), then PENDING in FIFO order."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, seq LIMIT 1",
+                (RUNNING, PENDING, RUNNING),
+            ).fetchone()
+            return _job(row) if row else None
+
+    def mark_running(self, job_id: str) -> bool:
+        """PENDING -> RUNNING; False if the job is no longer PENDING (cancelled a moment ago)."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), interrupted_by_shutdown = 0"
+                             " WHERE id = ? AND state = ?", (RUNNING, time.time(), job_id, PENDING))
+            if cur.rowcount:
+                self._event(db, job_id, "state", None, {"state": RUNNING})
+            return bool(cur.rowcount)
+
+    def finish(self, job_id: str, state: str, *, error: str | None = None, payload: dict[str, Any] | None = None) -> None:
+        assert state in TERMINAL
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error) WHERE id = ?",
+                       (state, time.time(), error, job_id))
+            body = {"state": state, **(payload or {})}
+            if error:
+                body["error"] = error
+            self._event(db, job_id, "state", None, body)
+
+    def stop_if_pending(self, job_id: str) -> bool:
+        """PENDING -> STOPPED atomically (a queued job that never ran); False if it is no longer PENDING."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET state = ?, finished_at = ?, cancel_requested = 1 WHERE id = ? AND state = ?",
+                             (STOPPED, time.time(), job_id, PENDING))
+            if cur.rowcount:
+                self._event(db, job_id, "state", None, {"state": STOPPED, "reason": "cancelled before it started"})
+            return bool(cur.rowcount)
+
+    def request_cancel(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+            self._event(db, job_id, "cancel_requested", None, {})
+
+    def mark_interrupted(self, job_id: str, step: int) -> None:
+        """Graceful shutdown: the job stays RUNNING (resumable) with its checkpoint."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET interrupted_by_shutdown = 1 WHERE id = ?", (job_id,))
+            self._event(db, job_id, "interrupted", step, {"reason": "daemon shutting down", "step": step})
+
+    def update_progress(self, job_id: str, *, step: int, total_steps: int, loss: float, tokens_per_second: float,
+                        expected_acceptance_length: float, learning_rate: float, epoch: float,
+                        event_payload: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET step = ?, total_steps = ?, loss = ?, tokens_per_second = ?, expected_acceptance_length = ?,"
+                " learning_rate = ?, epoch = ? WHERE id = ?",
+                (step, total_steps, loss, tokens_per_second, expected_acceptance_length, learning_rate, epoch, job_id),
+            )
+            self._event(db, job_id, "step", step, event_payload)
+
+    def set_total_steps(self, job_id: str, total_steps: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET total_steps = ? WHERE id = ?", (total_steps, job_id))
+
+    def set_eval(self, job_id: str, step: int, acceptance_length: float | None, payload: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET eval_acceptance_length = ? WHERE id = ?", (acceptance_length, job_id))
+            self._event(db, job_id, "eval", step, payload)
+
+    def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?, ?, ?, ?)",
+                       (job_id, step, path, time.time()))
+            db.execute("UPDATE jobs SET last_checkpoint = ?, last_checkpoint_step = ? WHERE id = ?", (path, step, job_id))
+            self._event(db, job_id, "checkpoint", step, {"path": path, "step": step})
+            # the engine keeps only the newest few checkpoint directories; forget the ones it removed
+            for old_step, old_path in db.execute("SELECT step, path FROM checkpoints WHERE job_id = ? AND step < ?",
+                                                 (job_id, step)).fetchall():
+                if not Path(old_path).exists():
+                    db.execute("DELETE FROM checkpoints WHERE job_id = ? AND step = ?", (job_id, old_step))
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
+            return [{"step": s, "path": p, "time": t} for s, p, t in rows.fetchall()]
+
+    def prepare_resume(self, job_id: str, checkpoint_path: str | None, checkpoint_step: int, *,
+                       after_crash: bool) -> int:
+        """Roll the job back to `checkpoint_step`: delete its step/eval/checkpoint records beyond it (they are
+        recomputed, identically, after the resume) and note the resume. Returns the number of events removed."""
+        with self._tx() as db:
+            removed = db.execute("DELETE FROM events WHERE job_id = ? AND kind IN ('step', 'eval', 'checkpoint') AND step > ?",
+                                 (job_id, checkpoint_step)).rowcount
+            db.execute("DELETE FROM checkpoints WHERE job_id = ? AND step > ?", (job_id, checkpoint_step))
+            row = db.execute("SELECT payload_json FROM events WHERE job_id = ? AND kind = 'step' AND step = ?"
+                             " ORDER BY id DESC LIMIT 1", (job_id, checkpoint_step)).fetchone()
+            last = json.loads(row[0]) if row else {}
+            db.execute(
+                "UPDATE jobs SET step = ?, loss = ?, tokens_per_second = ?, last_checkpoint = ?, last_checkpoint_step = ?,"
+                " resumes = resumes + 1, crash_resumes = crash_resumes + ?, interrupted_by_shutdown = 0 WHERE id = ?",
+                (checkpoint_step, last.get("loss"), last.get("tokens_per_second"), checkpoint_path,
+                 checkpoint_step if checkpoint_path else None, 1 if after_crash else 0, job_id),
+            )
+        return removed
+
+    # ------------------------------------------------------------------ events
+    def _event(self, db, job_id: str, kind: str, step: int | None, payload: dict[str, Any]) -> None:
+        db.execute("INSERT INTO events (job_id, time, kind, step, payload_json) VALUES (?, ?, ?, ?, ?)",
+                   (job_id, time.time(), kind, step, json.dumps(payload, default=str)))
+
+    def add_event(self, job_id: str, kind: str, payload: dict[str, Any], step: int | None = None) -> None:
+        with self._tx() as db:
+            self._event(db, job_id, kind, step, payload)
+
+    def events(self, job_id: str, *, after: int = 0, kinds: Iterable[str] | None = None, limit: int = 1000) -> list[EventRecord]:
+        kinds = list(kinds or [])
+        sql = "SELECT id, job_id, time, kind, step, payload_json FROM events WHERE job_id = ? AND id > ?"
+        args: list[Any] = [job_id, after]
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args += kinds
+        sql += " ORDER BY id LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [EventRecord(i, j, t, k, s, json.loads(p)) for i, j, t, k, s, p in rows]
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE .. COMMIT under the store's lock (rollback on error)."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock):
+        self._db, self._lock = db, lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._lock.acquire()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+        return self._db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            self._lock.release()

@@ -1,0 +1,143 @@
+"""Prometheus metrics (DESIGN.md section 6), on a registry of the daemon's own.
+
+Per-step values (step time histogram, loss, accuracy per block position, acceptance lengths) are
+set by the job runner; everything the engine or the store already knows (readiness, warmup times,
+compile counts, tokens, queue depths, job counts, CUDA allocator gauges) is read at scrape time by
+a custom collector, so a scrape never waits on a training step and never syncs a device.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .jobs.store import PENDING, STATES
+
+if TYPE_CHECKING:
+    from .engine_host import EngineHost
+    from .jobs.store import JobStore
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Step times from ~10 ms (small GPU shapes) to minutes (large grad_accum on CPU).
+STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+# engine.allocator_stats() field -> (metric name, help, counter?)
+ALLOCATOR_METRICS = {
+    "allocated_bytes": ("dflash_cuda_allocated_bytes", "Bytes held by live tensors (caching allocator)", False),
+    "reserved_bytes": ("dflash_cuda_reserved_bytes", "Bytes reserved from the driver by the caching allocator", False),
+    "active_bytes": ("dflash_cuda_active_bytes", "Bytes in active allocator blocks", False),
+    "inactive_split_bytes": ("dflash_cuda_inactive_split_bytes", "Bytes in inactive, split blocks (fragmentation)", False),
+    "peak_reserved_bytes": ("dflash_cuda_peak_reserved_bytes", "Peak reserved bytes since the process started", False),
+    "alloc_retries": ("dflash_cuda_alloc_retries", "cudaMalloc retries after freeing cached blocks", True),
+    "ooms": ("dflash_cuda_ooms", "Out-of-memory errors raised by the allocator", True),
+}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, host: "EngineHost", store: "JobStore", job_running: Callable[[], bool]):
+        self.host = host
+        self.store = store
+        self.job_running = job_running
+
+    def collect(self):
+        engine = self.host.engine
+        progress = engine.progress
+        yield GaugeMetricFamily("dflash_ready", "1 when every drafter is warm and jobs can run", value=1 if self.host.ready else 0)
+        yield GaugeMetricFamily("dflash_drafters_ready", "Drafter replicas warmed", value=progress.drafters_ready)
+        yield GaugeMetricFamily("dflash_drafters_total", "Drafter replicas configured", value=progress.drafters_total)
+
+        warm = GaugeMetricFamily("dflash_warmup_seconds", "Seconds spent loading/warming each component",
+                                 labels=["component", "device"])
+        totals: dict[tuple[str, str], float] = defaultdict(float)
+        for component, device, seconds in list(engine.warmup_seconds):
+            totals[(component, device)] += seconds
+        for (component, device), seconds in sorted(totals.items()):
+            warm.add_metric([component, device], seconds)
+        yield warm
+
+        compiles = CounterMetricFamily("dflash_compiles", "Graphs compiled by torch.compile; any at runtime is a bug",
+                                       labels=["phase"])
+        counts = engine.compile_counts()
+        for phase in ("warmup", "runtime"):
+            compiles.add_metric([phase], counts.get(phase, 0))
+        yield compiles
+
+        tokens = CounterMetricFamily("dflash_train_tokens", "Non-padding context tokens trained", labels=["device"])
+        per_device = dict.fromkeys(engine.config.drafter_devices, 0)
+        per_device.update(engine.tokens_per_device)
+        for device, n in sorted(per_device.items()):
+            tokens.add_metric([device], n)
+        yield tokens
+        yield GaugeMetricFamily("dflash_train_tokens_per_second", "Tokens per second over the recent steps",
+                                value=engine.rate.rate())
+
+        queues = GaugeMetricFamily("dflash_queue_depth", "Items waiting: queued jobs, micro-batches per drafter queue",
+                                   labels=["queue"])
+        job_counts = self.store.count_by_state()
+        queues.add_metric(["jobs"], job_counts[PENDING])
+        # the engine records a drafter queue's depth when it fills it and drains the queues when a job
+        # ends, so between jobs the last recorded depth is stale: they are empty then
+        running = self.job_running()
+        for name, depth in sorted(dict(engine.queue_depths).items()):
+            queues.add_metric([name], depth if running else 0)
+        yield queues
+
+        jobs = GaugeMetricFamily("dflash_jobs", "Jobs by state", labels=["state"])
+        for state in STATES:
+            jobs.add_metric([state], job_counts[state])
+        yield jobs
+
+        # CUDA caching-allocator statistics, read now (thread-safe, no device sync); no samples on CPU
+        stats = engine.allocator_stats() if self.host.ready else {}
+        for key, (name, doc, counter) in ALLOCATOR_METRICS.items():
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["device"])
+            for device, values in sorted(stats.items()):
+                if key in values:
+                    family.add_metric([device], values[key])
+            yield family
+
+
+class ServiceMetrics:
+    def __init__(self, host: "EngineHost", store: "JobStore", job_running: Callable[[], bool]):
+        # no `_created` series: they double the series count and no dashboard of ours reads them
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        drafter_devices = list(host.engine.config.drafter_devices)
+        block_size = host.engine.config.shape.block_size
+        self.step_seconds = Histogram("dflash_train_step_seconds", "Seconds per training step, per drafter device",
+                                      ["device"], buckets=STEP_SECONDS_BUCKETS, registry=self.registry)
+        self.loss = Gauge("dflash_train_loss", "Training loss of the last step", registry=self.registry)
+        self.accuracy = Gauge("dflash_train_accuracy", "Top-1 accuracy of the last step per block position",
+                              ["position"], registry=self.registry)
+        self.expected_acceptance = Gauge("dflash_train_expected_acceptance_length",
+                                         "Acceptance length implied by the last step's per-position accuracy",
+                                         registry=self.registry)
+        self.eval_acceptance = Gauge("dflash_eval_acceptance_length",
+                                     "Mean accepted tokens per block in the last held-out evaluation", registry=self.registry)
+        # NaN = not measured yet; present from the first scrape so dashboards see every series
+        for gauge in (self.loss, self.expected_acceptance, self.eval_acceptance):
+            gauge.set(math.nan)
+        for position in range(1, block_size):
+            self.accuracy.labels(position=str(position)).set(math.nan)
+        for device in drafter_devices:
+            self.step_seconds.labels(device=device)
+        self.registry.register(_EngineCollector(host, store, job_running))
+
+    def observe_step(self, stats) -> None:
+        for device, seconds in stats.seconds_per_device.items():
+            self.step_seconds.labels(device=device).observe(seconds)
+        self.loss.set(stats.loss)
+        for position, accuracy in enumerate(stats.position_accuracy, start=1):
+            self.accuracy.labels(position=str(position)).set(accuracy)
+        self.expected_acceptance.set(stats.expected_acceptance_length)
+
+    def observe_eval(self, acceptance_length: float) -> None:
+        self.eval_acceptance.set(acceptance_length)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

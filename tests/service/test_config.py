@@ -1,0 +1,94 @@
+"""ServiceConfig: defaults, TOML/YAML files, DFLASH_* environment, flags; and the CLI parser."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from service.config import ConfigError, load_config
+
+
+def test_defaults_need_no_file_and_never_use_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(env={"HOME": str(tmp_path / "home")})
+    assert cfg.host == "127.0.0.1" and cfg.port == 8000 and cfg.auth_token is None
+    assert cfg.data_dir == tmp_path / "home" / ".local" / "share" / "dflash-trainer"
+    engine = cfg.engine_config()
+    assert engine.target_path is None  # the embedded default
+    assert engine.inductor_cache_dir == str(cfg.data_dir / "inductor-cache")
+    assert cfg.resolved_output_roots() == [cfg.data_dir.resolve()]
+    assert cfg.data_dir.resolve() in cfg.resolved_dataset_roots()
+
+
+def test_toml_file_env_and_flags_override_in_order(tmp_path):
+    path = tmp_path / "conf" / "dflash.toml"
+    path.parent.mkdir()
+    path.write_text('port = 9000\ndata_dir = "state"\nauth_token = "from-file"\n\n[engine]\n'
+                    'seq_len = 256\nwarmup_delay_seconds = 0.5\ndrafter_devices = ["cpu"]\n')
+    cfg = load_config(path, env={})
+    assert cfg.port == 9000
+    assert cfg.data_dir == tmp_path / "conf" / "state"  # relative to the file, not the cwd
+    assert cfg.engine_config().shape.seq_len == 256
+
+    env = {"DFLASH_PORT": "9100", "DFLASH_AUTH_TOKEN": "from-env", "DFLASH_ENGINE__WARMUP_DELAY_SECONDS": "2",
+           "DFLASH_ENGINE__TARGET_DEVICES": "cpu,cpu", "DFLASH_URL": "http://not-a-config-field"}
+    cfg = load_config(path, env=env)
+    assert (cfg.port, cfg.auth_token, cfg.engine.warmup_delay_seconds) == (9100, "from-env", 2.0)
+    assert cfg.engine.target_devices == ["cpu", "cpu"]
+    assert cfg.engine.seq_len == 256  # the file's value survives an env override of another engine field
+
+    cfg = load_config(path, env=env, overrides={"port": 9200, "host": None})
+    assert cfg.port == 9200 and cfg.host == "127.0.0.1"
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "dflash.yaml"
+    path.write_text("host: 0.0.0.0\nlog_json: true\nengine:\n  block_size: 16\n  attention: dense\n")
+    cfg = load_config(path, env={"DFLASH_DATA_DIR": str(tmp_path / "d")})
+    assert cfg.host == "0.0.0.0" and cfg.log_json is True
+    assert cfg.data_dir == tmp_path / "d"
+    assert cfg.engine_config().shape.block_size == 16
+
+
+@pytest.mark.parametrize("text, words", [
+    ("port = 'eighty'", ["port"]),
+    ("[engine]\nseq_len = 1", ["engine.seq_len"]),
+    ("[engine]\ndrafter_devices = ['gpu0']", ["engine.drafter_devices"]),
+    ("colour = 'blue'", ["colour"]),
+    ("port = ", ["dflash.toml"]),
+])
+def test_invalid_config_names_the_field(tmp_path, text, words):
+    path = tmp_path / "dflash.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env={})
+
+
+def test_cli_parser_has_subcommands_and_client_options():
+    from service.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--config", "x.toml", "--port", "9001", "--data-dir", "/tmp/d"])
+    assert (args.command, args.config, args.port, args.data_dir) == ("serve", "x.toml", 9001, "/tmp/d")
+    args = parser.parse_args(["submit", "job.json", "--follow", "--url", "http://h:1", "--token", "t"])
+    assert (args.job_file, args.follow, args.url, args.token) == ("job.json", True, "http://h:1", "t")
+    assert parser.parse_args(["status"]).job_id is None
+    assert parser.parse_args(["cancel", "job-1"]).job_id == "job-1"
+
+
+def test_example_jobs_are_valid_specs():
+    from service.jobs.schemas import parse_spec
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.json"))
+    assert examples
+    for path in examples:
+        spec = parse_spec(json.loads(path.read_text()))
+        assert spec.datasets

@@ -1,0 +1,76 @@
+"""Startup is observable (503 starting/warming, then 200) while /livez answers throughout; jobs
+submitted while warming wait and then run; the bearer token guards POST endpoints."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def warming_daemon(make_daemon):
+    # 1.5 s pause in each warmup phase (a real engine config field, not a mock) makes warming observable
+    return make_daemon(auth_token=TOKEN, warmup_delay=1.5)
+
+
+def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon):
+    d = warming_daemon
+    seen: list[tuple[int, str, str]] = []
+    queued = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        live = d.http.get("/livez")
+        assert live.status_code == 200, live.text
+        r = d.http.get("/healthz")
+        body = r.json()
+        seen.append((r.status_code, body["status"], body["phase"]))
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503
+        assert body["status"] in ("starting", "warming"), body
+        assert body["drafters_total"] == 1 and 0 <= body["drafters_ready"] <= 1
+        assert isinstance(body["elapsed_seconds"], float)
+        if queued is None and body["status"] == "warming":  # jobs may be submitted while warming
+            r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 3, "checkpoint_interval": 3}, headers=AUTH)
+            assert r.status_code == 202, r.text
+            queued = r.json()
+            assert d.http.get(f"/jobs/{queued['id']}").json()["state"] == "PENDING"
+        time.sleep(0.1)
+    statuses = [s for _, s, _ in seen]
+    assert "warming" in statuses, seen
+    assert seen[-1][0] == 200 and seen[-1][1] == "ready", seen
+    ready = d.http.get("/healthz").json()
+    assert ready["drafters_ready"] == ready["drafters_total"] == 1
+    assert ready["compiles"]["runtime"] == 0
+    assert {"warming_target", "warming_drafters"} <= {p for _, _, p in seen}, seen
+
+    assert queued is not None
+    assert d.wait_terminal(queued["id"])["state"] == "SUCCEEDED"
+    assert d.http.get("/livez").status_code == 200
+
+
+def test_post_without_token_is_401(warming_daemon):
+    d = warming_daemon
+    spec = {"datasets": ["builtin://train"], "steps": 2}
+    r = d.http.post("/jobs", json=spec)
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert "bearer" in r.json()["detail"].lower()
+    assert d.http.post("/jobs", json=spec, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert d.http.post("/jobs", json=spec, headers={"Authorization": TOKEN}).status_code == 401  # scheme missing
+    # validation does not run before authentication: an invalid spec without a token is still 401
+    assert d.http.post("/jobs", json={"bogus": 1}).status_code == 401
+
+    ok = d.http.post("/jobs", json=spec, headers=AUTH)
+    assert ok.status_code == 202
+    job_id = ok.json()["id"]
+    assert d.http.post(f"/jobs/{job_id}/cancel").status_code == 401
+    # reads need no token
+    assert d.http.get(f"/jobs/{job_id}").status_code == 200
+    assert d.http.get("/jobs").status_code == 200
+    assert d.http.get("/metrics").status_code == 200
+    assert d.http.get("/healthz").status_code in (200, 503)
+    d.wait_terminal(job_id)

@@ -84,9 +84,10 @@ class Daemon:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
         self.store = JobStore(self.config.database_path)
-        self.host = EngineHost(self.config.engine_config(), self.config.data_dir)
+        self.host = EngineHost(self.config)
         self.manager = JobManager(self.config, self.store, self.host)
-        self.metrics = ServiceMetrics(self.host, self.store, job_running=lambda: self.manager.job_running)
+        self.metrics = ServiceMetrics(self.host, self.store, job_running=lambda: self.manager.job_running,
+                                      block_size=self.config.engine.shape_values()[2])
         self.manager.metrics = self.metrics
         self.manager.start()
         self.host.start()
@@ -164,6 +165,10 @@ def event_json(event: EventRecord) -> dict[str, Any]:
 def _error(status: int, detail: str, **extra: Any) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse({"detail": detail, **extra}, status_code=status, headers=headers)
+
+
+def _invalid_query(name: str, message: str) -> JSONResponse:
+    return _error(422, f"invalid request: {name}: {message}", errors=[{"field": name, "message": message}])
 
 
 def _invalid(errors: list[dict[str, str]]) -> JSONResponse:
@@ -268,9 +273,6 @@ def create_app(config: ServiceConfig) -> FastAPI:
             return _invalid_query("state", f"{state!r} is not one of {', '.join(STATES)}")
         jobs = daemon.store.list_jobs(state=state.upper() if state else None)
         return JSONResponse({"jobs": [job_json(j) for j in jobs]})
-
-    def _invalid_query(name: str, message: str) -> JSONResponse:
-        return _error(422, f"invalid request: {name}: {message}", errors=[{"field": name, "message": message}])
 
     @app.get("/jobs/{job_id}")
     def get_job(job_id: str) -> JSONResponse:

@@ -176,7 +176,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(jobs, indent=2))
             return 0
-        health_status, health = client.health()
+        _, health = client.health()
         print(f"daemon {client.url}: {health['status']} ({health.get('phase')}, "
               f"{health.get('drafters_ready')}/{health.get('drafters_total')} drafters)")
         if not jobs:

@@ -70,10 +70,17 @@ class EngineSettings(BaseModel):
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None
 
+    def shape_values(self) -> tuple[int, int, int]:
+        """(seq_len, num_anchors, block_size) the engine will compile for."""
+        from dflash_core.defaults import DEFAULT_SHAPE_CPU
+
+        return (self.seq_len or DEFAULT_SHAPE_CPU.seq_len, self.num_anchors or DEFAULT_SHAPE_CPU.num_anchors,
+                self.block_size or DEFAULT_SHAPE_CPU.block_size)
+
     def to_engine_config(self, data_dir: Path):
         """The EngineConfig the daemon builds its engine with."""
         from dflash_core.config import ShapeConfig
-        from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS
+        from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
         from dflash_core.devices import default_devices
         from dflash_core.engine import EngineConfig
 
@@ -83,12 +90,9 @@ class EngineSettings(BaseModel):
             layer_ids = list(self.target_layer_ids)
         else:  # the tiny target needs explicit ids; a real target takes the reference rule
             layer_ids = list(DEFAULT_TARGET_LAYER_IDS) if embedded else None
+        seq_len, num_anchors, block_size = self.shape_values()
         try:
-            shape = ShapeConfig(
-                seq_len=self.seq_len or DEFAULT_SHAPE_CPU.seq_len,
-                num_anchors=self.num_anchors or DEFAULT_SHAPE_CPU.num_anchors,
-                block_size=self.block_size or DEFAULT_SHAPE_CPU.block_size,
-            )
+            shape = ShapeConfig(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size)
         except ValueError as e:
             raise ConfigError(f"engine: {e}") from None
         return EngineConfig(

@@ -1,12 +1,14 @@
-"""Owns the engine for the daemon: builds and warms it in a background thread (so uvicorn answers
-at once) and turns its progress into the /healthz body."""
+"""Owns the engine for the daemon: creates, builds and warms it in a background thread (so uvicorn
+answers at once, even before torch is imported) and turns its progress into the /healthz body."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .config import ServiceConfig
 
 log = logging.getLogger("dflash.engine")
 
@@ -14,29 +16,43 @@ STARTING, WARMING, READY, FAILED = "starting", "warming", "ready", "failed"
 
 
 class EngineHost:
-    def __init__(self, engine_config, data_dir: Path):
-        from dflash_core.engine import Engine
-
-        self.engine = Engine(engine_config, data_dir, progress=self._on_progress)
+    def __init__(self, config: "ServiceConfig"):
+        self.config = config
+        self.engine = None  # dflash_core Engine, created by the build thread (importing torch takes seconds)
+        # without explicit devices the embedded default uses exactly one drafter (cpu, cuda:0 or cuda:1)
+        self.drafters_total = len(config.engine.drafter_devices) if config.engine.drafter_devices else 1
         self._started = time.monotonic()
         self._ready_after: float | None = None
         self._error: str | None = None
+        self._created = threading.Event()
         self._ready = threading.Event()
         self._finished = threading.Event()  # ready or failed
+        self._listeners: list[Callable[[Any], None]] = []
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    def on_engine_created(self, listener: Callable[[Any], None]) -> None:
+        """Call `listener(engine)` once the engine object exists (before it is built)."""
+        self._listeners.append(listener)
+
     def start(self) -> None:
         # daemon: a build cannot be interrupted mid-torch-call; at exit the process must not wait on it
         self._thread = threading.Thread(target=self._build, name="engine-build", daemon=True)
         self._thread.start()
 
     def _build(self) -> None:
-        cfg = self.engine.config
-        log.info("engine build started", extra={"fields": {
-            "target": cfg.target_path or "embedded default", "target_devices": cfg.target_devices,
-            "drafter_devices": cfg.drafter_devices, "shape": dict(vars(cfg.shape))}})
         try:
+            engine_config = self.config.engine_config()
+            from dflash_core.engine import Engine
+
+            self.engine = Engine(engine_config, self.config.data_dir, progress=self._on_progress)
+            self.drafters_total = len(engine_config.drafter_devices)
+            for listener in self._listeners:
+                listener(self.engine)
+            self._created.set()
+            log.info("engine build started", extra={"fields": {
+                "target": engine_config.target_path or "embedded default", "target_devices": engine_config.target_devices,
+                "drafter_devices": engine_config.drafter_devices, "shape": dict(vars(engine_config.shape))}})
             self.engine.build()
         except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
             self._error = f"{type(e).__name__}: {e}"
@@ -47,12 +63,18 @@ class EngineHost:
             log.info("engine ready", extra={"fields": {"seconds": round(self._ready_after, 3),
                                                        "compiles": self.engine.compile_counts()}})
         finally:
+            self._created.set()
             self._finished.set()
 
     def _on_progress(self, progress) -> None:
         log.info("engine progress", extra={"fields": {
             "phase": progress.phase, "drafters_ready": progress.drafters_ready,
             "drafters_total": progress.drafters_total, "elapsed_seconds": round(progress.elapsed, 3)}})
+
+    def wait_engine(self, timeout: float | None = None):
+        """The engine object (maybe still warming), or None if it could not be created in time."""
+        self._created.wait(timeout)
+        return self.engine
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Block until the build ended (ready or failed)."""
@@ -81,27 +103,31 @@ class EngineHost:
     def build_thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def phase(self) -> str:
+        return self.engine.progress.phase if self.engine is not None else "starting"
+
     def status(self) -> str:
         if self._error is not None:
             return FAILED
         if self._ready.is_set():
             return READY
-        return WARMING if self.engine.progress.phase.startswith("warming") else STARTING
+        return WARMING if self.phase().startswith("warming") else STARTING
 
     def health(self) -> dict[str, Any]:
-        progress = self.engine.progress
         status = self.status()
+        phase = self.phase()
+        engine = self.engine
         body: dict[str, Any] = {
             "status": status,
-            "phase": progress.phase if status != FAILED else f"failed during {progress.phase}",
-            "drafters_ready": progress.drafters_ready,
-            "drafters_total": progress.drafters_total,
+            "phase": phase if status != FAILED else f"failed during {phase}",
+            "drafters_ready": engine.progress.drafters_ready if engine is not None else 0,
+            "drafters_total": self.drafters_total,
             "elapsed_seconds": round(self._ready_after if self._ready_after is not None else time.monotonic() - self._started, 3),
         }
         if status == FAILED:
             body["error"] = self._error
         if status == READY:
-            body["compiles"] = self.engine.compile_counts()
+            body["compiles"] = engine.compile_counts()
             body["warmup_seconds"] = [{"component": c, "device": d, "seconds": round(s, 4)}
-                                      for c, d, s in self.engine.warmup_seconds]
+                                      for c, d, s in engine.warmup_seconds]
         return body

@@ -45,16 +45,16 @@ class _EngineCollector(Collector):
         self.job_running = job_running
 
     def collect(self):
-        engine = self.host.engine
-        progress = engine.progress
+        engine = self.host.engine  # None while torch is still being imported
         yield GaugeMetricFamily("dflash_ready", "1 when every drafter is warm and jobs can run", value=1 if self.host.ready else 0)
-        yield GaugeMetricFamily("dflash_drafters_ready", "Drafter replicas warmed", value=progress.drafters_ready)
-        yield GaugeMetricFamily("dflash_drafters_total", "Drafter replicas configured", value=progress.drafters_total)
+        yield GaugeMetricFamily("dflash_drafters_ready", "Drafter replicas warmed",
+                                value=engine.progress.drafters_ready if engine is not None else 0)
+        yield GaugeMetricFamily("dflash_drafters_total", "Drafter replicas configured", value=self.host.drafters_total)
 
         warm = GaugeMetricFamily("dflash_warmup_seconds", "Seconds spent loading/warming each component",
                                  labels=["component", "device"])
         totals: dict[tuple[str, str], float] = defaultdict(float)
-        for component, device, seconds in list(engine.warmup_seconds):
+        for component, device, seconds in list(engine.warmup_seconds if engine is not None else []):
             totals[(component, device)] += seconds
         for (component, device), seconds in sorted(totals.items()):
             warm.add_metric([component, device], seconds)
@@ -62,19 +62,20 @@ class _EngineCollector(Collector):
 
         compiles = CounterMetricFamily("dflash_compiles", "Graphs compiled by torch.compile; any at runtime is a bug",
                                        labels=["phase"])
-        counts = engine.compile_counts()
+        counts = engine.compile_counts() if engine is not None else {}
         for phase in ("warmup", "runtime"):
             compiles.add_metric([phase], counts.get(phase, 0))
         yield compiles
 
         tokens = CounterMetricFamily("dflash_train_tokens", "Non-padding context tokens trained", labels=["device"])
-        per_device = dict.fromkeys(engine.config.drafter_devices, 0)
-        per_device.update(engine.tokens_per_device)
-        for device, n in sorted(per_device.items()):
-            tokens.add_metric([device], n)
+        if engine is not None:
+            per_device = dict.fromkeys(engine.config.drafter_devices, 0)
+            per_device.update(engine.tokens_per_device)
+            for device, n in sorted(per_device.items()):
+                tokens.add_metric([device], n)
         yield tokens
         yield GaugeMetricFamily("dflash_train_tokens_per_second", "Tokens per second over the recent steps",
-                                value=engine.rate.rate())
+                                value=engine.rate.rate() if engine is not None else 0.0)
 
         queues = GaugeMetricFamily("dflash_queue_depth", "Items waiting: queued jobs, micro-batches per drafter queue",
                                    labels=["queue"])
@@ -83,7 +84,7 @@ class _EngineCollector(Collector):
         # the engine records a drafter queue's depth when it fills it and drains the queues when a job
         # ends, so between jobs the last recorded depth is stale: they are empty then
         running = self.job_running()
-        for name, depth in sorted(dict(engine.queue_depths).items()):
+        for name, depth in sorted(dict(engine.queue_depths if engine is not None else {}).items()):
             queues.add_metric([name], depth if running else 0)
         yield queues
 
@@ -103,12 +104,10 @@ class _EngineCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, host: "EngineHost", store: "JobStore", job_running: Callable[[], bool]):
+    def __init__(self, host: "EngineHost", store: "JobStore", job_running: Callable[[], bool], block_size: int):
         # no `_created` series: they double the series count and no dashboard of ours reads them
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        drafter_devices = list(host.engine.config.drafter_devices)
-        block_size = host.engine.config.shape.block_size
         self.step_seconds = Histogram("dflash_train_step_seconds", "Seconds per training step, per drafter device",
                                       ["device"], buckets=STEP_SECONDS_BUCKETS, registry=self.registry)
         self.loss = Gauge("dflash_train_loss", "Training loss of the last step", registry=self.registry)
@@ -124,9 +123,12 @@ class ServiceMetrics:
             gauge.set(math.nan)
         for position in range(1, block_size):
             self.accuracy.labels(position=str(position)).set(math.nan)
-        for device in drafter_devices:
-            self.step_seconds.labels(device=device)
+        host.on_engine_created(self._engine_created)
         self.registry.register(_EngineCollector(host, store, job_running))
+
+    def _engine_created(self, engine) -> None:
+        for device in engine.config.drafter_devices:  # a series per device from the first scrape on
+            self.step_seconds.labels(device=device)
 
     def observe_step(self, stats) -> None:
         for device, seconds in stats.seconds_per_device.items():

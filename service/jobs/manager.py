@@ -27,6 +27,9 @@ log = logging.getLogger("dflash.jobs")
 # A job during which the daemon died this many times is failed instead of resumed again (a job that
 # kills the process, e.g. through host OOM, would otherwise crash-loop the daemon forever).
 MAX_CRASH_RESUMES = 5
+# A submission that arrives while torch is still being imported waits this long for the engine object
+# (it validates shapes against it); importing takes seconds, not minutes.
+ENGINE_CREATE_TIMEOUT = 120.0
 
 
 class JobNotFound(KeyError):
@@ -147,10 +150,14 @@ class JobManager:
             raise Unavailable("the daemon is shutting down; submit again after it restarted")
         if self.host.failed:
             raise Unavailable(f"the engine failed to start ({self.host.error}); fix the daemon's config and restart it")
+        engine = self.host.wait_engine(ENGINE_CREATE_TIMEOUT)
+        if engine is None:
+            raise Unavailable(self.host.error and f"the engine failed to start ({self.host.error})"
+                              or "the engine is still starting; try again in a moment")
         job_id = f"job-{uuid.uuid4().hex[:12]}"
         train_job = to_train_job(spec, job_id=job_id, data_dir=self.config.data_dir,
                                  dataset_roots=self._dataset_roots, output_roots=self._output_roots)
-        self._validate_with_engine(train_job)
+        self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
         for other in self.store.list_jobs(state=PENDING) + self.store.list_jobs(state=RUNNING):
             if other.output_dir == out:
@@ -165,11 +172,11 @@ class JobManager:
                 self._wake.notify_all()
         return job, created
 
-    def _validate_with_engine(self, train_job) -> None:
+    def _validate_with_engine(self, engine, train_job) -> None:
         from dflash_core.engine import JobValidationError
 
         try:
-            self.host.engine.validate_job(train_job)
+            engine.validate_job(train_job)
         except JobValidationError as e:
             message = str(e)
             prefix = f"{e.field}: "

@@ -23,6 +23,14 @@ class SpecError(ValueError):
         super().__init__(f"{field_name}: {message}")
 
 
+class InvalidSpec(ValueError):
+    """A spec that fails validation: every problem as {field, message}."""
+
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
 class JobSpec(BaseModel):
     """A training job as submitted over HTTP (POST /jobs). Unknown fields are rejected, so a typo
     never silently falls back to a default."""
@@ -106,19 +114,13 @@ def spec_errors(err: ValidationError) -> list[dict[str, str]]:
 
 
 def parse_spec(body: Any) -> JobSpec:
-    """Validate a decoded JSON body; raises SpecErrors (list) via InvalidSpec."""
+    """Validate a decoded JSON body; raises InvalidSpec listing every problem."""
     if not isinstance(body, dict):
         raise InvalidSpec([{"field": "body", "message": f"expected a JSON object, got {type(body).__name__}"}])
     try:
         return JobSpec.model_validate(body)
     except ValidationError as e:
         raise InvalidSpec(spec_errors(e)) from None
-
-
-class InvalidSpec(ValueError):
-    def __init__(self, errors: list[dict[str, str]]):
-        self.errors = errors
-        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
 
 
 # --------------------------------------------------------------------------- paths

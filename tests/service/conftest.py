@@ -8,15 +8,17 @@ from tests.service.harness import Daemon, write_config
 
 @pytest.fixture(scope="module")
 def make_daemon(tmp_path_factory):
-    """Factory: make_daemon(auth_token=None, warmup_delay=0.0) -> a started Daemon (not yet ready)."""
+    """Factory: make_daemon(auth_token=, warmup_delay=, engine={...}) -> a started Daemon (not yet ready)."""
     started: list[Daemon] = []
 
-    def make(*, auth_token: str | None = None, warmup_delay: float = 0.0, start: bool = True) -> Daemon:
+    def make(*, auth_token: str | None = None, warmup_delay: float = 0.0, engine: dict | None = None,
+             start: bool = True) -> Daemon:
         root = tmp_path_factory.mktemp("daemon")
         data_dir = root / "data"
         workdir = root / "cwd"
         workdir.mkdir()
-        config = write_config(root / "dflash.toml", data_dir, auth_token=auth_token, warmup_delay=warmup_delay)
+        config = write_config(root / "dflash.toml", data_dir, auth_token=auth_token, warmup_delay=warmup_delay,
+                              engine=engine)
         daemon = Daemon(config, data_dir, workdir)
         started.append(daemon)
         return daemon.start() if start else daemon

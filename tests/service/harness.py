@@ -3,6 +3,7 @@ on a free 127.0.0.1 port, with a temporary data dir, the real engine on CPU and 
 default target. Nothing of ours is mocked."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,11 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None, warmup_delay: float = 0.0) -> Path:
+def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None, warmup_delay: float = 0.0,
+                 engine: dict[str, Any] | None = None) -> Path:
     lines = [f'data_dir = "{data_dir}"']
     if auth_token:
         lines.append(f'auth_token = "{auth_token}"')
     lines += ["", "[engine]", f"warmup_delay_seconds = {warmup_delay}"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in (engine or {}).items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -110,8 +113,6 @@ class Daemon:
         return self.wait_job(job_id, lambda j: j["state"] in TERMINAL, timeout)
 
     def events(self, job_id: str, **params: Any) -> list[dict[str, Any]]:
-        import json
-
         r = self.http.get(f"/jobs/{job_id}/events", params=params)
         assert r.status_code == 200, r.text
         return [json.loads(line) for line in r.text.splitlines() if line.strip()]

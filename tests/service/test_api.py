@@ -271,3 +271,19 @@ def test_livez_and_no_files_in_cwd(daemon):
     r = daemon.http.get("/livez")
     assert r.status_code == 200 and r.json()["status"] == "alive"
     assert list(daemon.workdir.iterdir()) == []
+
+
+def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
+    bad = daemon.data_dir / "broken.jsonl"
+    good_line = (daemon.data_dir / "defaults" / "v1" / "train.jsonl").read_text().splitlines()[0]
+    bad.write_text(good_line + "\n{this is not json\n")
+    job = daemon.submit({"datasets": ["broken.jsonl"], "steps": 2})
+    failed = daemon.wait_terminal(job["id"])
+    assert failed["state"] == "FAILED"
+    assert "broken.jsonl:2" in failed["error"] and "JSON" in failed["error"]
+    assert daemon.events(job["id"])[-1]["error"] == failed["error"]
+    # skip_bad_lines trains on what is readable and says how much it skipped
+    job = daemon.submit({"datasets": ["broken.jsonl"], "steps": 2, "skip_bad_lines": True})
+    assert daemon.wait_terminal(job["id"])["state"] == "SUCCEEDED"
+    skipped = [e for e in daemon.events(job["id"]) if e["kind"] == "skipped_lines"]
+    assert skipped and skipped[0]["count"] == 1

@@ -74,3 +74,20 @@ def test_post_without_token_is_401(warming_daemon):
     assert d.http.get("/metrics").status_code == 200
     assert d.http.get("/healthz").status_code in (200, 503)
     d.wait_terminal(job_id)
+
+
+def test_engine_that_cannot_start_reports_failed(make_daemon, tmp_path):
+    d = make_daemon(engine={"target_path": str(tmp_path / "no-such-model")})
+    deadline = time.monotonic() + 60
+    while (body := d.http.get("/healthz").json())["status"] != "failed":
+        assert body["status"] in ("starting", "warming")
+        assert time.monotonic() < deadline, body
+        time.sleep(0.1)
+    r = d.http.get("/healthz")
+    assert r.status_code == 503
+    assert "no-such-model" in r.json()["error"] and r.json()["phase"].startswith("failed during")
+    assert d.http.get("/livez").status_code == 503  # a supervisor should restart (or page), not wait forever
+    r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 2})
+    assert r.status_code == 503 and "engine failed" in r.json()["detail"]
+    metrics = d.http.get("/metrics")
+    assert metrics.status_code == 200 and "dflash_ready 0.0" in metrics.text

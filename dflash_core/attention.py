@@ -119,10 +119,11 @@ class FlexAttention:
         return fn(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str):
+def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, compiled: bool = False):
+    """BlockMask of one micro-batch; compiled, the [Q, KV] grid is never materialized."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=compiled)
 
 
 def training_attention(
@@ -134,6 +135,7 @@ def training_attention(
     block_size: int,
     *,
     compiled: bool = True,
+    compiled_mask: bool = False,
 ):
     """Build the attention callable for one micro-batch ("flex", "dense" or "dense_chunked")."""
     mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size)
@@ -144,5 +146,5 @@ def training_attention(
     if kind == "dense_chunked":
         return ChunkedDenseAttention(dense_mask(mask_mod, q_len, kv_len, doc_ids.device))
     if kind == "flex":
-        return FlexAttention(build_block_mask(mask_mod, q_len, kv_len, doc_ids.device), compiled=compiled)
+        return FlexAttention(build_block_mask(mask_mod, q_len, kv_len, doc_ids.device, compiled_mask), compiled=compiled)
     raise ValueError(f"unknown attention kind {kind!r}; expected 'flex', 'dense' or 'dense_chunked'")

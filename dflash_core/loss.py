@@ -10,28 +10,49 @@ from __future__ import annotations
 import torch
 
 
+def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
+    """One chunk: weighted CE sum, argmax hits, and d(loss)/d(hidden) (w already normalized)."""
+    logits = (hidden @ lm_head_weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+    loss = ((lse - target_logit) * w).sum()
+    correct = logits.argmax(dim=-1) == labels
+    if not need_grad:
+        return loss, correct, None
+    probs = torch.exp(logits - lse.unsqueeze(1))
+    onehot = torch.nn.functional.one_hot(labels, logits.shape[1]).to(probs.dtype)
+    grad_logits = ((probs - onehot) * w.unsqueeze(1)).to(lm_head_weight.dtype)
+    return loss, correct, (grad_logits @ lm_head_weight).to(hidden.dtype)
+
+
+_compiled_chunk = None
+
+
+def compiled_chunk_loss():
+    """The chunk math compiled: logits cast, logsumexp, softmax gradient and scaling fuse into a
+    few passes over the [chunk, vocab] logits instead of one pass per eager op."""
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    return _compiled_chunk
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int):
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, compiled: bool):
         need_grad = ctx.needs_input_grad[0]
-        total_weight = weights.sum().clamp_min(1e-6)
+        chunk_fn = compiled_chunk_loss() if compiled else _chunk_loss_and_grad
+        w_all = weights / weights.sum().clamp_min(1e-6)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = (hidden[start:end] @ lm_head_weight.t()).float()
-            lab = labels[start:end]
-            w = weights[start:end] / total_weight
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, lab.unsqueeze(1)).squeeze(1)
-            loss = loss + ((lse - target_logit) * w).sum()
-            correct[start:end] = logits.argmax(dim=-1) == lab
+            part, hits, grad = chunk_fn(hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad)
+            loss = loss + part
+            correct[start:end] = hits
             if need_grad:
-                probs = torch.exp(logits.sub_(lse.unsqueeze(1)))  # softmax, in place of the logits
-                probs.scatter_add_(1, lab.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))
-                probs.mul_(w.unsqueeze(1))
-                grad_hidden[start:end] = (probs.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
+                grad_hidden[start:end] = grad
         if need_grad:
             ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -40,14 +61,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
 
 
 def chunked_lm_head_loss(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean CE (fp32 scalar), argmax == label per query token)."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size)
+    return _ChunkedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size, compiled)
 
 
 def reference_lm_head_loss(hidden, lm_head_weight, labels, weights):

@@ -31,14 +31,15 @@ class MicroStepResult:
 
 
 def drafter_forward(
-    drafter: DFlashDrafter, head: FrozenHead, batch: MicroBatch, features: torch.Tensor, attend
+    drafter: DFlashDrafter, head: FrozenHead, batch: MicroBatch, features: torch.Tensor, attend, forward_fn=None
 ) -> torch.Tensor:
-    """Training-time forward of all blocks: final hidden states [Q, H]."""
+    """Training-time forward of all blocks: final hidden states [Q, H]. forward_fn: a compiled
+    `drafter.forward` (same function, fused)."""
     cfg = drafter.config
     ids, positions = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
     embeds = torch.nn.functional.embedding(ids, head.embed_weight).unsqueeze(0)
     feats = features.unsqueeze(0) if features.dim() == 2 else features
-    return drafter(embeds, feats, positions, batch.position_ids, attend)[0]
+    return (forward_fn or drafter)(embeds, feats, positions, batch.position_ids, attend)[0]
 
 
 def micro_step(
@@ -51,16 +52,21 @@ def micro_step(
     gamma: float,
     chunk_size: int,
     compiled_attention: bool = True,
+    forward_fn=None,
+    compiled_loss: bool = False,
+    compiled_mask: bool = False,
 ) -> MicroStepResult:
+    """compiled_attention: flex_attention compiled on its own (when forward_fn is a compiled
+    forward, flex is compiled as part of it instead)."""
     cfg = drafter.config
     seq_len = batch.input_ids.shape[0]
     attend = training_attention(
         attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, cfg.block_size,
-        compiled=compiled_attention,
+        compiled=compiled_attention and forward_fn is None, compiled_mask=compiled_mask,
     )
-    hidden = drafter_forward(drafter, head, batch, features, attend)
+    hidden = drafter_forward(drafter, head, batch, features, attend, forward_fn)
     labels, weights = block_labels(batch, cfg.block_size, gamma)
-    loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size)
+    loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size, compiled_loss)
     n = batch.anchors.shape[0]
     return MicroStepResult(loss, correct.view(n, cfg.block_size), weights.view(n, cfg.block_size))
 

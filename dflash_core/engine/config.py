@@ -15,6 +15,7 @@ class EngineConfig:
     drafter_devices: one drafter replica per entry ("cuda:1", "cpu"); may equal the target's.
     attention: "flex" (compiled flex_attention, CUDA), "dense" (SDPA + boolean mask) or "auto".
     compile: compile the attention kernels (default: on for CUDA, off for CPU).
+    compile_scope: "step" (whole drafter forward/backward, BlockMask, loss chunks) or "attention".
     """
 
     target_path: str | None = None
@@ -28,6 +29,7 @@ class EngineConfig:
     mask_token: str | None = None  # default: the tokenizer's mask token, else "<|mask|>" added
     attention: str = "auto"
     compile: bool | None = None
+    compile_scope: str = "step"
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None

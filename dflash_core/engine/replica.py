@@ -26,7 +26,10 @@ class StepAccumulator:
 
 class DrafterReplica:
     def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
-                 compute_dtype: torch.dtype, gamma: float, chunk_size: int):
+                 compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "attention"):
+        """compile_scope (when compiled): "attention" compiles flex_attention alone; "step" also
+        compiles the whole drafter forward (and so its backward), the BlockMask construction and
+        the lm_head + CE chunks."""
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
@@ -38,6 +41,9 @@ class DrafterReplica:
         self.gamma = gamma
         self.chunk_size = chunk_size
         self.optimizer: torch.optim.Optimizer | None = None
+        self.compile_step = compiled and compile_scope == "step"
+        # Compiled separately from the module: evaluation calls the eager drafter at other shapes.
+        self.forward_fn = torch.compile(self.drafter.forward, dynamic=False) if self.compile_step else None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -71,7 +77,8 @@ class DrafterReplica:
         with self.autocast():
             res = micro_step(
                 self.drafter, self.head, batch, features, attention=self.attention, gamma=self.gamma,
-                chunk_size=self.chunk_size, compiled_attention=self.compiled,
+                chunk_size=self.chunk_size, compiled_attention=self.compiled, forward_fn=self.forward_fn,
+                compiled_loss=self.compile_step, compiled_mask=self.compile_step and self.attention == "flex",
             )
         (res.loss * loss_scale).backward()
         with torch.no_grad():

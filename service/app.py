@@ -11,6 +11,7 @@ import fcntl
 import hmac
 import json
 import logging
+import math
 import os
 import threading
 from contextlib import asynccontextmanager
@@ -122,6 +123,17 @@ def _iso(t: float | None) -> str | None:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z") if t is not None else None
 
 
+def finite(value: Any) -> Any:
+    """NaN/inf (a diverged loss) -> null, recursively: responses stay strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def job_json(job: JobRecord) -> dict[str, Any]:
     total = job.total_steps
     out = {
@@ -154,12 +166,12 @@ def job_json(job: JobRecord) -> dict[str, Any]:
     }
     if job.checkpoints is not None:
         out["checkpoints"] = [{"step": c["step"], "path": c["path"], "time": _iso(c["time"])} for c in job.checkpoints]
-    return out
+    return finite(out)
 
 
 def event_json(event: EventRecord) -> dict[str, Any]:
-    return {**event.payload, "event_id": event.id, "job_id": event.job_id, "time": event.time,
-            "kind": event.kind, "step": event.step}
+    return finite({**event.payload, "event_id": event.id, "job_id": event.job_id, "time": event.time,
+                   "kind": event.kind, "step": event.step})
 
 
 def _error(status: int, detail: str, **extra: Any) -> JSONResponse:
@@ -268,10 +280,11 @@ def create_app(config: ServiceConfig) -> FastAPI:
         return JSONResponse(job_json(job), status_code=202 if created else 200)
 
     @app.get("/jobs")
-    def list_jobs(state: str | None = Query(None, description="only jobs in this state")) -> JSONResponse:
+    def list_jobs(state: str | None = Query(None, description="only jobs in this state"),
+                  limit: int = Query(1000, ge=1, le=100_000, description="the newest this many jobs")) -> JSONResponse:
         if state is not None and state.upper() not in STATES:
             return _invalid_query("state", f"{state!r} is not one of {', '.join(STATES)}")
-        jobs = daemon.store.list_jobs(state=state.upper() if state else None)
+        jobs = daemon.store.list_jobs(state=state.upper() if state else None, limit=limit)
         return JSONResponse({"jobs": [job_json(j) for j in jobs]})
 
     @app.get("/jobs/{job_id}")

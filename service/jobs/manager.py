@@ -104,7 +104,7 @@ class JobManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        orphans = self.store.list_jobs(state=RUNNING)
+        orphans = self.store.list_jobs(state=RUNNING, limit=100)
         for job in orphans:
             log.info("job was running when the daemon stopped; it resumes once the engine is ready",
                      extra={"fields": {"job": job.id, "step": job.step, "checkpoint": job.last_checkpoint}})
@@ -159,9 +159,8 @@ class JobManager:
                                  dataset_roots=self._dataset_roots, output_roots=self._output_roots)
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
-        for other in self.store.list_jobs(state=PENDING) + self.store.list_jobs(state=RUNNING):
-            if other.output_dir == out:
-                raise JobConflict(f"output_dir {out} is in use by job {other.id} ({other.state})")
+        if (other := self.store.active_job_using(out)) is not None:
+            raise JobConflict(f"output_dir {out} is in use by job {other.id} ({other.state})")
         job, created = self.store.create_job(
             job_id=job_id, name=spec.name, submission_id=spec.submission_id, spec=spec.model_dump(mode="json"),
             fingerprint=fingerprint, train_job_json=train_job_to_json(train_job), output_dir=out,
@@ -192,7 +191,9 @@ class JobManager:
             log.info("queued job cancelled", extra={"fields": {"job": job_id}})
             return self.store.get_job(job_id)
         # RUNNING (or it started a moment ago): the engine stops it between two steps, after a checkpoint
-        self.store.request_cancel(job_id)
+        if not self.store.request_cancel(job_id):  # it ended in the meantime
+            job = self.store.get_job(job_id, with_checkpoints=False)
+            raise JobConflict(f"job {job_id} already ended ({job.state}); nothing to cancel")
         with self._current_lock:
             if self._current is not None and self._current.job_id == job_id:
                 self._current.cancel.set()

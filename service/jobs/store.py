@@ -200,18 +200,25 @@ class JobStore:
             return job
 
     def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
+        """The newest `limit` jobs (in that state), oldest first, with their queue positions."""
+        where, args = ("WHERE state = ?", [state]) if state else ("", [])
         with self._lock:
-            if state:
-                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state = ? ORDER BY seq LIMIT ?", (state, limit))
-            else:
-                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY seq LIMIT ?", (limit,))
-            jobs = [_job(r) for r in rows.fetchall()]
-        position = 0
+            rows = self._db.execute(
+                f"SELECT * FROM (SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+                (*args, limit)).fetchall()
+            pending = [seq for (seq,) in self._db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
+        jobs = [_job(r) for r in rows]
+        position = {seq: i for i, seq in enumerate(pending)}
         for job in jobs:
-            if job.state == PENDING:
-                job.queue_position = position
-                position += 1
+            job.queue_position = position.get(job.seq)
         return jobs
+
+    def active_job_using(self, output_dir: str) -> JobRecord | None:
+        """A PENDING or RUNNING job writing to this output directory."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND state IN (?, ?) LIMIT 1",
+                                   (output_dir, PENDING, RUNNING)).fetchone()
+        return _job(row) if row else None
 
     def count_by_state(self) -> dict[str, int]:
         counts = dict.fromkeys(STATES, 0)
@@ -257,10 +264,13 @@ class JobStore:
                 self._event(db, job_id, "state", None, {"state": STOPPED, "reason": "cancelled before it started"})
             return bool(cur.rowcount)
 
-    def request_cancel(self, job_id: str) -> None:
+    def request_cancel(self, job_id: str) -> bool:
+        """Flag a RUNNING job for cancellation; False if it is not RUNNING (any more)."""
         with self._tx() as db:
-            db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
-            self._event(db, job_id, "cancel_requested", None, {})
+            cur = db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ? AND state = ?", (job_id, RUNNING))
+            if cur.rowcount:
+                self._event(db, job_id, "cancel_requested", None, {})
+            return bool(cur.rowcount)
 
     def mark_interrupted(self, job_id: str, step: int) -> None:
         """Graceful shutdown: the job stays RUNNING (resumable) with its checkpoint."""

@@ -60,6 +60,8 @@ class EngineSettings(BaseModel):
     mask_token: str | None = None
     attention: Literal["auto", "flex", "dense"] = "auto"
     compile: bool | None = None
+    compile_scope: Literal["step", "attention"] | None = Field(
+        None, description="what torch.compile covers on CUDA: the whole drafter step or only attention")
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")
@@ -95,7 +97,9 @@ class EngineSettings(BaseModel):
             shape = ShapeConfig(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size)
         except ValueError as e:
             raise ConfigError(f"engine: {e}") from None
+        optional = {"compile_scope": self.compile_scope} if self.compile_scope is not None else {}
         return EngineConfig(
+            **optional,
             target_path=str(self.target_path) if self.target_path else None,
             target_devices=list(self.target_devices or auto_target),
             drafter_devices=list(self.drafter_devices or auto_drafter),

@@ -155,12 +155,15 @@ def main(argv=None):
             traceback.print_exc()
             res = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         rows.append(res)
+        print(json.dumps(res), flush=True)
+        (out_dir() / "drafter_step_rows.json").write_text(json.dumps(rows, indent=1))  # survives a timeout
         gc.collect()
         torch.cuda.empty_cache()
     if args.profile:
         profile(first_rep, batch, feats)
     opt_ms, n_params = bench_optimizer(first_rep)
     first_rep.zero_grad()
+    print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
     flat = flatness(first_rep, batch, feats, args.flat_steps)
     base = {r["variant"]: r.get("median_ms") for r in rows}
     for r in rows:

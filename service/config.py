@@ -49,6 +49,7 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target_path: Path | None = Field(None, description="HF checkpoint dir of the target; unset = embedded tiny target")
+    target_random_init: bool = Field(False, description="the target_path architecture with random weights (benchmarks, dry runs)")
     target_devices: list[typing.Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(None, min_length=1)
     drafter_devices: list[typing.Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(None, min_length=1)
     seq_len: int | None = Field(None, ge=2)
@@ -101,6 +102,7 @@ class EngineSettings(BaseModel):
         return EngineConfig(
             **optional,
             target_path=str(self.target_path) if self.target_path else None,
+            target_random_init=self.target_random_init,
             target_devices=list(self.target_devices or auto_target),
             drafter_devices=list(self.drafter_devices or auto_drafter),
             shape=shape,

@@ -1,0 +1,145 @@
+"""The daemon on the GPU machine with a Qwen3-8B-shaped random-weight target.
+
+    python -m bench.daemon_gpu [--anchors 256] [--steps 100] [--prometheus BIN]
+
+Starts `dflash-trainer serve` (target on cuda:0, drafter on cuda:1; colocated on cuda:0 with one
+GPU) with a cold inductor cache and measures time to /healthz 200; runs one job; keeps /metrics;
+stops it (SIGTERM) and starts it again on the warm cache to measure time to ready once more.
+Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
+optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(config: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float, list[str]]:
+    t0, phases = time.time(), []
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}")
+        try:
+            r = httpx.get(url + "/healthz", timeout=2)
+            body = r.json()
+            phase = f"{body.get('status')}:{body.get('phase', '')}:{body.get('drafters_ready', '')}"
+            if not phases or phases[-1] != phase:
+                phases.append(phase)
+            if r.status_code == 200:
+                return time.time() - t0, phases
+            if body.get("status") == "failed":
+                raise RuntimeError(f"warmup failed: {body.get('error')}")
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError("daemon not ready in time")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def main(argv=None):
+    import torch
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--anchors", type=int, default=256, help="512 = recipe density at S=3072; 256 = 1 anchor per 12 tokens")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--colocated", action="store_true")
+    args = p.parse_args(argv)
+    work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
+    work.mkdir(parents=True, exist_ok=True)
+    target = write_target_dir(work / "target", QWEN3_8B)
+    gpus = torch.cuda.device_count()
+    drafter_dev = "cuda:1" if gpus >= 2 and not args.colocated else "cuda:0"
+    port = free_port()
+    config = work / "config.toml"
+    config.write_text(f"""
+port = {port}
+data_dir = "{work / 'data'}"
+
+[engine]
+target_path = "{target}"
+target_random_init = true
+target_devices = ["cuda:0"]
+drafter_devices = ["{drafter_dev}"]
+seq_len = 3072
+num_anchors = {args.anchors}
+block_size = 16
+drafter_layers = {args.layers}
+target_layer_ids = [1, 9, 17, 25, 33]
+inductor_cache_dir = "{work / 'inductor'}"
+""")
+    url = f"http://127.0.0.1:{port}"
+    out = out_dir()
+    rows, record = [], {"args": vars(args), "drafter_device": drafter_dev}
+    for phase in ("cold", "warm"):
+        proc = start(config, out / f"daemon_{phase}.log")
+        try:
+            ready_s, phases = wait_ready(url, proc, args.timeout)
+            row = {"cache": phase, "ready_s": round(ready_s, 1)}
+            record[f"phases_{phase}"] = phases
+            if phase == "cold":
+                job = httpx.post(url + "/jobs", json={"name": "gpu-100", "datasets": ["builtin://train"], "steps": args.steps,
+                                                       "checkpoint_interval": 50, "learning_rate": 6e-4}, timeout=10).json()
+                steps = []
+                with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
+                    for line in r.iter_lines():
+                        if line.strip():
+                            ev = json.loads(line)
+                            if ev.get("kind") == "step":
+                                steps.append(ev["payload"] if "payload" in ev else ev)
+                final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
+                record["job"] = final
+                secs = [s.get("step_seconds") for s in steps[10:] if s.get("step_seconds")]
+                toks = [s.get("context_tokens") for s in steps[10:] if s.get("context_tokens")]
+                row.update(state=final.get("state"), steps=len(steps),
+                           step_ms=round(1000 * statistics.median(secs), 1) if secs else None,
+                           tokens_per_s=round(sum(toks) / sum(secs)) if secs else None)
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            (out / f"metrics_{phase}.txt").write_text(metrics)
+            for line in metrics.splitlines():
+                if line.startswith(("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")):
+                    key, val = line.rsplit(" ", 1)
+                    row[key.replace("dflash_", "")] = round(float(val) / 2**30, 2) if "bytes" in key else float(val)
+            rows.append(row)
+        finally:
+            stop(proc)
+    record["rows"] = rows
+    (out / "daemon_gpu.json").write_text(json.dumps(record, indent=1, default=str))
+    print(json.dumps(record.get("phases_cold")), json.dumps(record.get("phases_warm")))
+    cols = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("cache", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k))
+    print_table(rows, cols)
+
+
+if __name__ == "__main__":
+    main()

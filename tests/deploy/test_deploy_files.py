@@ -1,0 +1,357 @@
+"""The deployment files under docker/ hang together: compose and k8s YAML parse and reference files that
+exist, ports and paths agree across Dockerfile, compose, Prometheus, Grafana and k8s, the probes hit the
+daemon's real endpoints, and the dashboard reads exactly the metric contract (DESIGN.md section 6).
+No Docker or cluster needed; the Prometheus-backed check is test_dashboard_prometheus.py."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.panels_check import (DASHBOARD, SHIPPED_PROMETHEUS_CONFIG, dashboard_targets, find_promtool,
+                                       iter_panels, metric_families)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKER = REPO_ROOT / "docker"
+K8S = DOCKER / "k8s"
+
+# DESIGN.md section 6, the names as exported (counters with _total)
+CONTRACT_METRICS = {
+    "dflash_ready", "dflash_drafters_ready", "dflash_drafters_total", "dflash_warmup_seconds", "dflash_compiles_total",
+    "dflash_train_tokens_total", "dflash_train_tokens_per_second", "dflash_train_step_seconds", "dflash_train_loss",
+    "dflash_train_accuracy", "dflash_train_expected_acceptance_length", "dflash_eval_acceptance_length",
+    "dflash_queue_depth", "dflash_jobs", "dflash_cuda_allocated_bytes", "dflash_cuda_reserved_bytes",
+    "dflash_cuda_active_bytes", "dflash_cuda_inactive_split_bytes", "dflash_cuda_peak_reserved_bytes",
+    "dflash_cuda_alloc_retries_total", "dflash_cuda_ooms_total",
+}
+
+
+# --------------------------------------------------------------------------- Dockerfile
+def dockerfile_instructions(path: Path = DOCKER / "Dockerfile") -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out, buf = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def instruction(name: str) -> list[str]:
+    return [args for word, args in dockerfile_instructions() if word == name]
+
+
+def exec_form(args: str) -> list[str]:
+    return json.loads(args) if args.startswith("[") else shlex.split(args)
+
+
+def dockerfile_env() -> dict[str, str]:
+    env = {}
+    for args in instruction("ENV"):
+        for token in shlex.split(args):
+            key, _, value = token.partition("=")
+            env[key] = value
+    return env
+
+
+def healthcheck() -> tuple[dict[str, str], list[str]]:
+    (args,) = instruction("HEALTHCHECK")
+    options, _, command = args.partition("CMD")
+    flags = dict(re.findall(r"--([\w-]+)=(\S+)", options))
+    return flags, exec_form(command.strip())
+
+
+def url_paths(text: str) -> list[str]:
+    return re.findall(r"https?://[^/\s'\"]+(/[\w/.-]*)", text)
+
+
+def seconds(duration: str) -> float:
+    total = 0.0
+    for value, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration):
+        total += float(value) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    return total
+
+
+def test_dockerfile_base_user_entrypoint_volume_port():
+    (base_arg,) = [a for a in instruction("ARG") if a.startswith("BASE_IMAGE=")]
+    assert "pytorch/pytorch" in base_arg and "cuda" in base_arg
+    assert instruction("FROM") == ["${BASE_IMAGE}"]
+    (user,) = instruction("USER")
+    assert user not in ("root", "0")
+    assert exec_form(instruction("ENTRYPOINT")[0]) == ["dflash-trainer", "serve"]
+    env = dockerfile_env()
+    data_dir = env["DFLASH_DATA_DIR"]
+    volumes = [v for args in instruction("VOLUME") for v in exec_form(args)]
+    assert data_dir in volumes  # the job store, checkpoints and <data_dir>/inductor-cache persist
+    assert instruction("EXPOSE") == [env["DFLASH_PORT"]]
+    assert env["DFLASH_HOST"] == "0.0.0.0"  # reachable from outside the container
+
+
+def test_dockerfile_copies_only_existing_paths_that_the_dockerignore_keeps():
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text()
+    for args in instruction("COPY"):
+        *sources, _dest = shlex.split(args)
+        for src in sources:
+            assert (REPO_ROOT / src).exists(), src
+            assert f"!{src.rstrip('/')}" in ignore, f"{src} is excluded from the build context"
+
+
+def test_dockerfile_healthcheck_hits_the_probe_path_on_the_daemon_port():
+    flags, command = healthcheck()
+    paths = url_paths(" ".join(command))
+    assert paths == ["/healthz"]
+    assert "DFLASH_PORT" in " ".join(command)
+    probes = k8s_container()
+    assert probes["startupProbe"]["httpGet"]["path"] == paths[0]
+    assert probes["readinessProbe"]["httpGet"]["path"] == paths[0]
+    assert probes["livenessProbe"]["httpGet"]["path"] == "/livez"
+    # the start period covers a cold warmup, as long as the k8s startup probe allows
+    start_period = seconds(flags["start-period"])
+    assert start_period >= 600
+    startup = probes["startupProbe"]
+    k8s_window = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
+    assert k8s_window >= start_period
+
+
+def test_the_probed_endpoints_exist_in_the_app():
+    source = (REPO_ROOT / "service" / "app.py").read_text()
+    for path in ("/healthz", "/livez", "/metrics"):
+        assert f'@app.get("{path}")' in source
+
+
+# --------------------------------------------------------------------------- compose
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def bind_mounts(service: dict) -> dict[str, str]:
+    """container path -> host source, for bind mounts (short syntax with a path source)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            if volume.get("type") == "bind":
+                out[volume["target"]] = volume["source"]
+            continue
+        source, target = volume.split(":")[:2]
+        if source.startswith((".", "/", "~")):
+            out[target] = source
+    return out
+
+
+def test_compose_parses_and_its_files_exist():
+    services = compose()["services"]
+    assert set(services) >= {"dflash", "prometheus", "grafana"}
+    build = services["dflash"]["build"]
+    context = (DOCKER / build["context"]).resolve()
+    assert context == REPO_ROOT
+    assert (context / build["dockerfile"]).is_file()
+    for name, service in services.items():
+        for target, source in bind_mounts(service).items():
+            assert (DOCKER / source).exists(), f"{name}: {source} (mounted at {target}) does not exist"
+    named = {v.split(":")[0] for s in services.values() for v in s.get("volumes", []) if isinstance(v, str)
+             and not v.startswith((".", "/", "~"))}
+    assert named <= set(compose().get("volumes") or {}), "named volumes must be declared"
+
+
+def test_compose_daemon_gpu_volume_config():
+    service = compose()["services"]["dflash"]
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in device["capabilities"] and device["driver"] == "nvidia"
+    data_dir = dockerfile_env()["DFLASH_DATA_DIR"]
+    assert any(v.split(":")[1] == data_dir for v in service["volumes"] if not v.startswith((".", "/")))
+    # the config file passed to `serve` is the one mounted, and the daemon accepts it
+    args = service["command"]
+    config_in_container = args[args.index("--config") + 1]
+    config = DOCKER / bind_mounts(service)[config_in_container]
+    load_daemon_config(config)
+    assert seconds(service["stop_grace_period"]) > 120  # the daemon's default shutdown_timeout_seconds
+
+
+def load_daemon_config(path: Path):
+    from service.config import load_config
+
+    return load_config(path, env={"HOME": "/nonexistent"})
+
+
+def test_compose_prometheus_scrapes_the_daemon_every_5s():
+    services = compose()["services"]
+    prometheus = services["prometheus"]
+    mounts = bind_mounts(prometheus)
+    config_arg = next(a for a in prometheus["command"] if a.startswith("--config.file="))
+    config_path = DOCKER / mounts[config_arg.split("=", 1)[1]]
+    assert config_path.resolve() == SHIPPED_PROMETHEUS_CONFIG.resolve()
+    config = yaml.safe_load(config_path.read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "dflash-trainer"]
+    assert job["scrape_interval"] == "5s"
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    (target,) = [t for sc in job["static_configs"] for t in sc["targets"]]
+    assert target == f"dflash:{instruction('EXPOSE')[0]}"
+    # Prometheus starts with the daemon (it must scrape the warmup); Grafana waits for a healthy Prometheus
+    assert "dflash" in prometheus["depends_on"]
+    assert prometheus["healthcheck"]["test"]
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_compose_grafana_provisioning_shows_the_dashboard():
+    grafana = compose()["services"]["grafana"]
+    mounts = bind_mounts(grafana)
+    provisioning = {t: DOCKER / s for t, s in mounts.items() if t.startswith("/etc/grafana/provisioning")}
+    datasources = provisioning["/etc/grafana/provisioning/datasources"]
+    providers = provisioning["/etc/grafana/provisioning/dashboards"]
+
+    (ds_file,) = datasources.glob("*.yaml")
+    (ds,) = yaml.safe_load(ds_file.read_text())["datasources"]
+    assert ds["type"] == "prometheus" and ds["isDefault"] is True
+    assert ds["url"] == "http://prometheus:9090"
+    assert seconds(ds["jsonData"]["timeInterval"]) == 5
+
+    (provider_file,) = providers.glob("*.yaml")
+    (provider,) = yaml.safe_load(provider_file.read_text())["providers"]
+    dashboards_in_container = provider["options"]["path"]
+    dashboards_on_host = DOCKER / mounts[dashboards_in_container]
+    assert (dashboards_on_host / DASHBOARD.name).resolve() == DASHBOARD.resolve()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent == Path(dashboards_in_container) and (dashboards_on_host / Path(home).name).is_file()
+
+
+# --------------------------------------------------------------------------- k8s
+def k8s_documents() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def k8s_kind(kind: str) -> list[dict]:
+    return [d for d in k8s_documents() if d["kind"] == kind]
+
+
+def k8s_container() -> dict:
+    (deployment,) = k8s_kind("Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_k8s_manifests_parse_and_kustomization_lists_them():
+    (kustomization,) = k8s_kind("Kustomization")
+    listed = set(kustomization["resources"])
+    for resource in listed:
+        assert (K8S / resource).is_file(), resource
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == manifests
+    kinds = {d["kind"] for d in k8s_documents()}
+    assert kinds >= {"Deployment", "Service", "PersistentVolumeClaim", "ConfigMap"}
+    for doc in k8s_documents():
+        assert doc.get("apiVersion") and (doc["kind"] == "Kustomization" or doc["metadata"]["name"])
+
+
+def test_k8s_deployment_wiring():
+    (deployment,) = k8s_kind("Deployment")
+    pod = deployment["spec"]["template"]
+    container = k8s_container()
+    (port,) = container["ports"]
+    assert port["containerPort"] == int(instruction("EXPOSE")[0])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] in (port["name"], port["containerPort"])
+    # GPUs, non-root, time to checkpoint on SIGTERM
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 120
+    # Prometheus scrape annotations point at the container port and /metrics
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == port["containerPort"]
+    assert annotations["prometheus.io/path"] == "/metrics"
+    # selectors match the pod
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (service,) = k8s_kind("Service")
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] in (port["name"], port["containerPort"])
+
+
+def test_k8s_volumes_pvc_and_config(tmp_path):
+    pod = k8s_kind("Deployment")[0]["spec"]["template"]["spec"]
+    container = k8s_container()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    data = volumes[mounts[dockerfile_env()["DFLASH_DATA_DIR"]]]
+    assert data["persistentVolumeClaim"]["claimName"] in {p["metadata"]["name"] for p in k8s_kind("PersistentVolumeClaim")}
+    args = container["args"]
+    config_file = Path(args[args.index("--config") + 1])
+    config_volume = volumes[mounts[str(config_file.parent)]]
+    (configmap,) = [c for c in k8s_kind("ConfigMap") if c["metadata"]["name"] == config_volume["configMap"]["name"]]
+    text = configmap["data"][config_file.name]
+    (tmp_path / config_file.name).write_text(text)
+    load_daemon_config(tmp_path / config_file.name)  # the daemon accepts the ConfigMap's file
+
+
+# --------------------------------------------------------------------------- dashboard (static)
+def test_dashboard_structure():
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = list(iter_panels(dashboard["panels"]))
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"datasource", "instance", "device"} <= set(variables)
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel.get("description"), f"{panel['title']}: the README and the panel's (i) explain each panel"
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert 'instance=~"$instance"' in target["expr"], f"{panel['title']}: not filtered by $instance"
+    # every panel reading per-device metrics follows the device variable (a total over all devices need not)
+    for target in dashboard_targets(dashboard):
+        if "(total)" in target.panel:
+            continue
+        if target.metrics & {"dflash_train_tokens_total", "dflash_train_step_seconds", "dflash_warmup_seconds"} or target.cuda_only:
+            assert 'device=~"$device"' in target.expr, f"{target.panel}: not filtered by $device"
+
+
+def test_dashboard_reads_exactly_the_metric_contract():
+    used = set().union(*(t.metrics for t in dashboard_targets(json.loads(DASHBOARD.read_text()))))
+    assert used - CONTRACT_METRICS == set(), "metrics outside DESIGN.md section 6"
+    assert CONTRACT_METRICS - used == set(), "contract metrics without a panel"
+
+
+def test_runtime_compiles_alert_threshold():
+    """Runtime compiles should be flat zero; any value >= 1 turns the panels red."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    compile_panels = [p for p in iter_panels(dashboard["panels"])
+                      if any('phase="runtime"' in t["expr"] for t in p.get("targets", []))]
+    assert len(compile_panels) >= 2  # the stat and the time series
+    for panel in compile_panels:
+        steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        assert steps[0]["color"] == "green" and {"color": "red", "value": 1} in steps, panel["title"]
+    (series,) = [p for p in compile_panels if p["type"] == "timeseries"]
+    assert series["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] in ("line+area", "area")
+
+
+def test_metric_families_maps_histogram_series():
+    assert metric_families('rate(dflash_train_step_seconds_bucket{a="b"}[1m]) / dflash_train_tokens_total') == {
+        "dflash_train_step_seconds", "dflash_train_tokens_total"}
+
+
+# --------------------------------------------------------------------------- promtool
+def test_promtool_accepts_the_shipped_prometheus_config():
+    promtool = find_promtool()
+    if promtool is None:
+        pytest.skip("no promtool (Debian package `prometheus`, which .ci/run installs; or set PROMTOOL_BIN)")
+    r = subprocess.run([promtool, "check", "config", str(SHIPPED_PROMETHEUS_CONFIG)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr

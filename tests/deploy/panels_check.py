@@ -387,6 +387,7 @@ class Scraped:
     http: httpx.Client  # the daemon's API
     daemon: Daemon | None  # None when checking a daemon started elsewhere
     job_id: str | None
+    at: float  # evaluate queries at this instant: shortly after the job ended and was scraped
 
 
 @contextmanager
@@ -421,10 +422,11 @@ def scraped_daemon(*, prometheus_bin: str, config: Path | None = None, data_dir:
             state = _wait_terminal(http, job_id, job_timeout, daemon)
             print(f"job {job_id} {state}", file=out)
             assert state == "SUCCEEDED", f"job {job_id} ended {state}"
-            # scrapes after the job ended: the counters' final values and the eval gauge are in
-            prom.wait_for('dflash_jobs{state="SUCCEEDED"} >= 1', timeout=30, what="a scrape after the job")
-            time.sleep(2.5)
-        yield Scraped(prom, http, daemon, job_id)
+            # two scrapes after the job ended: the counters' final values and the eval gauge are in
+            ended = time.time()
+            prom.wait_for(f"timestamp(dflash_ready) > {ended + 1:.3f}", timeout=60, what="scrapes after the job")
+            time.sleep(0.5)
+        yield Scraped(prom, http, daemon, job_id, at=time.time())
 
 
 def start_daemon(workdir: Path, *, config: Path | None = None, data_dir: Path | None = None,
@@ -496,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     job = None if args.no_job else (json.loads(args.job.read_text()) if args.job else CHECK_JOB)
     with scraped_daemon(prometheus_bin=args.prometheus, config=args.config, data_dir=args.data_dir, url=args.url,
                         job=job, ready_timeout=args.ready_timeout, job_timeout=args.job_timeout) as scraped:
-        report = check_panels(load_dashboard(args.dashboard), scraped.prom)
+        report = check_panels(load_dashboard(args.dashboard), scraped.prom, at=scraped.at)
     print(report.table())
     return 0 if not report.failures else 1
 

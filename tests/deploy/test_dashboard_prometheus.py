@@ -46,7 +46,7 @@ def scraped(daemon, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(scraped):
-    return check_panels(load_dashboard(), scraped.prom)
+    return check_panels(load_dashboard(), scraped.prom, at=scraped.at)
 
 
 def test_docker_healthcheck_command_fails_while_warming_and_passes_when_ready(daemon):
@@ -105,7 +105,7 @@ def test_the_check_reports_missing_and_nan_data(scraped):
         {"refId": "D", "expr": 'dflash_cuda_no_such_bytes{instance=~"$instance", device=~"$device"}'},
     ]
     dashboard["panels"] = [panel]
-    report = check_panels(dashboard, scraped.prom)
+    report = check_panels(dashboard, scraped.prom, at=scraped.at)
     status = {r.target.ref_id: r.status for r in report.results}
     assert status["A"] == "NO DATA"
     assert status["B"] == "NO FINITE VALUE"

@@ -127,14 +127,17 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Deterministic init (normal linears, unit norms), identical for every replica."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Deterministic init (normal linears, unit norms) drawn on the parameters' device (a
+        billion CPU draws take tens of seconds). Values depend on seed and device type; replicas
+        are made identical by copying one replica's weights, not by drawing again."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+                    p.normal_(0.0, std, generator=gen)
 
     def forward(
         self,

@@ -75,9 +75,12 @@ def speculative_generate(
         accepted = 0
         while accepted < b - 1 and draft[accepted] == posterior[accepted]:
             accepted += 1
-        out += draft[:accepted] + [posterior[accepted]]
+        new_tokens = draft[:accepted] + [posterior[accepted]]
+        out += new_tokens
         feats = full_feats[: len(out) - 1]
         lengths.append(accepted + 1)
+        if stop_token_ids.intersection(new_tokens):  # generation ended inside this block
+            break
     gen = out[len(prompt):][:max_new_tokens]
     for i, t in enumerate(gen):
         if t in stop_token_ids:
@@ -137,3 +140,47 @@ def evaluate_acceptance(
     finally:
         drafter.train(was_training)
     return result
+
+
+def evaluate_checkpoint(
+    checkpoint: str, prompts: str, *, target_path: str | None = None, device: str = "cpu", max_prompts: int = 32,
+    max_new_tokens: int = 64, data_dir: str | None = None, check_lossless: bool = False,
+) -> dict:
+    """Load a drafter checkpoint and its target, measure tau on a JSONL of conversations.
+
+    The target defaults to the one recorded in the checkpoint's metadata (or the embedded default).
+    With check_lossless, every speculative output is compared with target-only greedy decoding.
+    """
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .checkpoint import load_drafter, read_metadata
+    from .data.conversations import read_conversations
+
+    if target_path is None:
+        target_path = read_metadata(checkpoint).get("target")
+    if target_path is None or not Path(target_path).exists():
+        from .defaults import ensure_default_assets
+
+        target_path = str(ensure_default_assets(data_dir or Path.home() / ".local/share/dflash-trainer").target)
+    drafter = load_drafter(checkpoint, device)
+    target = TargetModel(target_path, drafter.config.target_layer_ids, device)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    convs = list(read_conversations(prompts))[:max_prompts]
+    result = evaluate_acceptance(target, drafter, tokenizer, convs, max_new_tokens=max_new_tokens)
+    summary = result.summary()
+    summary["per_prompt"] = [
+        {"prompt": s["prompt"][-60:], "acceptance_length": round(s["acceptance_length"], 2), "output": s["output"][:60]}
+        for s in result.samples
+    ]
+    if check_lossless:
+        mismatches = 0
+        for conv in convs:
+            p = prompt_ids(tokenizer, conv.messages)
+            head = target.frozen_head().to(torch.device(device), torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+            spec = speculative_generate(target, drafter, head, p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
+            mismatches += spec.tokens != greedy_generate(target, p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
+        summary["lossless_mismatches"] = mismatches
+    summary["checkpoint"], summary["target"] = str(checkpoint), str(target_path)
+    return summary

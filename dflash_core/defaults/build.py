@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(Path(__file__).parent / "assets"))
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--train-conversations", type=int, default=1500)
+    p.add_argument("--train-conversations", type=int, default=2000)
     p.add_argument("--heldout-conversations", type=int, default=64)
     args = p.parse_args(argv)
     torch.set_num_threads(2)

@@ -17,11 +17,16 @@ def _num(n: int) -> str:
     return " ".join(str(n))  # digits are separate tokens: arithmetic stays learnable
 
 
+# Task mix: mostly structured answers (counting, templates, arithmetic) that a target answers
+# the same way every time, with some copying tasks that need attention to the prompt.
+TASK_WEIGHTS = (35, 8, 6, 12, 9, 15, 15)  # count, repeat, reverse, add, spell, color, animal
+
+
 def make_example(rng: random.Random) -> tuple[str, str]:
-    kind = rng.randrange(7)
+    kind = rng.choices(range(7), weights=TASK_WEIGHTS)[0]
     if kind == 0:
         a = rng.randrange(0, 40)
-        b = a + rng.randrange(3, 12)
+        b = a + rng.randrange(5, 16)
         return f"count from {_num(a)} to {_num(b)}", " , ".join(_num(i) for i in range(a, b + 1)) + " ."
     if kind == 1:
         seq = rng.choices(WORDS, k=rng.randrange(3, 7))

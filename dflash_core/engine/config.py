@@ -15,7 +15,8 @@ class EngineConfig:
     drafter_devices: one drafter replica per entry ("cuda:1", "cpu"); may equal the target's.
     attention: "flex" (compiled flex_attention, CUDA), "dense" (SDPA + boolean mask) or "auto".
     compile: compile the attention kernels (default: on for CUDA, off for CPU).
-    compile_scope: "step" (whole drafter forward/backward, BlockMask, loss chunks) or "attention".
+    compile_scope: "attention" (flex_attention compiled, layers eager: the measured default) or
+        "step" (also the whole drafter forward/backward, BlockMask and loss chunks).
     """
 
     target_path: str | None = None
@@ -29,7 +30,7 @@ class EngineConfig:
     mask_token: str | None = None  # default: the tokenizer's mask token, else "<|mask|>" added
     attention: str = "auto"
     compile: bool | None = None
-    compile_scope: str = "step"
+    compile_scope: str = "attention"
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None

@@ -26,7 +26,6 @@ from ..blocks import expected_acceptance_length
 from ..checkpoint import load_training_state, load_weights, read_config, save_checkpoint
 from ..config import DrafterConfig, ShapeConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
-from ..drafter import DFlashDrafter
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .compile_guard import CompileGuard
@@ -259,14 +258,18 @@ class Engine:
         self._sync(rep.device)
 
     def _reset_weights(self, seed: int, init_from: str | None) -> None:
+        """Every replica gets the same starting weights: a checkpoint's, or one draw on the
+        first replica's device copied to the others."""
+        first = self.replicas[0]
         if init_from:
             state = load_weights(init_from, self.drafter_config.num_hidden_layers)
+            first.load_state(state)
         else:
-            proto = DFlashDrafter(self.drafter_config)
-            proto.init_weights(seed)
-            state = proto.state_dict()
+            first.drafter.init_weights(seed)
+        state = {k: v.detach() for k, v in first.drafter.named_parameters()}
         for rep in self.replicas:
-            rep.load_state(state)
+            if rep is not first:
+                rep.load_state(state)
             rep.zero_grad()
 
     # ------------------------------------------------------------------ validation

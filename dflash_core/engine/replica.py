@@ -33,7 +33,8 @@ class DrafterReplica:
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
-        self.drafter = DFlashDrafter(cfg).to(self.device)  # fp32 master weights
+        with torch.device(self.device):  # allocate and default-init on the device, not the CPU
+            self.drafter = DFlashDrafter(cfg)  # fp32 master weights
         self.head = head.to(self.device, compute_dtype)
         self.attention = attention
         self.compiled = compiled

@@ -1,0 +1,130 @@
+"""Acceptance-length evaluation: lossless speculative decoding, tau of untrained vs trained
+drafters, and tau against an independent, cache-free reimplementation."""
+import random
+
+import pytest
+import torch
+
+from dflash_core.config import DrafterConfig
+from dflash_core.data.conversations import read_conversations
+from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS, DEFAULT_TRAIN_STEPS
+from dflash_core.defaults.synthetic import make_example
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.engine import Engine, EngineConfig, TrainJob
+from dflash_core.evaluate import evaluate_acceptance, greedy_generate, prompt_ids, speculative_generate, stop_ids
+from dflash_core.target import TargetModel
+from dflash_core.train_step import inference_block_forward
+
+
+@pytest.fixture(scope="module")
+def engine(default_assets):
+    cfg = EngineConfig(drafter_devices=["cpu"], shape=DEFAULT_SHAPE_CPU, drafter_layers=DEFAULT_DRAFTER_LAYERS,
+                       target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
+    eng = Engine(cfg, default_assets.root.parent.parent).build()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def trained(engine, default_assets, tmp_path_factory):
+    """A drafter after the embedded default's short training job (a few CPU minutes at most)."""
+    job = TrainJob(datasets=[str(default_assets.train)], output_dir=str(tmp_path_factory.mktemp("trained")),
+                   steps=DEFAULT_TRAIN_STEPS, checkpoint_interval=DEFAULT_TRAIN_STEPS, learning_rate=3e-3)
+    engine.run_job(job)
+    return engine.replicas[0].drafter
+
+
+@pytest.fixture(scope="module")
+def untrained(engine):
+    d = DFlashDrafter(engine.drafter_config)
+    d.init_weights(seed=11)
+    return d
+
+
+@pytest.fixture(scope="module")
+def heldout(default_assets):
+    return list(read_conversations(default_assets.heldout))
+
+
+def random_prompts(tokenizer, n, seed):
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            user, _ = make_example(rng)
+        else:  # arbitrary words, not from the task templates
+            user = " ".join(rng.choices(list(tokenizer.get_vocab())[6:60], k=rng.randrange(2, 8)))
+        prompts.append(prompt_ids(tokenizer, [{"role": "user", "content": user}]))
+    return prompts
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+def test_speculative_decoding_is_lossless(engine, which, request):
+    drafter = request.getfixturevalue(which)
+    target, tok = engine.targets[0], engine.tokenizer
+    head = engine.replicas[0].head
+    stops = stop_ids(tok)
+    for prompt in random_prompts(tok, 6, seed=5):
+        spec = speculative_generate(target, drafter, head, prompt, max_new_tokens=32, stop_token_ids=stops)
+        assert spec.tokens == greedy_generate(target, prompt, max_new_tokens=32, stop_token_ids=stops)
+        assert sum(spec.acceptance_lengths) >= len(spec.tokens) - 1
+
+
+def test_untrained_tau_is_close_to_one(engine, untrained, heldout):
+    tau = evaluate_acceptance(engine.targets[0], untrained, engine.tokenizer, heldout[:16], max_new_tokens=48).acceptance_length
+    assert 1.0 <= tau < 1.3, tau
+
+
+def test_trained_tau_on_heldout_prompts(engine, trained, heldout):
+    result = evaluate_acceptance(engine.targets[0], trained, engine.tokenizer, heldout[:32], max_new_tokens=48)
+    print(f"held-out tau after {DEFAULT_TRAIN_STEPS} steps: {result.acceptance_length:.2f}")
+    assert result.acceptance_length >= 3.0, result.summary()
+
+
+def independent_tau(target: TargetModel, drafter: DFlashDrafter, embed, lm_head, tokenizer, prompt, max_new, layer_ids):
+    """Plain re-implementation: full-sequence HF forwards with output_hidden_states, no caches,
+    none of the evaluator's code."""
+    model = target.model
+    cfg: DrafterConfig = drafter.config
+
+    def run(ids):
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+        return out.logits[0], feats
+
+    logits, feats = run(prompt)
+    seq = prompt + [int(logits[-1].argmax())]
+    lengths = []
+    while len(seq) - len(prompt) < max_new and seq[-1] != tokenizer.eos_token_id:
+        a = len(seq) - 1
+        block = torch.tensor([seq[a]] + [cfg.mask_token_id] * (cfg.block_size - 1))
+        from dflash_core.train_step import FrozenHead
+
+        h = inference_block_forward(drafter, FrozenHead(embed, lm_head), feats[:a], block, a)
+        guess = (h[1:] @ lm_head.t()).argmax(-1).tolist()
+        logits, feats_all = run(seq + guess)
+        n = 0
+        for i, g in enumerate(guess):
+            if int(logits[a + i].argmax()) != g:
+                break
+            n += 1
+        added = guess[:n] + [int(logits[a + n].argmax())]
+        seq = seq + added
+        feats = feats_all
+        lengths.append(n + 1)
+        if tokenizer.eos_token_id in added:
+            break
+    return lengths
+
+
+@torch.no_grad()
+def test_tau_matches_independent_reimplementation(engine, trained, heldout):
+    target, tok = engine.targets[0], engine.tokenizer
+    head = engine.replicas[0].head
+    ours, theirs = [], []
+    for conv in heldout[:8]:
+        prompt = prompt_ids(tok, conv.messages)
+        ours += speculative_generate(target, trained, head, prompt, max_new_tokens=40, stop_token_ids=stop_ids(tok)).acceptance_lengths
+        theirs += independent_tau(target, trained, head.embed_weight, head.lm_head_weight, tok, prompt, 40, list(DEFAULT_TARGET_LAYER_IDS))
+    assert ours == theirs
+    assert sum(ours) / len(ours) == pytest.approx(sum(theirs) / len(theirs))

@@ -201,6 +201,50 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Acceptance length of a checkpoint on held-out prompts, computed in this process."""
+    from dflash_core.evaluate import evaluate_checkpoint
+
+    from .config import default_data_dir
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    prompts = args.prompts
+    if prompts.startswith("builtin://"):
+        from dflash_core.defaults import ensure_default_assets
+
+        assets = ensure_default_assets(data_dir)
+        named = {"builtin://heldout": assets.heldout, "builtin://train": assets.train}
+        if prompts not in named:
+            print(f"error: unknown builtin prompts {prompts!r}; use builtin://heldout or builtin://train", file=sys.stderr)
+            return 2
+        prompts = str(named[prompts])
+    for label, path in (("--checkpoint", Path(args.checkpoint) / "config.json"), ("--prompts", Path(prompts))):
+        if not path.exists():
+            print(f"error: {label}: {path} does not exist", file=sys.stderr)
+            return 2
+    try:
+        summary = evaluate_checkpoint(
+            args.checkpoint, prompts, target_path=args.target, device=args.device, max_prompts=args.max_prompts,
+            max_new_tokens=args.max_new_tokens, data_dir=str(data_dir), check_lossless=args.check_lossless,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"checkpoint {summary['checkpoint']}\ntarget     {summary['target']}")
+    print(f"tau (mean acceptance length) = {summary['acceptance_length']:.3f} over {summary['blocks']} blocks, "
+          f"{summary['prompts']} prompts")
+    print("accepted per block: " + "  ".join(f"{k}:{v}" for k, v in summary["histogram"].items()))
+    if "lossless_mismatches" in summary:
+        print(f"outputs differing from target-only greedy decoding: {summary['lossless_mismatches']}")
+    print(f"\n{'tau':>6}  {'prompt (end)':<40}  output (start)")
+    for row in summary["per_prompt"]:
+        print(f"{row['acceptance_length']:>6.2f}  {row['prompt'][-40:]:<40}  {row['output'][:50]}")
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 def add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=default_url(), help="daemon URL (default $DFLASH_URL or %(default)s)")
@@ -241,6 +285,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     cancel = register_client_command(sub, "cancel", cmd_cancel, "stop a queued or running job")
     cancel.add_argument("job_id", metavar="JOB_ID")
+
+    ev = sub.add_parser("eval", help="measure a checkpoint's acceptance length (tau)",
+                        description="Greedy speculative decoding with the target and a drafter checkpoint, in this "
+                        "process (no daemon): prints tau and a small table.")
+    ev.add_argument("--checkpoint", required=True, help="drafter checkpoint directory")
+    ev.add_argument("--prompts", required=True, help="JSONL conversations (prompt = up to the first assistant turn), "
+                    "or builtin://heldout")
+    ev.add_argument("--target", help="target model dir (default: the one recorded in the checkpoint, else the embedded default)")
+    ev.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
+    ev.add_argument("--max-prompts", type=int, default=32)
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--check-lossless", action="store_true", help="also compare every output with target-only greedy decoding")
+    ev.add_argument("--data-dir", help="data directory for the embedded default")
+    ev.add_argument("--json", action="store_true", help="print the raw JSON summary")
+    ev.set_defaults(handler=cmd_eval)
     return parser
 
 

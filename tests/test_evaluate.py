@@ -128,3 +128,17 @@ def test_tau_matches_independent_reimplementation(engine, trained, heldout):
         theirs += independent_tau(target, trained, head.embed_weight, head.lm_head_weight, tok, prompt, 40, list(DEFAULT_TARGET_LAYER_IDS))
     assert ours == theirs
     assert sum(ours) / len(ours) == pytest.approx(sum(theirs) / len(theirs))
+
+
+def test_eval_cli_prints_tau(engine, trained, default_assets, tmp_path, capsys):
+    from dflash_core.checkpoint import save_checkpoint
+    from service.cli import main
+
+    ckpt = save_checkpoint(tmp_path / "ckpt", trained, metadata={"target": str(default_assets.target)})
+    rc = main(["eval", "--checkpoint", str(ckpt), "--prompts", str(default_assets.heldout), "--max-prompts", "4",
+               "--max-new-tokens", "32", "--data-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    tau = float(out.split("tau (mean acceptance length) = ")[1].split()[0])
+    assert tau >= 2.0 and "accepted per block" in out
+    assert main(["eval", "--checkpoint", str(tmp_path / "missing"), "--prompts", str(default_assets.heldout)]) == 2

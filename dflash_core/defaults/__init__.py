@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
-ASSETS_VERSION = "v1"
+ASSETS_VERSION = "v2"  # bump whenever assets/ changes: data dirs keep a copy per version
 
 
 @dataclass(frozen=True)

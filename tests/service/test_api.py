@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from dflash_core.defaults import ASSETS_VERSION
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service.harness import step_numbers
@@ -97,7 +99,7 @@ def test_list_jobs(finished_job, daemon):
 
 def _outside_file(daemon) -> Path:
     outside = daemon.data_dir.parent / "outside.jsonl"
-    outside.write_text(Path(daemon.data_dir / "defaults" / "v1" / "train.jsonl").read_text().splitlines()[0] + "\n")
+    outside.write_text(Path(daemon.data_dir / "defaults" / ASSETS_VERSION / "train.jsonl").read_text().splitlines()[0] + "\n")
     return outside
 
 
@@ -275,7 +277,7 @@ def test_livez_and_no_files_in_cwd(daemon):
 
 def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
     bad = daemon.data_dir / "broken.jsonl"
-    good_line = (daemon.data_dir / "defaults" / "v1" / "train.jsonl").read_text().splitlines()[0]
+    good_line = (daemon.data_dir / "defaults" / ASSETS_VERSION / "train.jsonl").read_text().splitlines()[0]
     bad.write_text(good_line + "\n{this is not json\n")
     job = daemon.submit({"datasets": ["broken.jsonl"], "steps": 2})
     failed = daemon.wait_terminal(job["id"])

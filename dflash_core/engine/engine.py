@@ -404,6 +404,8 @@ class Engine:
                     except queue.Empty:
                         break
             producer.join(timeout=60)
+            for name in self.queue_depths:
+                self.queue_depths[name] = 0
         return JobResult(status, step, total, last_ckpt, last_stats, eval_result, data.skipped_lines)
 
     def _produce(self, stream: MicroBatchStream, first: int, end: int, accum: int, queues, stop: threading.Event) -> None:
@@ -429,7 +431,7 @@ class Engine:
                         break
                     except queue.Full:
                         continue
-                self.queue_depths[f"drafter-{rep.device}"] = queues[r].qsize()
+                self.queue_depths[f"drafter-{rep.index}-{rep.device}"] = queues[r].qsize()
         except BaseException as e:  # noqa: BLE001 - handed to the drafter threads, which fail the job
             for q in queues:
                 try:
@@ -447,6 +449,7 @@ class Engine:
                     break
                 except queue.Empty:
                     continue
+            self.queue_depths[f"drafter-{rep.index}-{rep.device}"] = q.qsize()
             if isinstance(item, _ProducerError):
                 raise JobFailed(f"target worker failed: {type(item.exc).__name__}: {item.exc}") from item.exc
             batch, feats, tokens = item

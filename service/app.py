@@ -35,6 +35,7 @@ from .metrics import CONTENT_TYPE, ServiceMetrics
 log = logging.getLogger("dflash.service")
 
 EVENT_PAGE = 500
+MAX_BODY_BYTES = 1 << 20  # a job spec is a few hundred bytes
 FOLLOW_POLL_SECONDS = 0.25
 
 
@@ -258,10 +259,14 @@ def create_app(config: ServiceConfig) -> FastAPI:
         if (denied := _unauthorized(request)) is not None:
             return denied
         raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(413, f"job spec of {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
         try:
             body = json.loads(raw) if raw.strip() else None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _invalid([{"field": "body", "message": f"not valid JSON: {e}"}])
+        except (RecursionError, ValueError) as e:  # absurdly nested or huge numbers
+            return _invalid([{"field": "body", "message": f"not a usable JSON document ({type(e).__name__})"}])
         if body is None:
             return _invalid([{"field": "body", "message": "empty body; send the job spec as a JSON object"}])
         try:
@@ -311,7 +316,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
     async def job_events(
         job_id: str,
         follow: bool = Query(False, description="keep streaming until the job ends"),
-        after: int = Query(0, ge=0, description="only events with event_id greater than this"),
+        after: int = Query(0, ge=0, le=2**63 - 1, description="only events with event_id greater than this"),
         kind: list[str] | None = Query(None, description="only these kinds (repeatable), e.g. step"),
     ) -> Response:
         store = daemon.store

@@ -267,8 +267,13 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
     data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
     if "data_dir" not in data:
         data["data_dir"] = default_data_dir(env)
+    where = f"{path}: " if path else ""
     try:
-        return ServiceConfig.model_validate(data)
+        config = ServiceConfig.model_validate(data)
     except ValidationError as e:
-        where = f"{path}: " if path else ""
         raise ConfigError(where + format_validation_error(e)) from None
+    target = config.engine.target_path
+    if target is not None and not (target / "config.json").is_file():
+        # caught here, not 10 s into the engine build (transformers would try the Hub with the name)
+        raise ConfigError(f"{where}engine.target_path: {target} is not a model directory (no config.json)")
+    return config

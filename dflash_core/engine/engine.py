@@ -351,7 +351,7 @@ class Engine:
         gamma = job.loss_gamma if job.loss_gamma is not None else self.config.loss.resolved_gamma(shape.block_size)
         for rep in self.replicas:
             rep.gamma = gamma
-        queues = [queue.Queue(maxsize=max(self.config.queue_depth, job.grad_accum)) for _ in self.replicas]
+        queues = [queue.Queue(maxsize=self.config.queue_depth) for _ in self.replicas]
         stop = threading.Event()
         producer = threading.Thread(
             target=self._produce, name=f"target-{self.targets[0].device}",

@@ -159,8 +159,11 @@ class JobManager:
                                  dataset_roots=self._dataset_roots, output_roots=self._output_roots)
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
-        if (other := self.store.active_job_using(out)) is not None:
-            raise JobConflict(f"output_dir {out} is in use by job {other.id} ({other.state})")
+        if (other := self.store.any_job_using(out)) is not None:
+            raise JobConflict(f"output_dir {out} belongs to job {other.id} ({other.state}); its checkpoints live "
+                              "there: choose another output_dir")
+        if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").iterdir()):
+            raise JobConflict(f"output_dir {out} already holds checkpoints; choose another output_dir")
         job, created = self.store.create_job(
             job_id=job_id, name=spec.name, submission_id=spec.submission_id, spec=spec.model_dump(mode="json"),
             fingerprint=fingerprint, train_job_json=train_job_to_json(train_job), output_dir=out,
@@ -195,8 +198,13 @@ class JobManager:
             job = self.store.get_job(job_id, with_checkpoints=False)
             raise JobConflict(f"job {job_id} already ended ({job.state}); nothing to cancel")
         with self._current_lock:
-            if self._current is not None and self._current.job_id == job_id:
+            held = self._current is not None and self._current.job_id == job_id
+            if held:
                 self._current.cancel.set()
+        if not held and self.host.failed and self.store.stop_running(job_id):
+            # left RUNNING by an earlier process and no engine will ever pick it up in this one
+            log.info("cancelled a running job no engine holds", extra={"fields": {"job": job_id}})
+            return self.store.get_job(job_id)
         log.info("cancel requested for running job", extra={"fields": {"job": job_id}})
         return self.store.get_job(job_id)
 

@@ -35,36 +35,37 @@ class JobSpec(BaseModel):
     """A training job as submitted over HTTP (POST /jobs). Unknown fields are rejected, so a typo
     never silently falls back to a default."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_strip_whitespace=True)
+    # strict: "7", true or 5.0 are not a step count; a JSON number is still fine for a float field
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_strip_whitespace=True, strict=True)
 
     name: str | None = Field(None, max_length=200)
     submission_id: str | None = Field(None, min_length=1, max_length=200,
                                       description="idempotency key: resubmitting the same spec returns the same job")
     datasets: list[str] = Field(min_length=1, description="JSONL conversation files, or builtin://train|heldout")
-    steps: int | None = Field(None, ge=1)
-    epochs: float | None = Field(None, gt=0)
-    learning_rate: float = Field(6e-4, gt=0)
+    steps: int | None = Field(None, ge=1, le=10**9)
+    epochs: float | None = Field(None, gt=0, le=10**6)
+    learning_rate: float = Field(6e-4, gt=0, le=10)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables clipping")
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    grad_accum: int = Field(1, ge=1)
-    loss_gamma: float | None = Field(None, gt=0, description="position-weight decay; default by block size")
-    seed: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="max gradient norm; 0 disables clipping")
+    adam_betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
+    grad_accum: int = Field(1, ge=1, le=4096)
+    loss_gamma: float | None = Field(None, gt=0, le=1e6, description="position-weight decay; default by block size")
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
-    checkpoint_interval: int = Field(100, ge=1)
-    keep_checkpoints: int = Field(3, ge=1)
+    checkpoint_interval: int = Field(100, ge=1, le=10**9)
+    keep_checkpoints: int = Field(3, ge=1, le=10**6)
     init_from: str | None = Field(None, description="drafter checkpoint to start from")
     skip_bad_lines: bool = False
     eval_prompts: str | None = Field(None, description="JSONL of held-out prompts for acceptance length")
     eval_fraction: float = Field(0.0, ge=0, lt=1)
-    eval_interval: int = Field(0, ge=0)
-    eval_max_prompts: int = Field(16, ge=1)
-    eval_max_new_tokens: int = Field(48, ge=1)
-    seq_len: int | None = Field(None, ge=2)
-    num_anchors: int | None = Field(None, ge=1)
-    block_size: int | None = Field(None, ge=2)
+    eval_interval: int = Field(0, ge=0, le=10**9)
+    eval_max_prompts: int = Field(16, ge=1, le=100_000)
+    eval_max_new_tokens: int = Field(48, ge=1, le=32_768)
+    seq_len: int | None = Field(None, ge=2, le=10**8)
+    num_anchors: int | None = Field(None, ge=1, le=10**8)
+    block_size: int | None = Field(None, ge=2, le=10**4)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "JobSpec":
@@ -130,12 +131,15 @@ def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path)
         raise SpecError(field_name, "empty path")
     if "\x00" in raw:
         raise SpecError(field_name, "path contains a NUL byte")
-    candidate = Path(raw).expanduser()
-    if ".." in candidate.parts:
-        raise SpecError(field_name, f"{raw!r}: '..' is not allowed in paths")
-    if not candidate.is_absolute():
-        candidate = base / candidate
-    resolved = candidate.resolve(strict=False)  # follows every symlink that exists
+    try:
+        candidate = Path(raw).expanduser()
+        if ".." in candidate.parts:
+            raise SpecError(field_name, f"{raw!r}: '..' is not allowed in paths")
+        if not candidate.is_absolute():
+            candidate = base / candidate
+        resolved = candidate.resolve(strict=False)  # follows every symlink that exists
+    except (OSError, RuntimeError) as e:  # unknown ~user, symlink loop, name too long, no permission
+        raise SpecError(field_name, f"{raw[:200]!r}: not a usable path ({e})") from None
     if not any(resolved.is_relative_to(root) for root in roots):
         allowed = ", ".join(str(r) for r in roots)
         raise SpecError(field_name, f"{raw!r} resolves to {resolved}, outside the allowed roots ({allowed})")
@@ -152,9 +156,13 @@ def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: P
         assets = ensure_default_assets(data_dir)
         return getattr(assets, name).resolve()
     path = _check_under_roots(raw, field_name, roots, data_dir)
-    if not path.exists():
+    try:
+        exists, is_file = path.exists(), path.is_file()
+    except OSError as e:
+        raise SpecError(field_name, f"dataset {raw[:200]!r} cannot be read ({e})") from None
+    if not exists:
         raise SpecError(field_name, f"dataset {raw!r} does not exist ({path})")
-    if not path.is_file():
+    if not is_file:
         raise SpecError(field_name, f"dataset {raw!r} is not a file ({path})")
     return path
 
@@ -163,14 +171,22 @@ def resolve_output_dir(raw: str | None, *, roots: list[Path], data_dir: Path, jo
     if raw is None:
         return (data_dir / "jobs" / job_id).resolve()
     path = _check_under_roots(raw, "output_dir", roots, data_dir)
-    if path.exists() and not path.is_dir():
+    try:
+        not_a_dir = path.exists() and not path.is_dir()
+    except OSError as e:
+        raise SpecError("output_dir", f"{raw[:200]!r} cannot be used ({e})") from None
+    if not_a_dir:
         raise SpecError("output_dir", f"{raw!r} exists and is not a directory")
     return path
 
 
 def resolve_checkpoint(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
     path = _check_under_roots(raw, "init_from", roots, data_dir)
-    if not (path / "config.json").is_file():
+    try:
+        is_checkpoint = (path / "config.json").is_file()
+    except OSError as e:
+        raise SpecError("init_from", f"{raw[:200]!r} cannot be read ({e})") from None
+    if not is_checkpoint:
         raise SpecError("init_from", f"{raw!r} is not a drafter checkpoint directory (no config.json)")
     return path
 

@@ -220,6 +220,13 @@ class JobStore:
                                    (output_dir, PENDING, RUNNING)).fetchone()
         return _job(row) if row else None
 
+    def any_job_using(self, output_dir: str) -> JobRecord | None:
+        """Any job, in any state, that owns this output directory (its checkpoints live there)."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? ORDER BY created_at DESC LIMIT 1",
+                                   (output_dir,)).fetchone()
+        return _job(row) if row else None
+
     def count_by_state(self) -> dict[str, int]:
         counts = dict.fromkeys(STATES, 0)
         with self._lock:
@@ -263,6 +270,15 @@ class JobStore:
             if cur.rowcount:
                 self._event(db, job_id, "state", None, {"state": STOPPED, "reason": "cancelled before it started"})
             return bool(cur.rowcount)
+
+    def stop_running(self, job_id: str) -> bool:
+        """RUNNING -> STOPPED for a job no worker holds (e.g. left RUNNING while the engine cannot start)."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET state = ?, finished_at = ?, cancel_requested = 1 WHERE id = ? AND state = ?",
+                             (STOPPED, time.time(), job_id, RUNNING))
+            if cur.rowcount:
+                self._event(db, job_id, "state", None, {"state": STOPPED, "reason": "cancelled while no engine could run it"})
+            return cur.rowcount == 1
 
     def request_cancel(self, job_id: str) -> bool:
         """Flag a RUNNING job for cancellation; False if it is not RUNNING (any more)."""

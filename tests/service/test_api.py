@@ -289,3 +289,39 @@ def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
     assert daemon.wait_terminal(job["id"])["state"] == "SUCCEEDED"
     skipped = [e for e in daemon.events(job["id"]) if e["kind"] == "skipped_lines"]
     assert skipped and skipped[0]["count"] == 1
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"steps": "7"}, "steps"),
+    ({"steps": True}, "steps"),
+    ({"steps": 10**23}, "steps"),
+    ({"seed": 10**23}, "seed"),
+    ({"grad_accum": 10**6}, "grad_accum"),
+    ({"skip_bad_lines": "yes"}, "skip_bad_lines"),
+    ({"datasets": ["~nosuchuserxyz/a.jsonl"]}, "datasets[0]"),
+    ({"datasets": ["x" * 5000]}, "datasets[0]"),
+    ({"output_dir": "y" * 300}, "output_dir"),
+])
+def test_hostile_values_are_422_naming_the_field(daemon, patch, field):
+    r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 2, **patch})
+    assert r.status_code == 422, r.text
+    assert field in {e["field"] for e in r.json()["errors"]}, r.json()
+
+
+def test_hostile_bodies_and_queries(daemon, finished_job):
+    nested = b"[" * 100_000 + b"]" * 100_000
+    r = daemon.http.post("/jobs", content=nested, headers={"content-type": "application/json"})
+    assert r.status_code in (413, 422), r.text
+    r = daemon.http.post("/jobs", content=b'{"datasets": ["' + b"a" * (2 << 20) + b'"]}', headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    job, _ = finished_job
+    r = daemon.http.get(f"/jobs/{job['id']}/events", params={"after": 10**23})
+    assert r.status_code == 422
+
+
+def test_output_dir_of_another_job_is_refused(daemon, finished_job):
+    job, _ = finished_job
+    first = daemon.submit({"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/shared-out"})
+    assert daemon.wait_terminal(first["id"])["state"] == "SUCCEEDED"
+    r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/shared-out"})
+    assert r.status_code == 409 and "shared-out" in r.json()["detail"]

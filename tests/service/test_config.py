@@ -92,3 +92,14 @@ def test_example_jobs_are_valid_specs():
     for path in examples:
         spec = parse_spec(json.loads(path.read_text()))
         assert spec.datasets
+
+
+def test_missing_target_path_is_a_config_error(tmp_path):
+    import pytest
+
+    from service.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[engine]\ntarget_path = "{tmp_path / "nowhere"}"\n')
+    with pytest.raises(ConfigError, match=r"engine.target_path: .*nowhere.*no config\.json"):
+        load_config(cfg, env={})

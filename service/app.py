@@ -111,6 +111,12 @@ class Daemon:
         self._shutting_down.set()
         if self.manager is not None:
             self.manager.shutdown(self.config.shutdown_timeout_seconds)
+            if self.manager.worker_alive:
+                # the job is still inside a step: closing the engine or the database under it would
+                # turn a clean resume into a crash; the process exit ends it, and the next start resumes
+                log.error("job worker still busy at exit; leaving engine and database open")
+                self.lock.release()
+                return
         if self.host is not None:
             self.host.close()
         if self.store is not None:
@@ -231,16 +237,21 @@ def create_app(config: ServiceConfig) -> FastAPI:
         return None
 
     # ------------------------------------------------------------------ health
+    # Probes are async: they read memory only and must answer even when every worker thread of
+    # the pool is busy (e.g. submissions waiting for the engine during a cold start).
     @app.get("/healthz")
-    def healthz() -> JSONResponse:
+    async def healthz() -> JSONResponse:
         body = daemon.host.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
 
     @app.get("/livez")
-    def livez() -> JSONResponse:
+    async def livez() -> JSONResponse:
         problems = []
         if not daemon.manager.worker_alive and not daemon.shutting_down:
             problems.append("the job worker thread died")
+        engine = daemon.host.engine
+        if daemon.host.ready and engine is not None and not engine.threads_alive() and not daemon.shutting_down:
+            problems.append("an engine drafter thread died")
         if daemon.host.failed:
             problems.append(f"the engine failed to start: {daemon.host.error}")
         body = {"status": "alive" if not problems else "dead", "engine": daemon.host.status(),

@@ -119,6 +119,7 @@ class Engine:
         self.targets: list[TargetModel] = []
         self.replicas: list[DrafterReplica] = []
         self._drafter_pools: list[cf.ThreadPoolExecutor] = []
+        self._worker_threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.progress = Progress("starting", 0, len(config.drafter_devices), 0.0)
 
@@ -214,6 +215,7 @@ class Engine:
 
     def _thread_started(self, name: str) -> None:
         self.events.append((time.monotonic(), f"thread:{name}"))
+        self._worker_threads.append(threading.current_thread())
         for rep in self.replicas:
             if rep.device.type == "cuda" and name.endswith(str(rep.device)):
                 torch.cuda.set_device(rep.device)
@@ -514,13 +516,8 @@ class Engine:
         return self.guard.counts()
 
     def threads_alive(self) -> bool:
-        """Liveness: every drafter thread answers (used by /livez)."""
-        try:
-            for pool in self._drafter_pools:
-                pool.submit(lambda: None)
-            return True
-        except RuntimeError:
-            return False
+        """Liveness (for /livez): every drafter thread started after warmup is still running."""
+        return bool(self._worker_threads) and all(t.is_alive() for t in self._worker_threads)
 
     def close(self) -> None:
         for pool in self._drafter_pools:

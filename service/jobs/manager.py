@@ -75,6 +75,8 @@ class _RunCallbacks:
             return
         if kind == "data" and payload.get("total_steps"):
             self.manager.store.set_total_steps(self.job_id, int(payload["total_steps"]))
+        if kind in ("data", "skipped_lines") and self.manager.store.events(self.job_id, kinds=[kind], limit=1):
+            return  # a resumed run reads the same data again: the first record stands
         self.manager.store.add_event(self.job_id, kind, payload)
 
     def on_eval(self, step: int, result: dict) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.data.batches import MicroBatch, make_micro_batch

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,7 @@ import torch
 
 from ..blocks import expected_acceptance_length
 from ..checkpoint import load_training_state, load_weights, read_config, save_checkpoint
-from ..config import DrafterConfig, ShapeConfig
+from ..config import DrafterConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
@@ -463,8 +463,8 @@ class Engine:
 
     def _step_stats(self, accs, step, total, seconds, lr, norm, per_epoch, per_step) -> StepStats:
         loss = sum(float(a.loss_sum) for a in accs) / sum(a.micro_batches for a in accs)
-        correct = sum(a.correct for a in accs if True).cpu() if len(accs) == 1 else sum(a.correct.cpu() for a in accs)
-        counted = accs[0].counted.cpu() if len(accs) == 1 else sum(a.counted.cpu() for a in accs)
+        correct = sum(a.correct.cpu() for a in accs)  # [B] over all replicas
+        counted = sum(a.counted.cpu() for a in accs)
         acc_per_pos = (correct[1:] / counted[1:].clamp_min(1)).tolist()
         tokens = sum(a.context_tokens for a in accs)
         per_dev = {}

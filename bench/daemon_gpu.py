@@ -73,7 +73,7 @@ def main(argv=None):
     p.add_argument("--anchors", type=int, default=256, help="512 = recipe density at S=3072; 256 = 1 anchor per 12 tokens")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--timeout", type=float, default=300, help="seconds to wait for /healthz 200")
     p.add_argument("--colocated", action="store_true")
     args = p.parse_args(argv)
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md, in parts that each fit one device call (10 min):
+#
+#   bash bench/gpu_session.sh step      # drafter step variants at the reference shape, flatness, profile
+#   bash bench/gpu_session.sh daemon    # daemon, Qwen3-8B-shaped target on cuda:0, drafter on cuda:1:
+#                                       # time to ready cold + warm, a 100-step job, /metrics
+#   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
+#   bash bench/gpu_session.sh tests     # pytest -m gpu
+#
+# Packages the GPU image lacks travel as wheels in .whl/ (device README, Notes); the Prometheus
+# binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
+# prometheus). Results go to $OUT.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+case "${1:-}" in
+  step)   timeout 560 python3 -m bench.drafter_step --variants flex,flex_step,sdpa_dense,sdpa_chunked --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
+  daemon) timeout 560 python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
+  panels) PROMETHEUS_BIN=.prom/prometheus timeout 560 python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
+  tests)  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  *) echo "usage: bash bench/gpu_session.sh step|daemon|panels|tests" >&2; exit 2 ;;
+esac

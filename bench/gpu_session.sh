@@ -11,6 +11,7 @@
 # binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
 # prometheus). Results go to $OUT.
 set -u
+case "${1:-}" in step|daemon|panels|tests) ;; *) echo "usage: bash bench/gpu_session.sh step|daemon|panels|tests" >&2; exit 2 ;; esac
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -25,5 +26,4 @@ case "${1:-}" in
   daemon) timeout 560 python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
   panels) PROMETHEUS_BIN=.prom/prometheus timeout 560 python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
   tests)  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
-  *) echo "usage: bash bench/gpu_session.sh step|daemon|panels|tests" >&2; exit 2 ;;
 esac

@@ -176,3 +176,37 @@ def test_fifty_steps_lower_the_loss_on_the_embedded_default(data_dir, default_as
     assert last < 0.7 * first, (first, last)
     assert all(s.context_tokens > 0 for s in rec.steps)
     engine.close()
+
+
+def test_two_target_workers_give_the_same_result(data_dir, default_assets, tmp_path):
+    """One target worker per target device; each replica is fed by one worker, in order."""
+    results = []
+    for targets in (["cpu"], ["cpu", "cpu"]):
+        cfg = EngineConfig(target_devices=targets, drafter_devices=["cpu", "cpu"], shape=SMALL,
+                           drafter_layers=DEFAULT_DRAFTER_LAYERS, target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
+        engine = Engine(cfg, data_dir).build()
+        engine.run_job(job(default_assets, tmp_path / str(len(targets)), steps=4, grad_accum=2), Recorder())
+        assert sum(n.startswith("thread:target-") for _, n in engine.events) == len(targets)
+        results.append(params_of(engine.replicas[0]))
+        engine.close()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_failing_target_worker_fails_the_job_without_hanging(data_dir, default_assets, tmp_path, monkeypatch):
+    engine = make_engine(data_dir, ["cpu", "cpu"])
+    target = engine.targets[0]
+    calls = {"n": 0}
+    real = target.capture
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("injected target fault")
+        return real(*a, **k)
+
+    monkeypatch.setattr(target, "capture", flaky)
+    with pytest.raises(JobFailed, match="injected target fault"):
+        engine.run_job(job(default_assets, tmp_path / "f", steps=20, grad_accum=2), Recorder())
+    monkeypatch.setattr(target, "capture", real)
+    assert engine.run_job(job(default_assets, tmp_path / "ok", steps=2), Recorder()).status == "SUCCEEDED"
+    engine.close()

@@ -93,9 +93,12 @@ class JobFailed(RuntimeError):
     """A job could not finish; the message is meant for the user."""
 
 
-class _ProducerError:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
+class _Pipeline:
+    """Per-job hand-off state shared by the target workers and the drafter threads."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
 
 
 def _pick_dtype(device: torch.device) -> torch.dtype:
@@ -354,13 +357,17 @@ class Engine:
         for rep in self.replicas:
             rep.gamma = gamma
         queues = [queue.Queue(maxsize=self.config.queue_depth) for _ in self.replicas]
-        stop = threading.Event()
-        producer = threading.Thread(
-            target=self._produce, name=f"target-{self.targets[0].device}",
-            args=(stream, start_step * per_step, total * per_step, job.grad_accum, queues, stop), daemon=True,
-        )
-        self.events.append((time.monotonic(), f"thread:{producer.name}"))
-        producer.start()
+        pipe = _Pipeline()
+        producers = [
+            threading.Thread(
+                target=self._produce, name=f"target-{w}-{target.device}", daemon=True,
+                args=(w, stream, start_step * per_step, total * per_step, job.grad_accum, queues, pipe),
+            )
+            for w, target in enumerate(self.targets[: len(self.replicas)])
+        ]
+        for producer in producers:
+            self.events.append((time.monotonic(), f"thread:{producer.name}"))
+            producer.start()
         last_ckpt: str | None = None
         last_stats: StepStats | None = None
         eval_result: dict | None = None
@@ -373,12 +380,14 @@ class Engine:
                     status = "STOPPED"
                     break
                 t_step = time.monotonic()
-                futures = [pool.submit(self._replica_micro_steps, rep, queues[i], job.grad_accum)
+                futures = [pool.submit(self._replica_micro_steps, rep, queues[i], job.grad_accum, pipe)
                            for i, (rep, pool) in enumerate(zip(self.replicas, self._drafter_pools))]
+                cf.wait(futures)  # every replica done (or failed) before anything else touches the grads
                 accs = [f.result() for f in futures]
                 self.grad_sync.average([rep.grads() for rep in self.replicas])
                 lr = job.learning_rate * lr_factor(step, total, warmup_steps, job.min_lr_ratio)
                 norms = [pool.submit(rep.clip_and_step, job.grad_clip, lr) for rep, pool in zip(self.replicas, self._drafter_pools)]
+                cf.wait(norms)
                 norm = float(norms[0].result())
                 for f in norms[1:]:
                     f.result()
@@ -398,62 +407,68 @@ class Engine:
                 last_ckpt = self._checkpoint(job, step, total, per_step, last_stats, eval_result)
                 cb.on_checkpoint(last_ckpt, step)
         finally:
-            stop.set()
+            pipe.stop.set()
             for q in queues:
                 while True:
                     try:
                         q.get_nowait()
                     except queue.Empty:
                         break
-            producer.join(timeout=60)
+            for producer in producers:
+                producer.join(timeout=60)
             for name in self.queue_depths:
                 self.queue_depths[name] = 0
         return JobResult(status, step, total, last_ckpt, last_stats, eval_result, data.skipped_lines)
 
-    def _produce(self, stream: MicroBatchStream, first: int, end: int, accum: int, queues, stop: threading.Event) -> None:
-        """Target worker: micro-batch g goes to replica (g mod R*accum) // accum."""
-        target = self.targets[0]
+    def _produce(self, worker: int, stream: MicroBatchStream, first: int, end: int, accum: int, queues,
+                 pipe: "_Pipeline") -> None:
+        """Target worker `worker`: captures features for the drafter replicas r with r mod W == worker
+        (W target workers); micro-batch g goes to replica (g mod R*accum) // accum. Each replica is
+        fed by one worker, in order, so results do not depend on the number of target devices."""
+        target = self.targets[worker]
+        workers = min(len(self.targets), len(queues))
         per_step = len(queues) * accum
         try:
             if target.device.type == "cuda":
                 torch.cuda.set_device(target.device)
             for g in range(first, end):
-                if stop.is_set():
-                    return
                 r = (g % per_step) // accum
+                if r % workers != worker:
+                    continue
+                if pipe.stop.is_set():
+                    return
                 rep = self.replicas[r]
                 mb = stream.get(g)
                 if target.device.type == "cuda":
                     mb = mb.pin_memory()
                 feats = self._capture(target, mb)
                 item = (mb.to(rep.device, non_blocking=True), feats.to(rep.device, non_blocking=True), mb.context_tokens)
-                while not stop.is_set():
+                while not pipe.stop.is_set():
                     try:
                         queues[r].put(item, timeout=0.2)
                         break
                     except queue.Full:
                         continue
                 self.queue_depths[f"drafter-{rep.index}-{rep.device}"] = queues[r].qsize()
-        except BaseException as e:  # noqa: BLE001 - handed to the drafter threads, which fail the job
-            for q in queues:
-                try:
-                    q.put(_ProducerError(e), timeout=1)
-                except queue.Full:
-                    pass
+        except BaseException as e:  # noqa: BLE001 - the drafter threads raise it and fail the job
+            pipe.error = e
+            pipe.stop.set()
 
-    def _replica_micro_steps(self, rep: DrafterReplica, q: queue.Queue, accum: int):
+    def _replica_micro_steps(self, rep: DrafterReplica, q: queue.Queue, accum: int, pipe: "_Pipeline"):
         acc = rep.new_accumulator()
         t = time.monotonic()
         for _ in range(accum):
             while True:
                 try:
-                    item = q.get(timeout=1.0)
+                    item = q.get(timeout=0.2)
                     break
                 except queue.Empty:
-                    continue
+                    if pipe.error is not None:
+                        err = pipe.error
+                        raise JobFailed(f"target worker failed: {type(err).__name__}: {err}") from err
+                    if pipe.stop.is_set():
+                        raise JobFailed("the job's pipeline stopped")
             self.queue_depths[f"drafter-{rep.index}-{rep.device}"] = q.qsize()
-            if isinstance(item, _ProducerError):
-                raise JobFailed(f"target worker failed: {type(item.exc).__name__}: {item.exc}") from item.exc
             batch, feats, tokens = item
             rep.forward_backward(batch, feats, 1.0 / accum, acc)
             acc.context_tokens += tokens

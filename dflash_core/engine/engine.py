@@ -351,6 +351,11 @@ class Engine:
                 rep.optimizer.load_state_dict(state["optimizer"])
             start_step = int(state["step"])
             cb.on_event("resumed", {"from": str(resume_from), "step": start_step})
+            saved = int(state.get("replicas", replicas)) * int(state.get("grad_accum", job.grad_accum))
+            if saved != per_step:
+                cb.on_event("resume_data_order_changed", {
+                    "message": f"the checkpoint was written with {saved} micro-batches per step, this engine runs "
+                               f"{per_step}: training continues, but not on the data order of the first run"})
 
         warmup_steps = int(job.warmup_ratio * total)
         gamma = job.loss_gamma if job.loss_gamma is not None else self.config.loss.resolved_gamma(shape.block_size)

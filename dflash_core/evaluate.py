@@ -179,7 +179,10 @@ def evaluate_checkpoint(
         for conv in convs:
             p = prompt_ids(tokenizer, conv.messages)
             head = target.frozen_head().to(torch.device(device), torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-            spec = speculative_generate(target, drafter, head, p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
+            autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if head.embed_weight.device.type == "cuda" \
+                else contextlib.nullcontext
+            spec = speculative_generate(target, drafter, head, p, max_new_tokens=max_new_tokens,
+                                        stop_token_ids=stop_ids(tokenizer), autocast=autocast)
             mismatches += spec.tokens != greedy_generate(target, p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
         summary["lossless_mismatches"] = mismatches
     summary["checkpoint"], summary["target"] = str(checkpoint), str(target_path)

@@ -19,10 +19,11 @@ def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
     correct = logits.argmax(dim=-1) == labels
     if not need_grad:
         return loss, correct, None
-    probs = torch.exp(logits - lse.unsqueeze(1))
-    onehot = torch.nn.functional.one_hot(labels, logits.shape[1]).to(probs.dtype)
-    grad_logits = ((probs - onehot) * w.unsqueeze(1)).to(lm_head_weight.dtype)
-    return loss, correct, (grad_logits @ lm_head_weight).to(hidden.dtype)
+    # softmax - onehot, scaled, in place on one [chunk, vocab] buffer (no one-hot tensor)
+    grad_logits = (logits - lse.unsqueeze(1)).exp_()
+    grad_logits.scatter_add_(1, labels.unsqueeze(1), torch.full_like(w, -1.0).unsqueeze(1))
+    grad_logits.mul_(w.unsqueeze(1))
+    return loss, correct, (grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
 
 
 _compiled_chunk = None
@@ -61,7 +62,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+        # scale in fp32: grad_loss is e.g. 1/3 with grad_accum=3, which bf16 would round by 0.2 %
+        return (grad_hidden.float() * grad_loss.float()).to(grad_hidden.dtype), None, None, None, None, None
 
 
 def chunked_lm_head_loss(

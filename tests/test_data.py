@@ -1,4 +1,5 @@
 """Conversation parsing, loss masks, fixed-shape packing and anchor coverage."""
+import copy
 import json
 
 import numpy as np
@@ -83,3 +84,32 @@ def test_every_trainable_token_is_covered_over_an_epoch(default_assets, tokenize
         uncovered += (labelable & ~covered).sum()
     assert total > 1000
     assert uncovered == 0, f"{uncovered} of {total} trainable tokens never a label"
+
+
+# A template that renders the last assistant turn differently from history (as Qwen3's does with
+# its empty think block), so the prefix-diff path fails and the content search must be used.
+UNSTABLE_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and loop.last %}"
+    "{{ '<|im_start|>assistant\n<think> </think> ' + message['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_loss_mask_with_a_template_whose_history_is_not_prefix_stable(tokenizer):
+    from dflash_core.data.conversations import Conversation
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = UNSTABLE_TEMPLATE
+    messages = [{"role": "user", "content": "red dog"}, {"role": "assistant", "content": "dog"},
+                {"role": "user", "content": "blue cat"}, {"role": "assistant", "content": "cat"}]
+    doc = encode_conversation(tok, Conversation(messages, "mem:1"))
+    toks = tok.convert_ids_to_tokens(doc.input_ids.tolist())
+    masked = [i for i, m in enumerate(doc.loss_mask) if m]
+    first_dog = toks.index("dog")  # the user's "dog" comes first and must stay unmasked
+    assert first_dog not in masked
+    reply = toks.index("dog", first_dog + 1)
+    assert reply in masked and toks[reply + 1] == "<|im_end|>" and reply + 1 in masked
+    assert len(toks) - 1 - toks[::-1].index("cat") in masked and toks.index("cat") not in masked
+    assert not any(toks[i] in ("red", "blue", "user") for i in masked)

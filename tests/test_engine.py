@@ -152,8 +152,9 @@ def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeyp
     engine.close()
 
 
-def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path):
-    engine = make_engine(data_dir, ["cpu"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path, replicas):
+    engine = make_engine(data_dir, ["cpu"] * replicas)
     full = engine.run_job(job(default_assets, tmp_path / "full", steps=20, checkpoint_interval=10, keep_checkpoints=5), Recorder())
     half = tmp_path / "full" / "checkpoints" / "step-00000010"
     rec = Recorder()
@@ -163,6 +164,9 @@ def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path):
     b = load_weights(resumed.final_checkpoint, DEFAULT_DRAFTER_LAYERS)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    first = params_of(engine.replicas[0])
+    for rep in engine.replicas[1:]:  # each replica resumed with its own optimizer state
+        assert all(torch.equal(x, y) for x, y in zip(first, params_of(rep)))
     engine.close()
 
 

@@ -136,9 +136,10 @@ def test_eval_cli_prints_tau(engine, trained, default_assets, tmp_path, capsys):
 
     ckpt = save_checkpoint(tmp_path / "ckpt", trained, metadata={"target": str(default_assets.target)})
     rc = main(["eval", "--checkpoint", str(ckpt), "--prompts", str(default_assets.heldout), "--max-prompts", "4",
-               "--max-new-tokens", "32", "--data-dir", str(tmp_path)])
+               "--max-new-tokens", "32", "--data-dir", str(tmp_path), "--check-lossless"])
     out = capsys.readouterr().out
     assert rc == 0, out
     tau = float(out.split("tau (mean acceptance length) = ")[1].split()[0])
     assert tau >= 2.0 and "accepted per block" in out
+    assert "outputs differing from target-only greedy decoding: 0" in out
     assert main(["eval", "--checkpoint", str(tmp_path / "missing"), "--prompts", str(default_assets.heldout)]) == 2

@@ -1,11 +1,15 @@
 """Conversation -> token ids + loss mask (True on assistant tokens only), via the chat template."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from .conversations import Conversation, DatasetError
+
+
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 @dataclass
@@ -39,10 +43,16 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str
             spans.append((len(before), len(through)))
             cursor = len(through)
             continue
-        start = full.find(m["content"], cursor) if m["content"] else -1
+        # The turn starts after everything before it; history renders stably in such templates.
+        cursor = max(cursor, len(_render(tokenizer, messages[:i], add_generation_prompt=False)) if i else 0)
+        content = m["content"]
+        start = full.find(content, cursor) if content else -1
+        if start < 0 and "<think>" in content:  # templates that drop reasoning from earlier turns
+            content = _THINK.sub("", content).strip()
+            start = full.find(content, cursor) if content else -1
         if start < 0:
             raise ValueError(f"assistant turn {i} not found in the rendered chat template")
-        end = start + len(m["content"])
+        end = start + len(content)
         eos = tokenizer.eos_token or ""
         if eos and full.startswith(eos, end):
             end += len(eos)

@@ -11,6 +11,7 @@ No worker thread exists before warmup ends (the multi-thread first-compile deadl
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import math
 import os
 import queue
@@ -179,6 +180,8 @@ class Engine:
 
         head = self.targets[0].frozen_head()
         attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
+        if compiled:
+            self._raise_recompile_limit(len(cfg.drafter_devices))
         gamma = cfg.loss.resolved_gamma(cfg.shape.block_size)
         for i, dev in enumerate(cfg.drafter_devices):
             self.replicas.append(DrafterReplica(
@@ -215,6 +218,18 @@ class Engine:
         self.ready = True
         self._report("ready", len(self.replicas))
         return self
+
+    @staticmethod
+    def _raise_recompile_limit(devices: int) -> None:
+        """Each drafter device is its own compiled entry (guards include the device index), and
+        compile_scope "step" adds a few per device; past dynamo's limit (8) it would silently run
+        eager. Set here, in the thread that compiles (dynamo config is per thread from 2.12)."""
+        import torch._dynamo.config as dynamo_config
+
+        need = 8 * max(1, devices)
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < need:
+                setattr(dynamo_config, name, need)
 
     def _thread_started(self, name: str) -> None:
         self.events.append((time.monotonic(), f"thread:{name}"))
@@ -348,7 +363,10 @@ class Engine:
             weights = load_weights(resume_from, self.drafter_config.num_hidden_layers)
             for rep in self.replicas:
                 rep.load_state(weights)
-                rep.optimizer.load_state_dict(state["optimizer"])
+                # a copy each: on CPU load_state_dict keeps the given tensors, and replicas must not share state
+                rep.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+            if "torch_rng" in state:
+                torch.set_rng_state(state["torch_rng"])
             start_step = int(state["step"])
             cb.on_event("resumed", {"from": str(resume_from), "step": start_step})
             saved = int(state.get("replicas", replicas)) * int(state.get("grad_accum", job.grad_accum))
@@ -373,7 +391,7 @@ class Engine:
         for producer in producers:
             self.events.append((time.monotonic(), f"thread:{producer.name}"))
             producer.start()
-        last_ckpt: str | None = None
+        last_ckpt: str | None = str(resume_from) if resume_from else None
         last_stats: StepStats | None = None
         eval_result: dict | None = None
         status = "SUCCEEDED"

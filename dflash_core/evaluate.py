@@ -32,6 +32,7 @@ class SpeculativeOutput:
 class EvalResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
+    lossless_mismatches: int = 0  # counted only when asked (check_lossless)
 
     @property
     def acceptance_length(self) -> float:
@@ -114,14 +115,16 @@ def stop_ids(tokenizer) -> set[int]:
 
 def evaluate_acceptance(
     target: TargetModel, drafter: DFlashDrafter, tokenizer, conversations, *, max_new_tokens: int = 48,
-    drafter_device=None, head: FrozenHead | None = None,
+    drafter_device=None, head: FrozenHead | None = None, check_lossless: bool = False,
 ) -> EvalResult:
-    """tau over held-out prompts (conversations or message lists)."""
+    """tau over held-out prompts (conversations or message lists). With check_lossless, each
+    speculative output is also compared with target-only greedy decoding."""
     ddev = torch.device(drafter_device) if drafter_device is not None else next(drafter.parameters()).device
     if head is None:
         dtype = torch.bfloat16 if ddev.type == "cuda" else torch.float32
         head = target.frozen_head().to(ddev, dtype)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if ddev.type == "cuda" else contextlib.nullcontext
+    stops = stop_ids(tokenizer)
     was_training = drafter.training
     drafter.eval()
     result = EvalResult()
@@ -130,13 +133,16 @@ def evaluate_acceptance(
             messages = conv.messages if hasattr(conv, "messages") else conv
             prompt = prompt_ids(tokenizer, messages)
             spec = speculative_generate(target, drafter, head, prompt, max_new_tokens=max_new_tokens,
-                                        stop_token_ids=stop_ids(tokenizer), autocast=autocast)
+                                        stop_token_ids=stops, autocast=autocast)
             result.acceptance_lengths += spec.acceptance_lengths
             result.samples.append({
                 "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
                 "output": tokenizer.decode(spec.tokens, skip_special_tokens=True),
                 "acceptance_length": sum(spec.acceptance_lengths) / max(1, len(spec.acceptance_lengths)),
             })
+            if check_lossless:
+                greedy = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+                result.lossless_mismatches += spec.tokens != greedy
     finally:
         drafter.train(was_training)
     return result
@@ -168,22 +174,14 @@ def evaluate_checkpoint(
     target = TargetModel(target_path, drafter.config.target_layer_ids, device)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     convs = list(read_conversations(prompts))[:max_prompts]
-    result = evaluate_acceptance(target, drafter, tokenizer, convs, max_new_tokens=max_new_tokens)
+    result = evaluate_acceptance(target, drafter, tokenizer, convs, max_new_tokens=max_new_tokens,
+                                 check_lossless=check_lossless)
     summary = result.summary()
     summary["per_prompt"] = [
         {"prompt": s["prompt"][-60:], "acceptance_length": round(s["acceptance_length"], 2), "output": s["output"][:60]}
         for s in result.samples
     ]
     if check_lossless:
-        mismatches = 0
-        for conv in convs:
-            p = prompt_ids(tokenizer, conv.messages)
-            head = target.frozen_head().to(torch.device(device), torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-            autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if head.embed_weight.device.type == "cuda" \
-                else contextlib.nullcontext
-            spec = speculative_generate(target, drafter, head, p, max_new_tokens=max_new_tokens,
-                                        stop_token_ids=stop_ids(tokenizer), autocast=autocast)
-            mismatches += spec.tokens != greedy_generate(target, p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
-        summary["lossless_mismatches"] = mismatches
+        summary["lossless_mismatches"] = result.lossless_mismatches
     summary["checkpoint"], summary["target"] = str(checkpoint), str(target_path)
     return summary

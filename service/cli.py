@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from .client import DaemonClient, DaemonError, default_token, default_url
+from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
 
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
@@ -214,15 +215,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     prompts = args.prompts
-    if prompts.startswith("builtin://"):
-        from dflash_core.defaults import ensure_default_assets
-
-        assets = ensure_default_assets(data_dir)
-        named = {"builtin://heldout": assets.heldout, "builtin://train": assets.train}
-        if prompts not in named:
-            print(f"error: unknown builtin prompts {prompts!r}; use builtin://heldout or builtin://train", file=sys.stderr)
+    if prompts.startswith(BUILTIN_SCHEME):
+        try:
+            prompts = str(resolve_builtin(prompts, "--prompts", data_dir))
+        except SpecError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
-        prompts = str(named[prompts])
     for label, path in (("--checkpoint", Path(args.checkpoint) / "config.json"), ("--prompts", Path(prompts))):
         if not path.exists():
             print(f"error: {label}: {path} does not exist", file=sys.stderr)

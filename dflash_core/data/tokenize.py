@@ -61,7 +61,8 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str
     return full, spans
 
 
-def encode_conversation(tokenizer, conv: Conversation, max_tokens: int | None = None) -> Document:
+def encode_conversation(tokenizer, conv: Conversation) -> Document:
+    """Full conversation; packing truncates to the micro-batch budget (and counts what it cut)."""
     try:
         text, spans = assistant_char_spans(tokenizer, conv.messages)
     except Exception as e:  # template errors carry no location: add it
@@ -76,6 +77,4 @@ def encode_conversation(tokenizer, conv: Conversation, max_tokens: int | None = 
         ends = np.asarray([o[1] for o in offsets])
         for s, e in spans:
             mask |= (starts >= s) & (ends <= e) & (ends > starts)
-    if max_tokens is not None:
-        ids, mask = ids[:max_tokens], mask[:max_tokens]
     return Document(ids, mask, conv.source)

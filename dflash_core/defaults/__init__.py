@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import ShapeConfig
+
 ASSETS = Path(__file__).parent / "assets"
 ASSETS_VERSION = "v2"  # bump whenever assets/ changes: data dirs keep a copy per version
 
@@ -38,14 +40,8 @@ def ensure_default_assets(data_dir: str | Path) -> DefaultAssets:
     return DefaultAssets(root, root / "target", root / "train.jsonl", root / "heldout.jsonl")
 
 
-def _default_shapes():
-    from ..config import ShapeConfig
-
-    return ShapeConfig(seq_len=512, num_anchors=64, block_size=8)
-
-
 # The embedded default's fixed shapes on CPU: 512 packed tokens, 64 blocks of 8 (Q = 512, KV = 1024).
-DEFAULT_SHAPE_CPU = _default_shapes()
+DEFAULT_SHAPE_CPU = ShapeConfig(seq_len=512, num_anchors=64, block_size=8)
 # The tiny target has 4 layers; the reference rule would pick layer 1 twice for 2 draft layers.
 DEFAULT_TARGET_LAYER_IDS = (1, 2)
 DEFAULT_DRAFTER_LAYERS = 2

@@ -15,6 +15,7 @@ import copy
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -102,6 +103,10 @@ class _Pipeline:
         self.error: BaseException | None = None
 
 
+def _queue_name(rep: DrafterReplica) -> str:
+    return f"drafter-{rep.index}-{rep.device}"
+
+
 def _pick_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -172,10 +177,12 @@ class Engine:
         self._report("warming_target", 0)
         self._delay()
         warm_batch = self._synthetic_batch()
+        warm_features = None
         for target in self.targets:
             t = time.monotonic()
-            self._capture(target, warm_batch)
+            feats = self._capture(target, warm_batch)
             self._sync(target.device)
+            warm_features = warm_features if warm_features is not None else feats  # reused by the drafters
             self.warmup_seconds.append(("target", str(target.device), time.monotonic() - t))
 
         head = self.targets[0].frozen_head()
@@ -196,7 +203,7 @@ class Engine:
         self.events.append((time.monotonic(), "warmup:drafters:start"))
         for i, rep in enumerate(self.replicas):
             t = time.monotonic()
-            self._warm_replica(rep, warm_batch)
+            self._warm_replica(rep, warm_batch, warm_features)
             self.warmup_seconds.append(("drafter", str(rep.device), time.monotonic() - t))
             self.events.append((time.monotonic(), f"warmup:drafter:{rep.device}"))
             self._report("warming_drafters", i + 1)
@@ -265,9 +272,9 @@ class Engine:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _warm_replica(self, rep: DrafterReplica, mb: MicroBatch) -> None:
+    def _warm_replica(self, rep: DrafterReplica, mb: MicroBatch, features: torch.Tensor) -> None:
         """One full training step at the production shape, in this thread; weights restored after."""
-        feats = self._capture(self.targets[0], mb).to(rep.device)
+        feats = features.to(rep.device)
         batch = mb.to(rep.device)
         rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
         acc = rep.new_accumulator()
@@ -340,7 +347,7 @@ class Engine:
 
     def _run(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
         shape = self.config.shape
-        data = load_job_data(job.datasets, self.tokenizer, max_tokens=shape.seq_len, skip_bad_lines=job.skip_bad_lines,
+        data = load_job_data(job.datasets, self.tokenizer, skip_bad_lines=job.skip_bad_lines,
                              eval_prompts=job.eval_prompts, eval_fraction=job.eval_fraction, seed=job.seed)
         if data.skipped_lines:
             cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
@@ -472,7 +479,7 @@ class Engine:
                         break
                     except queue.Full:
                         continue
-                self.queue_depths[f"drafter-{rep.index}-{rep.device}"] = queues[r].qsize()
+                self.queue_depths[_queue_name(rep)] = queues[r].qsize()
         except BaseException as e:  # noqa: BLE001 - the drafter threads raise it and fail the job
             pipe.error = e
             pipe.stop.set()
@@ -491,7 +498,7 @@ class Engine:
                         raise JobFailed(f"target worker failed: {type(err).__name__}: {err}") from err
                     if pipe.stop.is_set():
                         raise JobFailed("the job's pipeline stopped")
-            self.queue_depths[f"drafter-{rep.index}-{rep.device}"] = q.qsize()
+            self.queue_depths[_queue_name(rep)] = q.qsize()
             batch, feats, tokens = item
             rep.forward_backward(batch, feats, 1.0 / accum, acc)
             acc.context_tokens += tokens
@@ -530,8 +537,6 @@ class Engine:
         path = save_checkpoint(out / f"step-{step:08d}", rep.drafter, training_state=state, metadata=meta)
         kept = sorted(p for p in out.iterdir() if p.name.startswith("step-"))
         for old in kept[: -max(1, job.keep_checkpoints)]:
-            import shutil
-
             shutil.rmtree(old, ignore_errors=True)
         return str(path)
 

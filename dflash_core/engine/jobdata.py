@@ -17,7 +17,7 @@ class JobData:
     skip_messages: list[str] = field(default_factory=list)
 
 
-def load_job_data(paths: list[str], tokenizer, *, max_tokens: int, skip_bad_lines: bool,
+def load_job_data(paths: list[str], tokenizer, *, skip_bad_lines: bool,
                   eval_prompts: str | None, eval_fraction: float, seed: int) -> JobData:
     report = ReadReport()
     convs: list[Conversation] = []
@@ -37,7 +37,7 @@ def load_job_data(paths: list[str], tokenizer, *, max_tokens: int, skip_bad_line
     docs = []
     for c in convs:
         try:
-            docs.append(encode_conversation(tokenizer, c, max_tokens=None))
+            docs.append(encode_conversation(tokenizer, c))
         except DatasetError as err:
             if not skip_bad_lines:
                 raise

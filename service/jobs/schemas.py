@@ -146,15 +146,19 @@ def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path)
     return resolved
 
 
+def resolve_builtin(raw: str, field_name: str, data_dir: Path) -> Path:
+    """builtin://train|heldout -> the embedded default's bundled dataset under data_dir."""
+    name = raw[len(BUILTIN_SCHEME):]
+    if name not in BUILTIN_DATASETS:
+        raise SpecError(field_name, f"unknown builtin dataset {raw!r}; use builtin://train or builtin://heldout")
+    from dflash_core.defaults import ensure_default_assets
+
+    return getattr(ensure_default_assets(data_dir), name).resolve()
+
+
 def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: Path) -> Path:
     if raw.startswith(BUILTIN_SCHEME):
-        name = raw[len(BUILTIN_SCHEME):]
-        if name not in BUILTIN_DATASETS:
-            raise SpecError(field_name, f"unknown builtin dataset {raw!r}; use builtin://train or builtin://heldout")
-        from dflash_core.defaults import ensure_default_assets
-
-        assets = ensure_default_assets(data_dir)
-        return getattr(assets, name).resolve()
+        return resolve_builtin(raw, field_name, data_dir)
     path = _check_under_roots(raw, field_name, roots, data_dir)
     try:
         exists, is_file = path.exists(), path.is_file()

@@ -262,23 +262,22 @@ class JobStore:
                 body["error"] = error
             self._event(db, job_id, "state", None, body)
 
-    def stop_if_pending(self, job_id: str) -> bool:
-        """PENDING -> STOPPED atomically (a queued job that never ran); False if it is no longer PENDING."""
+    def _stop_if(self, job_id: str, state: str, reason: str) -> bool:
+        """state -> STOPPED atomically, with its event; False if the job is no longer in `state`."""
         with self._tx() as db:
             cur = db.execute("UPDATE jobs SET state = ?, finished_at = ?, cancel_requested = 1 WHERE id = ? AND state = ?",
-                             (STOPPED, time.time(), job_id, PENDING))
+                             (STOPPED, time.time(), job_id, state))
             if cur.rowcount:
-                self._event(db, job_id, "state", None, {"state": STOPPED, "reason": "cancelled before it started"})
-            return bool(cur.rowcount)
+                self._event(db, job_id, "state", None, {"state": STOPPED, "reason": reason})
+            return cur.rowcount == 1
+
+    def stop_if_pending(self, job_id: str) -> bool:
+        """A queued job that never ran."""
+        return self._stop_if(job_id, PENDING, "cancelled before it started")
 
     def stop_running(self, job_id: str) -> bool:
-        """RUNNING -> STOPPED for a job no worker holds (e.g. left RUNNING while the engine cannot start)."""
-        with self._tx() as db:
-            cur = db.execute("UPDATE jobs SET state = ?, finished_at = ?, cancel_requested = 1 WHERE id = ? AND state = ?",
-                             (STOPPED, time.time(), job_id, RUNNING))
-            if cur.rowcount:
-                self._event(db, job_id, "state", None, {"state": STOPPED, "reason": "cancelled while no engine could run it"})
-            return cur.rowcount == 1
+        """A RUNNING job no worker holds (e.g. left RUNNING while the engine cannot start)."""
+        return self._stop_if(job_id, RUNNING, "cancelled while no engine could run it")
 
     def request_cancel(self, job_id: str) -> bool:
         """Flag a RUNNING job for cancellation; False if it is not RUNNING (any more)."""

@@ -1,6 +1,6 @@
 """Drafter training step at the reference shape (DESIGN.md section 7) on one GPU.
 
-    python -m bench.drafter_step [--layers 5] [--variants flex,sdpa_dense,sdpa_chunked,flex_eager]
+    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
 
 Times forward+backward (median of CUDA-event timings after warmup) through the engine's own
 replica code path, counts model FLOPs from the mask, reports MFU against a bf16 matmul measured
@@ -28,6 +28,7 @@ from dflash_core.engine.replica import DrafterReplica
 from dflash_core.train_step import FrozenHead
 
 VARIANTS = {
+    "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer"),
     "flex_step": dict(attention="flex", compiled=True, compile_scope="step"),
     "flex": dict(attention="flex", compiled=True, compile_scope="attention"),
     "sdpa_dense": dict(attention="dense", compiled=False),
@@ -65,7 +66,24 @@ def bench_variant(name, cfg, head, batch, feats, iters):
     return rep, res
 
 
-def profile(rep, batch, feats, steps=3):
+KERNEL_CLASSES = (  # first match wins; names as the CUDA profiler reports them
+    ("flex attention", ("flex_attention", "triton_tem_fused")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul", "splitk")),
+    ("copy / cast", ("copy", "cat", "fill", "memset")),
+    ("fused triton", ("triton_",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return label
+    return "other eager"
+
+
+def profile(rep, batch, feats, name, steps=3, table=False):
+    """Device time per kernel class (ms per step); the top kernels when `table`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     def fwd_bwd():
@@ -76,17 +94,45 @@ def profile(rep, batch, feats, steps=3):
         for _ in range(steps):
             fwd_bwd()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-    (out_dir() / "profile.txt").write_text(table)
-    print(table)
+    classes: dict[str, float] = {}
+    for ev in prof.key_averages():
+        # self time: a kernel's time counts once, not again under the op that launched it
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us:
+            label = kernel_class(ev.key)
+            classes[label] = classes.get(label, 0.0) + us / 1000 / steps
+    classes = {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])}
+    print(json.dumps({"profile": name, "ms_per_step_by_class": classes}), flush=True)
+    if table:
+        sort = "device_time_total" if hasattr(prof.key_averages()[0], "device_time_total") else "cuda_time_total"
+        text = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
+        (out_dir() / f"profile_{name}.txt").write_text(text)
+        print(text)
+    return classes
 
 
 def bench_optimizer(rep):
+    """AdamW step over the replica's parameters (the engine's optimizer), and, for comparison, the
+    same number of parameters as one flat tensor, and the foreach (unfused) implementation."""
     rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
     for p in rep.params:
         p.grad = torch.randn_like(p) * 1e-3
-    times = cuda_time_ms(lambda: rep.optimizer.step(), warmup=3, iters=20)
-    return round(median(times), 2), sum(p.numel() for p in rep.params)
+    engine_ms = median(cuda_time_ms(lambda: rep.optimizer.step(), warmup=3, iters=20))
+    n = sum(p.numel() for p in rep.params)
+    flat = torch.nn.Parameter(torch.randn(n, device=rep.device) * 0.02)
+    flat.grad = torch.randn_like(flat) * 1e-3
+    rows = {"engine (fused, per-tensor)": engine_ms}
+    for name, kw in (("fused, one flat tensor", {"fused": True}), ("foreach, one flat tensor", {"foreach": True})):
+        opt = torch.optim.AdamW([flat], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **kw)
+        rows[name] = median(cuda_time_ms(opt.step, warmup=3, iters=20))
+        del opt
+    del flat
+    gc.collect()
+    torch.cuda.empty_cache()
+    bytes_moved = 28 * n  # param r+w, grad r, exp_avg r+w, exp_avg_sq r+w (fp32)
+    for name, ms in rows.items():
+        print(json.dumps({"optimizer": name, "ms": round(ms, 2), "TB_per_s": round(bytes_moved / (ms * 1e-3) / 1e12, 2)}), flush=True)
+    return round(engine_ms, 2), n, {k: round(v, 2) for k, v in rows.items()}
 
 
 def flatness(rep, batch, feats, steps=100):
@@ -118,11 +164,11 @@ def flatness(rep, batch, feats, steps=100):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--variants", default="flex_step,flex,sdpa_dense,sdpa_chunked,flex_eager")
+    p.add_argument("--variants", default="flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flat-steps", type=int, default=100)
     p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
-    p.add_argument("--profile", action="store_true", help="print the top kernels of the first variant")
+    p.add_argument("--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first")
     args = p.parse_args(argv)
     global CHUNK
     CHUNK = args.chunk
@@ -147,6 +193,8 @@ def main(argv=None):
             rep, res = bench_variant(name, cfg, head, batch, feats, args.iters if "eager" not in name else 5)
             res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
             res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
+            if args.profile and "eager" not in name:
+                res["profile_ms"] = profile(rep, batch, feats, name, table=first_rep is None)
             if first_rep is None:
                 first_rep = rep
             else:
@@ -159,9 +207,7 @@ def main(argv=None):
         (out_dir() / "drafter_step_rows.json").write_text(json.dumps(rows, indent=1))  # survives a timeout
         gc.collect()
         torch.cuda.empty_cache()
-    if args.profile:
-        profile(first_rep, batch, feats)
-    opt_ms, n_params = bench_optimizer(first_rep)
+    opt_ms, n_params, opt_rows = bench_optimizer(first_rep)
     first_rep.zero_grad()
     print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
     flat = flatness(first_rep, batch, feats, args.flat_steps)
@@ -171,7 +217,7 @@ def main(argv=None):
             r["speedup_of_first"] = round(r["median_ms"] / base[rows[0]["variant"]], 2)
     record = {"env": env, "peak_bf16_tflops": round(peak, 1), "shape": vars(shape), "layers": args.layers, "loss_chunk": args.chunk,
               "visible_pairs": visible, "flops": flops, "rows": rows, "optimizer_ms": opt_ms,
-              "optimizer_params": n_params, "flatness": flat}
+              "optimizer_variants_ms": opt_rows, "optimizer_params": n_params, "flatness": flat}
     (out_dir() / "drafter_step.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: v for k, v in record.items() if k != "rows"}, indent=1))
     print(f"\nDrafter step, {env['gpu']}, torch {env['torch']}, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, "

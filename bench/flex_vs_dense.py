@@ -13,8 +13,9 @@ import torch
 from bench.common import env_record, out_dir, print_table, reference_drafter_config
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
-from dflash_core.drafter import DFlashDrafter
-from dflash_core.train_step import FrozenHead, micro_step
+from dflash_core.attention import training_attention
+from dflash_core.drafter import DFlashDrafter, run_layer
+from dflash_core.train_step import EAGER, FrozenHead, StepKernels, drafter_forward, micro_step
 
 
 def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
@@ -28,18 +29,23 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     base = DFlashDrafter(cfg)
     base.init_weights(seed)
     results = {}
-    for name, attention, dtype in (("dense_fp32", "dense", torch.float32), ("flex_bf16", "flex", torch.bfloat16),
-                                   ("dense_bf16", "dense", torch.bfloat16)):
+    flex_alone = StepKernels(attention=True)
+    flex_layer = StepKernels(attention=True, layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True)
+    for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
+                                            ("flex_bf16", "flex", torch.bfloat16, flex_alone),
+                                            ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
+                                            ("dense_bf16", "dense", torch.bfloat16, EAGER)):
         drafter = DFlashDrafter(cfg).cuda()
         drafter.load_state_dict(base.state_dict())
         head = FrozenHead(embed, lm_head).to("cuda", dtype)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == torch.bfloat16 else torch.autocast("cuda", enabled=False)
         with ctx:
-            res = micro_step(drafter, head, batch, feats.to(dtype), attention=attention, gamma=7.0, chunk_size=2048)
-            from dflash_core.train_step import drafter_forward
-            from dflash_core.attention import training_attention
-            hidden = drafter_forward(drafter, head, batch, feats.to(dtype), training_attention(
-                attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, block))
+            res = micro_step(drafter, head, batch, feats.to(dtype), attention=attention, gamma=7.0, chunk_size=2048,
+                             kernels=kernels)
+            with torch.no_grad():
+                hidden = drafter_forward(drafter, head, batch, feats.to(dtype), training_attention(
+                    attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, block,
+                    compiled=kernels.attention), EAGER if kernels.layer is None else kernels)
         res.loss.backward()
         results[name] = {"loss": res.loss.detach().float(), "hidden": hidden.detach().float(),
                          "grads": {k: p.grad.detach().float() for k, p in drafter.named_parameters()}}
@@ -47,7 +53,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
         torch.cuda.empty_cache()
     ref = results["dense_fp32"]
     rows = []
-    for name in ("flex_bf16", "dense_bf16"):
+    for name in ("flex_bf16", "flex_layer_bf16", "dense_bf16"):
         r = results[name]
         rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
         grads = {k: rel(r["grads"][k], ref["grads"][k]) for k in ref["grads"]}

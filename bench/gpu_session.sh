@@ -6,12 +6,16 @@
 #                                       # time to ready cold + warm, a 100-step job, /metrics
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu
+#   bash bench/gpu_session.sh tests step   # several parts in one call, in order
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (device README, Notes); the Prometheus
 # binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
 # prometheus). Results go to $OUT.
 set -u
-case "${1:-}" in step|daemon|panels|tests) ;; *) echo "usage: bash bench/gpu_session.sh step|daemon|panels|tests" >&2; exit 2 ;; esac
+[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|colocated|panels|tests ..." >&2; exit 2; }
+for part in "$@"; do
+  case "$part" in step|daemon|colocated|panels|tests) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
+done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -21,9 +25,17 @@ if [ -d .whl ]; then
 fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-case "${1:-}" in
-  step)   timeout 560 python3 -m bench.drafter_step --variants flex,flex_step,sdpa_dense,sdpa_chunked --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
-  daemon) timeout 560 python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
-  panels) PROMETHEUS_BIN=.prom/prometheus timeout 560 python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
-  tests)  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
-esac
+T=${PART_TIMEOUT:-540}  # seconds per part; a device call has 600 in all
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case "$part" in
+    step)   timeout $T python3 -m bench.drafter_step --variants flex_layer,flex,sdpa_dense,sdpa_chunked --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
+    daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
+    colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
+    panels) PROMETHEUS_BIN=.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
+    tests)  timeout $T python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  esac
+done
+# the device tool brings back at most 8 files: pack them all into one
+(cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
+echo "=== done $(date +%T)"

@@ -82,10 +82,12 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         q_len, ctx_len = x.shape[1], context.shape[1]
         q = self.q_norm(self.q_proj(x).view(1, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([context, x], dim=1)
-        k = self.k_proj(kv_in).view(1, ctx_len + q_len, self.num_kv_heads, self.head_dim)
+        # K, V of cat[context, block], concatenated after the projection (a 4x narrower copy)
+        kv_len = ctx_len + q_len
+        k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1).view(1, kv_len, self.num_kv_heads, self.head_dim)
         k = self.k_norm(k).transpose(1, 2)
-        v = self.v_proj(kv_in).view(1, ctx_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1).view(1, kv_len, self.num_kv_heads, self.head_dim)
+        v = v.transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
         out = attend(q, k, v)  # [1, Hq, Q, D]
@@ -114,6 +116,13 @@ class DecoderLayer(nn.Module):
     def forward(self, h, context, rope_q, rope_k, attend):
         h = h + self.self_attn(self.input_layernorm(h), context, rope_q, rope_k, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def run_layer(layer: DecoderLayer, h, context, rope_q, rope_k, attend) -> torch.Tensor:
+    """One decoder layer called as a free function. Compiled once (`torch.compile(run_layer)`),
+    the same compiled code serves every layer, since parameters are graph inputs: a cold compile
+    costs one layer's graph, not the whole stack's."""
+    return layer(h, context, rope_q, rope_k, attend)
 
 
 class DFlashDrafter(nn.Module):
@@ -146,13 +155,15 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,  # [Q] position id of every block token
         context_positions: torch.Tensor,  # [S] position id of every context token
         attend: Attend,
+        layer_fn: Callable[..., torch.Tensor] = run_layer,
     ) -> torch.Tensor:
-        """Final normed hidden states of the block tokens, [1, Q, H]."""
+        """Final normed hidden states of the block tokens, [1, Q, H]. layer_fn: `run_layer` or a
+        compiled `run_layer`."""
         dtype = block_embeds.dtype
         context = self.hidden_norm(self.fc(target_features.to(dtype)))
         rope_q = self.rotary(block_positions, dtype)
         rope_k = self.rotary(torch.cat([context_positions, block_positions]), dtype)
         h = block_embeds
         for layer in self.layers:
-            h = layer(h, context, rope_q, rope_k, attend)
+            h = layer_fn(layer, h, context, rope_q, rope_k, attend)
         return self.norm(h)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,16 +31,38 @@ class MicroStepResult:
     weights: torch.Tensor  # fp32 [N, B]
 
 
+@dataclass(frozen=True)
+class StepKernels:
+    """Which parts of the step run compiled (same math either way; tests compare them).
+
+    attention: flex_attention compiled on its own (ignored when a compiled forward or layer
+    includes it); forward: a compiled `drafter.forward`; layer: a compiled `run_layer`; mask:
+    BlockMask built by a compiled kernel (no [Q, KV] grid); loss: compiled lm_head + CE chunks."""
+
+    attention: bool = False
+    forward: Callable | None = None
+    layer: Callable | None = None
+    mask: bool = False
+    loss: bool = False
+
+
+EAGER = StepKernels()
+
+
 def drafter_forward(
-    drafter: DFlashDrafter, head: FrozenHead, batch: MicroBatch, features: torch.Tensor, attend, forward_fn=None
+    drafter: DFlashDrafter, head: FrozenHead, batch: MicroBatch, features: torch.Tensor, attend,
+    kernels: StepKernels = EAGER,
 ) -> torch.Tensor:
-    """Training-time forward of all blocks: final hidden states [Q, H]. forward_fn: a compiled
-    `drafter.forward` (same function, fused)."""
+    """Training-time forward of all blocks: final hidden states [Q, H]."""
     cfg = drafter.config
     ids, positions = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
     embeds = torch.nn.functional.embedding(ids, head.embed_weight).unsqueeze(0)
     feats = features.unsqueeze(0) if features.dim() == 2 else features
-    return (forward_fn or drafter)(embeds, feats, positions, batch.position_ids, attend)[0]
+    if kernels.forward is not None:
+        return kernels.forward(embeds, feats, positions, batch.position_ids, attend)[0]
+    if kernels.layer is not None:
+        return drafter(embeds, feats, positions, batch.position_ids, attend, kernels.layer)[0]
+    return drafter(embeds, feats, positions, batch.position_ids, attend)[0]
 
 
 def micro_step(
@@ -51,22 +74,18 @@ def micro_step(
     attention: str,
     gamma: float,
     chunk_size: int,
-    compiled_attention: bool = True,
-    forward_fn=None,
-    compiled_loss: bool = False,
-    compiled_mask: bool = False,
+    kernels: StepKernels = EAGER,
 ) -> MicroStepResult:
-    """compiled_attention: flex_attention compiled on its own (when forward_fn is a compiled
-    forward, flex is compiled as part of it instead)."""
     cfg = drafter.config
     seq_len = batch.input_ids.shape[0]
+    flex_inside = kernels.forward is not None or kernels.layer is not None  # compiled with its caller
     attend = training_attention(
         attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, cfg.block_size,
-        compiled=compiled_attention and forward_fn is None, compiled_mask=compiled_mask,
+        compiled=kernels.attention and not flex_inside, compiled_mask=kernels.mask,
     )
-    hidden = drafter_forward(drafter, head, batch, features, attend, forward_fn)
+    hidden = drafter_forward(drafter, head, batch, features, attend, kernels)
     labels, weights = block_labels(batch, cfg.block_size, gamma)
-    loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size, compiled_loss)
+    loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size, kernels.loss)
     n = batch.anchors.shape[0]
     return MicroStepResult(loss, correct.view(n, cfg.block_size), weights.view(n, cfg.block_size))
 

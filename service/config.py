@@ -61,8 +61,9 @@ class EngineSettings(BaseModel):
     mask_token: str | None = None
     attention: Literal["auto", "flex", "dense"] = "auto"
     compile: bool | None = None
-    compile_scope: Literal["step", "attention"] | None = Field(
-        None, description="what torch.compile covers on CUDA: the whole drafter step or only attention")
+    compile_scope: Literal["attention", "layer", "step"] | None = Field(
+        None, description="what torch.compile covers on CUDA: flex_attention only, one decoder layer "
+                          "(+ BlockMask and loss chunks), or the whole drafter forward")
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")

@@ -26,9 +26,11 @@ def test_flex_equals_sdpa_forward(compiled):
     assert rel < 1e-5, rel
 
 
-def test_compiled_step_equals_eager_step():
-    """compile_scope="step" (compiled forward + backward, compiled loss chunks) computes the same
-    loss and gradients as the eager step (CPU, dense attention: flex has no CPU backward)."""
+@pytest.mark.parametrize("scope", ["layer", "step"])
+def test_compiled_step_equals_eager_step(scope):
+    """compile_scope "layer" / "step" (compiled layers or forward, their backward, compiled loss
+    chunks) compute the same loss and gradients as the eager step (CPU, dense attention: flex has
+    no CPU backward)."""
     from dflash_core.engine.replica import DrafterReplica
 
     rng = np.random.default_rng(3)
@@ -39,9 +41,9 @@ def test_compiled_step_equals_eager_step():
     head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
     feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
     results = []
-    for scope, compiled in (("attention", False), ("step", True)):
+    for scope_, compiled in (("attention", False), (scope, True)):
         rep = DrafterReplica(0, cfg, "cpu", head, attention="dense", compiled=compiled, compute_dtype=torch.float32,
-                             gamma=2.0, chunk_size=16, compile_scope=scope)
+                             gamma=2.0, chunk_size=16, compile_scope=scope_)
         rep.drafter.init_weights(0, std=0.2)
         acc = rep.new_accumulator()
         res = rep.forward_backward(mb, feats, 1.0, acc)

@@ -8,8 +8,10 @@ import torch
 
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
-from ..drafter import DFlashDrafter
-from ..train_step import FrozenHead, MicroStepResult, micro_step
+from ..drafter import DFlashDrafter, run_layer
+from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
+
+COMPILE_SCOPES = ("attention", "layer", "step")
 
 
 @dataclass
@@ -27,9 +29,12 @@ class StepAccumulator:
 class DrafterReplica:
     def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
                  compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "attention"):
-        """compile_scope (when compiled): "attention" compiles flex_attention alone; "step" also
-        compiles the whole drafter forward (and so its backward), the BlockMask construction and
-        the lm_head + CE chunks."""
+        """compile_scope (when compiled): "attention" compiles flex_attention alone; "layer"
+        compiles one decoder layer (flex inside; the same code serves every layer), the BlockMask
+        construction and the lm_head + CE chunks; "step" compiles the whole drafter forward
+        instead of one layer (a cold compile several times longer)."""
+        if compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
@@ -42,9 +47,7 @@ class DrafterReplica:
         self.gamma = gamma
         self.chunk_size = chunk_size
         self.optimizer: torch.optim.Optimizer | None = None
-        self.compile_step = compiled and compile_scope == "step"
-        # Compiled separately from the module: evaluation calls the eager drafter at other shapes.
-        self.forward_fn = torch.compile(self.drafter.forward, dynamic=False) if self.compile_step else None
+        self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -78,8 +81,7 @@ class DrafterReplica:
         with self.autocast():
             res = micro_step(
                 self.drafter, self.head, batch, features, attention=self.attention, gamma=self.gamma,
-                chunk_size=self.chunk_size, compiled_attention=self.compiled, forward_fn=self.forward_fn,
-                compiled_loss=self.compile_step, compiled_mask=self.compile_step and self.attention == "flex",
+                chunk_size=self.chunk_size, kernels=self.kernels,
             )
         (res.loss * loss_scale).backward()
         with torch.no_grad():
@@ -103,3 +105,29 @@ class DrafterReplica:
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         for name, p in self.drafter.named_parameters():
             p.copy_(state[name].to(p.device, p.dtype))
+
+
+def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str) -> StepKernels:
+    # Compiled functions, not compiled modules: evaluation calls the eager drafter at other shapes.
+    if not compiled:
+        return StepKernels()
+    fused = scope in ("layer", "step")
+    return StepKernels(
+        attention=attention == "flex",
+        forward=torch.compile(drafter.forward, dynamic=False) if scope == "step" else None,
+        layer=_compiled_run_layer() if scope == "layer" else None,
+        mask=fused and attention == "flex",
+        loss=fused,
+    )
+
+
+_compiled_layer = None
+
+
+def _compiled_run_layer():
+    """One process-wide compiled layer function: every layer of every replica shares its code
+    (one graph per device, since guards include the device)."""
+    global _compiled_layer
+    if _compiled_layer is None:
+        _compiled_layer = torch.compile(run_layer, dynamic=False)
+    return _compiled_layer

@@ -30,7 +30,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     base.init_weights(seed)
     results = {}
     flex_alone = StepKernels(attention=True)
-    flex_layer = StepKernels(attention=True, layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True)
+    flex_layer = StepKernels(attention=True, layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True, q_splits=4)
     for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
                                             ("flex_bf16", "flex", torch.bfloat16, flex_alone),
                                             ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
@@ -45,7 +45,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
             with torch.no_grad():
                 hidden = drafter_forward(drafter, head, batch, feats.to(dtype), training_attention(
                     attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, block,
-                    compiled=kernels.attention), EAGER if kernels.layer is None else kernels)
+                    compiled=kernels.attention, q_splits=kernels.q_splits), EAGER if kernels.layer is None else kernels)
         res.loss.backward()
         results[name] = {"loss": res.loss.detach().float(), "hidden": hidden.detach().float(),
                          "grads": {k: p.grad.detach().float() for k, p in drafter.named_parameters()}}

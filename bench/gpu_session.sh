@@ -29,11 +29,11 @@ T=${PART_TIMEOUT:-540}  # seconds per part; a device call has 600 in all
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case "$part" in
-    step)   timeout $T python3 -m bench.drafter_step --variants flex_layer,flex,sdpa_dense,sdpa_chunked --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
+    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer_q4,flex_layer_q8,flex_layer,flex,sdpa_dense,sdpa_chunked} --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
-    tests)  timeout $T python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
 done
 # the device tool brings back at most 8 files: pack them all into one

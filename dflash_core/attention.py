@@ -28,11 +28,16 @@ def dflash_mask_mod(
     anchor_valid: torch.Tensor,
     seq_len: int,
     block_size: int,
+    queries_per_batch: int = 0,
 ) -> MaskMod:
-    """The visibility rule as a flex_attention mask_mod (also evaluable by broadcasting)."""
+    """The visibility rule as a flex_attention mask_mod (also evaluable by broadcasting).
+    queries_per_batch > 0: the queries are split into batch entries of that many (see
+    FlexAttention.q_splits); query q_idx of entry b is query b * queries_per_batch + q_idx."""
     num_anchors = anchors.shape[0]
 
     def mask_mod(b, h, q_idx, kv_idx):
+        if queries_per_batch:
+            q_idx = b * queries_per_batch + q_idx
         block = torch.clamp(q_idx // block_size, max=num_anchors - 1)
         anchor = anchors[block]
         in_context = kv_idx < seq_len
@@ -107,23 +112,50 @@ def compiled_flex_attention():
 
 @dataclass
 class FlexAttention:
-    """flex_attention with a BlockMask built from the same mask_mod."""
+    """flex_attention with a BlockMask built from the same mask_mod.
+
+    q_splits > 1 runs the Q queries as q_splits batch entries of Q / q_splits queries against one
+    broadcast K, V (flex's KV batch broadcast). Same function; it exists for the backward: its
+    dK/dV programs run one per (KV tile, KV head, batch entry), and with a single entry the few
+    context tiles, which nearly every query sees, each loop over every query tile in one program
+    while the rest of the GPU idles."""
 
     block_mask: object
     compiled: bool = True
+    q_splits: int = 1
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 
         fn = compiled_flex_attention() if self.compiled else flex_attention
-        return fn(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if self.q_splits == 1:
+            return fn(q, k, v, block_mask=self.block_mask, enable_gqa=gqa)
+        _, heads, q_len, dim = q.shape  # [1, H, Q, D] -> [P, H, Q / P, D]
+        q = q.transpose(1, 2).reshape(self.q_splits, q_len // self.q_splits, heads, dim).transpose(1, 2)
+        out = fn(q, k, v, block_mask=self.block_mask, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(1, q_len, heads, dim).transpose(1, 2)
 
 
-def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, compiled: bool = False):
-    """BlockMask of one micro-batch; compiled, the [Q, KV] grid is never materialized."""
+FLEX_TILE = 128  # BlockMask tile (flex's default block size)
+
+
+def usable_q_splits(q_len: int, requested: int) -> int:
+    """The largest split count <= requested whose entries are whole BlockMask tiles."""
+    for p in range(max(1, requested), 1, -1):
+        if q_len % (p * FLEX_TILE) == 0:
+            return p
+    return 1
+
+
+def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, compiled: bool = False,
+                     batches: int = 1):
+    """BlockMask of one micro-batch (`batches` entries of q_len queries each); compiled, the
+    [Q, KV] grid is never materialized."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=compiled)
+    return create_block_mask(mask_mod, B=batches if batches > 1 else None, H=None, Q_LEN=q_len, KV_LEN=kv_len,
+                             device=device, _compile=compiled)
 
 
 def training_attention(
@@ -136,15 +168,18 @@ def training_attention(
     *,
     compiled: bool = True,
     compiled_mask: bool = False,
+    q_splits: int = 1,
 ):
     """Build the attention callable for one micro-batch ("flex", "dense" or "dense_chunked")."""
-    mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size)
     q_len = anchors.shape[0] * block_size
     kv_len = seq_len + q_len
-    if kind == "dense":
-        return DenseAttention(dense_mask(mask_mod, q_len, kv_len, doc_ids.device))
-    if kind == "dense_chunked":
-        return ChunkedDenseAttention(dense_mask(mask_mod, q_len, kv_len, doc_ids.device))
+    if kind in ("dense", "dense_chunked"):
+        mask = dense_mask(dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size), q_len, kv_len, doc_ids.device)
+        return DenseAttention(mask) if kind == "dense" else ChunkedDenseAttention(mask)
     if kind == "flex":
-        return FlexAttention(build_block_mask(mask_mod, q_len, kv_len, doc_ids.device, compiled_mask), compiled=compiled)
+        splits = usable_q_splits(q_len, q_splits)
+        per = q_len // splits
+        mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size, per if splits > 1 else 0)
+        block_mask = build_block_mask(mask_mod, per, kv_len, doc_ids.device, compiled_mask, batches=splits)
+        return FlexAttention(block_mask, compiled=compiled, q_splits=splits)
     raise ValueError(f"unknown attention kind {kind!r}; expected 'flex', 'dense' or 'dense_chunked'")

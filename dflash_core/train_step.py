@@ -44,6 +44,7 @@ class StepKernels:
     layer: Callable | None = None
     mask: bool = False
     loss: bool = False
+    q_splits: int = 1  # flex only: queries as this many batch entries (FlexAttention.q_splits)
 
 
 EAGER = StepKernels()
@@ -81,7 +82,7 @@ def micro_step(
     flex_inside = kernels.forward is not None or kernels.layer is not None  # compiled with its caller
     attend = training_attention(
         attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, cfg.block_size,
-        compiled=kernels.attention and not flex_inside, compiled_mask=kernels.mask,
+        compiled=kernels.attention and not flex_inside, compiled_mask=kernels.mask, q_splits=kernels.q_splits,
     )
     hidden = drafter_forward(drafter, head, batch, features, attend, kernels)
     labels, weights = block_labels(batch, cfg.block_size, gamma)

@@ -52,3 +52,46 @@ def test_compiled_step_equals_eager_step(scope):
     assert torch.allclose(l0, l1, rtol=1e-5)
     for a, b in zip(g0, g1):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_with_query_splits_equals_sdpa(compiled):
+    """Queries run as batch entries against one broadcast K, V (FlexAttention.q_splits): the same
+    function as one entry and as the dense mask."""
+    from dflash_core.attention import FlexAttention, usable_q_splits
+
+    rng = np.random.default_rng(2)
+    shape = ShapeConfig(seq_len=200, num_anchors=64, block_size=4)  # Q = 256 = 2 tiles of 128
+    assert usable_q_splits(256, 4) == 2 and usable_q_splits(256, 1) == 1 and usable_q_splits(48, 4) == 1
+    mb = random_micro_batch(rng, shape, n_docs=5)
+    cfg = tiny_drafter_config(block_size=4)
+    drafter = random_drafter(cfg).float()
+    torch.manual_seed(0)
+    head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
+    feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
+    args = (mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4)
+    split = training_attention("flex", *args, compiled=compiled, q_splits=4)
+    assert isinstance(split, FlexAttention) and split.q_splits == 2
+    with torch.no_grad():
+        dense = drafter_forward(drafter, head, mb, feats, training_attention("dense", *args))
+        whole = drafter_forward(drafter, head, mb, feats, training_attention("flex", *args, compiled=compiled))
+        parts = drafter_forward(drafter, head, mb, feats, split)
+    assert (parts - whole).norm() / whole.norm() < 1e-5
+    assert (parts - dense).norm() / dense.norm() < 1e-5
+
+
+def test_split_mask_mod_is_the_mask_reshaped():
+    from dflash_core.attention import dense_mask, dflash_mask_mod
+
+    rng = np.random.default_rng(5)
+    shape = ShapeConfig(seq_len=40, num_anchors=8, block_size=4)
+    mb = random_micro_batch(rng, shape, n_docs=3)
+    q_len, kv_len = 32, 72
+    whole = dense_mask(dflash_mask_mod(mb.doc_ids, mb.anchors, mb.anchor_valid, 40, 4), q_len, kv_len, "cpu")
+    split_mod = dflash_mask_mod(mb.doc_ids, mb.anchors, mb.anchor_valid, 40, 4, queries_per_batch=8)
+    q = torch.arange(8).view(-1, 1)
+    kv = torch.arange(kv_len).view(1, -1)
+    zero = torch.zeros((), dtype=torch.long)
+    for b in range(4):
+        part = split_mod(torch.tensor(b), zero, q, kv)
+        assert torch.equal(part, whole[8 * b : 8 * (b + 1)])

@@ -15,8 +15,9 @@ class EngineConfig:
     drafter_devices: one drafter replica per entry ("cuda:1", "cpu"); may equal the target's.
     attention: "flex" (compiled flex_attention, CUDA), "dense" (SDPA + boolean mask) or "auto".
     compile: compile the attention kernels (default: on for CUDA, off for CPU).
-    compile_scope: "attention" (flex_attention compiled, layers eager: the measured default) or
-        "step" (also the whole drafter forward/backward, BlockMask and loss chunks).
+    compile_scope: "layer" (one compiled decoder layer with flex inside serves every layer, plus
+        the compiled BlockMask and loss chunks), "attention" (flex_attention alone, layers eager)
+        or "step" (the whole drafter forward; several times the cold compile of "layer").
     """
 
     target_path: str | None = None
@@ -30,7 +31,8 @@ class EngineConfig:
     mask_token: str | None = None  # default: the tokenizer's mask token, else "<|mask|>" added
     attention: str = "auto"
     compile: bool | None = None
-    compile_scope: str = "attention"
+    compile_scope: str = "layer"
+    flex_q_splits: int = 4  # flex backward parallelism (FlexAttention.q_splits); 1 = off
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None

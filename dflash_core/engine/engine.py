@@ -194,7 +194,7 @@ class Engine:
             self.replicas.append(DrafterReplica(
                 i, self.drafter_config, dev, head, attention=attention, compiled=compiled,
                 compute_dtype=_pick_dtype(torch.device(dev)), gamma=gamma, chunk_size=cfg.loss.chunk_size,
-                compile_scope=cfg.compile_scope,
+                compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
             ))
         self._reset_weights(seed=cfg.init_seed, init_from=None)
 

@@ -28,7 +28,8 @@ class StepAccumulator:
 
 class DrafterReplica:
     def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
-                 compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "attention"):
+                 compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "attention",
+                 flex_q_splits: int = 1):
         """compile_scope (when compiled): "attention" compiles flex_attention alone; "layer"
         compiles one decoder layer (flex inside; the same code serves every layer), the BlockMask
         construction and the lm_head + CE chunks; "step" compiles the whole drafter forward
@@ -47,7 +48,7 @@ class DrafterReplica:
         self.gamma = gamma
         self.chunk_size = chunk_size
         self.optimizer: torch.optim.Optimizer | None = None
-        self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope)
+        self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope, flex_q_splits)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -107,10 +108,10 @@ class DrafterReplica:
             p.copy_(state[name].to(p.device, p.dtype))
 
 
-def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str) -> StepKernels:
+def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int) -> StepKernels:
     # Compiled functions, not compiled modules: evaluation calls the eager drafter at other shapes.
     if not compiled:
-        return StepKernels()
+        return StepKernels(q_splits=q_splits)
     fused = scope in ("layer", "step")
     return StepKernels(
         attention=attention == "flex",
@@ -118,6 +119,7 @@ def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope:
         layer=_compiled_run_layer() if scope == "layer" else None,
         mask=fused and attention == "flex",
         loss=fused,
+        q_splits=q_splits,
     )
 
 

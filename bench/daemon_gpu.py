@@ -75,12 +75,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300, help="seconds to wait for /healthz 200")
     p.add_argument("--colocated", action="store_true")
+    p.add_argument("--two-drafters", action="store_true", help="drafters on cuda:0 and cuda:1 (target on cuda:0)")
     args = p.parse_args(argv)
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
     target = write_target_dir(work / "target", QWEN3_8B)
     gpus = torch.cuda.device_count()
     drafter_dev = "cuda:1" if gpus >= 2 and not args.colocated else "cuda:0"
+    drafter_devs = '"cuda:0", "cuda:1"' if args.two_drafters and gpus >= 2 else f'"{drafter_dev}"'
     port = free_port()
     config = work / "config.toml"
     config.write_text(f"""
@@ -91,7 +93,7 @@ data_dir = "{work / 'data'}"
 target_path = "{target}"
 target_random_init = true
 target_devices = ["cuda:0"]
-drafter_devices = ["{drafter_dev}"]
+drafter_devices = [{drafter_devs}]
 seq_len = 3072
 num_anchors = {args.anchors}
 block_size = 16
@@ -132,6 +134,7 @@ inductor_cache_dir = "{work / 'inductor'}"
                     key, val = line.rsplit(" ", 1)
                     row[key.replace("dflash_", "")] = round(float(val) / 2**30, 2) if "bytes" in key else float(val)
             rows.append(row)
+            print(json.dumps(row), flush=True)
         finally:
             stop(proc)
     record["rows"] = rows

@@ -75,8 +75,9 @@ def bench_variant(name, cfg, head, batch, feats, iters):
 KERNEL_CLASSES = (  # first match wins; names as the CUDA profiler reports them
     ("flex attention", ("flex_attention", "triton_tem_fused")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul", "splitk")),
-    ("copy / cast", ("copy", "cat", "fill", "memset")),
-    ("fused triton", ("triton_",)),
+    ("lm_head + CE (fused)", ("logsumexp", "argmax")),
+    ("fused triton", ("triton_",)),  # before "copy": inductor names its kernels after the ops fused (_to_copy)
+    ("eager copy / cast", ("copy", "cat", "fill", "memset")),
 )
 
 

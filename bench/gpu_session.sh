@@ -32,7 +32,7 @@ for part in "$@"; do
     step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer_q4,flex_layer_q8,flex_layer,flex,sdpa_dense,sdpa_chunked} --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
-    panels) PROMETHEUS_BIN=.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
+    panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
 done

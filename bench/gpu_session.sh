@@ -6,15 +6,16 @@
 #                                       # time to ready cold + warm, a 100-step job, /metrics
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu
+#   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
 #   bash bench/gpu_session.sh tests step   # several parts in one call, in order
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (device README, Notes); the Prometheus
 # binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
 # prometheus). Results go to $OUT.
 set -u
-[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|colocated|panels|tests ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|colocated|panels|tests|flex ..." >&2; exit 2; }
 for part in "$@"; do
-  case "$part" in step|daemon|colocated|panels|tests) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
+  case "$part" in step|daemon|colocated|panels|tests|flex) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
 done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -33,6 +34,7 @@ for part in "$@"; do
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
+    flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} 2>&1 | tee "$OUT/flex_sweep.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
 done

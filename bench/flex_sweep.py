@@ -1,0 +1,186 @@
+"""flex_attention alone at the reference shape: where does its backward time go?
+
+    python -m bench.flex_sweep [--anchors 512] [--cases all|NAME,NAME...]
+
+In the compiled-layer drafter step the flex backward takes ~4.8 ms per layer against 0.5 ms for
+the forward (docs/benchmarks.md), where 2-2.5x is normal. This script times flex forward and
+forward+backward on its own (q [1, 32, Q, 128], k/v [1, 8, KV, 128], bf16, a random output
+gradient), one case per row, to separate the suspects:
+
+  * the mask function: the production `dflash_mask_mod` (per-element gathers of doc ids) against
+    the same visibility written as a per-block context interval [doc start, anchor), which
+    needs one load per query row and none per key (`interval_mask_mod`; checked equal here);
+  * query splits (FlexAttention.q_splits);
+  * kernel block sizes / warps / stages of the backward (`kernel_options`);
+  * the kernel itself: the same sizes with no mask at all ("dense") as a control.
+
+Each row: forward ms, backward ms (fwd+bwd minus fwd), tiles the BlockMask computes (partial,
+full), TFLOP/s on the computed tiles, and the largest difference from the production output.
+Writes $OUT/flex_sweep.json; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from bench.common import cuda_time_ms, env_record, median, out_dir, print_table
+from dflash_core.attention import build_block_mask, dflash_mask_mod
+from dflash_core.config import ShapeConfig
+from dflash_core.data.batches import MicroBatch, synthetic_micro_batch
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+BWD_SMALL = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+BWD_LARGE = {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64}
+CASES = {  # name: (mask, q_splits, kernel_options)
+    "dflash": ("dflash", 1, None),
+    "dflash_q4": ("dflash", 4, None),
+    "interval": ("interval", 1, None),
+    "interval_q4": ("interval", 4, None),
+    "interval_q4_bwd_small": ("interval", 4, BWD_SMALL),
+    "interval_q4_bwd_large": ("interval", 4, BWD_LARGE),
+    "interval_q4_warps8": ("interval", 4, {"num_warps": 8}),
+    "interval_q4_stages3": ("interval", 4, {"num_stages": 3}),
+    "dense": ("none", 1, None),
+}
+
+
+def context_intervals(batch: MicroBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: the context interval [lo, hi) its queries see. Packed documents are contiguous,
+    so "same document as the anchor and before it" is [start of the anchor's document, anchor).
+    Padding blocks get an empty interval."""
+    doc = batch.doc_ids
+    pos = torch.arange(doc.shape[0], device=doc.device)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[1:] = doc[1:] != doc[:-1]
+    doc_start = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), dim=0).values
+    lo = torch.where(batch.anchor_valid, doc_start[batch.anchors], torch.zeros_like(batch.anchors))
+    hi = torch.where(batch.anchor_valid, batch.anchors, torch.zeros_like(batch.anchors))
+    return lo, hi
+
+
+def interval_mask_mod(lo: torch.Tensor, hi: torch.Tensor, seq_len: int, block_size: int, queries_per_batch: int = 0):
+    """`dflash_mask_mod`'s visibility from per-block context intervals."""
+    num_anchors = lo.shape[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        if queries_per_batch:
+            q_idx = b * queries_per_batch + q_idx
+        block = torch.clamp(q_idx // block_size, max=num_anchors - 1)
+        sees_context = (kv_idx >= lo[block]) & (kv_idx < hi[block])
+        own_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
+        return sees_context | own_block
+
+    return mask_mod
+
+
+def make_mask(kind: str, batch: MicroBatch, shape: ShapeConfig, splits: int):
+    q_len, kv_len = shape.num_query_tokens, shape.kv_len
+    per = q_len // splits
+    if kind == "none":
+        return None
+    if kind == "dflash":
+        mod = dflash_mask_mod(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size,
+                              per if splits > 1 else 0)
+    else:
+        lo, hi = context_intervals(batch, shape.block_size)
+        mod = interval_mask_mod(lo, hi, shape.seq_len, shape.block_size, per if splits > 1 else 0)
+    return build_block_mask(mod, per, kv_len, "cuda", compiled=True, batches=splits)
+
+
+def tile_counts(block_mask) -> tuple[int, int]:
+    if block_mask is None:
+        return 0, 0
+    partial = int(block_mask.kv_num_blocks.sum())
+    full = int(block_mask.full_kv_num_blocks.sum()) if block_mask.full_kv_num_blocks is not None else 0
+    return partial, full
+
+
+def run_case(name, shape, batch, q, k, v, grad_out, reference):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    kind, splits, options = CASES[name]
+    fn = torch.compile(flex_attention, dynamic=False)
+    block_mask = make_mask(kind, batch, shape, splits)
+    q_len = q.shape[2]
+
+    def split(x):
+        return x if splits == 1 else x.transpose(1, 2).reshape(splits, q_len // splits, HEADS, HEAD_DIM).transpose(1, 2)
+
+    def join(x):
+        return x if splits == 1 else x.transpose(1, 2).reshape(1, q_len, HEADS, HEAD_DIM).transpose(1, 2)
+
+    kw = dict(block_mask=block_mask, enable_gqa=True)
+    if options:
+        kw["kernel_options"] = options
+
+    def fwd():
+        with torch.no_grad():
+            return join(fn(split(q), k, v, **kw))
+
+    def fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        join(fn(split(q), k, v, **kw)).backward(grad_out)
+
+    t0 = time.perf_counter()
+    out = fwd()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    fwd_ms = median(cuda_time_ms(fwd, warmup=3, iters=20))
+    both_ms = median(cuda_time_ms(fwd_bwd, warmup=3, iters=20))
+    partial, full = tile_counts(block_mask)
+    tiles = partial + full if block_mask is not None else (q_len // 128) * (k.shape[2] // 128)
+    flop_fwd = 4 * HEADS * HEAD_DIM * tiles * 128 * 128  # computed tiles, every query head
+    row = {
+        "case": name, "fwd_ms": round(fwd_ms, 3), "bwd_ms": round(both_ms - fwd_ms, 3),
+        "bwd_over_fwd": round((both_ms - fwd_ms) / fwd_ms, 2), "partial_tiles": partial, "full_tiles": full,
+        "fwd_tflops": round(flop_fwd / (fwd_ms * 1e-3) / 1e12, 1),
+        "bwd_tflops": round(2.5 * flop_fwd / ((both_ms - fwd_ms) * 1e-3) / 1e12, 1),
+        "compile_s": round(compile_s, 1),
+    }
+    if reference is not None and kind != "none":
+        row["max_abs_diff"] = f"{(out.float() - reference.float()).abs().max().item():.2e}"
+    return row, out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--cases", default="all")
+    args = p.parse_args(argv)
+    shape = ShapeConfig(seq_len=args.seq_len, num_anchors=args.anchors, block_size=args.block)
+    names = list(CASES) if args.cases == "all" else args.cases.split(",")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batch = synthetic_micro_batch(shape, 151936, 0).to("cuda")
+    q_len, kv_len = shape.num_query_tokens, shape.kv_len
+    q = torch.randn(1, HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad_out = torch.randn(1, HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    rows, reference = [], None
+    for name in names:
+        try:
+            row, out = run_case(name, shape, batch, q, k, v, grad_out, reference)
+            if name == "dflash":
+                reference = out
+        except Exception as e:  # noqa: BLE001 - an unsupported option set is a row, not a crash
+            traceback.print_exc()
+            row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out_dir() / "flex_sweep.json").write_text(json.dumps({"env": env_record(), "shape": vars(shape), "rows": rows}, indent=1))
+    print(f"\nflex_attention alone, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, Q={q_len} KV={kv_len}, "
+          f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16")
+    print_table(rows, ["case", "fwd_ms", "bwd_ms", "bwd_over_fwd", "fwd_tflops", "bwd_tflops", "partial_tiles",
+                       "full_tiles", "compile_s", "max_abs_diff", "error"])
+
+
+if __name__ == "__main__":
+    main()

@@ -58,6 +58,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float,
     raise TimeoutError("daemon not ready in time")
 
 
+def reserved_bytes(metrics: str) -> dict[str, float]:
+    """dflash_cuda_reserved_bytes per device from a /metrics page."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("dflash_cuda_reserved_bytes{"):
+            key, val = line.rsplit(" ", 1)
+            out[key.split('device="', 1)[1].split('"', 1)[0]] = float(val)
+    return out
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -113,13 +123,21 @@ inductor_cache_dir = "{work / 'inductor'}"
             if phase == "cold":
                 job = httpx.post(url + "/jobs", json={"name": "gpu-100", "datasets": ["builtin://train"], "steps": args.steps,
                                                        "checkpoint_interval": 50, "learning_rate": 6e-4}, timeout=10).json()
-                steps = []
+                steps, reserved = [], {}  # reserved: device -> bytes sampled during the job (after step 10)
                 with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
                     for line in r.iter_lines():
                         if line.strip():
                             ev = json.loads(line)
                             if ev.get("kind") == "step":
                                 steps.append(ev["payload"] if "payload" in ev else ev)
+                                if len(steps) > 10 and len(steps) % 5 == 0:
+                                    for dev, val in reserved_bytes(httpx.get(url + "/metrics", timeout=10).text).items():
+                                        reserved.setdefault(dev, []).append(val)
+                record["reserved_during_job"] = {
+                    dev: {"samples": len(v), "min_gib": round(min(v) / 2**30, 3), "max_gib": round(max(v) / 2**30, 3),
+                          "swing_pct": round(100 * (max(v) - min(v)) / max(v), 3)} for dev, v in reserved.items()}
+                for dev, st in record["reserved_during_job"].items():
+                    row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
                 record["job"] = final
                 secs = [s.get("step_seconds") for s in steps[10:] if s.get("step_seconds")]

@@ -83,6 +83,13 @@ def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
     ready = [p.drafters_ready for p in seen]
     assert ready == sorted(ready) and ready[-1] == seen[-1].drafters_total == 2
     assert seen[-1].phase == "ready" and [p.elapsed for p in seen] == sorted(p.elapsed for p in seen)
+    timeline = engine.build_timeline()  # where time to ready went, in order
+    labels = [label for label, _ in timeline]
+    for earlier, later in (("build:tokenizer_and_config", "build:target_loaded:cpu"),
+                           ("build:target_loaded:cpu", "build:replicas_created"),
+                           ("build:weights_initialized", "warmup:drafter:cpu"), ("warmup:drafter:cpu", "warmup:done")):
+        assert labels.index(earlier) < labels.index(later)
+    assert [t for _, t in timeline] == sorted(t for _, t in timeline)
     engine.close()
 
 

@@ -138,6 +138,13 @@ class Engine:
         self.events.append((time.monotonic(), f"progress:{phase}:{ready}"))
         self._progress_cb(self.progress)
 
+    def _mark(self, label: str) -> None:
+        self.events.append((time.monotonic(), label))
+
+    def build_timeline(self) -> list[tuple[str, float]]:
+        """(event, seconds since the engine was created), in order: where time to ready went."""
+        return [(label, round(t - self._t0, 3)) for t, label in self.events]
+
     def _delay(self) -> None:
         if self.config.warmup_delay_seconds > 0:
             time.sleep(self.config.warmup_delay_seconds)
@@ -157,8 +164,10 @@ class Engine:
         self.target_path = target_path
         from transformers import AutoConfig, AutoTokenizer
 
+        self._mark("build:transformers_imported")
         self.tokenizer = AutoTokenizer.from_pretrained(target_path)
         hf_cfg = AutoConfig.from_pretrained(target_path)
+        self._mark("build:tokenizer_and_config")
         mask_id = self._mask_token_id(hf_cfg)
         self.drafter_config = DrafterConfig.from_target_config(
             hf_cfg, num_hidden_layers=cfg.drafter_layers, block_size=cfg.shape.block_size, mask_token_id=mask_id,
@@ -173,6 +182,7 @@ class Engine:
             self.targets.append(TargetModel(target_path, self.drafter_config.target_layer_ids, dev,
                                             random_init=cfg.target_random_init, seed=cfg.init_seed))
             self.warmup_seconds.append(("target_load", dev, time.monotonic() - t))
+            self._mark(f"build:target_loaded:{dev}")
 
         self._report("warming_target", 0)
         self._delay()
@@ -184,6 +194,7 @@ class Engine:
             self._sync(target.device)
             warm_features = warm_features if warm_features is not None else feats  # reused by the drafters
             self.warmup_seconds.append(("target", str(target.device), time.monotonic() - t))
+            self._mark(f"build:target_warm:{target.device}")
 
         head = self.targets[0].frozen_head()
         attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
@@ -196,7 +207,9 @@ class Engine:
                 compute_dtype=_pick_dtype(torch.device(dev)), gamma=gamma, chunk_size=cfg.loss.chunk_size,
                 compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
             ))
+        self._mark("build:replicas_created")
         self._reset_weights(seed=cfg.init_seed, init_from=None)
+        self._mark("build:weights_initialized")
 
         self._report("warming_drafters", 0)
         self._delay()

@@ -135,7 +135,7 @@ inductor_cache_dir = "{work / 'inductor'}"
                                         reserved.setdefault(dev, []).append(val)
                 record["reserved_during_job"] = {
                     dev: {"samples": len(v), "min_gib": round(min(v) / 2**30, 3), "max_gib": round(max(v) / 2**30, 3),
-                          "swing_pct": round(100 * (max(v) - min(v)) / max(v), 3)} for dev, v in reserved.items()}
+                          "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3)} for dev, v in reserved.items()}
                 for dev, st in record["reserved_during_job"].items():
                     row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()

@@ -1,6 +1,6 @@
 """Drafter training step at the reference shape (DESIGN.md section 7) on one GPU.
 
-    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
+    python -m bench.drafter_step [--layers 5] [--variants flex_layer_q4,flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
 
 Times forward+backward (median of CUDA-event timings after warmup) through the engine's own
 replica code path, counts model FLOPs from the mask, reports MFU against a bf16 matmul measured
@@ -29,14 +29,14 @@ from dflash_core.engine.replica import DrafterReplica
 from dflash_core.train_step import FrozenHead
 
 VARIANTS = {
-    "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer"),
-    "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),
+    "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),
+    "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),  # engine default
     "flex_layer_q8": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=8),
-    "flex_step": dict(attention="flex", compiled=True, compile_scope="step"),
-    "flex": dict(attention="flex", compiled=True, compile_scope="attention"),
+    "flex_step": dict(attention="flex", compiled=True, compile_scope="step", flex_q_splits=1),
+    "flex": dict(attention="flex", compiled=True, compile_scope="attention", flex_q_splits=1),
     "sdpa_dense": dict(attention="dense", compiled=False),
     "sdpa_chunked": dict(attention="dense_chunked", compiled=False),
-    "flex_eager": dict(attention="flex", compiled=False),
+    "flex_eager": dict(attention="flex", compiled=False, flex_q_splits=1),
 }
 
 
@@ -171,7 +171,7 @@ def flatness(rep, batch, feats, steps=100):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--variants", default="flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager")
+    p.add_argument("--variants", default="flex_layer_q4,flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flat-steps", type=int, default=100)
     p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
@@ -194,30 +194,32 @@ def main(argv=None):
     mod = dflash_mask_mod(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size)
     visible = int(dense_mask(mod, shape.num_query_tokens, shape.kv_len, "cuda").sum())
     flops = drafter_flops(cfg, shape, visible)
-    rows, first_rep = [], None
-    for name in args.variants.split(","):
+    rows, opt_ms, n_params, opt_rows, flat = [], None, None, None, None
+    for i, name in enumerate(args.variants.split(",")):
+        # one replica on the GPU at a time: each row's memory is its own; the first variant's
+        # replica also times the optimizer and the flatness run before it is dropped
         try:
             rep, res = bench_variant(name, cfg, head, batch, feats, args.iters if "eager" not in name else 5)
             res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
             res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
             if args.profile and "eager" not in name:
-                res["profile_ms"] = profile(rep, batch, feats, name, table=first_rep is None)
-            if first_rep is None:
-                first_rep = rep
-            else:
-                del rep
+                res["profile_ms"] = profile(rep, batch, feats, name, table=i == 0)
+            if i == 0:
+                rep.zero_grad()
+                opt_ms, n_params, opt_rows = bench_optimizer(rep)
+                rep.zero_grad()
+                print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
+                flat = flatness(rep, batch, feats, args.flat_steps)
+                print(json.dumps({"flatness": flat}), flush=True)
+            del rep
         except Exception as e:  # noqa: BLE001 - a failing variant is a row, not a crash
             traceback.print_exc()
-            res = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            res, rep = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}, None
         rows.append(res)
         print(json.dumps(res), flush=True)
         (out_dir() / "drafter_step_rows.json").write_text(json.dumps(rows, indent=1))  # survives a timeout
         gc.collect()
         torch.cuda.empty_cache()
-    opt_ms, n_params, opt_rows = bench_optimizer(first_rep)
-    first_rep.zero_grad()
-    print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
-    flat = flatness(first_rep, batch, feats, args.flat_steps)
     base = {r["variant"]: r.get("median_ms") for r in rows}
     for r in rows:
         if r.get("median_ms") and base.get(rows[0]["variant"]):

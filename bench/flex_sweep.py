@@ -104,6 +104,9 @@ def run_case(name, shape, batch, q, k, v, grad_out, reference):
     from torch.nn.attention.flex_attention import flex_attention
 
     kind, splits, options = CASES[name]
+    # a fresh dynamo per case: every case compiles a no-grad and a grad graph, and past dynamo's
+    # recompile limit flex would silently run uncompiled (materializing scores) instead
+    torch._dynamo.reset()
     fn = torch.compile(flex_attention, dynamic=False)
     block_mask = make_mask(kind, batch, shape, splits)
     q_len = q.shape[2]
@@ -155,6 +158,10 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--cases", default="all")
     args = p.parse_args(argv)
+    import torch._dynamo.config as dynamo_config
+
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):  # an error, never a silent eager fallback
+        dynamo_config.fail_on_recompile_limit_hit = True
     shape = ShapeConfig(seq_len=args.seq_len, num_anchors=args.anchors, block_size=args.block)
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -26,9 +26,21 @@ if [ -d .whl ]; then
 fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-T=${PART_TIMEOUT:-540}  # seconds per part; a device call has 600 in all
+# A device call has 600 s in all: parts share DEADLINE (s since this script started), each also
+# bounded by PART_TIMEOUT; whatever ran is packed on exit, also when a part times out or fails.
+DEADLINE=${DEADLINE:-570}
+pack() {  # the device tool brings back at most 8 files: pack them all into one
+  (cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
+  echo "=== done $(date +%T)"
+}
+trap pack EXIT
+set -o pipefail
 for part in "$@"; do
-  echo "=== $part $(date +%T)"
+  left=$((DEADLINE - SECONDS - 10))
+  if [ "$left" -lt 30 ]; then echo "=== $part skipped: ${left}s left of the call"; continue; fi
+  T=${PART_TIMEOUT:-$left}
+  [ "$T" -gt "$left" ] && T=$left
+  echo "=== $part $(date +%T) (limit ${T}s)"
   case "$part" in
     step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer_q4,flex_layer_q8,flex_layer,flex,sdpa_dense,sdpa_chunked} --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
@@ -37,7 +49,5 @@ for part in "$@"; do
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} 2>&1 | tee "$OUT/flex_sweep.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
+  echo "=== $part exit $? $(date +%T)"  # 124: hit its time limit
 done
-# the device tool brings back at most 8 files: pack them all into one
-(cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
-echo "=== done $(date +%T)"

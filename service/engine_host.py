@@ -45,7 +45,7 @@ class EngineHost:
             engine_config = self.config.engine_config()
             from dflash_core.engine import Engine
 
-            imported = time.monotonic() - self._started  # torch, dynamo, dflash_core imports
+            created_after = time.monotonic() - self._started  # daemon start -> engine object (imports mostly)
             self.engine = Engine(engine_config, self.config.data_dir, progress=self._on_progress)
             self.drafters_total = len(engine_config.drafter_devices)
             for listener in self._listeners:
@@ -63,12 +63,12 @@ class EngineHost:
             self._ready.set()
             log.info("engine ready", extra={"fields": {"seconds": round(self._ready_after, 3),
                                                        "compiles": self.engine.compile_counts()}})
-            # where time to ready went (seconds since the engine object was created)
-            log.info("engine build timeline", extra={"fields": {
-                "imports_seconds": round(imported, 3),
-                "events": " ".join(f"{label}@{t}" for label, t in self.engine.build_timeline()
-                                   if not label.startswith("thread:"))}})
         finally:
+            if self.engine is not None:  # where the time to ready (or to the failure) went
+                log.info("engine build timeline", extra={"fields": {
+                    "engine_created_after_seconds": round(created_after, 3),
+                    "events": " ".join(f"{label}@{t}" for label, t in self.engine.build_timeline()
+                                       if not label.startswith("thread:"))}})
             self._created.set()
             self._finished.set()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import logging
 import math
 import os
 import queue
@@ -24,12 +25,15 @@ from typing import Callable
 
 import torch
 
+from ..attention import FLEX_TILE, usable_q_splits
 from ..blocks import expected_acceptance_length
 from ..checkpoint import load_training_state, load_weights, read_config, save_checkpoint
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
+
+log = logging.getLogger("dflash.engine")
 from .compile_guard import CompileGuard
 from .config import EngineConfig, TrainJob
 from .grad_sync import GradSync
@@ -208,6 +212,11 @@ class Engine:
                 compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
             ))
         self._mark("build:replicas_created")
+        if attention == "flex":
+            splits = usable_q_splits(cfg.shape.num_query_tokens, cfg.flex_q_splits)
+            if splits != cfg.flex_q_splits:
+                log.warning("flex_q_splits %d reduced to %d: %d block tokens do not split into whole %d-query tiles",
+                            cfg.flex_q_splits, splits, cfg.shape.num_query_tokens, FLEX_TILE)
         self._reset_weights(seed=cfg.init_seed, init_from=None)
         self._mark("build:weights_initialized")
 

@@ -9,16 +9,20 @@ from dflash_core.train_step import FrozenHead, drafter_forward
 from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_flex_equals_sdpa_forward(compiled):
-    rng = np.random.default_rng(1)
-    shape = ShapeConfig(seq_len=160, num_anchors=12, block_size=4)
-    mb = random_micro_batch(rng, shape, n_docs=6)
-    cfg = tiny_drafter_config(block_size=4)
+def _forward_setup(seed: int, shape: ShapeConfig, n_docs: int):
+    """A packed micro-batch, an fp32 tiny drafter, a frozen head and target features."""
+    mb = random_micro_batch(np.random.default_rng(seed), shape, n_docs=n_docs)
+    cfg = tiny_drafter_config(block_size=shape.block_size)
     drafter = random_drafter(cfg).float()
     torch.manual_seed(0)
     head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
-    feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
+    return mb, drafter, head, torch.randn(shape.seq_len, 2 * cfg.hidden_size)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_equals_sdpa_forward(compiled):
+    shape = ShapeConfig(seq_len=160, num_anchors=12, block_size=4)
+    mb, drafter, head, feats = _forward_setup(1, shape, n_docs=6)
     with torch.no_grad():
         dense = drafter_forward(drafter, head, mb, feats, training_attention("dense", mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4))
         flex = drafter_forward(drafter, head, mb, feats, training_attention("flex", mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4, compiled=compiled))
@@ -60,15 +64,9 @@ def test_flex_with_query_splits_equals_sdpa(compiled):
     function as one entry and as the dense mask."""
     from dflash_core.attention import FlexAttention, usable_q_splits
 
-    rng = np.random.default_rng(2)
     shape = ShapeConfig(seq_len=200, num_anchors=64, block_size=4)  # Q = 256 = 2 tiles of 128
     assert usable_q_splits(256, 4) == 2 and usable_q_splits(256, 1) == 1 and usable_q_splits(48, 4) == 1
-    mb = random_micro_batch(rng, shape, n_docs=5)
-    cfg = tiny_drafter_config(block_size=4)
-    drafter = random_drafter(cfg).float()
-    torch.manual_seed(0)
-    head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
-    feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
+    mb, drafter, head, feats = _forward_setup(2, shape, n_docs=5)
     args = (mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4)
     split = training_attention("flex", *args, compiled=compiled, q_splits=4)
     assert isinstance(split, FlexAttention) and split.q_splits == 2

@@ -93,3 +93,23 @@ def test_split_mask_mod_is_the_mask_reshaped():
     for b in range(4):
         part = split_mod(torch.tensor(b), zero, q, kv)
         assert torch.equal(part, whole[8 * b : 8 * (b + 1)])
+
+
+def test_one_compiled_layer_serves_every_layer():
+    """compile_scope "layer": a 5-layer drafter compiles the layer twice (the first layer's input
+    has no grad, the others' has), not once per layer; the loss chunk adds one graph."""
+    from torch._dynamo.utils import counters
+
+    from dflash_core.engine.replica import DrafterReplica
+
+    torch._dynamo.reset()
+    shape = ShapeConfig(seq_len=96, num_anchors=8, block_size=4)
+    mb = random_micro_batch(np.random.default_rng(4), shape, n_docs=3)
+    cfg = tiny_drafter_config(block_size=4, layers=5)
+    head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
+    feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
+    before = counters["stats"]["unique_graphs"]
+    rep = DrafterReplica(0, cfg, "cpu", head, attention="dense", compiled=True, compute_dtype=torch.float32,
+                         gamma=2.0, chunk_size=16, compile_scope="layer")
+    rep.forward_backward(mb, feats, 1.0, rep.new_accumulator())
+    assert counters["stats"]["unique_graphs"] - before == 3

@@ -105,6 +105,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def cpu_copy(obj: Any) -> Any:
+    """A copy of a (nested) state on the CPU that later in-place updates cannot reach: CPU
+    tensors are cloned too, since `.to("cpu")` would return them as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
 def save_checkpoint(
     path: str | Path,
     drafter: DFlashDrafter,
@@ -113,17 +125,29 @@ def save_checkpoint(
     metadata: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
+    weights = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
+    return write_checkpoint(path, drafter.config, weights, training_state=training_state, metadata=metadata)
+
+
+def write_checkpoint(
+    path: str | Path,
+    config: DrafterConfig,
+    weights: dict[str, torch.Tensor],
+    *,
+    training_state: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Write CPU weights (and state) as a checkpoint directory, atomically (temp dir + rename)."""
     final = Path(path)
     tmp = _atomic_dir(final)
     tmp.mkdir()
     try:
-        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
-        missing = expected_keys(drafter.config.num_hidden_layers) ^ set(state)
+        missing = expected_keys(config.num_hidden_layers) ^ set(weights)
         if missing:
             raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        dt = next(iter(state.values())).dtype
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(drafter.config, dt), indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        dt = next(iter(weights.values())).dtype
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(config, dt), indent=2) + "\n")
         if metadata is not None:
             (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
         if training_state is not None:

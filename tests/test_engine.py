@@ -221,3 +221,47 @@ def test_a_failing_target_worker_fails_the_job_without_hanging(data_dir, default
     monkeypatch.setattr(target, "capture", real)
     assert engine.run_job(job(default_assets, tmp_path / "ok", steps=2), Recorder()).status == "SUCCEEDED"
     engine.close()
+
+
+class CheckpointRecorder(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.checkpoints = []
+
+    def on_checkpoint(self, path, step):
+        self.checkpoints.append((path, step, len(self.steps)))
+
+
+def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir, default_assets, tmp_path):
+    """Checkpoints are written on the writer thread from a snapshot: each is reported once, in
+    order, only after its directory exists, and holds the weights of its own step even though
+    training went on while it was written."""
+    from dflash_core.checkpoint import load_training_state, load_weights
+
+    engine = make_engine(data_dir, ["cpu"])
+    rec = CheckpointRecorder()
+    res = engine.run_job(job(default_assets, tmp_path / "ckpts", steps=6, checkpoint_interval=2, keep_checkpoints=5), rec)
+    assert res.status == "SUCCEEDED"
+    assert [s for _, s, _ in rec.checkpoints] == [2, 4, 6]
+    assert all(seen >= s for _, s, seen in rec.checkpoints)  # never reported before its step ran
+    assert res.final_checkpoint == rec.checkpoints[-1][0]
+    final = {k: v for k, v in engine.replicas[0].drafter.state_dict().items()}
+    at_4 = load_weights(rec.checkpoints[1][0], engine.drafter_config.num_hidden_layers)
+    at_6 = load_weights(rec.checkpoints[2][0], engine.drafter_config.num_hidden_layers)
+    assert all(torch.equal(at_6[k], final[k]) for k in final)
+    assert any(not torch.equal(at_4[k], final[k]) for k in final)  # the step-4 snapshot was not overwritten
+    assert load_training_state(rec.checkpoints[1][0])["step"] == 4
+    engine.close()
+
+
+def test_checkpoint_that_cannot_be_written_fails_the_job(data_dir, default_assets, tmp_path):
+    engine = make_engine(data_dir, ["cpu"])
+    out = tmp_path / "blocked"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoint directory goes\n")
+    with pytest.raises(JobFailed, match="checkpoints"):
+        engine.run_job(job(default_assets, out, steps=4, checkpoint_interval=2), Recorder())
+    # the engine is not left half-busy: the next job runs
+    res = engine.run_job(job(default_assets, tmp_path / "next", steps=2), Recorder())
+    assert res.status == "SUCCEEDED"
+    engine.close()

@@ -27,19 +27,20 @@ import torch
 
 from ..attention import FLEX_TILE, usable_q_splits
 from ..blocks import expected_acceptance_length
-from ..checkpoint import load_training_state, load_weights, read_config, save_checkpoint
+from ..checkpoint import cpu_copy, load_training_state, load_weights, read_config, write_checkpoint
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
-
-log = logging.getLogger("dflash.engine")
+from .checkpoint_writer import CheckpointWriter
 from .compile_guard import CompileGuard
 from .config import EngineConfig, TrainJob
 from .grad_sync import GradSync
 from .jobdata import load_job_data
 from .optim import build_optimizer, lr_factor
 from .replica import DrafterReplica
+
+log = logging.getLogger("dflash.engine")
 
 
 @dataclass
@@ -426,6 +427,14 @@ class Engine:
         status = "SUCCEEDED"
         step = start_step
         self.rate.reset()
+        writer = CheckpointWriter()
+
+        def reported(done: list[tuple[str, int]]) -> str | None:
+            """Report finished checkpoints (in the loop's thread); the newest one's path."""
+            for path, at_step in done:
+                cb.on_checkpoint(path, at_step)
+            return done[-1][0] if done else last_ckpt
+
         try:
             while step < total:
                 if cb.should_cancel():
@@ -446,6 +455,7 @@ class Engine:
                 step += 1
                 last_stats = self._step_stats(accs, step, total, time.monotonic() - t_step, lr, norm, stream.per_epoch, per_step)
                 cb.on_step(last_stats)
+                last_ckpt = reported(writer.poll())
                 if job.eval_interval and data.heldout and step % job.eval_interval == 0 and step < total:
                     eval_result = self.evaluate(data.heldout, job)
                     cb.on_eval(step, eval_result)
@@ -453,11 +463,12 @@ class Engine:
                     if step == total and data.heldout and (job.eval_interval or job.eval_fraction or job.eval_prompts):
                         eval_result = self.evaluate(data.heldout, job)
                         cb.on_eval(step, eval_result)
-                    last_ckpt = self._checkpoint(job, step, total, per_step, last_stats, eval_result)
-                    cb.on_checkpoint(last_ckpt, step)
+                    last_ckpt = reported(writer.wait())  # the previous write first: one snapshot in memory
+                    writer.submit(self._snapshot(job, step, total, per_step, last_stats, eval_result), step)
+            last_ckpt = reported(writer.wait())
             if status == "STOPPED" and step > start_step and (last_ckpt is None or not last_ckpt.endswith(f"{step:08d}")):
-                last_ckpt = self._checkpoint(job, step, total, per_step, last_stats, eval_result)
-                cb.on_checkpoint(last_ckpt, step)
+                writer.submit(self._snapshot(job, step, total, per_step, last_stats, eval_result), step)
+                last_ckpt = reported(writer.wait())
         finally:
             pipe.stop.set()
             for q in queues:
@@ -470,6 +481,11 @@ class Engine:
                 producer.join(timeout=60)
             for name in self.queue_depths:
                 self.queue_depths[name] = 0
+            try:  # after a failure: let a write in flight finish (its directory is complete or absent)
+                writer.wait()
+            except Exception:  # noqa: BLE001 - the failure already propagating is the job's error
+                log.exception("checkpoint write failed while the job was failing")
+            writer.close()
         return JobResult(status, step, total, last_ckpt, last_stats, eval_result, data.skipped_lines)
 
     def _produce(self, worker: int, stream: MicroBatchStream, first: int, end: int, accum: int, queues,
@@ -544,23 +560,32 @@ class Engine:
         return StepStats(step, total, loss, acc_per_pos, expected_acceptance_length([1.0] + acc_per_pos), tokens, per_dev,
                          seconds, secs, self.rate.rate(), lr, norm, step * per_step / per_epoch)
 
-    def _checkpoint(self, job: TrainJob, step: int, total: int, per_step: int, stats: StepStats | None, eval_result) -> str:
+    def _snapshot(self, job: TrainJob, step: int, total: int, per_step: int, stats: StepStats | None,
+                  eval_result) -> Callable[[], str]:
+        """CPU copy of the weights and training state now (between steps: consistent), and the
+        write of it as a checkpoint, for the checkpoint writer's thread."""
         out = job.output_path() / "checkpoints"
         rep = self.replicas[0]
-        state = {
+        weights = cpu_copy(dict(rep.drafter.state_dict()))
+        state = cpu_copy({
             "step": step, "total_steps": total, "micro_batch_index": step * per_step,
             "optimizer": rep.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
             "replicas": len(self.replicas), "grad_accum": job.grad_accum,
-        }
+        })
         meta = {"step": step, "total_steps": total, "loss": stats.loss if stats else None,
                 "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
                 "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
                 "target": str(self.target_path), "time": time.time()}
-        path = save_checkpoint(out / f"step-{step:08d}", rep.drafter, training_state=state, metadata=meta)
-        kept = sorted(p for p in out.iterdir() if p.name.startswith("step-"))
-        for old in kept[: -max(1, job.keep_checkpoints)]:
-            shutil.rmtree(old, ignore_errors=True)
-        return str(path)
+        config, keep = rep.drafter.config, max(1, job.keep_checkpoints)
+
+        def write() -> str:
+            path = write_checkpoint(out / f"step-{step:08d}", config, weights, training_state=state, metadata=meta)
+            kept = sorted(p for p in out.iterdir() if p.name.startswith("step-"))
+            for old in kept[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            return str(path)
+
+        return write
 
     # ------------------------------------------------------------------ evaluation + telemetry
     def evaluate(self, conversations, job: TrainJob) -> dict:

@@ -251,6 +251,11 @@ def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir
     assert all(torch.equal(at_6[k], final[k]) for k in final)
     assert any(not torch.equal(at_4[k], final[k]) for k in final)  # the step-4 snapshot was not overwritten
     assert load_training_state(rec.checkpoints[1][0])["step"] == 4
+    # rotation keeps the newest keep_checkpoints, and deletes only after the newer one is reported
+    rec = CheckpointRecorder()
+    res = engine.run_job(job(default_assets, tmp_path / "rotated", steps=6, checkpoint_interval=2, keep_checkpoints=2), rec)
+    on_disk = sorted(p.name for p in (tmp_path / "rotated" / "checkpoints").iterdir())
+    assert on_disk == ["step-00000004", "step-00000006"] and [s for _, s, _ in rec.checkpoints] == [2, 4, 6]
     engine.close()
 
 

@@ -430,10 +430,14 @@ class Engine:
         writer = CheckpointWriter()
 
         def reported(done: list[tuple[str, int]]) -> str | None:
-            """Report finished checkpoints (in the loop's thread); the newest one's path."""
+            """Report finished checkpoints (in the loop's thread), then rotate old ones away: never
+            before the newer one is recorded (a resume picks the newest recorded one on disk)."""
             for path, at_step in done:
                 cb.on_checkpoint(path, at_step)
-            return done[-1][0] if done else last_ckpt
+            if not done:
+                return last_ckpt
+            _rotate_checkpoints(Path(done[-1][0]).parent, max(1, job.keep_checkpoints))
+            return done[-1][0]
 
         try:
             while step < total:
@@ -576,14 +580,10 @@ class Engine:
                 "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
                 "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
                 "target": str(self.target_path), "time": time.time()}
-        config, keep = rep.drafter.config, max(1, job.keep_checkpoints)
+        config = rep.drafter.config
 
         def write() -> str:
-            path = write_checkpoint(out / f"step-{step:08d}", config, weights, training_state=state, metadata=meta)
-            kept = sorted(p for p in out.iterdir() if p.name.startswith("step-"))
-            for old in kept[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-            return str(path)
+            return str(write_checkpoint(out / f"step-{step:08d}", config, weights, training_state=state, metadata=meta))
 
         return write
 
@@ -614,3 +614,10 @@ class Engine:
             pool.shutdown(wait=True, cancel_futures=True)
         self._drafter_pools = []
         self.ready = False
+
+
+def _rotate_checkpoints(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` step-* checkpoints of a job."""
+    kept = sorted(p for p in directory.iterdir() if p.name.startswith("step-"))
+    for old in kept[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

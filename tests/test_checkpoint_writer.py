@@ -27,7 +27,6 @@ def test_one_write_in_flight_and_results_in_order():
     writer.submit(lambda: "ckpt-2", 2)
     assert writer.wait() == [("ckpt-2", 2)]
     assert writer.wait() == [] and writer.poll() == []
-    writer.close()
 
 
 def test_failed_write_is_raised():
@@ -40,4 +39,23 @@ def test_failed_write_is_raised():
     with pytest.raises(OSError, match="disk full"):
         writer.wait()
     assert writer.wait() == []  # reported once
-    writer.close()
+
+
+def test_snapshot_is_not_reached_by_later_training():
+    """cpu_copy: in-place updates after the snapshot (weights, AdamW moments and step counters,
+    all on the CPU here, where .to("cpu") alone would alias) do not change it."""
+    import torch
+
+    from dflash_core.checkpoint import cpu_copy
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], lr=0.1, foreach=True)
+    p.grad = torch.ones(4)
+    opt.step()
+    snap = cpu_copy({"weights": {"p": p}, "optimizer": opt.state_dict()})
+    before = {"p": p.detach().clone(), **{k: v.clone() for k, v in opt.state[p].items()}}
+    opt.step()  # moves the weights, both moments and the step counter in place
+    assert torch.equal(snap["weights"]["p"], before["p"]) and not torch.equal(p.detach(), before["p"])
+    state = snap["optimizer"]["state"][0]
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(state[key], before[key]) and not torch.equal(opt.state[p][key], before[key])

@@ -489,7 +489,6 @@ class Engine:
                 writer.wait()
             except Exception:  # noqa: BLE001 - the failure already propagating is the job's error
                 log.exception("checkpoint write failed while the job was failing")
-            writer.close()
         return JobResult(status, step, total, last_ckpt, last_stats, eval_result, data.skipped_lines)
 
     def _produce(self, worker: int, stream: MicroBatchStream, first: int, end: int, accum: int, queues,
@@ -583,7 +582,11 @@ class Engine:
         config = rep.drafter.config
 
         def write() -> str:
-            return str(write_checkpoint(out / f"step-{step:08d}", config, weights, training_state=state, metadata=meta))
+            path = out / f"step-{step:08d}"
+            try:
+                return str(write_checkpoint(path, config, weights, training_state=state, metadata=meta))
+            except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
+                raise JobFailed(f"checkpoint {path} could not be written: {type(e).__name__}: {e}") from e
 
         return write
 

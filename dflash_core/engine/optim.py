@@ -15,8 +15,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
 
 
 def build_optimizer(params, lr: float, weight_decay: float, betas, device: torch.device) -> torch.optim.Optimizer:
-    # fused AdamW on CUDA (one kernel set per step); foreach on CPU. capturable stays off:
-    # the step counter lives on the host, which keeps the schedule free of device syncs.
+    # fused AdamW on CUDA (one kernel set per step); foreach on CPU. The learning rate is a
+    # Python float set from the host every step (set_lr): the schedule needs no device sync.
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=1e-8, **kw)
 

@@ -86,11 +86,11 @@ def drafter_flops(cfg: DrafterConfig, shape: ShapeConfig, visible_pairs: int) ->
 
 
 def env_record() -> dict:
-    import triton  # noqa: F401 - version record
+    import triton
 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "triton": getattr(__import__("triton"), "__version__", "?"),
+        "torch": torch.__version__, "triton": getattr(triton, "__version__", "?"),
         "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
     }
 

@@ -40,23 +40,25 @@ VARIANTS = {
 }
 
 
-CHUNK = 2048
-
-
-def make_replica(cfg, head, variant):
-    rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=CHUNK, **VARIANTS[variant])
+def make_replica(cfg, head, variant, chunk):
+    rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=chunk, **VARIANTS[variant])
     rep.drafter.init_weights(0)
     return rep
 
 
-def bench_variant(name, cfg, head, batch, feats, iters):
-    rep = make_replica(cfg, head, name)
+def fwd_bwd_of(rep, batch, feats):
+    """One forward + backward of the replica, from zero gradients."""
 
     def fwd_bwd():
         rep.zero_grad()
-        acc = rep.new_accumulator()
-        rep.forward_backward(batch, feats, 1.0, acc)
+        rep.forward_backward(batch, feats, 1.0, rep.new_accumulator())
 
+    return fwd_bwd
+
+
+def bench_variant(name, cfg, head, batch, feats, iters, chunk):
+    rep = make_replica(cfg, head, name, chunk)
+    fwd_bwd = fwd_bwd_of(rep, batch, feats)
     t0 = time.perf_counter()
     fwd_bwd()  # compile (if any) before the clocks
     torch.cuda.synchronize()
@@ -93,10 +95,7 @@ def profile(rep, batch, feats, name, steps=3, table=False):
     """Device time per kernel class (ms per step); the top kernels when `table`."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    def fwd_bwd():
-        rep.zero_grad()
-        rep.forward_backward(batch, feats, 1.0, rep.new_accumulator())
-
+    fwd_bwd = fwd_bwd_of(rep, batch, feats)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fwd_bwd()
@@ -177,8 +176,6 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
     p.add_argument("--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first")
     args = p.parse_args(argv)
-    global CHUNK
-    CHUNK = args.chunk
     torch.backends.cuda.matmul.allow_tf32 = True
     env = env_record()
     peak = measured_bf16_peak_tflops()
@@ -198,8 +195,9 @@ def main(argv=None):
     for i, name in enumerate(args.variants.split(",")):
         # one replica on the GPU at a time: each row's memory is its own; the first variant's
         # replica also times the optimizer and the flatness run before it is dropped
+        rep = None
         try:
-            rep, res = bench_variant(name, cfg, head, batch, feats, args.iters if "eager" not in name else 5)
+            rep, res = bench_variant(name, cfg, head, batch, feats, args.iters if "eager" not in name else 5, args.chunk)
             res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
             res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
             if args.profile and "eager" not in name:
@@ -211,19 +209,20 @@ def main(argv=None):
                 print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
                 flat = flatness(rep, batch, feats, args.flat_steps)
                 print(json.dumps({"flatness": flat}), flush=True)
-            del rep
         except Exception as e:  # noqa: BLE001 - a failing variant is a row, not a crash
             traceback.print_exc()
-            res, rep = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}, None
+            res = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        finally:
+            del rep  # one replica on the GPU at a time
         rows.append(res)
         print(json.dumps(res), flush=True)
         (out_dir() / "drafter_step_rows.json").write_text(json.dumps(rows, indent=1))  # survives a timeout
         gc.collect()
         torch.cuda.empty_cache()
-    base = {r["variant"]: r.get("median_ms") for r in rows}
+    first_ms = rows[0].get("median_ms")
     for r in rows:
-        if r.get("median_ms") and base.get(rows[0]["variant"]):
-            r["speedup_of_first"] = round(r["median_ms"] / base[rows[0]["variant"]], 2)
+        if r.get("median_ms") and first_ms:
+            r["speedup_of_first"] = round(r["median_ms"] / first_ms, 2)
     record = {"env": env, "peak_bf16_tflops": round(peak, 1), "shape": vars(shape), "layers": args.layers, "loss_chunk": args.chunk,
               "visible_pairs": visible, "flops": flops, "rows": rows, "optimizer_ms": opt_ms,
               "optimizer_variants_ms": opt_rows, "optimizer_params": n_params, "flatness": flat}

@@ -49,7 +49,7 @@ CASES = {  # name: (mask, q_splits, kernel_options)
 }
 
 
-def context_intervals(batch: MicroBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def context_intervals(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block: the context interval [lo, hi) its queries see. Packed documents are contiguous,
     so "same document as the anchor and before it" is [start of the anchor's document, anchor).
     Padding blocks get an empty interval."""
@@ -87,7 +87,7 @@ def make_mask(kind: str, batch: MicroBatch, shape: ShapeConfig, splits: int):
         mod = dflash_mask_mod(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size,
                               per if splits > 1 else 0)
     else:
-        lo, hi = context_intervals(batch, shape.block_size)
+        lo, hi = context_intervals(batch)
         mod = interval_mask_mod(lo, hi, shape.seq_len, shape.block_size, per if splits > 1 else 0)
     return build_block_mask(mod, per, kv_len, "cuda", compiled=True, batches=splits)
 
@@ -171,7 +171,7 @@ def main(argv=None):
     k = torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     v = torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     grad_out = torch.randn(1, HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    rows, reference = [], None
+    rows, reference, env = [], None, env_record()
     for name in names:
         try:
             row, out = run_case(name, shape, batch, q, k, v, grad_out, reference)
@@ -182,7 +182,7 @@ def main(argv=None):
             row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        (out_dir() / "flex_sweep.json").write_text(json.dumps({"env": env_record(), "shape": vars(shape), "rows": rows}, indent=1))
+        (out_dir() / "flex_sweep.json").write_text(json.dumps({"env": env, "shape": vars(shape), "rows": rows}, indent=1))
     print(f"\nflex_attention alone, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, Q={q_len} KV={kv_len}, "
           f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16")
     print_table(rows, ["case", "fwd_ms", "bwd_ms", "bwd_over_fwd", "fwd_tflops", "bwd_tflops", "partial_tiles",

@@ -13,9 +13,8 @@ import torch
 from bench.common import env_record, out_dir, print_table, reference_drafter_config
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
-from dflash_core.attention import training_attention
 from dflash_core.drafter import DFlashDrafter, run_layer
-from dflash_core.train_step import EAGER, FrozenHead, StepKernels, drafter_forward, micro_step
+from dflash_core.train_step import EAGER, FrozenHead, StepKernels, drafter_forward, micro_step, step_attention
 
 
 def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
@@ -30,7 +29,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     base.init_weights(seed)
     results = {}
     flex_alone = StepKernels(attention=True)
-    flex_layer = StepKernels(attention=True, layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True, q_splits=4)
+    flex_layer = StepKernels(layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True, q_splits=4)
     for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
                                             ("flex_bf16", "flex", torch.bfloat16, flex_alone),
                                             ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
@@ -43,9 +42,8 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
             res = micro_step(drafter, head, batch, feats.to(dtype), attention=attention, gamma=7.0, chunk_size=2048,
                              kernels=kernels)
             with torch.no_grad():
-                hidden = drafter_forward(drafter, head, batch, feats.to(dtype), training_attention(
-                    attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, block,
-                    compiled=kernels.attention, q_splits=kernels.q_splits), EAGER if kernels.layer is None else kernels)
+                hidden = drafter_forward(drafter, head, batch, feats.to(dtype), step_attention(batch, block, attention, kernels),
+                                         kernels)
         res.loss.backward()
         results[name] = {"loss": res.loss.detach().float(), "hidden": hidden.detach().float(),
                          "grads": {k: p.grad.detach().float() for k, p in drafter.named_parameters()}}

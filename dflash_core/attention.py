@@ -13,6 +13,7 @@ there). Tests check that both compute the same function.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -97,17 +98,12 @@ class ChunkedDenseAttention:
         return torch.cat(outs, dim=2)
 
 
-_compiled_flex = None
-
-
+@functools.cache
 def compiled_flex_attention():
     """One process-wide compiled flex_attention (compiling per call site multiplies graphs)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return torch.compile(flex_attention, dynamic=False)
 
 
 @dataclass

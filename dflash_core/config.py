@@ -1,7 +1,7 @@
 """Typed configuration of the drafter architecture and of the fixed training shapes."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -108,12 +108,6 @@ class DrafterConfig:
         d["target_layer_ids"] = list(self.target_layer_ids)
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
-        d = dict(d)
-        d["target_layer_ids"] = tuple(d["target_layer_ids"])
-        return cls(**d)
-
 
 @dataclass(frozen=True)
 class ShapeConfig:
@@ -142,9 +136,6 @@ class ShapeConfig:
     @property
     def kv_len(self) -> int:
         return self.seq_len + self.num_query_tokens
-
-    def with_(self, **kw: Any) -> "ShapeConfig":
-        return replace(self, **kw)
 
 
 @dataclass(frozen=True)

@@ -18,3 +18,9 @@ def default_devices() -> tuple[list[str], list[str]]:
     if n == 1:
         return ["cuda:0"], ["cuda:0"]
     return ["cuda:0"], ["cuda:1"]
+
+
+def compute_dtype(device: torch.device | str) -> torch.dtype:
+    """The precision models run in on a device: bf16 on CUDA, fp32 elsewhere (CPU bf16 is slow
+    and the CPU path exists for tests and the demo)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .devices import compute_dtype
 from .drafter import DFlashDrafter
 from .target import TargetModel
 from .train_step import FrozenHead, inference_block_forward
@@ -121,8 +122,7 @@ def evaluate_acceptance(
     speculative output is also compared with target-only greedy decoding."""
     ddev = torch.device(drafter_device) if drafter_device is not None else next(drafter.parameters()).device
     if head is None:
-        dtype = torch.bfloat16 if ddev.type == "cuda" else torch.float32
-        head = target.frozen_head().to(ddev, dtype)
+        head = target.frozen_head().to(ddev, compute_dtype(ddev))
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if ddev.type == "cuda" else contextlib.nullcontext
     stops = stop_ids(tokenizer)
     was_training = drafter.training

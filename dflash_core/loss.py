@@ -7,6 +7,8 @@ Loss = sum_q w_q * CE_q / sum_q w_q.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -26,16 +28,11 @@ def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
     return loss, correct, (grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
 
 
-_compiled_chunk = None
-
-
+@functools.cache
 def compiled_chunk_loss():
     """The chunk math compiled: logits cast, logsumexp, softmax gradient and scaling fuse into a
     few passes over the [chunk, vocab] logits instead of one pass per eager op."""
-    global _compiled_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
-    return _compiled_chunk
+    return torch.compile(_chunk_loss_and_grad, dynamic=False)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .devices import compute_dtype
 from .train_step import FrozenHead
 
 
@@ -17,11 +18,11 @@ class _StopForward(Exception):
 
 
 def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, S, S] mask: causal within a document; padding attends to itself only."""
+    """Additive [1, 1, S, S] mask: causal within a document (padding, one doc id, is one more
+    document: it never sees real tokens)."""
     s = doc_ids.shape[0]
     idx = torch.arange(s, device=doc_ids.device)
     allowed = (doc_ids.unsqueeze(1) == doc_ids.unsqueeze(0)) & (idx.unsqueeze(1) >= idx.unsqueeze(0))
-    allowed |= torch.eye(s, dtype=torch.bool, device=doc_ids.device)
     mask = torch.zeros(s, s, dtype=dtype, device=doc_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.view(1, 1, s, s)
@@ -36,7 +37,7 @@ class TargetModel:
 
         self.path = Path(path)
         self.device = torch.device(device)
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = dtype or compute_dtype(self.device)
         if random_init:
             config = AutoConfig.from_pretrained(str(self.path))
             config._attn_implementation = "sdpa"

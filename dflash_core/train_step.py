@@ -35,7 +35,7 @@ class MicroStepResult:
 class StepKernels:
     """Which parts of the step run compiled (same math either way; tests compare them).
 
-    attention: flex_attention compiled on its own (ignored when a compiled forward or layer
+    attention: flex_attention compiled on its own (off when a compiled forward or layer
     includes it); forward: a compiled `drafter.forward`; layer: a compiled `run_layer`; mask:
     BlockMask built by a compiled kernel (no [Q, KV] grid); loss: compiled lm_head + CE chunks."""
 
@@ -48,6 +48,14 @@ class StepKernels:
 
 
 EAGER = StepKernels()
+
+
+def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: StepKernels = EAGER):
+    """The attention callable of one micro-batch, built as the step builds it."""
+    return training_attention(
+        attention, batch.doc_ids, batch.anchors, batch.anchor_valid, batch.input_ids.shape[0], block_size,
+        compiled=kernels.attention, compiled_mask=kernels.mask, q_splits=kernels.q_splits,
+    )
 
 
 def drafter_forward(
@@ -78,13 +86,7 @@ def micro_step(
     kernels: StepKernels = EAGER,
 ) -> MicroStepResult:
     cfg = drafter.config
-    seq_len = batch.input_ids.shape[0]
-    flex_inside = kernels.forward is not None or kernels.layer is not None  # compiled with its caller
-    attend = training_attention(
-        attention, batch.doc_ids, batch.anchors, batch.anchor_valid, seq_len, cfg.block_size,
-        compiled=kernels.attention and not flex_inside, compiled_mask=kernels.mask, q_splits=kernels.q_splits,
-    )
-    hidden = drafter_forward(drafter, head, batch, features, attend, kernels)
+    hidden = drafter_forward(drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels)
     labels, weights = block_labels(batch, cfg.block_size, gamma)
     loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size, kernels.loss)
     n = batch.anchors.shape[0]

@@ -15,8 +15,8 @@ from typing import Any, Callable, TextIO
 
 from .client import DaemonClient, DaemonError, default_token, default_url
 from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
+from .jobs.store import TERMINAL
 
-TERMINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 
 
@@ -200,7 +200,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.cancel(args.job_id)
-        if job["state"] in TERMINAL_STATES:
+        if job["state"] in TERMINAL:
             print(f"{job['id']} {job['state']}")
         else:
             print(f"{job['id']} stops at its next step (a checkpoint is written)")

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 from .cli import follow_job
 from .client import DaemonClient, DaemonError
@@ -59,27 +58,23 @@ def stop_daemon(proc: subprocess.Popen, timeout: float = 120.0) -> int:
 
 
 def wait_ready(client: DaemonClient, proc: subprocess.Popen, timeout: float, log_path: Path) -> dict:
-    deadline = time.monotonic() + timeout
+    """The client's readiness wait, printing each new warmup phase and stopping if the daemon exits."""
     last_phase = None
-    while True:
+
+    def progress(body: dict) -> None:
+        nonlocal last_phase
         if proc.poll() is not None:
             raise RuntimeError(f"the daemon exited with code {proc.returncode}; see {log_path}")
-        try:
-            status, body = client.health()
-        except httpx.TransportError:  # uvicorn has not bound the port yet
-            status, body = 0, {"status": "starting", "phase": "starting the process"}
-        if status == 200:
-            return body
-        if body.get("status") == "failed":
-            raise RuntimeError(f"engine failed: {body.get('error')}")
-        phase = body.get("phase")
+        phase = body.get("phase", "starting the process")
         if phase != last_phase:
-            print(f"  /healthz {status or '-'}: {body.get('status')} ({phase}, "
+            print(f"  /healthz: {body.get('status')} ({phase}, "
                   f"{body.get('drafters_ready', 0)}/{body.get('drafters_total', '?')} drafters)", flush=True)
             last_phase = phase
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"daemon not ready after {timeout:.0f} s; see {log_path}")
-        time.sleep(0.25)
+
+    try:
+        return client.wait_ready(timeout, on_progress=progress, interval=0.25)
+    except TimeoutError:
+        raise TimeoutError(f"daemon not ready after {timeout:.0f} s; see {log_path}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ def _both(mb, shape):
     q_len, kv_len = shape.num_query_tokens, shape.kv_len
     prod = dense_mask(dflash_mask_mod(mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, shape.block_size),
                       q_len, kv_len, "cpu")
-    lo, hi = context_intervals(mb, shape.block_size)
+    lo, hi = context_intervals(mb)
     interval = dense_mask(interval_mask_mod(lo, hi, shape.seq_len, shape.block_size), q_len, kv_len, "cpu")
     return prod, interval
 

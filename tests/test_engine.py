@@ -128,7 +128,7 @@ def test_fail_on_recompile_holds_in_worker_threads():
             t.start()
             t.join()
     finally:
-        torch.compiler.set_stance("default")
+        guard.release()
     assert results == [8]
     assert len(errors) == 1 and "recompile" in errors[0].lower()
     assert guard.counts()["runtime"] == 0
@@ -226,10 +226,13 @@ def test_a_failing_target_worker_fails_the_job_without_hanging(data_dir, default
 class CheckpointRecorder(Recorder):
     def __init__(self):
         super().__init__()
-        self.checkpoints = []
+        self.checkpoints, self.removed = [], []
 
     def on_checkpoint(self, path, step):
         self.checkpoints.append((path, step, len(self.steps)))
+
+    def on_checkpoints_removed(self, paths):
+        self.removed += paths
 
 
 def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir, default_assets, tmp_path):
@@ -256,6 +259,7 @@ def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir
     res = engine.run_job(job(default_assets, tmp_path / "rotated", steps=6, checkpoint_interval=2, keep_checkpoints=2), rec)
     on_disk = sorted(p.name for p in (tmp_path / "rotated" / "checkpoints").iterdir())
     assert on_disk == ["step-00000004", "step-00000006"] and [s for _, s, _ in rec.checkpoints] == [2, 4, 6]
+    assert [p.rsplit("/", 1)[-1] for p in rec.removed] == ["step-00000002"]  # reported, for the job store
     engine.close()
 
 

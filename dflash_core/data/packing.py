@@ -5,7 +5,7 @@ every document, so the target and the drafter never attend across documents.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,7 +31,6 @@ class PackingReport:
     sequences: int = 0
     tokens: int = 0
     padding_tokens: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 def pack_documents(

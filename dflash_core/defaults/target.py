@@ -76,16 +76,3 @@ def build_tiny_target(tokenizer, conversations, out_dir: str | Path, *, steps: i
     return out_dir
 
 
-@torch.no_grad()
-def greedy_reply(model, tokenizer, messages, max_new_tokens: int = 64) -> str:
-    """The target's own greedy answer to the last user turn (the DFlash recipe regenerates data)."""
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-    out = model.generate(
-        ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    new = out[0, ids.shape[1]:].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(new, skip_special_tokens=True).strip()

@@ -25,14 +25,20 @@ class CompileGuard:
         self._lock = threading.Lock()
         self._start = compiled_graphs()
         self._warm_end: int | None = None
-        self.enforcing = False
+        self._enforcing = False
 
     def end_warmup(self, enforce: bool) -> None:
         with self._lock:
             self._warm_end = compiled_graphs()
         if enforce and hasattr(torch.compiler, "set_stance"):
             torch.compiler.set_stance("fail_on_recompile")
-            self.enforcing = True
+            self._enforcing = True
+
+    def release(self) -> None:
+        """Back to dynamo's default stance (the stance is process-wide; the engine is closing)."""
+        if self._enforcing:
+            torch.compiler.set_stance("default")
+            self._enforcing = False
 
     def counts(self) -> dict[str, int]:
         now = compiled_graphs()

@@ -30,6 +30,7 @@ from ..blocks import expected_acceptance_length
 from ..checkpoint import cpu_copy, load_training_state, load_weights, read_config, write_checkpoint
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
+from ..devices import compute_dtype
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .checkpoint_writer import CheckpointWriter
@@ -73,6 +74,7 @@ class JobCallbacks:
 
     def on_step(self, stats: StepStats) -> None: ...
     def on_checkpoint(self, path: str, step: int) -> None: ...
+    def on_checkpoints_removed(self, paths: list[str]) -> None: ...
     def on_event(self, kind: str, payload: dict) -> None: ...
     def on_eval(self, step: int, result: dict) -> None: ...
     def should_cancel(self) -> bool:
@@ -93,6 +95,7 @@ class JobResult:
 class JobValidationError(ValueError):
     def __init__(self, field_name: str, message: str):
         self.field = field_name
+        self.message = message
         super().__init__(f"{field_name}: {message}")
 
 
@@ -110,10 +113,6 @@ class _Pipeline:
 
 def _queue_name(rep: DrafterReplica) -> str:
     return f"drafter-{rep.index}-{rep.device}"
-
-
-def _pick_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class Engine:
@@ -140,7 +139,7 @@ class Engine:
     # ------------------------------------------------------------------ build + warmup
     def _report(self, phase: str, ready: int) -> None:
         self.progress = Progress(phase, ready, len(self.config.drafter_devices), time.monotonic() - self._t0)
-        self.events.append((time.monotonic(), f"progress:{phase}:{ready}"))
+        self._mark(f"progress:{phase}:{ready}")
         self._progress_cb(self.progress)
 
     def _mark(self, label: str) -> None:
@@ -209,7 +208,7 @@ class Engine:
         for i, dev in enumerate(cfg.drafter_devices):
             self.replicas.append(DrafterReplica(
                 i, self.drafter_config, dev, head, attention=attention, compiled=compiled,
-                compute_dtype=_pick_dtype(torch.device(dev)), gamma=gamma, chunk_size=cfg.loss.chunk_size,
+                compute_dtype=compute_dtype(dev), gamma=gamma, chunk_size=cfg.loss.chunk_size,
                 compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
             ))
         self._mark("build:replicas_created")
@@ -223,12 +222,12 @@ class Engine:
 
         self._report("warming_drafters", 0)
         self._delay()
-        self.events.append((time.monotonic(), "warmup:drafters:start"))
+        self._mark("warmup:drafters:start")
         for i, rep in enumerate(self.replicas):
             t = time.monotonic()
             self._warm_replica(rep, warm_batch, warm_features)
             self.warmup_seconds.append(("drafter", str(rep.device), time.monotonic() - t))
-            self.events.append((time.monotonic(), f"warmup:drafter:{rep.device}"))
+            self._mark(f"warmup:drafter:{rep.device}")
             self._report("warming_drafters", i + 1)
             if i + 1 < len(self.replicas):
                 self._delay()
@@ -237,7 +236,7 @@ class Engine:
             rep.zero_grad()
         self._reset_weights(seed=cfg.init_seed, init_from=None)
         self.guard.end_warmup(enforce=compiled)
-        self.events.append((time.monotonic(), "warmup:done"))
+        self._mark("warmup:done")
 
         for rep in self.replicas:
             name = f"drafter-{rep.device}"
@@ -262,7 +261,7 @@ class Engine:
                 setattr(dynamo_config, name, need)
 
     def _thread_started(self, name: str) -> None:
-        self.events.append((time.monotonic(), f"thread:{name}"))
+        self._mark(f"thread:{name}")
         self._worker_threads.append(threading.current_thread())
         for rep in self.replicas:
             if rep.device.type == "cuda" and name.endswith(str(rep.device)):
@@ -383,16 +382,14 @@ class Engine:
                              "heldout": len(data.heldout), "total_steps": total})
 
         start_step = 0
-        self._reset_weights(job.seed, job.init_from)
+        self._reset_weights(job.seed, resume_from or job.init_from)  # a resume starts from its checkpoint's weights
         for rep in self.replicas:
             rep.optimizer = build_optimizer(rep.params, job.learning_rate, job.weight_decay, job.adam_betas, rep.device)
         if resume_from:
             state = load_training_state(resume_from)
             if state is None:
                 raise JobFailed(f"{resume_from}: no training state to resume from")
-            weights = load_weights(resume_from, self.drafter_config.num_hidden_layers)
             for rep in self.replicas:
-                rep.load_state(weights)
                 # a copy each: on CPU load_state_dict keeps the given tensors, and replicas must not share state
                 rep.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             if "torch_rng" in state:
@@ -419,7 +416,7 @@ class Engine:
             for w, target in enumerate(self.targets[: len(self.replicas)])
         ]
         for producer in producers:
-            self.events.append((time.monotonic(), f"thread:{producer.name}"))
+            self._mark(f"thread:{producer.name}")
             producer.start()
         last_ckpt: str | None = str(resume_from) if resume_from else None
         last_stats: StepStats | None = None
@@ -436,7 +433,9 @@ class Engine:
                 cb.on_checkpoint(path, at_step)
             if not done:
                 return last_ckpt
-            _rotate_checkpoints(Path(done[-1][0]).parent, max(1, job.keep_checkpoints))
+            removed = _rotate_checkpoints(Path(done[-1][0]).parent, max(1, job.keep_checkpoints))
+            if removed:
+                cb.on_checkpoints_removed(removed)
             return done[-1][0]
 
         try:
@@ -597,7 +596,7 @@ class Engine:
         rep = self.replicas[0]
         fut = self._drafter_pools[0].submit(
             evaluate_acceptance, self.targets[0], rep.drafter, self.tokenizer, conversations[: job.eval_max_prompts],
-            max_new_tokens=job.eval_max_new_tokens, drafter_device=rep.device,
+            max_new_tokens=job.eval_max_new_tokens, drafter_device=rep.device, head=rep.head,
         )
         return fut.result().summary()
 
@@ -617,10 +616,12 @@ class Engine:
             pool.shutdown(wait=True, cancel_futures=True)
         self._drafter_pools = []
         self.ready = False
+        self.guard.release()
 
 
-def _rotate_checkpoints(directory: Path, keep: int) -> None:
-    """Delete all but the newest `keep` step-* checkpoints of a job."""
-    kept = sorted(p for p in directory.iterdir() if p.name.startswith("step-"))
-    for old in kept[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _rotate_checkpoints(directory: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` step-* checkpoints of a job; the deleted paths."""
+    old = sorted(p for p in directory.iterdir() if p.name.startswith("step-"))[:-keep]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return [str(p) for p in old]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, run_layer
 from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
+from .optim import set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
 
@@ -43,16 +45,12 @@ class DrafterReplica:
             self.drafter = DFlashDrafter(cfg)  # fp32 master weights
         self.head = head.to(self.device, compute_dtype)
         self.attention = attention
-        self.compiled = compiled
         self.compute_dtype = compute_dtype
         self.gamma = gamma
         self.chunk_size = chunk_size
         self.optimizer: torch.optim.Optimizer | None = None
         self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope, flex_q_splits)
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return list(self.drafter.parameters())
+        self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
 
     def grads(self) -> list[torch.Tensor]:
         out = []
@@ -94,8 +92,6 @@ class DrafterReplica:
         return res
 
     def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
-        from .optim import set_lr
-
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm) if max_norm > 0 else torch.zeros((), device=self.device)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
@@ -114,7 +110,7 @@ def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope:
         return StepKernels(q_splits=q_splits)
     fused = scope in ("layer", "step")
     return StepKernels(
-        attention=attention == "flex",
+        attention=attention == "flex" and scope == "attention",  # otherwise compiled with the layer/forward
         forward=torch.compile(drafter.forward, dynamic=False) if scope == "step" else None,
         layer=_compiled_run_layer() if scope == "layer" else None,
         mask=fused and attention == "flex",
@@ -123,13 +119,8 @@ def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope:
     )
 
 
-_compiled_layer = None
-
-
+@functools.cache
 def _compiled_run_layer():
     """One process-wide compiled layer function: every layer of every replica shares its code
     (one graph per device, since guards include the device)."""
-    global _compiled_layer
-    if _compiled_layer is None:
-        _compiled_layer = torch.compile(run_layer, dynamic=False)
-    return _compiled_layer
+    return torch.compile(run_layer, dynamic=False)

@@ -51,11 +51,9 @@ class _RunCallbacks:
         self.manager = manager
         self.job_id = job_id
         self.cancel = threading.Event()
-        self.last_step = 0
 
     # The engine calls these from the job's thread; see dflash_core.engine.JobCallbacks.
     def on_step(self, stats) -> None:
-        self.last_step = stats.step
         payload = dataclasses.asdict(stats)
         self.manager.store.update_progress(
             self.job_id, step=stats.step, total_steps=stats.total_steps, loss=stats.loss,
@@ -69,6 +67,9 @@ class _RunCallbacks:
     def on_checkpoint(self, path: str, step: int) -> None:
         self.manager.store.add_checkpoint(self.job_id, step, path)
         log.info("checkpoint written", extra={"fields": {"job": self.job_id, "step": step, "path": path}})
+
+    def on_checkpoints_removed(self, paths: list[str]) -> None:
+        self.manager.store.forget_checkpoints(self.job_id, paths)
 
     def on_event(self, kind: str, payload: dict) -> None:
         if kind == "resumed":  # the manager already recorded the resume, with why and from where
@@ -91,11 +92,11 @@ class _RunCallbacks:
 
 
 class JobManager:
-    def __init__(self, config: "ServiceConfig", store: JobStore, host: "EngineHost", metrics: "ServiceMetrics | None" = None):
+    def __init__(self, config: "ServiceConfig", store: JobStore, host: "EngineHost"):
         self.config = config
         self.store = store
         self.host = host
-        self.metrics = metrics
+        self.metrics: "ServiceMetrics | None" = None  # set by the app once the metrics exist
         self._wake = threading.Condition()
         self._shutdown = threading.Event()
         self._current: _RunCallbacks | None = None
@@ -182,9 +183,7 @@ class JobManager:
         try:
             engine.validate_job(train_job)
         except JobValidationError as e:
-            message = str(e)
-            prefix = f"{e.field}: "
-            raise SpecError(e.field, message[len(prefix):] if message.startswith(prefix) else message) from None
+            raise SpecError(e.field, e.message) from None
 
     def cancel(self, job_id: str) -> JobRecord:
         job = self.store.get_job(job_id, with_checkpoints=False)

@@ -213,13 +213,6 @@ class JobStore:
             job.queue_position = position.get(job.seq)
         return jobs
 
-    def active_job_using(self, output_dir: str) -> JobRecord | None:
-        """A PENDING or RUNNING job writing to this output directory."""
-        with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND state IN (?, ?) LIMIT 1",
-                                   (output_dir, PENDING, RUNNING)).fetchone()
-        return _job(row) if row else None
-
     def any_job_using(self, output_dir: str) -> JobRecord | None:
         """Any job, in any state, that owns this output directory (its checkpoints live there)."""
         with self._lock:
@@ -319,11 +312,11 @@ class JobStore:
                        (job_id, step, path, time.time()))
             db.execute("UPDATE jobs SET last_checkpoint = ?, last_checkpoint_step = ? WHERE id = ?", (path, step, job_id))
             self._event(db, job_id, "checkpoint", step, {"path": path, "step": step})
-            # the engine keeps only the newest few checkpoint directories; forget the ones it removed
-            for old_step, old_path in db.execute("SELECT step, path FROM checkpoints WHERE job_id = ? AND step < ?",
-                                                 (job_id, step)).fetchall():
-                if not Path(old_path).exists():
-                    db.execute("DELETE FROM checkpoints WHERE job_id = ? AND step = ?", (job_id, old_step))
+
+    def forget_checkpoints(self, job_id: str, paths: list[str]) -> None:
+        """The engine rotated these checkpoint directories away."""
+        with self._tx() as db:
+            db.executemany("DELETE FROM checkpoints WHERE job_id = ? AND path = ?", [(job_id, p) for p in paths])
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         with self._lock:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,12 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from service.demo import free_port, stop_daemon
 
 
 def start(config: Path, log: Path) -> subprocess.Popen:
@@ -66,14 +59,6 @@ def reserved_bytes(metrics: str) -> dict[str, float]:
             key, val = line.rsplit(" ", 1)
             out[key.split('device="', 1)[1].split('"', 1)[0]] = float(val)
     return out
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def main(argv=None):
@@ -129,7 +114,7 @@ inductor_cache_dir = "{work / 'inductor'}"
                         if line.strip():
                             ev = json.loads(line)
                             if ev.get("kind") == "step":
-                                steps.append(ev["payload"] if "payload" in ev else ev)
+                                steps.append(ev)
                                 if len(steps) > 10 and len(steps) % 5 == 0:
                                     for dev, val in reserved_bytes(httpx.get(url + "/metrics", timeout=10).text).items():
                                         reserved.setdefault(dev, []).append(val)
@@ -154,7 +139,7 @@ inductor_cache_dir = "{work / 'inductor'}"
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:
-            stop(proc)
+            stop_daemon(proc, timeout=60)
     record["rows"] = rows
     (out / "daemon_gpu.json").write_text(json.dumps(record, indent=1, default=str))
     print(json.dumps(record.get("phases_cold")), json.dumps(record.get("phases_warm")))

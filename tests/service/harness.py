@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,11 @@ from typing import Any, Callable
 
 import httpx
 
+from service.demo import free_port
+from service.jobs.store import TERMINAL
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None, warmup_delay: float = 0.0,

@@ -45,6 +45,12 @@ CASES = {  # name: (mask, q_splits, kernel_options)
     "interval_q4_bwd_large": ("interval", 4, BWD_LARGE),
     "interval_q4_warps8": ("interval", 4, {"num_warps": 8}),
     "interval_q4_stages3": ("interval", 4, {"num_stages": 3}),
+    "dflash_q4_bwd_small": ("dflash", 4, BWD_SMALL),
+    "interval_q16": ("interval", 16, None),
+    "interval_q4_n1_64": ("interval", 4, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 128, "BLOCK_N2": 64}),
+    "interval_q4_cfg64": ("interval", 4, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+                                          "num_warps": 4, "num_stages": 3}),
+    "interval_q4_tma": ("interval", 4, {"USE_TMA": True}),
     "dense": ("none", 1, None),
 }
 

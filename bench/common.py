@@ -107,3 +107,41 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+
+
+def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs: int, budget_s: float) -> dict[str, str]:
+    """Compile every case in its own process, `jobs` at a time, so the cold compile of many
+    kernels (minutes each on a fresh machine, mostly one single-threaded ptxas per kernel) shares
+    the cores; the timed run in this process then loads them from the inductor and Triton caches.
+    Each child runs `python -m <module> --cases NAME --compile-only <args>`. Returns the outcome
+    per case: "ok", "failed rc=N" or "killed" (over the budget)."""
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    pending, running, outcome = list(names), {}, {}
+    start = time.monotonic()
+    log_dir = out_dir() / "compile_logs"
+    log_dir.mkdir(exist_ok=True)
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            log = open(log_dir / f"{name}.log", "w")
+            running[name] = (subprocess.Popen([sys.executable, "-m", module, "--cases", name, "--compile-only", *args],
+                                              env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                outcome[name] = "ok" if proc.returncode == 0 else f"failed rc={proc.returncode}"
+            elif time.monotonic() - start > budget_s:
+                proc.kill()
+                proc.wait()
+                outcome[name] = "killed"
+            else:
+                continue
+            log.close()
+            del running[name]
+            print(f"[warm {time.monotonic() - start:6.1f}s] {name}: {outcome[name]}", flush=True)
+        time.sleep(0.5)
+    return outcome
+

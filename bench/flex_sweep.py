@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 
 import torch
 
-from bench.common import cuda_time_ms, env_record, median, out_dir, print_table
+from bench.common import cuda_time_ms, env_record, median, out_dir, print_table, warm_caches_in_parallel
 from dflash_core.attention import build_block_mask, dflash_mask_mod
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch, synthetic_micro_batch
@@ -53,6 +54,14 @@ CASES = {  # name: (mask, q_splits, kernel_options)
     "interval_q4_tma": ("interval", 4, {"USE_TMA": True}),
     "dense": ("none", 1, None),
 }
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def context_intervals(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +115,7 @@ def tile_counts(block_mask) -> tuple[int, int]:
     return partial, full
 
 
-def run_case(name, shape, batch, q, k, v, grad_out, reference):
+def run_case(name, shape, batch, q, k, v, grad_out, reference, compile_only=False):
     from torch.nn.attention.flex_attention import flex_attention
 
     kind, splits, options = CASES[name]
@@ -140,6 +149,9 @@ def run_case(name, shape, batch, q, k, v, grad_out, reference):
     fwd_bwd()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
+    print(f"[{name}] forward and backward compiled and run in {compile_s:.1f}s", flush=True)
+    if compile_only:
+        return {"case": name, "compile_s": round(compile_s, 1)}, out
     fwd_ms = median(cuda_time_ms(fwd, warmup=3, iters=20))
     both_ms = median(cuda_time_ms(fwd_bwd, warmup=3, iters=20))
     partial, full = tile_counts(block_mask)
@@ -163,6 +175,11 @@ def main(argv=None):
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--cases", default="all")
+    p.add_argument("--warm-jobs", type=int, default=0,
+                   help="first compile the cases in this many parallel processes (cold machines)")
+    p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
+    p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
+    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch._dynamo.config as dynamo_config
 
@@ -170,6 +187,12 @@ def main(argv=None):
         dynamo_config.fail_on_recompile_limit_hit = True
     shape = ShapeConfig(seq_len=args.seq_len, num_anchors=args.anchors, block_size=args.block)
     names = list(CASES) if args.cases == "all" else args.cases.split(",")
+    warm = {}
+    if args.warm_jobs:
+        shape_args = ["--seq-len", str(args.seq_len), "--anchors", str(args.anchors), "--block", str(args.block)]
+        warm = warm_caches_in_parallel("bench.flex_sweep", names, shape_args, args.warm_jobs, args.warm_budget)
+    while args.wait_pid and pid_alive(args.wait_pid):
+        time.sleep(1)
     g = torch.Generator(device="cuda").manual_seed(0)
     batch = synthetic_micro_batch(shape, 151936, 0).to("cuda")
     q_len, kv_len = shape.num_query_tokens, shape.kv_len
@@ -179,8 +202,11 @@ def main(argv=None):
     grad_out = torch.randn(1, HEADS, q_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
     rows, reference, env = [], None, env_record()
     for name in names:
+        if warm.get(name) == "killed":  # compiling it cold here would overrun the call
+            rows.append({"case": name, "error": f"not compiled within --warm-budget {args.warm_budget:.0f}s"})
+            continue
         try:
-            row, out = run_case(name, shape, batch, q, k, v, grad_out, reference)
+            row, out = run_case(name, shape, batch, q, k, v, grad_out, reference, args.compile_only)
             if name == "dflash":
                 reference = out
         except Exception as e:  # noqa: BLE001 - an unsupported option set is a row, not a crash
@@ -188,7 +214,11 @@ def main(argv=None):
             row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.compile_only:
+            continue
         (out_dir() / "flex_sweep.json").write_text(json.dumps({"env": env, "shape": vars(shape), "rows": rows}, indent=1))
+    if args.compile_only:
+        return
     print(f"\nflex_attention alone, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, Q={q_len} KV={kv_len}, "
           f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16")
     print_table(rows, ["case", "fwd_ms", "bwd_ms", "bwd_over_fwd", "fwd_tflops", "bwd_tflops", "partial_tiles",

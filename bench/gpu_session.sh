@@ -29,8 +29,28 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # A device call has 600 s in all: parts share DEADLINE (s since this script started), each also
 # bounded by PART_TIMEOUT; whatever ran is packed on exit, also when a part times out or fails.
 DEADLINE=${DEADLINE:-570}
-pack() {  # the device tool brings back at most 8 files: pack them all into one
+# Compiled kernels travel between calls (a fresh machine compiles flex for minutes): the cache
+# comes in as .cache_in/inductor_cache.tgz.* (carry .cache_in) and goes back as $OUT pieces.
+export TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor_cache
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+if ls .cache_in/inductor_cache.tgz.* >/dev/null 2>&1; then
+  cat .cache_in/inductor_cache.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR" && echo "inductor cache restored: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1)"
+fi
+# BACKGROUND_TESTS=1: pytest -m gpu runs beside the first part's compiles; timed parts wait for it
+WAIT_ARGS=""
+if [ "${BACKGROUND_TESTS:-0}" = 1 ]; then
+  timeout $((DEADLINE - 20)) python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu > "$OUT/gpu_tests.log" 2>&1 &
+  TESTS_PID=$!
+  WAIT_ARGS="--wait-pid $TESTS_PID"
+  echo "=== tests in the background, pid $TESTS_PID"
+fi
+pack() {  # the device tool brings back at most 8 files: the results in one, the cache in <= 6 pieces
+  [ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; echo "=== background tests exit $?"; }
   (cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
+  tar czf /tmp/inductor_cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null
+  size=$(stat -c %s /tmp/inductor_cache.tgz)
+  if [ "$size" -lt $((58 * 1024 * 1024)) ]; then split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz."
+  else echo "inductor cache not sent back: $size bytes compressed"; fi
   echo "=== done $(date +%T)"
 }
 trap pack EXIT
@@ -46,7 +66,8 @@ for part in "$@"; do
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
-    flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} 2>&1 | tee "$OUT/flex_sweep.log" ;;
+    flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-14} \
+              --warm-budget $((T - 150)) $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
   echo "=== $part exit $? $(date +%T)"  # 124: hit its time limit

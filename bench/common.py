@@ -109,6 +109,14 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
         print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs: int, budget_s: float) -> dict[str, str]:
     """Compile every case in its own process, `jobs` at a time, so the cold compile of many
     kernels (minutes each on a fresh machine, mostly one single-threaded ptxas per kernel) shares

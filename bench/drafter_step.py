@@ -1,6 +1,7 @@
 """Drafter training step at the reference shape (DESIGN.md section 7) on one GPU.
 
-    python -m bench.drafter_step [--layers 5] [--variants flex_layer_q4,flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
+    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
+                                 [--warm-jobs 4]   # a cold machine: compile the variants in parallel first
 
 Times forward+backward (median of CUDA-event timings after warmup) through the engine's own
 replica code path, counts model FLOPs from the mask, reports MFU against a bf16 matmul measured
@@ -19,8 +20,8 @@ import traceback
 import torch
 
 from bench.common import (
-    REFERENCE_SHAPE, cuda_time_ms, drafter_flops, env_record, measured_bf16_peak_tflops, median, out_dir,
-    print_table, reference_drafter_config,
+    REFERENCE_SHAPE, cuda_time_ms, drafter_flops, env_record, measured_bf16_peak_tflops, median, out_dir, pid_alive,
+    print_table, reference_drafter_config, warm_caches_in_parallel,
 )
 from dflash_core.attention import dense_mask, dflash_mask_mod
 from dflash_core.data.batches import synthetic_micro_batch
@@ -29,8 +30,8 @@ from dflash_core.engine.replica import DrafterReplica
 from dflash_core.train_step import FrozenHead
 
 VARIANTS = {
-    "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),
-    "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),  # engine default
+    "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),  # engine default
+    "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),
     "flex_layer_q8": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=8),
     "flex_step": dict(attention="flex", compiled=True, compile_scope="step", flex_q_splits=1),
     "flex": dict(attention="flex", compiled=True, compile_scope="attention", flex_q_splits=1),
@@ -167,32 +168,69 @@ def flatness(rep, batch, feats, steps=100):
     }
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--variants", default="flex_layer_q4,flex_layer,flex,sdpa_dense,sdpa_chunked,flex_eager")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--flat-steps", type=int, default=100)
-    p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
-    p.add_argument("--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first")
-    args = p.parse_args(argv)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    env = env_record()
-    peak = measured_bf16_peak_tflops()
-    shape = REFERENCE_SHAPE
-    cfg = reference_drafter_config(args.layers)
+def reference_inputs(cfg):
+    """The frozen head, micro-batch and target features every variant runs on (seeded)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     head = FrozenHead(
         torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
         torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
     )
-    batch = synthetic_micro_batch(shape, cfg.vocab_size, 0).to("cuda")
-    feats = torch.randn(shape.seq_len, cfg.num_target_features * cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+    batch = synthetic_micro_batch(REFERENCE_SHAPE, cfg.vocab_size, 0).to("cuda")
+    feats = torch.randn(REFERENCE_SHAPE.seq_len, cfg.num_target_features * cfg.hidden_size, device="cuda",
+                        dtype=torch.bfloat16, generator=g)
+    return head, batch, feats
+
+
+def compile_variant(name, layers, chunk):
+    """A warm-up child: compile one variant (fills the inductor and Triton caches) and exit."""
+    cfg = reference_drafter_config(layers)
+    head, batch, feats = reference_inputs(cfg)
+    t0 = time.perf_counter()
+    rep = make_replica(cfg, head, name, chunk)
+    fwd_bwd_of(rep, batch, feats)()
+    torch.cuda.synchronize()
+    print(f"[{name}] compiled and run in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--variants", default="flex_layer,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--flat-steps", type=int, default=100)
+    p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
+    p.add_argument("--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first")
+    p.add_argument("--warm-jobs", type=int, default=0,
+                   help="first compile the variants in this many parallel processes (cold machines)")
+    p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
+    p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
+    p.add_argument("--cases", help=argparse.SUPPRESS)  # one variant, with --compile-only (a warm-up child)
+    p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.compile_only:
+        return compile_variant(args.cases, args.layers, args.chunk)
+    names = args.variants.split(",")
+    warm = {}
+    if args.warm_jobs:
+        compiled = [n for n in names if VARIANTS[n].get("compiled")]
+        warm = warm_caches_in_parallel("bench.drafter_step", compiled, ["--layers", str(args.layers), "--chunk", str(args.chunk)],
+                                       args.warm_jobs, args.warm_budget)
+    while args.wait_pid and pid_alive(args.wait_pid):
+        time.sleep(1)
+    env = env_record()
+    peak = measured_bf16_peak_tflops()
+    shape = REFERENCE_SHAPE
+    cfg = reference_drafter_config(args.layers)
+    head, batch, feats = reference_inputs(cfg)
     mod = dflash_mask_mod(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size)
     visible = int(dense_mask(mod, shape.num_query_tokens, shape.kv_len, "cuda").sum())
     flops = drafter_flops(cfg, shape, visible)
     rows, opt_ms, n_params, opt_rows, flat = [], None, None, None, None
-    for i, name in enumerate(args.variants.split(",")):
+    for i, name in enumerate(names):
+        if warm.get(name) == "killed":  # compiling it cold here would overrun the call
+            rows.append({"variant": name, "error": f"not compiled within --warm-budget {args.warm_budget:.0f}s"})
+            continue
         # one replica on the GPU at a time: each row's memory is its own; the first variant's
         # replica also times the optimizer and the flatness run before it is dropped
         rep = None

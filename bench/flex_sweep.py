@@ -1,15 +1,13 @@
 """flex_attention alone at the reference shape: where does its backward time go?
 
-    python -m bench.flex_sweep [--anchors 512] [--cases all|NAME,NAME...]
+    python -m bench.flex_sweep [--anchors 512] [--cases all|NAME,NAME...] [--warm-jobs 8]
 
-In the compiled-layer drafter step the flex backward takes ~4.8 ms per layer against 0.5 ms for
-the forward (docs/benchmarks.md), where 2-2.5x is normal. This script times flex forward and
-forward+backward on its own (q [1, 32, Q, 128], k/v [1, 8, KV, 128], bf16, a random output
-gradient), one case per row, to separate the suspects:
+Times flex forward and forward+backward on its own (q [1, 32, Q, 128], k/v [1, 8, KV, 128],
+bf16, a random output gradient), one case per row:
 
-  * the mask function: the production `dflash_mask_mod` (per-element gathers of doc ids) against
-    the same visibility written as a per-block context interval [doc start, anchor), which
-    needs one load per query row and none per key (`interval_mask_mod`; checked equal here);
+  * the mask function: the production `dflash_mask_mod` (per-block context intervals: two loads
+    per query row, none per key) against the element-wise form it replaced (`gather_mask_mod`:
+    doc[kv] == doc[anchor], a gather per element; 2.5x slower backward in run E);
   * query splits (FlexAttention.q_splits);
   * kernel block sizes / warps / stages of the backward (`kernel_options`);
   * the kernel itself: the same sizes with no mask at all ("dense") as a control.
@@ -22,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import traceback
 
 import torch
 
-from bench.common import cuda_time_ms, env_record, median, out_dir, print_table, warm_caches_in_parallel
+from bench.common import cuda_time_ms, env_record, median, out_dir, pid_alive, print_table, warm_caches_in_parallel
 from dflash_core.attention import build_block_mask, dflash_mask_mod
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch, synthetic_micro_batch
@@ -37,57 +34,35 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 BWD_SMALL = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
 BWD_LARGE = {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64}
-CASES = {  # name: (mask, q_splits, kernel_options)
+CASES = {  # name: (mask, q_splits, kernel_options); "dflash" first: the others are compared to it
     "dflash": ("dflash", 1, None),
     "dflash_q4": ("dflash", 4, None),
-    "interval": ("interval", 1, None),
-    "interval_q4": ("interval", 4, None),
-    "interval_q4_bwd_small": ("interval", 4, BWD_SMALL),
-    "interval_q4_bwd_large": ("interval", 4, BWD_LARGE),
-    "interval_q4_warps8": ("interval", 4, {"num_warps": 8}),
-    "interval_q4_stages3": ("interval", 4, {"num_stages": 3}),
-    "dflash_q4_bwd_small": ("dflash", 4, BWD_SMALL),
-    "interval_q16": ("interval", 16, None),
-    "interval_q4_n1_64": ("interval", 4, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 128, "BLOCK_N2": 64}),
-    "interval_q4_cfg64": ("interval", 4, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
-                                          "num_warps": 4, "num_stages": 3}),
-    "interval_q4_tma": ("interval", 4, {"USE_TMA": True}),
+    "gather": ("gather", 1, None),
+    "gather_q4": ("gather", 4, None),
+    "dflash_bwd_small": ("dflash", 1, BWD_SMALL),
+    "dflash_bwd_large": ("dflash", 1, BWD_LARGE),
+    "dflash_warps8": ("dflash", 1, {"num_warps": 8}),
+    "dflash_stages3": ("dflash", 1, {"num_stages": 3}),
+    "dflash_n1_64": ("dflash", 1, {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 128, "BLOCK_N2": 64}),
+    "dflash_tma": ("dflash", 1, {"USE_TMA": True}),
     "dense": ("none", 1, None),
 }
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def context_intervals(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block: the context interval [lo, hi) its queries see. Packed documents are contiguous,
-    so "same document as the anchor and before it" is [start of the anchor's document, anchor).
-    Padding blocks get an empty interval."""
-    doc = batch.doc_ids
-    pos = torch.arange(doc.shape[0], device=doc.device)
-    starts = torch.ones_like(doc, dtype=torch.bool)
-    starts[1:] = doc[1:] != doc[:-1]
-    doc_start = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), dim=0).values
-    lo = torch.where(batch.anchor_valid, doc_start[batch.anchors], torch.zeros_like(batch.anchors))
-    hi = torch.where(batch.anchor_valid, batch.anchors, torch.zeros_like(batch.anchors))
-    return lo, hi
-
-
-def interval_mask_mod(lo: torch.Tensor, hi: torch.Tensor, seq_len: int, block_size: int, queries_per_batch: int = 0):
-    """`dflash_mask_mod`'s visibility from per-block context intervals."""
-    num_anchors = lo.shape[0]
+def gather_mask_mod(doc_ids, anchors, anchor_valid, seq_len: int, block_size: int, queries_per_batch: int = 0):
+    """The element-wise form of the DFlash mask that production used until run E: the same
+    function (tests/test_bench_masks.py), with a document-id gather per (query, key) element."""
+    num_anchors = anchors.shape[0]
 
     def mask_mod(b, h, q_idx, kv_idx):
         if queries_per_batch:
             q_idx = b * queries_per_batch + q_idx
         block = torch.clamp(q_idx // block_size, max=num_anchors - 1)
-        sees_context = (kv_idx >= lo[block]) & (kv_idx < hi[block])
-        own_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
+        anchor = anchors[block]
+        in_context = kv_idx < seq_len
+        ctx_pos = torch.clamp(kv_idx, max=seq_len - 1)
+        sees_context = in_context & anchor_valid[block] & (kv_idx < anchor) & (doc_ids[ctx_pos] == doc_ids[anchor])
+        own_block = (~in_context) & ((kv_idx - seq_len) // block_size == block)
         return sees_context | own_block
 
     return mask_mod
@@ -98,12 +73,8 @@ def make_mask(kind: str, batch: MicroBatch, shape: ShapeConfig, splits: int):
     per = q_len // splits
     if kind == "none":
         return None
-    if kind == "dflash":
-        mod = dflash_mask_mod(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size,
-                              per if splits > 1 else 0)
-    else:
-        lo, hi = context_intervals(batch)
-        mod = interval_mask_mod(lo, hi, shape.seq_len, shape.block_size, per if splits > 1 else 0)
+    make = dflash_mask_mod if kind == "dflash" else gather_mask_mod
+    mod = make(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size, per if splits > 1 else 0)
     return build_block_mask(mod, per, kv_len, "cuda", compiled=True, batches=splits)
 
 

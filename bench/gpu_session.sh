@@ -47,10 +47,12 @@ fi
 pack() {  # the device tool brings back at most 8 files: the results in one, the cache in <= 6 pieces
   [ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; echo "=== background tests exit $?"; }
   (cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
-  tar czf /tmp/inductor_cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null
-  size=$(stat -c %s /tmp/inductor_cache.tgz)
-  if [ "$size" -lt $((58 * 1024 * 1024)) ]; then split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz."
-  else echo "inductor cache not sent back: $size bytes compressed"; fi
+  if [ "${CACHE_BACK:-0}" = 1 ]; then  # ~100 MB compressed after the flex sweep and the gpu tests: over the limit
+    tar czf /tmp/inductor_cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null
+    size=$(stat -c %s /tmp/inductor_cache.tgz)
+    if [ "$size" -lt $((58 * 1024 * 1024)) ]; then split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz."
+    else echo "inductor cache not sent back: $size bytes compressed"; fi
+  fi
   echo "=== done $(date +%T)"
 }
 trap pack EXIT
@@ -62,11 +64,12 @@ for part in "$@"; do
   [ "$T" -gt "$left" ] && T=$left
   echo "=== $part $(date +%T) (limit ${T}s)"
   case "$part" in
-    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer_q4,flex_layer_q8,flex_layer,flex,sdpa_dense,sdpa_chunked} --iters 10 --profile 2>&1 | tee "$OUT/drafter_step.log" ;;
+    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_q4,sdpa_dense,sdpa_chunked} \
+              --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $((T - 200)) $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
-    flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-14} \
+    flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \
               --warm-budget $((T - 150)) $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac

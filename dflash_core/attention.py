@@ -23,6 +23,20 @@ import torch.nn.functional as F
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def context_intervals(
+    doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: the context interval [lo, hi) its queries see. Packing lays every document out
+    as one contiguous run (pack_documents), so "same document as the anchor and before it" is
+    [start of the anchor's run, anchor). Padding blocks get the empty interval [0, 0)."""
+    pos = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    run_starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    run_starts[1:] = doc_ids[1:] != doc_ids[:-1]
+    run_start_of = torch.cummax(torch.where(run_starts, pos, torch.zeros_like(pos)), dim=0).values
+    zero = torch.zeros_like(anchors)
+    return torch.where(anchor_valid, run_start_of[anchors], zero), torch.where(anchor_valid, anchors, zero)
+
+
 def dflash_mask_mod(
     doc_ids: torch.Tensor,
     anchors: torch.Tensor,
@@ -32,24 +46,23 @@ def dflash_mask_mod(
     queries_per_batch: int = 0,
 ) -> MaskMod:
     """The visibility rule as a flex_attention mask_mod (also evaluable by broadcasting).
+
+    Written with per-block context intervals (`context_intervals`) rather than as
+    `doc[kv] == doc[anchor]`: the kernel then loads two numbers per query row and nothing per
+    key, where the per-element document gather made the flex backward 2.5x slower at the
+    reference shape (docs/benchmarks.md, run E). tests/test_mask.py checks it against the
+    element-wise reading of DESIGN.md on random packings.
     queries_per_batch > 0: the queries are split into batch entries of that many (see
     FlexAttention.q_splits); query q_idx of entry b is query b * queries_per_batch + q_idx."""
     num_anchors = anchors.shape[0]
+    lo, hi = context_intervals(doc_ids, anchors, anchor_valid)
 
     def mask_mod(b, h, q_idx, kv_idx):
         if queries_per_batch:
             q_idx = b * queries_per_batch + q_idx
         block = torch.clamp(q_idx // block_size, max=num_anchors - 1)
-        anchor = anchors[block]
-        in_context = kv_idx < seq_len
-        ctx_pos = torch.clamp(kv_idx, max=seq_len - 1)
-        sees_context = (
-            in_context
-            & anchor_valid[block]
-            & (kv_idx < anchor)
-            & (doc_ids[ctx_pos] == doc_ids[anchor])
-        )
-        own_block = (~in_context) & ((kv_idx - seq_len) // block_size == block)
+        sees_context = (kv_idx >= lo[block]) & (kv_idx < hi[block])  # hi <= anchor < seq_len
+        own_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
         return sees_context | own_block
 
     return mask_mod
@@ -111,10 +124,10 @@ class FlexAttention:
     """flex_attention with a BlockMask built from the same mask_mod.
 
     q_splits > 1 runs the Q queries as q_splits batch entries of Q / q_splits queries against one
-    broadcast K, V (flex's KV batch broadcast). Same function; it exists for the backward: its
-    dK/dV programs run one per (KV tile, KV head, batch entry), and with a single entry the few
-    context tiles, which nearly every query sees, each loop over every query tile in one program
-    while the rest of the GPU idles."""
+    broadcast K, V (flex's KV batch broadcast). Same function, more dK/dV programs in the
+    backward (one per KV tile, KV head and batch entry). At the reference shape 4 splits made
+    flex 4 % faster with the old element-wise document mask and make it 17 % slower with the
+    interval mask (docs/benchmarks.md, run E), so the engine's default is 1."""
 
     block_mask: object
     compiled: bool = True

@@ -64,7 +64,7 @@ class EngineSettings(BaseModel):
     compile_scope: Literal["attention", "layer", "step"] | None = Field(
         None, description="what torch.compile covers on CUDA: flex_attention only, one decoder layer "
                           "(+ BlockMask and loss chunks), or the whole drafter forward")
-    flex_q_splits: int = Field(4, ge=1, le=64, description="flex backward parallelism: queries as this many batch entries")
+    flex_q_splits: int = Field(1, ge=1, le=64, description="queries as this many flex batch entries (1 is fastest measured)")
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")

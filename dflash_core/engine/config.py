@@ -32,7 +32,7 @@ class EngineConfig:
     attention: str = "auto"
     compile: bool | None = None
     compile_scope: str = "layer"
-    flex_q_splits: int = 4  # flex backward parallelism (FlexAttention.q_splits); 1 = off
+    flex_q_splits: int = 1  # queries as this many flex batch entries (FlexAttention.q_splits); 1 = off
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None

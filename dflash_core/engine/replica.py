@@ -31,7 +31,7 @@ class StepAccumulator:
 class DrafterReplica:
     def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
                  compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "layer",
-                 flex_q_splits: int = 4):
+                 flex_q_splits: int = 1):
         """compile_scope (when compiled): "attention" compiles flex_attention alone; "layer"
         compiles one decoder layer (flex inside; the same code serves every layer), the BlockMask
         construction and the lm_head + CE chunks; "step" compiles the whole drafter forward

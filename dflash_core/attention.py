@@ -50,7 +50,7 @@ def dflash_mask_mod(
     Written with per-block context intervals (`context_intervals`) rather than as
     `doc[kv] == doc[anchor]`: the kernel then loads two numbers per query row and nothing per
     key, where the per-element document gather made the flex backward 2.5x slower at the
-    reference shape (docs/benchmarks.md, run E). tests/test_mask.py checks it against the
+    reference shape (docs/benchmarks.md, run F). tests/test_mask.py checks it against the
     element-wise reading of DESIGN.md on random packings.
     queries_per_batch > 0: the queries are split into batch entries of that many (see
     FlexAttention.q_splits); query q_idx of entry b is query b * queries_per_batch + q_idx."""
@@ -127,7 +127,7 @@ class FlexAttention:
     broadcast K, V (flex's KV batch broadcast). Same function, more dK/dV programs in the
     backward (one per KV tile, KV head and batch entry). At the reference shape 4 splits made
     flex 4 % faster with the old element-wise document mask and make it 17 % slower with the
-    interval mask (docs/benchmarks.md, run E), so the engine's default is 1."""
+    interval mask (docs/benchmarks.md, run F), so the engine's default is 1."""
 
     block_mask: object
     compiled: bool = True

@@ -14,6 +14,7 @@ from bench.common import env_record, out_dir, print_table, reference_drafter_con
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import DFlashDrafter, run_layer
+from dflash_core.engine.config import EngineConfig
 from dflash_core.train_step import EAGER, FrozenHead, StepKernels, drafter_forward, micro_step, step_attention
 
 
@@ -29,7 +30,9 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     base.init_weights(seed)
     results = {}
     flex_alone = StepKernels(attention=True)
-    flex_layer = StepKernels(layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True, q_splits=4)
+    # the engine's production kernels: compiled layer, BlockMask and loss chunks, its default q_splits
+    flex_layer = StepKernels(layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True,
+                             q_splits=EngineConfig().flex_q_splits)
     for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
                                             ("flex_bf16", "flex", torch.bfloat16, flex_alone),
                                             ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),

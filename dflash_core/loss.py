@@ -12,13 +12,21 @@ import functools
 import torch
 
 
-def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
-    """One chunk: weighted CE sum, argmax hits, and d(loss)/d(hidden) (w already normalized)."""
+def _chunk_ce(hidden, lm_head_weight, labels, w):
+    """One chunk's fp32 logits, their logsumexp, the weighted CE sum and argmax hits."""
     logits = (hidden @ lm_head_weight.t()).float()
     lse = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
     loss = ((lse - target_logit) * w).sum()
     correct = logits.argmax(dim=-1) == labels
+    return logits, lse, loss, correct
+
+
+def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
+    """One chunk, eager: weighted CE sum, argmax hits, and d(loss)/d(hidden) (w already normalized).
+    The gradient is built in place on one [chunk, vocab] buffer: eager ops would otherwise each
+    allocate another one."""
+    logits, lse, loss, correct = _chunk_ce(hidden, lm_head_weight, labels, w)
     if not need_grad:
         return loss, correct, None
     # softmax - onehot, scaled, in place on one [chunk, vocab] buffer (no one-hot tensor)
@@ -28,11 +36,24 @@ def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
     return loss, correct, (grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
 
 
+def _chunk_loss_and_grad_fusible(hidden, lm_head_weight, labels, w, need_grad: bool):
+    """The same chunk math for torch.compile: the gradient as one pure expression, the one-hot as
+    an index comparison. Inductor then reads the logits and writes the low-precision gradient in
+    one pass; the in-place form made it write an fp32 [chunk, vocab] buffer (scatter_add) and
+    read it again to scale and cast it (docs/benchmarks.md, run G profile)."""
+    logits, lse, loss, correct = _chunk_ce(hidden, lm_head_weight, labels, w)
+    if not need_grad:
+        return loss, correct, None
+    is_label = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == labels.unsqueeze(1)
+    grad_logits = (torch.exp(logits - lse.unsqueeze(1)) - is_label.to(logits.dtype)) * w.unsqueeze(1)
+    return loss, correct, (grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
+
+
 @functools.cache
 def compiled_chunk_loss():
-    """The chunk math compiled: logits cast, logsumexp, softmax gradient and scaling fuse into a
-    few passes over the [chunk, vocab] logits instead of one pass per eager op."""
-    return torch.compile(_chunk_loss_and_grad, dynamic=False)
+    """The chunk math compiled: logits cast, logsumexp, argmax, softmax gradient, scaling and the
+    cast fuse into a few passes over the [chunk, vocab] logits instead of one pass per eager op."""
+    return torch.compile(_chunk_loss_and_grad_fusible, dynamic=False)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -44,8 +65,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            end = min(start + chunk_size, hidden.shape[0])
+        rows = hidden.shape[0]
+        chunk = -(-rows // -(-rows // chunk_size))  # equal chunks of at most chunk_size: one compiled shape
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
             part, hits, grad = chunk_fn(hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad)
             loss = loss + part
             correct[start:end] = hits

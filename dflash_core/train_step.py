@@ -88,9 +88,17 @@ def micro_step(
     cfg = drafter.config
     hidden = drafter_forward(drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels)
     labels, weights = block_labels(batch, cfg.block_size, gamma)
-    loss, correct = chunked_lm_head_loss(hidden, head.lm_head_weight, labels, weights, chunk_size, kernels.loss)
-    n = batch.anchors.shape[0]
-    return MicroStepResult(loss, correct.view(n, cfg.block_size), weights.view(n, cfg.block_size))
+    n, b = batch.anchors.shape[0], cfg.block_size
+
+    def predicting(t: torch.Tensor) -> torch.Tensor:
+        # position 0 (the anchor's own token) never counts: no logits for it, 1/B of the
+        # lm_head GEMMs and CE passes saved; the loss is the same (its weight is 0)
+        return t.view(n, b, *t.shape[1:])[:, 1:].reshape(n * (b - 1), *t.shape[1:])
+
+    loss, correct = chunked_lm_head_loss(predicting(hidden), head.lm_head_weight, predicting(labels), predicting(weights),
+                                         chunk_size, kernels.loss)
+    correct = torch.cat([torch.zeros(n, 1, dtype=torch.bool, device=correct.device), correct.view(n, b - 1)], dim=1)
+    return MicroStepResult(loss, correct, weights.view(n, b))
 
 
 def inference_block_forward(

@@ -5,7 +5,9 @@ import torch
 
 from dflash_core.blocks import block_inputs, block_labels, expected_acceptance_length, position_decay
 from dflash_core.data.batches import MicroBatch
-from dflash_core.loss import chunked_lm_head_loss, reference_lm_head_loss
+from dflash_core.loss import (
+    _chunk_loss_and_grad, _chunk_loss_and_grad_fusible, chunked_lm_head_loss, reference_lm_head_loss,
+)
 
 
 def hand_batch():
@@ -71,3 +73,76 @@ def test_decay_and_expected_acceptance():
     assert d[0] == 0 and d[1] == 1 and abs(d[8].item() - math.exp(-1)) < 1e-6
     assert expected_acceptance_length([1.0, 1.0, 1.0]) == 3.0
     assert abs(expected_acceptance_length([1.0, 0.5, 0.5]) - (1 + 0.5 + 0.25)) < 1e-12
+
+
+def test_fusible_chunk_gradient_equals_the_in_place_one():
+    """The compiled path's pure-expression gradient is the eager path's in-place one."""
+    torch.manual_seed(1)
+    hidden = torch.randn(24, 16)
+    w = torch.randn(300, 16)
+    labels = torch.randint(0, 300, (24,))
+    labels[3] = labels[4] = 299  # repeated and last-column labels
+    labels[5] = 0
+    weights = torch.rand(24) * (torch.rand(24) > 0.3)
+    weights = weights / weights.sum()
+    eager = _chunk_loss_and_grad(hidden, w, labels, weights, True)
+    pure = _chunk_loss_and_grad_fusible(hidden, w, labels, weights, True)
+    assert torch.allclose(eager[0], pure[0], atol=1e-6)
+    assert torch.equal(eager[1], pure[1])
+    assert torch.allclose(eager[2], pure[2], atol=1e-6)
+    assert pure[2].abs().sum() > 0
+
+
+def test_compiled_chunked_loss_matches_dense_reference():
+    torch.manual_seed(2)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(64, 16)
+    labels = torch.randint(0, 64, (40,))
+    weights = torch.rand(40) * (torch.rand(40) > 0.3)
+    loss, correct = chunked_lm_head_loss(hidden, w, labels, weights, chunk_size=8, compiled=True)
+    (3.0 * loss).backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    ref = reference_lm_head_loss(hidden, w, labels, weights)
+    (3.0 * ref).backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    assert torch.allclose(got, hidden.grad.float(), atol=1e-5)
+    assert torch.equal(correct, (hidden.detach() @ w.t()).argmax(-1) == labels)
+
+
+def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
+    """micro_step computes no logits for position 0 of a block (its weight is always 0): the loss
+    and every parameter gradient equal the loss over all positions."""
+    import numpy as np
+
+    from dflash_core.attention import training_attention
+    from dflash_core.blocks import block_labels
+    from dflash_core.config import ShapeConfig
+    from dflash_core.train_step import FrozenHead, drafter_forward, micro_step
+    from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
+
+    rng = np.random.default_rng(4)
+    cfg = tiny_drafter_config(block_size=4)
+    shape = ShapeConfig(seq_len=48, num_anchors=6, block_size=4)
+    mb = random_micro_batch(rng, shape, n_docs=2)
+    drafter = random_drafter(cfg)
+    g = torch.Generator().manual_seed(0)
+    head = FrozenHead(torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g),
+                      torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g))
+    feats = torch.randn(48, 2 * cfg.hidden_size, dtype=torch.float64, generator=g)
+    res = micro_step(drafter, head, mb, feats, attention="dense", gamma=2.0, chunk_size=5)
+    res.loss.backward()
+    got = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    attend = training_attention("dense", mb.doc_ids, mb.anchors, mb.anchor_valid, 48, 4)
+    hidden = drafter_forward(drafter, head, mb, feats, attend)
+    labels, weights = block_labels(mb, 4, 2.0)
+    assert weights.view(6, 4)[:, 0].eq(0).all() and weights.sum() > 0
+    ref = reference_lm_head_loss(hidden, head.lm_head_weight, labels, weights)
+    ref.backward()
+    assert abs(res.loss.item() - ref.item()) < 1e-5
+    for name, p in drafter.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-5), name
+    argmax_hits = ((hidden.detach() @ head.lm_head_weight.t()).argmax(-1) == labels).view(6, 4)
+    assert not res.correct[:, 0].any()
+    assert torch.equal(res.correct[:, 1:], argmax_hits[:, 1:])

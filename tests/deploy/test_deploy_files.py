@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,21 @@ def test_dockerfile_base_user_entrypoint_volume_port():
     assert data_dir in volumes  # the job store, checkpoints and <data_dir>/inductor-cache persist
     assert instruction("EXPOSE") == [env["DFLASH_PORT"]]
     assert env["DFLASH_HOST"] == "0.0.0.0"  # reachable from outside the container
+
+
+def test_dockerfile_installs_dependencies_before_copying_the_sources():
+    """A source edit must not re-run the dependency install (minutes, gigabytes): the layer that
+    installs pyproject.toml's dependencies comes before any source COPY, and sees only that file."""
+    steps = [(w, a) for w, a in dockerfile_instructions() if w in ("COPY", "RUN")]
+    first_source = next(i for i, (w, a) in enumerate(steps) if w == "COPY" and "pyproject.toml" not in a)
+    deps = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "-r /tmp/requirements.txt" in a)
+    assert deps < first_source
+    assert [a for w, a in steps[:deps] if w == "COPY"] == ["pyproject.toml ./"]
+    script = steps[deps][1]
+    extract = re.search(r'python -c "(import tomllib.*?)"\s*>', script).group(1)  # as the shell passes it
+    out = subprocess.run([sys.executable, "-c", extract], cwd=REPO_ROOT, capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert "torch>=2.6" in out and "fastapi>=0.115" in out
 
 
 def test_dockerfile_copies_only_existing_paths_that_the_dockerignore_keeps():

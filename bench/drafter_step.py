@@ -38,12 +38,22 @@ VARIANTS = {
     "sdpa_dense": dict(attention="dense", compiled=False),
     "sdpa_chunked": dict(attention="dense_chunked", compiled=False),
     "flex_eager": dict(attention="flex", compiled=False, flex_q_splits=1),
+    # the engine's step with the drafter's weights in bf16: the upper bound of what bf16 working
+    # weights (fp32 master copies kept by the optimizer) would save; its gradients are bf16 too
+    "flex_layer_bf16w": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),
 }
 
 
+BF16_WEIGHTS = {"flex_layer_bf16w"}  # a measurement aid, not an engine configuration
+
+
 def make_replica(cfg, head, variant, chunk):
-    rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=chunk, **VARIANTS[variant])
+    rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=chunk,
+                         **VARIANTS[variant])
     rep.drafter.init_weights(0)
+    if variant in BF16_WEIGHTS:
+        rep.drafter.to(torch.bfloat16)
+        rep.params = list(rep.drafter.parameters())
     return rep
 
 

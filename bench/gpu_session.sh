@@ -64,7 +64,7 @@ for part in "$@"; do
   [ "$T" -gt "$left" ] && T=$left
   echo "=== $part $(date +%T) (limit ${T}s)"
   case "$part" in
-    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_q4,sdpa_dense,sdpa_chunked} \
+    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_bf16w,sdpa_dense,sdpa_chunked} \
               --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $((T - 200)) $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;

@@ -66,7 +66,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         rows = hidden.shape[0]
-        chunk = -(-rows // -(-rows // chunk_size))  # equal chunks of at most chunk_size: one compiled shape
+        chunks = -(-rows // chunk_size)
+        chunk = -(-rows // chunks)  # equal chunks of at most chunk_size: one compiled shape
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             part, hits, grad = chunk_fn(hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad)

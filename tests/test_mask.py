@@ -1,5 +1,6 @@
 """The training mask equals a brute-force reading of DESIGN.md section 3, for random packings."""
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,3 +84,18 @@ def test_padding_blocks_are_finite_and_weightless():
     _, weights = block_labels(mb, 4, gamma=4.0)
     pad_rows = (~mb.anchor_valid).repeat_interleave(4)
     assert (weights[pad_rows] == 0).all()
+
+
+def test_micro_batch_refuses_a_document_split_into_two_runs():
+    """The mask reads "same document" as "same contiguous run": a sequence that breaks that is
+    refused when the micro-batch is made, not trained with a wrong mask."""
+    from dflash_core.data.batches import make_micro_batch
+    from dflash_core.data.packing import PackedSequence
+
+    doc = np.array([0, 0, 0, 1, 1, 0, 0, 0, -1, -1], dtype=np.int64)
+    seq = PackedSequence(np.arange(10, dtype=np.int64), doc, np.arange(10, dtype=np.int64), np.ones(10, dtype=bool))
+    shape = ShapeConfig(seq_len=10, num_anchors=2, block_size=2)
+    with pytest.raises(ValueError, match="more than one run"):
+        make_micro_batch(seq, shape, np.random.default_rng(0), 0)
+    doc[5:8] = 2  # three contiguous documents then padding: accepted
+    assert make_micro_batch(seq, shape, np.random.default_rng(0), 0).anchor_valid.any()

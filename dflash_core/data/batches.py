@@ -46,6 +46,12 @@ class MicroBatch:
 
 
 def make_micro_batch(seq: PackedSequence, shape: ShapeConfig, rng: np.random.Generator, index: int) -> MicroBatch:
+    # the training mask reads "same document" as "same contiguous run" (attention.context_intervals)
+    runs = np.flatnonzero(np.diff(seq.doc_ids)) + 1
+    run_ids = seq.doc_ids[np.concatenate(([0], runs))]
+    if len(np.unique(run_ids)) != len(run_ids):
+        raise ValueError("a packed sequence holds a document id in more than one run; packing must keep each "
+                         "document contiguous")
     anchors, valid = sample_anchors(seq.doc_ids, seq.loss_mask, shape.num_anchors, rng, shape.block_size)
     return MicroBatch(
         torch.from_numpy(seq.input_ids), torch.from_numpy(seq.position_ids), torch.from_numpy(seq.doc_ids),

@@ -123,26 +123,35 @@ def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs
     the cores; the timed run in this process then loads them from the inductor and Triton caches.
     Each child runs `python -m <module> --cases NAME --compile-only <args>`. Returns the outcome
     per case: "ok", "failed rc=N" or "killed" (over the budget)."""
+    import signal
     import subprocess
     import sys
     import time
 
+    if budget_s <= 0 or jobs <= 0:
+        return {}
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
     pending, running, outcome = list(names), {}, {}
     start = time.monotonic()
     log_dir = out_dir() / "compile_logs"
     log_dir.mkdir(exist_ok=True)
     while pending or running:
+        over = time.monotonic() - start >= budget_s
+        while pending and over:  # never start a compile the budget cannot hold
+            name = pending.pop(0)
+            outcome[name] = "killed"
+            print(f"[warm {time.monotonic() - start:6.1f}s] {name}: not started, budget spent", flush=True)
         while pending and len(running) < jobs:
             name = pending.pop(0)
             log = open(log_dir / f"{name}.log", "w")
+            # its own process group: a kill also stops the compiler processes it started
             running[name] = (subprocess.Popen([sys.executable, "-m", module, "--cases", name, "--compile-only", *args],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT), log)
+                                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
         for name, (proc, log) in list(running.items()):
             if proc.poll() is not None:
                 outcome[name] = "ok" if proc.returncode == 0 else f"failed rc={proc.returncode}"
-            elif time.monotonic() - start > budget_s:
-                proc.kill()
+            elif over:
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 outcome[name] = "killed"
             else:

@@ -36,41 +36,51 @@ mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
 if ls .cache_in/inductor_cache.tgz.* >/dev/null 2>&1; then
   cat .cache_in/inductor_cache.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR" && echo "inductor cache restored: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1)"
 fi
-# BACKGROUND_TESTS=1: pytest -m gpu runs beside the first part's compiles; timed parts wait for it
+# BACKGROUND_TESTS=1: pytest -m gpu runs beside the first part's compiles; step and flex wait for it
+# before they time anything, every other part before it starts
 WAIT_ARGS=""
 if [ "${BACKGROUND_TESTS:-0}" = 1 ]; then
-  timeout $((DEADLINE - 20)) python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu > "$OUT/gpu_tests.log" 2>&1 &
+  for part in "$@"; do
+    [ "$part" = tests ] && { echo "BACKGROUND_TESTS=1 already runs the tests: drop the tests part" >&2; exit 2; }
+  done
+  timeout $((DEADLINE - 20 - SECONDS)) python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu > "$OUT/gpu_tests.log" 2>&1 &
   TESTS_PID=$!
   WAIT_ARGS="--wait-pid $TESTS_PID"
   echo "=== tests in the background, pid $TESTS_PID"
 fi
-pack() {  # the device tool brings back at most 8 files: the results in one, the cache in <= 6 pieces
-  [ -n "${TESTS_PID:-}" ] && { wait "$TESTS_PID"; echo "=== background tests exit $?"; }
+wait_background_tests() {
+  if [ -n "${TESTS_PID:-}" ]; then wait "$TESTS_PID"; echo "=== background tests exit $?"; TESTS_PID=""; fi
+}
+pack() {  # the device tool brings back at most 8 files, 64 MB: the results in one, the cache in <= 4 pieces
+  wait_background_tests
   (cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
   if [ "${CACHE_BACK:-0}" = 1 ]; then  # ~100 MB compressed after the flex sweep and the gpu tests: over the limit
     tar czf /tmp/inductor_cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null
     size=$(stat -c %s /tmp/inductor_cache.tgz)
-    if [ "$size" -lt $((58 * 1024 * 1024)) ]; then split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz."
-    else echo "inductor cache not sent back: $size bytes compressed"; fi
+    room=$((60 * 1024 * 1024 - $(stat -c %s "$OUT/gpu_results.tgz")))
+    if [ "$size" -lt "$room" ]; then split -b 15M /tmp/inductor_cache.tgz "$OUT/inductor_cache.tgz."
+    else echo "inductor cache not sent back: $size bytes compressed, $room bytes of room"; fi
   fi
   echo "=== done $(date +%T)"
 }
 trap pack EXIT
 set -o pipefail
 for part in "$@"; do
+  case "$part" in step|flex) ;; *) wait_background_tests ;; esac
   left=$((DEADLINE - SECONDS - 10))
   if [ "$left" -lt 30 ]; then echo "=== $part skipped: ${left}s left of the call"; continue; fi
   T=${PART_TIMEOUT:-$left}
   [ "$T" -gt "$left" ] && T=$left
+  WARM=$((T - 200 > T / 2 ? T - 200 : T / 2))  # parallel compile phase; the rest is for timing
   echo "=== $part $(date +%T) (limit ${T}s)"
   case "$part" in
     step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_bf16w,sdpa_dense,sdpa_chunked} \
-              --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $((T - 200)) $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
+              --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \
-              --warm-budget $((T - 150)) $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
+              --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
   echo "=== $part exit $? $(date +%T)"  # 124: hit its time limit

@@ -67,7 +67,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         rows = hidden.shape[0]
         chunks = -(-rows // chunk_size)
-        chunk = -(-rows // chunks)  # equal chunks of at most chunk_size: one compiled shape
+        chunk = -(-rows // chunks)  # near-equal chunks of at most chunk_size: at most two compiled shapes
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             part, hits, grad = chunk_fn(hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad)

@@ -4,6 +4,8 @@
 #   bash bench/gpu_session.sh step      # drafter step variants at the reference shape, flatness, profile
 #   bash bench/gpu_session.sh daemon    # daemon, Qwen3-8B-shaped target on cuda:0, drafter on cuda:1:
 #                                       # time to ready cold + warm, a 100-step job, /metrics
+#   bash bench/gpu_session.sh recipe    # the same at the recipe's density (512 anchors), 50 steps
+#   bash bench/gpu_session.sh twodrafters  # drafters on cuda:0 and cuda:1 (cold + warm ready), 30 steps
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
@@ -13,9 +15,9 @@
 # binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
 # prometheus). Results go to $OUT.
 set -u
-[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|colocated|panels|tests|flex ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex ..." >&2; exit 2; }
 for part in "$@"; do
-  case "$part" in step|daemon|colocated|panels|tests|flex) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
+  case "$part" in step|daemon|recipe|twodrafters|colocated|panels|tests|flex) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
 done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -77,6 +79,8 @@ for part in "$@"; do
     step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_bf16w,sdpa_dense,sdpa_chunked} \
               --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
+    recipe) DAEMON_WORK=/tmp/dflash-daemon-recipe OUT=$OUT/recipe timeout $T python3 -m bench.daemon_gpu --anchors 512 --steps 50 --timeout 300 2>&1 | tee "$OUT/daemon_recipe.log" ;;
+    twodrafters) DAEMON_WORK=/tmp/dflash-daemon-two OUT=$OUT/twodrafters timeout $T python3 -m bench.daemon_gpu --two-drafters --anchors 256 --steps 30 --timeout 300 2>&1 | tee "$OUT/daemon_two.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \

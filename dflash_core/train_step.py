@@ -93,7 +93,7 @@ def micro_step(
     def predicting(t: torch.Tensor) -> torch.Tensor:
         # position 0 (the anchor's own token) never counts: no logits for it, 1/B of the
         # lm_head GEMMs and CE passes saved; the loss is the same (its weight is 0)
-        return t.view(n, b, *t.shape[1:])[:, 1:].reshape(n * (b - 1), *t.shape[1:])
+        return t.reshape(n, b, *t.shape[1:])[:, 1:].reshape(n * (b - 1), *t.shape[1:])
 
     loss, correct = chunked_lm_head_loss(predicting(hidden), head.lm_head_weight, predicting(labels), predicting(weights),
                                          chunk_size, kernels.loss)

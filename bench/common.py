@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -123,11 +126,6 @@ def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs
     the cores; the timed run in this process then loads them from the inductor and Triton caches.
     Each child runs `python -m <module> --cases NAME --compile-only <args>`. Returns the outcome
     per case: "ok", "failed rc=N" or "killed" (over the budget)."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     if budget_s <= 0 or jobs <= 0:
         return {}
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")

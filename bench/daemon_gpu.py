@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
 from service.demo import free_port, stop_daemon
@@ -51,14 +52,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float,
     raise TimeoutError("daemon not ready in time")
 
 
-def reserved_bytes(metrics: str) -> dict[str, float]:
-    """dflash_cuda_reserved_bytes per device from a /metrics page."""
-    out = {}
-    for line in metrics.splitlines():
-        if line.startswith("dflash_cuda_reserved_bytes{"):
-            key, val = line.rsplit(" ", 1)
-            out[key.split('device="', 1)[1].split('"', 1)[0]] = float(val)
-    return out
+def metric_samples(page: str, names: tuple[str, ...]) -> list[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of the named samples on a /metrics page."""
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(page) for s in family.samples
+            if s.name in names]
+
+
+def reserved_bytes(page: str) -> dict[str, float]:
+    """dflash_cuda_reserved_bytes per device."""
+    return {labels["device"]: value for _, labels, value in metric_samples(page, ("dflash_cuda_reserved_bytes",))}
 
 
 def main(argv=None):
@@ -132,10 +134,10 @@ inductor_cache_dir = "{work / 'inductor'}"
                            tokens_per_s=round(sum(toks) / sum(secs)) if secs else None)
             metrics = httpx.get(url + "/metrics", timeout=10).text
             (out / f"metrics_{phase}.txt").write_text(metrics)
-            for line in metrics.splitlines():
-                if line.startswith(("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")):
-                    key, val = line.rsplit(" ", 1)
-                    row[key.replace("dflash_", "")] = round(float(val) / 2**30, 2) if "bytes" in key else float(val)
+            for name, labels, val in metric_samples(
+                    metrics, ("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")):
+                key = name.removeprefix("dflash_") + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+                row[key] = round(val / 2**30, 2) if "bytes" in name else val
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:

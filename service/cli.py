@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.auth_token:
-        import logging
-
         logging.getLogger("dflash.service").warning(
             "listening on %s without auth_token: anyone who reaches this port can submit and cancel jobs", config.host)
     app = create_app(config)

@@ -1,13 +1,18 @@
 """Labels, weights and the chunked LM-head loss against hand-computed values and a dense reference."""
 import math
 
+import numpy as np
 import torch
 
+from dflash_core.attention import training_attention
 from dflash_core.blocks import block_inputs, block_labels, expected_acceptance_length, position_decay
+from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch
 from dflash_core.loss import (
     _chunk_loss_and_grad, _chunk_loss_and_grad_fusible, chunked_lm_head_loss, reference_lm_head_loss,
 )
+from dflash_core.train_step import FrozenHead, drafter_forward, micro_step
+from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 
 def hand_batch():
@@ -52,20 +57,28 @@ def test_known_loss_value():
     assert correct.tolist() == [True, False, False]
 
 
-def test_chunked_loss_and_gradient_match_dense_reference():
-    torch.manual_seed(0)
-    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(50, 16, dtype=torch.float64)
-    labels = torch.randint(0, 50, (37,))
-    weights = torch.rand(37, dtype=torch.float64) * (torch.rand(37) > 0.3)
-    loss, _ = chunked_lm_head_loss(hidden, w, labels, weights, chunk_size=8)
-    (2.0 * loss).backward()
+def _chunked_and_reference(seed, rows, vocab, dtype, scale, compiled=False):
+    """(loss, correct, gradient) of the chunked loss and (loss, gradient) of the dense reference,
+    both backpropagated with `scale`, on one random problem."""
+    torch.manual_seed(seed)
+    hidden = torch.randn(rows, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, 16, dtype=dtype)
+    labels = torch.randint(0, vocab, (rows,))
+    weights = torch.rand(rows, dtype=dtype) * (torch.rand(rows) > 0.3)
+    loss, correct = chunked_lm_head_loss(hidden, w, labels, weights, chunk_size=8, compiled=compiled)
+    (scale * loss).backward()
     got = hidden.grad.clone()
     hidden.grad = None
     ref = reference_lm_head_loss(hidden, w, labels, weights)
-    (2.0 * ref).backward()
+    (scale * ref).backward()
+    argmax_hits = (hidden.detach() @ w.t()).argmax(-1) == labels
+    return (loss, correct, got), (ref, hidden.grad, argmax_hits)
+
+
+def test_chunked_loss_and_gradient_match_dense_reference():
+    (loss, _, got), (ref, ref_grad, _) = _chunked_and_reference(0, 37, 50, torch.float64, 2.0)
     assert abs(loss.item() - ref.item()) < 1e-6
-    assert torch.allclose(got, hidden.grad, atol=1e-6)
+    assert torch.allclose(got, ref_grad, atol=1e-6)
 
 
 def test_decay_and_expected_acceptance():
@@ -94,33 +107,16 @@ def test_fusible_chunk_gradient_equals_the_in_place_one():
 
 
 def test_compiled_chunked_loss_matches_dense_reference():
-    torch.manual_seed(2)
-    hidden = torch.randn(40, 16, requires_grad=True)
-    w = torch.randn(64, 16)
-    labels = torch.randint(0, 64, (40,))
-    weights = torch.rand(40) * (torch.rand(40) > 0.3)
-    loss, correct = chunked_lm_head_loss(hidden, w, labels, weights, chunk_size=8, compiled=True)
-    (3.0 * loss).backward()
-    got = hidden.grad.clone()
-    hidden.grad = None
-    ref = reference_lm_head_loss(hidden, w, labels, weights)
-    (3.0 * ref).backward()
+    (loss, correct, got), (ref, ref_grad, argmax_hits) = _chunked_and_reference(2, 40, 64, torch.float32, 3.0,
+                                                                                compiled=True)
     assert abs(loss.item() - ref.item()) < 1e-5
-    assert torch.allclose(got, hidden.grad.float(), atol=1e-5)
-    assert torch.equal(correct, (hidden.detach() @ w.t()).argmax(-1) == labels)
+    assert torch.allclose(got, ref_grad.float(), atol=1e-5)
+    assert torch.equal(correct, argmax_hits)
 
 
 def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
     """micro_step computes no logits for position 0 of a block (its weight is always 0): the loss
     and every parameter gradient equal the loss over all positions."""
-    import numpy as np
-
-    from dflash_core.attention import training_attention
-    from dflash_core.blocks import block_labels
-    from dflash_core.config import ShapeConfig
-    from dflash_core.train_step import FrozenHead, drafter_forward, micro_step
-    from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
-
     rng = np.random.default_rng(4)
     cfg = tiny_drafter_config(block_size=4)
     shape = ShapeConfig(seq_len=48, num_anchors=6, block_size=4)

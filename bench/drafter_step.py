@@ -20,9 +20,19 @@ import traceback
 import torch
 
 from bench.common import (
-    REFERENCE_SHAPE, cuda_time_ms, drafter_flops, env_record, measured_bf16_peak_tflops, median, out_dir, pid_alive,
-    print_table, reference_drafter_config, warm_caches_in_parallel,
+    REFERENCE_SHAPE,
+    cuda_time_ms,
+    drafter_flops,
+    env_record,
+    measured_bf16_peak_tflops,
+    median,
+    out_dir,
+    pid_alive,
+    print_table,
+    reference_drafter_config,
+    warm_caches_in_parallel,
 )
+from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
 from dflash_core.attention import dense_mask, dflash_mask_mod
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.engine.optim import build_optimizer
@@ -104,7 +114,8 @@ def kernel_class(name: str) -> str:
 
 def profile(rep, batch, feats, name, steps=3, table=False):
     """Device time per kernel class (ms per step); the top kernels when `table`."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     fwd_bwd = fwd_bwd_of(rep, batch, feats)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -128,55 +139,17 @@ def profile(rep, batch, feats, name, steps=3, table=False):
     return classes
 
 
-def bench_optimizer(rep, compiled_row: bool = True):
-    """AdamW step over the replica's parameters (the engine's optimizer), and, for comparison, the
-    same number of parameters as one flat tensor, and the foreach (unfused) implementation."""
-    rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+def bench_optimizer(rep, compiled: bool):
+    """The optimizer rows of bench.optimizer over this replica's parameters; the engine's step
+    (its optimizer alone, without the norm) is the headline number."""
     for p in rep.params:
         p.grad = torch.randn_like(p) * 1e-3
-    engine_ms = median(cuda_time_ms(lambda: rep.optimizer.step(), warmup=3, iters=20))
     n = sum(p.numel() for p in rep.params)
-    flat = torch.nn.Parameter(torch.randn(n, device=rep.device) * 0.02)
-    flat.grad = torch.randn_like(flat) * 1e-3
-    rows = {"engine (fused, per-tensor)": engine_ms}
-    for name, kw in (("fused, one flat tensor", {"fused": True}), ("foreach, one flat tensor", {"foreach": True})):
-        opt = torch.optim.AdamW([flat], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **kw)
-        rows[name] = median(cuda_time_ms(opt.step, warmup=3, iters=20))
-        del opt
-    del flat
-    if compiled_row:  # off when its warm-up compile did not finish: compiling it here would overrun
-        rows["compiled step (foreach, tensor lr), per-tensor"] = compiled_optimizer_ms(rep.params)
-    gc.collect()
-    torch.cuda.empty_cache()
-    bytes_moved = 28 * n  # param r+w, grad r, exp_avg r+w, exp_avg_sq r+w (fp32)
-    for name, ms in rows.items():
-        if ms is None:
-            continue
-        print(json.dumps({"optimizer": name, "ms": round(ms, 2), "TB_per_s": round(bytes_moved / (ms * 1e-3) / 1e12, 2)}), flush=True)
-    return round(engine_ms, 2), n, {k: (round(v, 2) if v is not None else None) for k, v in rows.items()}
-
-
-def compiled_optimizer_ms(params) -> float | None:
-    """AdamW's step compiled by inductor over the same parameters (PyTorch's "compiled optimizer"
-    recipe: the learning rate a tensor, so a schedule changes a value, not a guard). Fresh state:
-    the engine's optimizer state is untouched. None if it does not compile here."""
-    try:
-        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=params[0].device), betas=(0.9, 0.95), eps=1e-8,
-                                foreach=True, capturable=True)  # a tensor lr needs capturable with foreach
-        step = torch.compile(opt.step, dynamic=False)
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        print(json.dumps({"compiled_optimizer_first_call_s": round(time.perf_counter() - t0, 1)}), flush=True)
-        ms = median(cuda_time_ms(step, warmup=3, iters=20))
-        del opt, step
-        return ms
-    except Exception:  # noqa: BLE001 - a row, not a crash
-        traceback.print_exc()
-        return None
-    finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+    rows = optimizer_rows(rep.params, compiled)
+    for row in table_rows(rows, n):
+        print(json.dumps(row), flush=True)
+    engine = next(ms for name, ms in rows.items() if name.endswith("(engine)"))
+    return round(engine, 2), n, {k: (round(v, 2) if v is not None else None) for k, v in rows.items()}
 
 
 def flatness(rep, batch, feats, steps=100):
@@ -219,8 +192,9 @@ def reference_inputs(cfg):
 
 
 def compile_variant(name, layers, chunk, first_variant):
-    """A warm-up child: compile one variant, or ("optimizer") the compiled AdamW step over the
-    first variant's parameters, to fill the inductor and Triton caches; then exit."""
+    """A warm-up child: compile one variant, or ("optimizer", with --compiled-optimizer) the
+    compiled AdamW step over the first variant's parameters, to fill the inductor and Triton
+    caches; then exit."""
     cfg = reference_drafter_config(layers)
     head, batch, feats = reference_inputs(cfg)
     t0 = time.perf_counter()
@@ -247,6 +221,8 @@ def main(argv=None):
     p.add_argument("--warm-jobs", type=int, default=0,
                    help="first compile the variants in this many parallel processes (cold machines)")
     p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
+    p.add_argument("--compiled-optimizer", action="store_true",
+                   help="also time torch.compile's AdamW step (~45 s of cold compile; run I: 7.79 ms)")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--cases", help=argparse.SUPPRESS)  # one variant, with --compile-only (a warm-up child)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -257,7 +233,7 @@ def main(argv=None):
         return compile_variant(args.cases, args.layers, args.chunk, names[0])
     warm = {}
     if args.warm_jobs:
-        compiled = [n for n in names if VARIANTS[n].get("compiled")] + ["optimizer"]  # the first one's, compiled
+        compiled = [n for n in names if VARIANTS[n].get("compiled")] + (["optimizer"] if args.compiled_optimizer else [])
         warm = warm_caches_in_parallel(
             "bench.drafter_step", compiled,
             ["--layers", str(args.layers), "--chunk", str(args.chunk), "--variants", args.variants],
@@ -288,7 +264,8 @@ def main(argv=None):
                 res["profile_ms"] = profile(rep, batch, feats, name, table=i == 0)
             if i == 0:
                 rep.zero_grad()
-                opt_ms, n_params, opt_rows = bench_optimizer(rep, compiled_row=warm.get("optimizer") != "killed")
+                opt_ms, n_params, opt_rows = bench_optimizer(
+                    rep, compiled=args.compiled_optimizer and warm.get("optimizer") != "killed")
                 rep.zero_grad()
                 print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
                 flat = flatness(rep, batch, feats, args.flat_steps)

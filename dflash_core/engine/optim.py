@@ -1,9 +1,14 @@
-"""AdamW over fp32 master weights with a linear-warmup cosine schedule."""
+"""AdamW over fp32 master weights with a linear-warmup cosine schedule, and the clipped step."""
 from __future__ import annotations
 
 import math
 
 import torch
+
+try:  # the GPU image's torch brings Triton; a CPU-only install may not have it
+    from .adamw_triton import TritonAdamW
+except ImportError:
+    TritonAdamW = None
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -15,8 +20,11 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
 
 
 def build_optimizer(params, lr: float, weight_decay: float, betas, device: torch.device) -> torch.optim.Optimizer:
-    # fused AdamW on CUDA (one kernel set per step); foreach on CPU. The learning rate is a
-    # Python float set from the host every step (set_lr): the schedule needs no device sync.
+    # CUDA: one Triton kernel per tensor (adamw_triton.py says why); torch's fused AdamW where
+    # Triton is missing; foreach on CPU. The learning rate is a Python float set from the host
+    # every step (set_lr): the schedule needs no device sync.
+    if device.type == "cuda" and TritonAdamW is not None:
+        return TritonAdamW(params, lr=lr, betas=tuple(betas), eps=1e-8, weight_decay=weight_decay)
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=1e-8, **kw)
 
@@ -24,3 +32,22 @@ def build_optimizer(params, lr: float, weight_decay: float, betas, device: torch
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr
+
+
+def clipped_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a global L2 norm of max_norm (<= 0: no clipping), then step; the
+    norm before clipping, on the device. Same result as clip_grad_norm_ then step; with
+    TritonAdamW the scaling happens inside the optimizer's kernel instead of rewriting the
+    gradients first."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm <= 0 or not grads:
+        opt.step()
+        return torch.zeros((), device=params[0].device)
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if TritonAdamW is not None and isinstance(opt, TritonAdamW):
+        # clip_grads_with_norm_'s coefficient, clamped to 1 so small gradients are left alone
+        opt.step(grad_scale=torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        opt.step()
+    return norm

@@ -11,7 +11,7 @@ from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, run_layer
 from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
-from .optim import set_lr
+from .optim import clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
 
@@ -92,9 +92,8 @@ class DrafterReplica:
         return res
 
     def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm) if max_norm > 0 else torch.zeros((), device=self.device)
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        norm = clipped_step(self.optimizer, self.params, max_norm)
         self.zero_grad()
         return norm
 

@@ -1,0 +1,115 @@
+"""AdamW as one Triton kernel per parameter tensor, with gradient clipping folded in.
+
+Why not torch's fused AdamW: at 1.05B fp32 parameters the step is memory-bound (28 bytes moved
+per parameter) and torch's kernel reached 3.26 TB/s on the H200 (9.0 ms; a compiled foreach step
+reached 3.77 TB/s but costs ~45 s of cold compile per process). A plain elementwise kernel needs
+a second of JIT. Clipping by the global norm also folds in: torch's clip_grad_norm_ rescales
+every gradient in place (another read and write of 4.2 GB); here the kernel reads the clip
+coefficient from device memory and scales each gradient as it loads it, so no host sync either.
+
+The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps added to
+the corrected sqrt), in fp32; its state uses AdamW's names ("step", "exp_avg", "exp_avg_sq"),
+so checkpoints from either optimizer load into the other.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+NUM_WARPS = 8
+
+
+@triton.jit
+def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, n_elements,
+                  lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+                  HAS_GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < n_elements
+    param = tl.load(param_ptr + offsets, mask=in_range)
+    grad = tl.load(grad_ptr + offsets, mask=in_range)
+    if HAS_GRAD_SCALE:
+        grad = grad * tl.load(grad_scale_ptr)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=in_range)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=in_range)
+
+    param = param * (1.0 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+    param = param - (lr / bias_correction1) * exp_avg / denom
+
+    tl.store(param_ptr + offsets, param, mask=in_range)
+    tl.store(exp_avg_ptr + offsets, exp_avg, mask=in_range)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=in_range)
+
+
+class TritonAdamW(torch.optim.Optimizer):
+    """AdamW over contiguous fp32 parameters and their fp32 gradients.
+
+    step(grad_scale=t) multiplies every gradient by the one-element device tensor t first (the
+    clip coefficient), without writing the gradients back."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 *, block: int = BLOCK, num_warps: int = NUM_WARPS):
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.block, self.num_warps = block, num_warps  # launch settings, not state
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32 or not p.is_contiguous():
+                    raise ValueError(f"TritonAdamW needs contiguous fp32 parameters, got {p.dtype} {tuple(p.shape)}")
+                if p.numel() >= 2**31:
+                    raise ValueError(f"parameter of {p.numel()} elements: over the kernel's int32 offsets")
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    # the step count stays on the host: the bias corrections need no device read
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                n = p.numel()
+                with _on_device(p.device):
+                    _adamw_kernel[(triton.cdiv(n, self.block),)](
+                        p, grad, state["exp_avg"], state["exp_avg_sq"],
+                        grad_scale if grad_scale is not None else p, n,
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                        1.0 - beta1**step, math.sqrt(1.0 - beta2**step),
+                        HAS_GRAD_SCALE=grad_scale is not None, BLOCK=self.block, num_warps=self.num_warps,
+                    )
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch's fused AdamW keeps "step" on the device (and its saved groups say fused=True,
+        # which loading honours): keep ours on the host
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = state["step"].detach().to("cpu", torch.float32)
+
+
+def _on_device(device: torch.device):
+    # Triton launches on the thread's current CUDA device, not on the tensors'; the interpreter
+    # (TRITON_INTERPRET=1, the CPU tests) runs on CPU tensors
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

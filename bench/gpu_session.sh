@@ -9,15 +9,16 @@
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
+#   bash bench/gpu_session.sh optimizer # the optimizer step alone (Triton AdamW sweep vs torch), ~30 s
 #   bash bench/gpu_session.sh tests step   # several parts in one call, in order
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (device README, Notes); the Prometheus
 # binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
 # prometheus). Results go to $OUT.
 set -u
-[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer ..." >&2; exit 2; }
 for part in "$@"; do
-  case "$part" in step|daemon|recipe|twodrafters|colocated|panels|tests|flex) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
+  case "$part" in step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
 done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -85,6 +86,7 @@ for part in "$@"; do
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \
               --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
+    optimizer) timeout $T python3 -m bench.optimizer 2>&1 | tee "$OUT/optimizer.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
   esac
   echo "=== $part exit $? $(date +%T)"  # 124: hit its time limit

@@ -1,6 +1,8 @@
 """Which accelerators this host has, for callers that must not import torch themselves."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -24,3 +26,30 @@ def compute_dtype(device: torch.device | str) -> torch.dtype:
     """The precision models run in on a device: bf16 on CUDA, fp32 elsewhere (CPU bf16 is slow
     and the CPU path exists for tests and the demo)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+class CudaContexts:
+    """Creates the CUDA context of each device in a side thread, so the seconds the driver takes
+    per device overlap the build's imports (transformers, Python-bound) instead of adding to the
+    time to ready. Tensor creation releases the GIL, so the two really run side by side.
+    `wait()` returns once every context exists, re-raising what the thread hit."""
+
+    def __init__(self, devices: list[str]):
+        self.devices = sorted({str(torch.device(d)) for d in devices if torch.device(d).type == "cuda"})
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._create, name="cuda-contexts", daemon=True)
+        if self.devices:
+            self._thread.start()
+
+    def _create(self) -> None:
+        try:
+            for device in self.devices:
+                torch.empty(1, device=device)  # the context and the caching allocator of the device
+        except BaseException as e:  # noqa: BLE001 - handed to the build thread by wait()
+            self.error = e
+
+    def wait(self) -> None:
+        if self.devices:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error

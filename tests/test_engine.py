@@ -85,8 +85,9 @@ def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
     assert seen[-1].phase == "ready" and [p.elapsed for p in seen] == sorted(p.elapsed for p in seen)
     timeline = engine.build_timeline()  # where time to ready went, in order
     labels = [label for label, _ in timeline]
-    for earlier, later in (("build:tokenizer_and_config", "build:target_loaded:cpu"),
-                           ("build:target_loaded:cpu", "build:replicas_created"),
+    for earlier, later in (("build:tokenizer_and_config", "build:cuda_contexts"),
+                           ("build:cuda_contexts", "build:target_loaded:cpu"),
+                           ("build:target_loaded:cpu", "build:replica_created:cpu"),
                            ("build:weights_initialized", "warmup:drafter:cpu"), ("warmup:drafter:cpu", "warmup:done")):
         assert labels.index(earlier) < labels.index(later)
     assert [t for _, t in timeline] == sorted(t for _, t in timeline)

@@ -30,7 +30,7 @@ from ..blocks import expected_acceptance_length
 from ..checkpoint import cpu_copy, load_training_state, load_weights, read_config, write_checkpoint
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
-from ..devices import compute_dtype
+from ..devices import CudaContexts, compute_dtype
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .checkpoint_writer import CheckpointWriter
@@ -122,6 +122,8 @@ class Engine:
         self._progress_cb = progress or (lambda p: None)
         self._t0 = time.monotonic()
         self.events: list[tuple[float, str]] = []  # ordering record (warmup vs thread starts)
+        # created beside the imports that come next (dynamo here, transformers in build())
+        self._cuda_contexts = CudaContexts(config.target_devices + config.drafter_devices)
         self.guard = CompileGuard()
         self.grad_sync = GradSync()
         self.rate = RateMeter()
@@ -181,6 +183,8 @@ class Engine:
             self.pad_token_id = self.tokenizer.eos_token_id or 0
         else:
             self.pad_token_id = self.tokenizer.pad_token_id
+        self._cuda_contexts.wait()
+        self._mark("build:cuda_contexts")
         for dev in cfg.target_devices:
             t = time.monotonic()
             self.targets.append(TargetModel(target_path, self.drafter_config.target_layer_ids, dev,
@@ -211,7 +215,7 @@ class Engine:
                 compute_dtype=compute_dtype(dev), gamma=gamma, chunk_size=cfg.loss.chunk_size,
                 compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
             ))
-        self._mark("build:replicas_created")
+            self._mark(f"build:replica_created:{dev}")
         if attention == "flex":
             splits = usable_q_splits(cfg.shape.num_query_tokens, cfg.flex_q_splits)
             if splits != cfg.flex_q_splits:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,9 +27,12 @@ from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
 from service.demo import free_port, stop_daemon
 
 
-def start(config: Path, log: Path) -> subprocess.Popen:
+def start(config: Path, log: Path, inductor_cache: Path) -> subprocess.Popen:
+    # the cache directory set here, not inherited: gpu_session.sh exports one for the whole call,
+    # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache))
     return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float, list[str]]:
@@ -101,8 +105,9 @@ inductor_cache_dir = "{work / 'inductor'}"
     url = f"http://127.0.0.1:{port}"
     out = out_dir()
     rows, record = [], {"args": vars(args), "drafter_device": drafter_dev}
+    shutil.rmtree(work / "inductor", ignore_errors=True)  # "cold" is a new cache directory
     for phase in ("cold", "warm"):
-        proc = start(config, out / f"daemon_{phase}.log")
+        proc = start(config, out / f"daemon_{phase}.log", work / "inductor")
         try:
             ready_s, phases = wait_ready(url, proc, args.timeout)
             row = {"cache": phase, "ready_s": round(ready_s, 1)}

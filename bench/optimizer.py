@@ -33,7 +33,7 @@ from dflash_core.engine.adamw_triton import BLOCK, NUM_WARPS, TritonAdamW
 from dflash_core.engine.optim import clipped_step
 
 KW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-SWEEP = [(BLOCK, NUM_WARPS), (1024, 4), (2048, 4), (4096, 8), (8192, 16)]
+SWEEP = [(BLOCK, NUM_WARPS), (2048, 8), (2048, 4), (4096, 8), (8192, 16)]
 
 
 def _free():

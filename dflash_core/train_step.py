@@ -21,7 +21,10 @@ class FrozenHead:
     lm_head_weight: torch.Tensor  # [V, H]
 
     def to(self, device, dtype) -> "FrozenHead":
-        return FrozenHead(self.embed_weight.to(device, dtype), self.lm_head_weight.to(device, dtype))
+        # plain tensors, not the target's nn.Parameters: the compiled loss sees the same input
+        # types whether or not the drafter shares the target's device (and a compile helper's
+        # random head matches it)
+        return FrozenHead(self.embed_weight.detach().to(device, dtype), self.lm_head_weight.detach().to(device, dtype))
 
 
 @dataclass

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
-NUM_WARPS = 8
+BLOCK = 1024
+NUM_WARPS = 4
 
 
 @triton.jit

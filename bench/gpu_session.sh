@@ -7,7 +7,7 @@
 #   bash bench/gpu_session.sh recipe    # the same at the recipe's density (512 anchors), 50 steps
 #   bash bench/gpu_session.sh twodrafters  # drafters on cuda:0 and cuda:1 (cold + warm ready), 30 steps
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
-#   bash bench/gpu_session.sh tests     # pytest -m gpu
+#   bash bench/gpu_session.sh tests     # pytest -m gpu (TESTS_SELECT="replicas or adamw": pytest -k)
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
 #   bash bench/gpu_session.sh optimizer # the optimizer step alone (Triton AdamW sweep vs torch), ~30 s
 #   bash bench/gpu_session.sh tests step   # several parts in one call, in order
@@ -87,7 +87,8 @@ for part in "$@"; do
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \
               --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
     optimizer) timeout $T python3 -m bench.optimizer 2>&1 | tee "$OUT/optimizer.log" ;;
-    tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu ${TESTS_SELECT:+-k "$TESTS_SELECT"} tests/gpu 2>&1 \
+              | tee "$OUT/gpu_tests.log" ;;
   esac
   echo "=== $part exit $? $(date +%T)"  # 124: hit its time limit
 done

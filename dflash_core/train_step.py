@@ -22,8 +22,7 @@ class FrozenHead:
 
     def to(self, device, dtype) -> "FrozenHead":
         # plain tensors, not the target's nn.Parameters: the compiled loss sees the same input
-        # types whether or not the drafter shares the target's device (and a compile helper's
-        # random head matches it)
+        # types whether or not the drafter shares the target's device
         return FrozenHead(self.embed_weight.detach().to(device, dtype), self.lm_head_weight.detach().to(device, dtype))
 
 

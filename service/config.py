@@ -65,8 +65,6 @@ class EngineSettings(BaseModel):
         None, description="what torch.compile covers on CUDA: flex_attention only, one decoder layer "
                           "(+ BlockMask and loss chunks), or the whole drafter forward")
     flex_q_splits: int = Field(1, ge=1, le=64, description="queries as this many flex batch entries (1 is fastest measured)")
-    compile_helpers: bool = Field(True, description="compile the step for the 2nd..nth drafter GPU in child processes "
-                                                   "while the main thread compiles the first (faster cold start)")
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")
@@ -117,7 +115,6 @@ class EngineSettings(BaseModel):
             attention=self.attention,
             compile=self.compile,
             flex_q_splits=self.flex_q_splits,
-            compile_helpers=self.compile_helpers,
             init_seed=self.init_seed,
             inductor_cache_dir=str(self.inductor_cache_dir or data_dir / "inductor-cache"),
             warmup_delay_seconds=self.warmup_delay_seconds,

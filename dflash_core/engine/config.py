@@ -33,10 +33,6 @@ class EngineConfig:
     compile: bool | None = None
     compile_scope: str = "layer"
     flex_q_splits: int = 1  # queries as this many flex batch entries (FlexAttention.q_splits); 1 = off
-    # compile the drafter step for the 2nd..nth drafter GPU in child processes while the main thread
-    # compiles the first (precompile.py); the main thread then warms each device from the cache
-    compile_helpers: bool = True
-    compile_helper_timeout_seconds: float = 900.0
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None

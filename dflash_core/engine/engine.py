@@ -39,7 +39,6 @@ from .config import EngineConfig, TrainJob
 from .grad_sync import GradSync
 from .jobdata import load_job_data
 from .optim import build_optimizer, lr_factor
-from .precompile import replica_spec, start_helpers
 from .replica import DrafterReplica
 
 log = logging.getLogger("dflash.engine")
@@ -163,19 +162,6 @@ class Engine:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cfg.inductor_cache_dir)
         self._report("loading_target", 0)
         self._delay()
-        self.load_target_config()
-        self._cuda_contexts.wait()
-        self._mark("build:cuda_contexts")
-        helpers = self._start_compile_helpers()
-        try:
-            return self._build_models_and_warm(helpers)
-        finally:
-            for helper in helpers.values():
-                helper.kill()  # only ones still running: the build failed before waiting for them
-
-    def load_target_config(self) -> None:
-        """Tokenizer, target config, drafter config and pad id: the first step of build()."""
-        cfg = self.config
         target_path = cfg.target_path
         if target_path is None:
             from ..defaults import ensure_default_assets
@@ -197,31 +183,8 @@ class Engine:
             self.pad_token_id = self.tokenizer.eos_token_id or 0
         else:
             self.pad_token_id = self.tokenizer.pad_token_id
-
-    def compile_helper_spec(self) -> dict:
-        """The replica a compile helper builds: this engine's (after load_target_config)."""
-        cfg = self.config
-        return replica_spec(self.drafter_config, cfg.shape, attention=cfg.resolved_attention(),
-                            compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
-                            gamma=cfg.loss.resolved_gamma(cfg.shape.block_size), chunk_size=cfg.loss.chunk_size,
-                            pad_token_id=self.pad_token_id)
-
-    def _start_compile_helpers(self) -> dict:
-        """Child processes that compile the drafter step for every drafter device after the first
-        (precompile.py says why), started now so they compile while the main thread loads the
-        target and compiles the first device."""
-        cfg = self.config
-        first, *others = dict.fromkeys(cfg.drafter_devices)
-        others = [d for d in others if d.startswith("cuda") and d != first]
-        if not (cfg.compile_helpers and others and cfg.resolved_compile()):
-            return {}
-        helpers = {h.device: h for h in start_helpers(self.compile_helper_spec(), others, self.data_dir / "logs")}
-        self._mark("build:compile_helpers_started")
-        return helpers
-
-    def _build_models_and_warm(self, helpers: dict) -> "Engine":
-        cfg = self.config
-        target_path = self.target_path
+        self._cuda_contexts.wait()
+        self._mark("build:cuda_contexts")
         for dev in cfg.target_devices:
             t = time.monotonic()
             self.targets.append(TargetModel(target_path, self.drafter_config.target_layer_ids, dev,
@@ -265,10 +228,6 @@ class Engine:
         self._delay()
         self._mark("warmup:drafters:start")
         for i, rep in enumerate(self.replicas):
-            helper = helpers.pop(str(rep.device), None)
-            if helper is not None:  # its graphs are in the cache once it exits: the warm step loads them
-                helper.wait(timeout=cfg.compile_helper_timeout_seconds)
-                self._mark(f"warmup:compile_helper_done:{rep.device}")
             t = time.monotonic()
             self._warm_replica(rep, warm_batch, warm_features)
             self.warmup_seconds.append(("drafter", str(rep.device), time.monotonic() - t))
@@ -341,7 +300,14 @@ class Engine:
 
     def _warm_replica(self, rep: DrafterReplica, mb: MicroBatch, features: torch.Tensor) -> None:
         """One full training step at the production shape, in this thread; weights restored after."""
-        rep.warm_step(mb, features)
+        feats = features.to(rep.device)
+        batch = mb.to(rep.device)
+        rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+        acc = rep.new_accumulator()
+        rep.forward_backward(batch, feats, 1.0, acc)
+        rep.clip_and_step(1.0, 1e-4)
+        float(acc.loss_sum)  # completes the step on the device
+        rep.optimizer = None
         self._sync(rep.device)
 
     def _reset_weights(self, seed: int, init_from: str | None) -> None:

@@ -11,7 +11,7 @@ from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, run_layer
 from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
-from .optim import build_optimizer, clipped_step, set_lr
+from .optim import clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
 
@@ -96,17 +96,6 @@ class DrafterReplica:
         norm = clipped_step(self.optimizer, self.params, max_norm)
         self.zero_grad()
         return norm
-
-    def warm_step(self, batch: MicroBatch, features: torch.Tensor) -> None:
-        """One full training step (forward, backward, clipped optimizer step) at the production
-        shape in the calling thread: compiles every kernel a job's step will run. The optimizer is
-        dropped after (its state would differ from a fresh job's), the weights are not restored."""
-        self.optimizer = build_optimizer(self.params, 1e-4, 0.0, (0.9, 0.95), self.device)
-        acc = self.new_accumulator()
-        self.forward_backward(batch.to(self.device), features.to(self.device), 1.0, acc)
-        self.clip_and_step(1.0, 1e-4)
-        float(acc.loss_sum)  # completes the step on the device
-        self.optimizer = None
 
     @torch.no_grad()
     def load_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -30,7 +30,8 @@ from service.demo import free_port, stop_daemon
 def start(config: Path, log: Path, inductor_cache: Path) -> subprocess.Popen:
     # the cache directory set here, not inherited: gpu_session.sh exports one for the whole call,
     # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
+               TRITON_CACHE_DIR=str(inductor_cache / "triton-home"))  # user Triton kernels (the AdamW) too
     return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 

@@ -48,8 +48,11 @@ class CudaContexts:
         except BaseException as e:  # noqa: BLE001 - handed to the build thread by wait()
             self.error = e
 
-    def wait(self) -> None:
+    def wait(self, timeout: float = 300.0) -> None:
         if self.devices:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"creating the CUDA contexts of {', '.join(self.devices)} took over {timeout:.0f} s: "
+                                   "is a GPU hung or held by another process? (nvidia-smi)")
         if self.error is not None:
             raise self.error

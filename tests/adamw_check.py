@@ -1,18 +1,22 @@
 """TritonAdamW against torch.optim.AdamW: the same parameters, gradients and clipping, a few
-steps, then a checkpoint round trip between the two. Runs on CUDA (tests/gpu) and, through
-Triton's interpreter, on CPU: `TRITON_INTERPRET=1 python -m tests.adamw_check` (the flag must be
-set before the kernel module is imported, hence a separate process)."""
+steps, then a checkpoint hand-over in both directions (torch's fused AdamW's state included).
+Runs on CUDA (tests/gpu) and, through Triton's interpreter, on CPU:
+`TRITON_INTERPRET=1 python -m tests.adamw_check` (the flag must be set before the kernel module is
+imported, hence a separate process)."""
 from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import torch
 
 from dflash_core.engine.adamw_triton import TritonAdamW
-from dflash_core.engine.optim import clipped_step, set_lr
+from dflash_core.engine.optim import clipped_step, load_optimizer_state, set_lr
 
 SHAPES = [(64, 48), (3000,), (7,), (33, 5, 4)]  # not multiples of the kernel's block; one tiny
+# a large lr and weight decay, so that the order of decay and update shows (~1e-4 apart)
+KW = dict(lr=5e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.5)
 
 
 def _params(device, seed=0):
@@ -32,52 +36,58 @@ def _set_grads(params, grads):
         p.grad = gr.clone()
 
 
+@torch.no_grad()
+def _rel(a, b) -> float:
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
+
+
 def compare(device: str = "cpu", steps: int = 3) -> dict:
     """Max relative differences (parameters, moments) after `steps` clipped steps, and after a
     state_dict hand-over in each direction followed by one more step."""
-    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     ours_p, ref_p = _params(device), _params(device)
-    ours = TritonAdamW(ours_p, **kw)
-    ref = torch.optim.AdamW(ref_p, **kw, foreach=False)
-    norms = []
+    ours = TritonAdamW(ours_p, **KW)
+    ref = torch.optim.AdamW(ref_p, **KW, foreach=False)
     for step in range(steps):
         grads = _grads(step, device)
         _set_grads(ours_p, grads)
         _set_grads(ref_p, grads)
-        set_lr(ours, kw["lr"] * (step + 1) / steps)
-        set_lr(ref, kw["lr"] * (step + 1) / steps)
-        n_ours = clipped_step(ours, ours_p, 5.0)
-        n_ref = torch.nn.utils.clip_grad_norm_(ref_p, 5.0)
+        set_lr(ours, KW["lr"] * (step + 1) / steps)
+        set_lr(ref, KW["lr"] * (step + 1) / steps)
+        clipped_step(ours, ours_p, 5.0)
+        torch.nn.utils.clip_grad_norm_(ref_p, 5.0)
         ref.step()
-        norms.append((float(n_ours), float(n_ref)))
-
-    @torch.no_grad()
-    def rel(a, b):
-        return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12)) for x, y in zip(a, b))
-
     out = {
-        "params": rel(ours_p, ref_p),
-        "exp_avg": rel([ours.state[p]["exp_avg"] for p in ours_p], [ref.state[p]["exp_avg"] for p in ref_p]),
-        "exp_avg_sq": rel([ours.state[p]["exp_avg_sq"] for p in ours_p], [ref.state[p]["exp_avg_sq"] for p in ref_p]),
-        "norms": rel([torch.tensor(a) for a, _ in norms], [torch.tensor(b) for _, b in norms]),
+        "params": _rel(ours_p, ref_p),
+        "exp_avg": _rel([ours.state[p]["exp_avg"] for p in ours_p], [ref.state[p]["exp_avg"] for p in ref_p]),
+        "exp_avg_sq": _rel([ours.state[p]["exp_avg_sq"] for p in ours_p], [ref.state[p]["exp_avg_sq"] for p in ref_p]),
         "step_on_host": all(ours.state[p]["step"].device.type == "cpu" for p in ours_p),
     }
-    # hand-over: torch's state into ours and ours into torch's, one more unclipped step each
-    a_p, b_p = _params(device, 1), _params(device, 1)
-    for x, y in zip(a_p + b_p, ref_p + ref_p):
+    # hand-over, then one more unclipped step each: torch's state into ours (from the per-tensor
+    # and from the fused implementation, whose step counts live on the device), ours into torch's
+    fused_p = _params(device, 1)
+    for x, y in zip(fused_p, ref_p):
         x.data.copy_(y.data)
-    from_torch = TritonAdamW(a_p, **kw)
-    from_torch.load_state_dict(copy.deepcopy(ref.state_dict()))
-    to_torch = torch.optim.AdamW(b_p, **kw, foreach=False)
-    to_torch.load_state_dict(copy.deepcopy(ours.state_dict()))
+    fused = torch.optim.AdamW(fused_p, **KW, fused=True)
+    fused.load_state_dict(copy.deepcopy(ref.state_dict()))
+    takers = {"from_torch": (TritonAdamW, ref), "from_fused": (TritonAdamW, fused), "to_torch": (None, ours)}
+    results = {}
+    for name, (kind, source) in takers.items():
+        ps = _params(device, 1)
+        for x, y in zip(ps, ref_p):
+            x.data.copy_(y.data)
+        opt = TritonAdamW(ps, **KW) if kind is TritonAdamW else torch.optim.AdamW(ps, **KW, foreach=False)
+        load_optimizer_state(opt, copy.deepcopy(source.state_dict()))
+        results[name] = (ps, opt)
     grads = _grads(steps, device)
-    for ps, opt in ((a_p, from_torch), (b_p, to_torch), (ref_p, ref)):
+    for ps, opt in [*results.values(), (ref_p, ref)]:
         _set_grads(ps, grads)
         opt.step()
-    out["from_torch"] = rel(a_p, ref_p)
-    out["to_torch"] = rel(b_p, ref_p)
+    for name, (ps, opt) in results.items():
+        out[name] = _rel(ps, ref_p)
+    out["loaded_step_on_host"] = all(s["step"].device.type == "cpu" for s in results["from_fused"][1].state.values())
+    out["to_torch_keeps_its_implementation"] = results["to_torch"][1].param_groups[0].get("foreach") is False
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(compare()))
+    print(json.dumps(compare(sys.argv[1] if len(sys.argv) > 1 else "cpu")))

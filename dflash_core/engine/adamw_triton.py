@@ -27,13 +27,11 @@ NUM_WARPS = 4
 @triton.jit
 def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, n_elements,
                   lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-                  HAS_GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < n_elements
     param = tl.load(param_ptr + offsets, mask=in_range)
-    grad = tl.load(grad_ptr + offsets, mask=in_range)
-    if HAS_GRAD_SCALE:
-        grad = grad * tl.load(grad_scale_ptr)
+    grad = tl.load(grad_ptr + offsets, mask=in_range) * tl.load(grad_scale_ptr)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=in_range)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=in_range)
 
@@ -51,8 +49,10 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_p
 class TritonAdamW(torch.optim.Optimizer):
     """AdamW over contiguous fp32 parameters and their fp32 gradients.
 
-    step(grad_scale=t) multiplies every gradient by the one-element device tensor t first (the
-    clip coefficient), without writing the gradients back."""
+    step(grad_scale=t) multiplies every gradient by the one-element fp32 device tensor t as the
+    kernel loads it (the clip coefficient); p.grad itself is left as it was. Without t the
+    kernel reads a cached 1.0, so one compiled kernel serves both (nothing left to compile in a
+    job that does not clip)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  *, block: int = BLOCK, num_warps: int = NUM_WARPS):
@@ -62,6 +62,7 @@ class TritonAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.block, self.num_warps = block, num_warps  # launch settings, not state
+        self._ones: dict[torch.device, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float32 or not p.is_contiguous():
@@ -76,7 +77,10 @@ class TritonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            # floats, always: Triton types a Python int argument as i32 (and an int 1 as a
+            # constant), which would be another kernel to compile in the middle of a job
+            lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+            beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -93,20 +97,35 @@ class TritonAdamW(torch.optim.Optimizer):
                 with _on_device(p.device):
                     _adamw_kernel[(triton.cdiv(n, self.block),)](
                         p, grad, state["exp_avg"], state["exp_avg_sq"],
-                        grad_scale if grad_scale is not None else p, n,
-                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                        1.0 - beta1**step, math.sqrt(1.0 - beta2**step),
-                        HAS_GRAD_SCALE=grad_scale is not None, BLOCK=self.block, num_warps=self.num_warps,
+                        grad_scale if grad_scale is not None else self._one(p.device), n,
+                        lr, beta1, beta2, eps, weight_decay, 1.0 - beta1**step, math.sqrt(1.0 - beta2**step),
+                        BLOCK=self.block, num_warps=self.num_warps,
                     )
         return loss
 
+    def _one(self, device: torch.device) -> torch.Tensor:
+        if device not in self._ones:
+            self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return self._ones[device]
+
     def load_state_dict(self, state_dict) -> None:
+        """Loads torch.optim.AdamW's state too (what the engine saved before this optimizer)."""
+        for group in state_dict["param_groups"]:
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(f"optimizer state saved with {flag}=True: TritonAdamW implements neither")
         super().load_state_dict(state_dict)
-        # torch's fused AdamW keeps "step" on the device (and its saved groups say fused=True,
-        # which loading honours): keep ours on the host
+        for group in self.param_groups:  # torch's implementation switches, meaningless here
+            for key in TORCH_ONLY_GROUP_KEYS:
+                group.pop(key, None)
+        # torch's fused AdamW keeps "step" on the device: ours stays on the host
         for state in self.state.values():
             if "step" in state:
                 state["step"] = state["step"].detach().to("cpu", torch.float32)
+
+
+TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                         "decoupled_weight_decay")
 
 
 def _on_device(device: torch.device):

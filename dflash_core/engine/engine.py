@@ -38,7 +38,7 @@ from .compile_guard import CompileGuard
 from .config import EngineConfig, TrainJob
 from .grad_sync import GradSync
 from .jobdata import load_job_data
-from .optim import build_optimizer, lr_factor
+from .optim import build_optimizer, load_optimizer_state, lr_factor
 from .replica import DrafterReplica
 
 log = logging.getLogger("dflash.engine")
@@ -395,7 +395,7 @@ class Engine:
                 raise JobFailed(f"{resume_from}: no training state to resume from")
             for rep in self.replicas:
                 # a copy each: on CPU load_state_dict keeps the given tensors, and replicas must not share state
-                rep.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+                load_optimizer_state(rep.optimizer, copy.deepcopy(state["optimizer"]))
             if "torch_rng" in state:
                 torch.set_rng_state(state["torch_rng"])
             start_step = int(state["step"])

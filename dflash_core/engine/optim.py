@@ -34,11 +34,21 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
+    """Resume `opt` from a saved state_dict, ours or torch AdamW's, keeping `opt`'s own
+    implementation: loading replaces the param groups with the saved ones, and a torch AdamW
+    would otherwise take the saver's fused/foreach switches (or none, from TritonAdamW)."""
+    switches = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups]
+    opt.load_state_dict(state)
+    for group, own in zip(opt.param_groups, switches):
+        group.update(own)
+
+
 def clipped_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the gradients to a global L2 norm of max_norm (<= 0: no clipping), then step; the
-    norm before clipping, on the device. Same result as clip_grad_norm_ then step; with
-    TritonAdamW the scaling happens inside the optimizer's kernel instead of rewriting the
-    gradients first."""
+    norm before clipping, on the device. Same parameters as clip_grad_norm_ then step; with
+    TritonAdamW the scaling happens inside the optimizer's kernel, so p.grad is left unscaled
+    (nothing reads it before the gradients are zeroed)."""
     grads = [p.grad for p in params if p.grad is not None]
     if max_norm <= 0 or not grads:
         opt.step()

@@ -160,6 +160,10 @@ class Engine:
         cfg = self.config
         if cfg.inductor_cache_dir:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cfg.inductor_cache_dir)
+            if os.environ["TORCHINDUCTOR_CACHE_DIR"] != cfg.inductor_cache_dir:
+                # the cold/warm start depends on it: say which one wins
+                log.info("inductor cache: %s (TORCHINDUCTOR_CACHE_DIR overrides inductor_cache_dir %s)",
+                         os.environ["TORCHINDUCTOR_CACHE_DIR"], cfg.inductor_cache_dir)
         self._report("loading_target", 0)
         self._delay()
         target_path = cfg.target_path

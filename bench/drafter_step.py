@@ -41,6 +41,9 @@ from dflash_core.train_step import FrozenHead
 
 VARIANTS = {
     "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),  # engine default
+    # the engine's step with the loss chunks on ce_triton's two-pass kernel (no compiled loss graph)
+    "flex_layer_ce_triton": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1,
+                                 loss_kernel="triton"),
     "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),
     "flex_layer_q8": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=8),
     "flex_step": dict(attention="flex", compiled=True, compile_scope="step", flex_q_splits=1),
@@ -98,7 +101,7 @@ def bench_variant(name, cfg, head, batch, feats, iters, chunk):
 KERNEL_CLASSES = (  # first match wins; names as the CUDA profiler reports them
     ("flex attention", ("flex_attention", "triton_tem_fused")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul", "splitk")),
-    ("lm_head + CE (fused)", ("logsumexp", "argmax")),
+    ("lm_head + CE (fused)", ("logsumexp", "argmax", "_ce_rows_kernel")),
     ("fused triton", ("triton_",)),  # before "copy": inductor names its kernels after the ops fused (_to_copy)
     ("eager copy / cast", ("copy", "cat", "fill", "memset")),
 )

@@ -6,6 +6,7 @@ backward, at the reference widths: relative error of the outputs and of every pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -32,11 +33,14 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     flex_alone = StepKernels(attention=True)
     # the engine's production kernels: compiled layer, BlockMask and loss chunks, its default q_splits
     # (q_splits 4 ran here at 04c59dc; each variant is another cold compile of minutes in tests/gpu)
-    flex_layer = StepKernels(layer=torch.compile(run_layer, dynamic=False), mask=True, loss=True,
+    flex_layer = StepKernels(layer=torch.compile(run_layer, dynamic=False), mask=True, loss="compiled",
                              q_splits=EngineConfig().flex_q_splits)
+    # the same compiled layer (no new compile) with the Triton CE kernel for the loss chunks
+    flex_layer_ce = dataclasses.replace(flex_layer, loss="triton")
     for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
                                             ("flex_bf16", "flex", torch.bfloat16, flex_alone),
                                             ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
+                                            ("flex_layer_ce_triton_bf16", "flex", torch.bfloat16, flex_layer_ce),
                                             ("dense_bf16", "dense", torch.bfloat16, EAGER)):
         drafter = DFlashDrafter(cfg).cuda()
         drafter.load_state_dict(base.state_dict())
@@ -55,7 +59,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
         torch.cuda.empty_cache()
     ref = results["dense_fp32"]
     rows = []
-    for name in ("flex_bf16", "flex_layer_bf16", "dense_bf16"):
+    for name in ("flex_bf16", "flex_layer_bf16", "flex_layer_ce_triton_bf16", "dense_bf16"):
         r = results[name]
         rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
         grads = {k: rel(r["grads"][k], ref["grads"][k]) for k in ref["grads"]}

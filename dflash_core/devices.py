@@ -1,6 +1,7 @@
 """Which accelerators this host has, for callers that must not import torch themselves."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -56,3 +57,9 @@ class CudaContexts:
                                    "is a GPU hung or held by another process? (nvidia-smi)")
         if self.error is not None:
             raise self.error
+
+
+def triton_launch_device(device: torch.device):
+    """Context for a Triton launch on `device`: Triton launches on the thread's current CUDA
+    device, not on its tensors'; Triton's interpreter (TRITON_INTERPRET=1, CPU tests) needs none."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -56,11 +56,28 @@ def compiled_chunk_loss():
     return torch.compile(_chunk_loss_and_grad_fusible, dynamic=False)
 
 
+LOSS_KERNELS = ("eager", "compiled", "triton")
+
+
+def chunk_function(kernel: str):
+    """The chunk implementation: "eager" (in-place torch ops), "compiled" (inductor fuses the CE
+    passes) or "triton" (CUDA: ce_triton's two-pass kernel between the two GEMMs, nothing compiled)."""
+    if kernel == "eager":
+        return _chunk_loss_and_grad
+    if kernel == "compiled":
+        return compiled_chunk_loss()
+    if kernel == "triton":
+        from .ce_triton import chunk_loss_and_grad  # Triton may be missing on CPU-only installs
+
+        return chunk_loss_and_grad
+    raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {kernel!r}")
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, compiled: bool):
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size: int, kernel: str):
         need_grad = ctx.needs_input_grad[0]
-        chunk_fn = compiled_chunk_loss() if compiled else _chunk_loss_and_grad
+        chunk_fn = chunk_function(kernel)
         w_all = weights / weights.sum().clamp_min(1e-6)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
@@ -89,10 +106,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_lm_head_loss(
     hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int,
-    compiled: bool = False,
+    kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean CE (fp32 scalar), argmax == label per query token)."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size, compiled)
+    """(weighted mean CE (fp32 scalar), argmax == label per query token); kernel: LOSS_KERNELS."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size, kernel)
 
 
 def reference_lm_head_loss(hidden, lm_head_weight, labels, weights):

@@ -39,13 +39,14 @@ class StepKernels:
 
     attention: flex_attention compiled on its own (off when a compiled forward or layer
     includes it); forward: a compiled `drafter.forward`; layer: a compiled `run_layer`; mask:
-    BlockMask built by a compiled kernel (no [Q, KV] grid); loss: compiled lm_head + CE chunks."""
+    BlockMask built by a compiled kernel (no [Q, KV] grid); loss: how the lm_head + CE chunks run
+    (loss.LOSS_KERNELS: "eager", "compiled", "triton")."""
 
     attention: bool = False
     forward: Callable | None = None
     layer: Callable | None = None
     mask: bool = False
-    loss: bool = False
+    loss: str = "eager"
     q_splits: int = 1  # flex only: queries as this many batch entries (FlexAttention.q_splits)
 
 

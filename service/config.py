@@ -65,6 +65,8 @@ class EngineSettings(BaseModel):
         None, description="what torch.compile covers on CUDA: flex_attention only, one decoder layer "
                           "(+ BlockMask and loss chunks), or the whole drafter forward")
     flex_q_splits: int = Field(1, ge=1, le=64, description="queries as this many flex batch entries (1 is fastest measured)")
+    loss_kernel: Literal["compiled", "triton"] = Field(
+        "compiled", description="lm_head + CE chunks: compiled by inductor, or a two-pass Triton kernel (CUDA only)")
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")
@@ -115,6 +117,7 @@ class EngineSettings(BaseModel):
             attention=self.attention,
             compile=self.compile,
             flex_q_splits=self.flex_q_splits,
+            loss_kernel=self.loss_kernel,
             init_seed=self.init_seed,
             inductor_cache_dir=str(self.inductor_cache_dir or data_dir / "inductor-cache"),
             warmup_delay_seconds=self.warmup_delay_seconds,
@@ -279,4 +282,7 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
     if target is not None and not (target / "config.json").is_file():
         # caught here, not 10 s into the engine build (transformers would try the Hub with the name)
         raise ConfigError(f"{where}engine.target_path: {target} is not a model directory (no config.json)")
+    drafters = config.engine.drafter_devices  # unset: chosen at build (the engine refuses it there)
+    if config.engine.loss_kernel == "triton" and drafters and not all(d.startswith("cuda") for d in drafters):
+        raise ConfigError(f"{where}engine.loss_kernel: 'triton' runs on CUDA only; drafter devices are {drafters}")
     return config

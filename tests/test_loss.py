@@ -1,7 +1,13 @@
 """Labels, weights and the chunked LM-head loss against hand-computed values and a dense reference."""
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from dflash_core.attention import training_attention
@@ -57,7 +63,7 @@ def test_known_loss_value():
     assert correct.tolist() == [True, False, False]
 
 
-def _chunked_and_reference(seed, rows, vocab, dtype, scale, compiled=False):
+def _chunked_and_reference(seed, rows, vocab, dtype, scale, kernel="eager"):
     """(loss, correct, gradient) of the chunked loss and (loss, gradient) of the dense reference,
     both backpropagated with `scale`, on one random problem."""
     torch.manual_seed(seed)
@@ -65,7 +71,7 @@ def _chunked_and_reference(seed, rows, vocab, dtype, scale, compiled=False):
     w = torch.randn(vocab, 16, dtype=dtype)
     labels = torch.randint(0, vocab, (rows,))
     weights = torch.rand(rows, dtype=dtype) * (torch.rand(rows) > 0.3)
-    loss, correct = chunked_lm_head_loss(hidden, w, labels, weights, chunk_size=8, compiled=compiled)
+    loss, correct = chunked_lm_head_loss(hidden, w, labels, weights, chunk_size=8, kernel=kernel)
     (scale * loss).backward()
     got = hidden.grad.clone()
     hidden.grad = None
@@ -108,7 +114,7 @@ def test_fusible_chunk_gradient_equals_the_in_place_one():
 
 def test_compiled_chunked_loss_matches_dense_reference():
     (loss, correct, got), (ref, ref_grad, argmax_hits) = _chunked_and_reference(2, 40, 64, torch.float32, 3.0,
-                                                                                compiled=True)
+                                                                                kernel="compiled")
     assert abs(loss.item() - ref.item()) < 1e-5
     assert torch.allclose(got, ref_grad.float(), atol=1e-5)
     assert torch.equal(correct, argmax_hits)
@@ -142,3 +148,23 @@ def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
     argmax_hits = ((hidden.detach() @ head.lm_head_weight.t()).argmax(-1) == labels).view(6, 4)
     assert not res.correct[:, 0].any()
     assert torch.equal(res.correct[:, 1:], argmax_hits[:, 1:])
+
+
+def test_triton_chunk_matches_eager_chunk_interpreted():
+    """ce_triton's kernel (Triton's interpreter on CPU; tests/gpu runs it on CUDA in bf16): same
+    loss, gradient and argmax hits as the eager chunk, ties broken to the first index, one and
+    several vocabulary blocks."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "tests.ce_check"], cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for case, diff in json.loads(out.stdout.strip().splitlines()[-1]).items():
+        assert diff["loss_rel"] < 1e-6 and diff["grad_rel"] < 1e-6, (case, diff)
+        assert diff["hit_mismatches"] == 0 and diff["tie_rows_first_index"] and diff["loss_only_same"], (case, diff)
+
+
+def test_unknown_loss_kernel_is_refused():
+    with pytest.raises(ValueError, match="loss kernel"):
+        chunked_lm_head_loss(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.ones(4), 2,
+                             kernel="fast")

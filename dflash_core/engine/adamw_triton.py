@@ -13,12 +13,13 @@ so checkpoints from either optimizer load into the other.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from ..devices import triton_launch_device
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -94,7 +95,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 step = float(state["step"])
                 grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                 n = p.numel()
-                with _on_device(p.device):
+                with triton_launch_device(p.device):
                     _adamw_kernel[(triton.cdiv(n, self.block),)](
                         p, grad, state["exp_avg"], state["exp_avg_sq"],
                         grad_scale if grad_scale is not None else self._one(p.device), n,
@@ -126,9 +127,3 @@ class TritonAdamW(torch.optim.Optimizer):
 
 TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
                          "decoupled_weight_decay")
-
-
-def _on_device(device: torch.device):
-    # Triton launches on the thread's current CUDA device, not on the tensors'; the interpreter
-    # (TRITON_INTERPRET=1, the CPU tests) runs on CPU tensors
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

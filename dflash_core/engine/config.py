@@ -33,6 +33,9 @@ class EngineConfig:
     compile: bool | None = None
     compile_scope: str = "layer"
     flex_q_splits: int = 1  # queries as this many flex batch entries (FlexAttention.q_splits); 1 = off
+    # lm_head + CE chunks: "compiled" (inductor) or "triton" (CUDA only: a two-pass CE kernel,
+    # no compiled loss graph; see ce_triton.py; not yet timed against "compiled" on a GPU)
+    loss_kernel: str = "compiled"
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None

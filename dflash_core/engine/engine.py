@@ -217,7 +217,7 @@ class Engine:
             self.replicas.append(DrafterReplica(
                 i, self.drafter_config, dev, head, attention=attention, compiled=compiled,
                 compute_dtype=compute_dtype(dev), gamma=gamma, chunk_size=cfg.loss.chunk_size,
-                compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
+                compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits, loss_kernel=cfg.loss_kernel,
             ))
             self._mark(f"build:replica_created:{dev}")
         if attention == "flex":

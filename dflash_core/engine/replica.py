@@ -14,6 +14,9 @@ from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
 from .optim import clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
+# "compiled": inductor fuses the lm_head + CE chunk (eager where nothing is compiled); "triton":
+# the two-pass CE kernel of ce_triton.py between two GEMMs (CUDA), no compiled loss graph
+LOSS_KERNEL_CHOICES = ("compiled", "triton")
 
 
 @dataclass
@@ -31,13 +34,17 @@ class StepAccumulator:
 class DrafterReplica:
     def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
                  compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "layer",
-                 flex_q_splits: int = 1):
+                 flex_q_splits: int = 1, loss_kernel: str = "compiled"):
         """compile_scope (when compiled): "attention" compiles flex_attention alone; "layer"
         compiles one decoder layer (flex inside; the same code serves every layer), the BlockMask
         construction and the lm_head + CE chunks; "step" compiles the whole drafter forward
         instead of one layer (a cold compile several times longer)."""
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
+        if loss_kernel not in LOSS_KERNEL_CHOICES:
+            raise ValueError(f"loss_kernel must be one of {LOSS_KERNEL_CHOICES}, got {loss_kernel!r}")
+        if loss_kernel == "triton" and torch.device(device).type != "cuda":
+            raise ValueError(f"loss_kernel 'triton' needs a CUDA device, got {device!r}")
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
@@ -49,7 +56,7 @@ class DrafterReplica:
         self.gamma = gamma
         self.chunk_size = chunk_size
         self.optimizer: torch.optim.Optimizer | None = None
-        self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope, flex_q_splits)
+        self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope, flex_q_splits, loss_kernel)
         self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
 
     def grads(self) -> list[torch.Tensor]:
@@ -103,17 +110,18 @@ class DrafterReplica:
             p.copy_(state[name].to(p.device, p.dtype))
 
 
-def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int) -> StepKernels:
+def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int,
+                  loss_kernel: str) -> StepKernels:
     # Compiled functions, not compiled modules: evaluation calls the eager drafter at other shapes.
     if not compiled:
-        return StepKernels(q_splits=q_splits)
+        return StepKernels(q_splits=q_splits, loss="triton" if loss_kernel == "triton" else "eager")
     fused = scope in ("layer", "step")
     return StepKernels(
         attention=attention == "flex" and scope == "attention",  # otherwise compiled with the layer/forward
         forward=torch.compile(drafter.forward, dynamic=False) if scope == "step" else None,
         layer=_compiled_run_layer() if scope == "layer" else None,
         mask=fused and attention == "flex",
-        loss=fused,
+        loss="triton" if loss_kernel == "triton" else ("compiled" if fused else "eager"),
         q_splits=q_splits,
     )
 

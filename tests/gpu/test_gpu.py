@@ -12,8 +12,9 @@ def test_flex_matches_dense_reference_widths():
 
     rows = {r["variant"]: r for r in run(layers=2, seq_len=3072, anchors=512)}
     dense = rows["dense_bf16"]
-    # flex alone; compiled layers + mask + loss chunks (the engine's default q_splits)
-    for name in ("flex_bf16", "flex_layer_bf16"):
+    # flex alone; compiled layers + mask + loss chunks (the engine's default q_splits); the same
+    # with the Triton CE kernel for the loss chunks
+    for name in ("flex_bf16", "flex_layer_bf16", "flex_layer_ce_triton_bf16"):
         flex = rows[name]
         assert float(flex["loss_rel"]) < 1e-2, name
         assert float(flex["hidden_rel"]) < 2e-2, name
@@ -64,3 +65,12 @@ def test_triton_adamw_matches_torch_adamw_on_cuda():
     assert diff["step_on_host"] and diff["loaded_step_on_host"] and diff["to_torch_keeps_its_implementation"]
     for key in AGREEMENT:
         assert diff[key] < 1e-6, (key, diff)
+
+
+def test_triton_ce_chunk_matches_eager_chunk_on_cuda():
+    from tests.ce_check import compare
+
+    device = "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"  # not the current device, where possible
+    diff = compare(device, rows=1920, hidden=4096, vocab=151936, dtype=torch.bfloat16)
+    assert diff["loss_rel"] < 1e-4 and diff["grad_rel"] < 1e-2, diff  # bf16 gradient rounding
+    assert diff["hit_mismatches"] == 0 and diff["tie_rows_first_index"] and diff["loss_only_same"], diff

@@ -57,6 +57,8 @@ def test_yaml_file(tmp_path):
     ("[engine]\ndrafter_devices = ['gpu0']", ["engine.drafter_devices"]),
     ("colour = 'blue'", ["colour"]),
     ("port = ", ["dflash.toml"]),
+    ("[engine]\nloss_kernel = 'fast'", ["engine.loss_kernel"]),
+    ("[engine]\nloss_kernel = 'triton'\ndrafter_devices = ['cpu']", ["engine.loss_kernel", "CUDA only"]),
 ])
 def test_invalid_config_names_the_field(tmp_path, text, words):
     path = tmp_path / "dflash.toml"

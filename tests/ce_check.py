@@ -39,7 +39,10 @@ def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 
     out["grad_rel"] = rel(grad, ref_grad)
     out["hit_mismatches"] = int((hits != ref_hits).sum())
     out["tie_rows_first_index"] = bool(hits[0]) and not bool(hits[1])
-    out["loss_only_same"] = float(loss_only) == float(loss) and bool((hits_only == hits).all()) and none is None
+    # the forward-only launch is another compiled variant of the kernel: same pass 1, so the same
+    # loss up to the compiler's scheduling
+    out["loss_only_same"] = (abs(float(loss_only) - float(loss)) <= 1e-6 * abs(float(loss))
+                             and bool((hits_only == hits).all()) and none is None)
     return out
 
 

@@ -26,6 +26,10 @@ def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 
     h[:5] = w[7] * 40  # logit 7 (and its twin) the largest in these rows
     labels = torch.randint(0, vocab, (rows,), generator=g)
     labels[0], labels[1] = 7, twin  # a right and a wrong answer at the tie
+    # every other row from 5 on answers with its argmax (spread over the vocabulary blocks), so a
+    # wrong argmax index anywhere shows as a hit mismatch
+    right = (h @ w.t()).argmax(-1)
+    labels[5::2] = right[5::2]
     weights = torch.rand(rows, generator=g)
     weights[2] = 0.0
     weights = weights / weights.sum()
@@ -38,6 +42,8 @@ def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 
     out["loss_rel"] = rel(loss, ref_loss)
     out["grad_rel"] = rel(grad, ref_grad)
     out["hit_mismatches"] = int((hits != ref_hits).sum())
+    out["hits"] = int(ref_hits.sum())
+    out["argmax_blocks"] = len(set((right[5::2] // 2048).tolist()))  # blocks of ce_triton.BLOCK_V
     out["tie_rows_first_index"] = bool(hits[0]) and not bool(hits[1])
     # the forward-only launch is another compiled variant of the kernel: same pass 1, so the same
     # loss up to the compiler's scheduling
@@ -46,6 +52,15 @@ def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 
     return out
 
 
+def out_of_range_label_gives_nan(device: str = "cpu") -> bool:
+    """A label past the vocabulary makes the loss NaN (the kernel never reads past the row)."""
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(4, 16, generator=g).to(device), torch.randn(300, 16, generator=g).to(device)
+    labels = torch.tensor([1, 300 + 7, 2, -100]).to(device)
+    loss, _, _ = chunk_loss_and_grad(h, w, labels, torch.full((4,), 0.25).to(device), True)
+    return bool(torch.isnan(loss))
+
+
 if __name__ == "__main__":
     print(json.dumps({"one_block": compare(vocab=1500), "several_blocks": compare(vocab=5000),
-                      "exact_blocks": compare(vocab=4096, seed=1)}))
+                      "exact_blocks": compare(vocab=4096, seed=1), "bad_label_nan": out_of_range_label_gives_nan()}))

@@ -74,3 +74,4 @@ def test_triton_ce_chunk_matches_eager_chunk_on_cuda():
     diff = compare(device, rows=1920, hidden=4096, vocab=151936, dtype=torch.bfloat16)
     assert diff["loss_rel"] < 1e-4 and diff["grad_rel"] < 1e-2, diff  # bf16 gradient rounding
     assert diff["hit_mismatches"] == 0 and diff["tie_rows_first_index"] and diff["loss_only_same"], diff
+    assert diff["hits"] > 0, diff

@@ -11,11 +11,10 @@ The "CE only" column subtracts the two GEMMs timed alone. Writes $OUT/ce_kernel.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from bench.common import cuda_time_ms, env_record, median, out_dir, print_table
+from bench.common import cuda_time_ms, env_record, median, report
 from dflash_core import ce_triton
 from dflash_core.loss import compiled_chunk_loss
 
@@ -48,11 +47,10 @@ def main(argv=None):
     for row in rows:
         row["CE only (minus the GEMMs)"] = round(row["ms"] - gemms, 3)
     rows.append({"chunk": "the two GEMMs alone", "ms": gemms})
-    record = {"env": env_record(), "args": vars(args), "rows": rows}
-    (out_dir() / "ce_kernel.json").write_text(json.dumps(record, indent=1))
-    print(f"\nOne loss chunk, {record['env']['gpu']}, torch {record['env']['torch']}: [{args.rows}, {args.hidden}] x "
-          f"[{args.vocab}, {args.hidden}] bf16")
-    print_table(rows, ["chunk", "ms", "CE only (minus the GEMMs)"])
+    env = env_record()
+    report("ce_kernel", {"env": env, "args": vars(args), "rows": rows},
+           f"One loss chunk, {env['gpu']}, torch {env['torch']}: [{args.rows}, {args.hidden}] x [{args.vocab}, {args.hidden}] bf16",
+           rows, ["chunk", "ms", "CE only (minus the GEMMs)"])
 
 
 if __name__ == "__main__":

@@ -112,6 +112,14 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
         print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
 
 
+def report(name: str, record: dict, title: str, rows: list[dict], cols: list[str]) -> None:
+    """$OUT/<name>.json, then a title line and the table: the last thing a benchmark prints."""
+    (out_dir() / f"{name}.json").write_text(json.dumps(record, indent=1))
+    print("\n" + title)
+    print_table(rows, cols)
+
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

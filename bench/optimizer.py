@@ -20,14 +20,7 @@ import traceback
 
 import torch
 
-from bench.common import (
-    cuda_time_ms,
-    env_record,
-    median,
-    out_dir,
-    print_table,
-    reference_drafter_config,
-)
+from bench.common import cuda_time_ms, env_record, median, reference_drafter_config, report
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.engine.adamw_triton import BLOCK, NUM_WARPS, TritonAdamW
 from dflash_core.engine.optim import clipped_step
@@ -119,11 +112,10 @@ def main(argv=None):
         prm.grad = torch.randn_like(prm) * 1e-3
     n = sum(prm.numel() for prm in params)
     table = table_rows(optimizer_rows(params, args.compiled), n)
-    result = {"env": env_record(), "params": n, "tensors": len(params), "rows": table}
-    (out_dir() / "optimizer.json").write_text(json.dumps(result, indent=1))
-    print(f"\nOptimizer step, {result['env']['gpu']}, torch {result['env']['torch']}, {n / 1e9:.3f}B fp32 parameters "
-          f"in {len(params)} tensors, 28 bytes moved per parameter")
-    print_table(table, ["optimizer", "ms", "TB_per_s"])
+    env = env_record()
+    report("optimizer", {"env": env, "params": n, "tensors": len(params), "rows": table},
+           f"Optimizer step, {env['gpu']}, torch {env['torch']}, {n / 1e9:.3f}B fp32 parameters in {len(params)} "
+           "tensors, 28 bytes moved per parameter", table, ["optimizer", "ms", "TB_per_s"])
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def save_checkpoint(
     training_state: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    weights = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    weights = {k: v.detach().to("cpu") for k, v in drafter.state_dict().items()}
     return write_checkpoint(path, drafter.config, weights, training_state=training_state, metadata=metadata)
 
 

@@ -47,6 +47,11 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_p
     tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=in_range)
 
 
+# torch.optim.AdamW's implementation switches: a loaded torch state brings them, they mean nothing here
+TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                         "decoupled_weight_decay")
+
+
 class TritonAdamW(torch.optim.Optimizer):
     """AdamW over contiguous fp32 parameters and their fp32 gradients.
 
@@ -116,7 +121,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 if group.get(flag):
                     raise ValueError(f"optimizer state saved with {flag}=True: TritonAdamW implements neither")
         super().load_state_dict(state_dict)
-        for group in self.param_groups:  # torch's implementation switches, meaningless here
+        for group in self.param_groups:
             for key in TORCH_ONLY_GROUP_KEYS:
                 group.pop(key, None)
         # torch's fused AdamW keeps "step" on the device: ours stays on the host
@@ -124,6 +129,3 @@ class TritonAdamW(torch.optim.Optimizer):
             if "step" in state:
                 state["step"] = state["step"].detach().to("cpu", torch.float32)
 
-
-TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                         "decoupled_weight_decay")

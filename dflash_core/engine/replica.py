@@ -10,13 +10,14 @@ import torch
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, run_layer
+from ..loss import LOSS_KERNELS
 from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
 from .optim import clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
-# "compiled": inductor fuses the lm_head + CE chunk (eager where nothing is compiled); "triton":
-# the two-pass CE kernel of ce_triton.py between two GEMMs (CUDA), no compiled loss graph
-LOSS_KERNEL_CHOICES = ("compiled", "triton")
+# the engine's choice among loss.LOSS_KERNELS: "compiled" falls back to "eager" where nothing is
+# compiled; "triton" (CUDA) is the two-pass CE kernel of ce_triton.py, no compiled loss graph
+LOSS_KERNEL_CHOICES = tuple(k for k in LOSS_KERNELS if k != "eager")
 
 
 @dataclass
@@ -113,15 +114,16 @@ class DrafterReplica:
 def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int,
                   loss_kernel: str) -> StepKernels:
     # Compiled functions, not compiled modules: evaluation calls the eager drafter at other shapes.
+    fused = compiled and scope in ("layer", "step")
+    loss = "triton" if loss_kernel == "triton" else ("compiled" if fused else "eager")
     if not compiled:
-        return StepKernels(q_splits=q_splits, loss="triton" if loss_kernel == "triton" else "eager")
-    fused = scope in ("layer", "step")
+        return StepKernels(q_splits=q_splits, loss=loss)
     return StepKernels(
         attention=attention == "flex" and scope == "attention",  # otherwise compiled with the layer/forward
         forward=torch.compile(drafter.forward, dynamic=False) if scope == "step" else None,
         layer=_compiled_run_layer() if scope == "layer" else None,
         mask=fused and attention == "flex",
-        loss="triton" if loss_kernel == "triton" else ("compiled" if fused else "eager"),
+        loss=loss,
         q_splits=q_splits,
     )
 

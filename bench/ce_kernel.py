@@ -18,7 +18,7 @@ from bench.common import cuda_time_ms, env_record, median, report
 from dflash_core import ce_triton
 from dflash_core.loss import compiled_chunk_loss
 
-SWEEP = [(ce_triton.BLOCK_V, ce_triton.NUM_WARPS), (4096, 8), (8192, 8), (8192, 16), (1024, 4)]
+SWEEP = [(ce_triton.BLOCK_V, ce_triton.NUM_WARPS), (2048, 8), (4096, 4), (4096, 16), (8192, 8)]
 
 
 def main(argv=None):

@@ -35,15 +35,20 @@ from bench.common import (
 from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
 from dflash_core.attention import dense_mask, dflash_mask_mod
 from dflash_core.data.batches import synthetic_micro_batch
-from dflash_core.engine.optim import build_optimizer
+
 from dflash_core.engine.replica import DrafterReplica
 from dflash_core.train_step import FrozenHead
 
+# the engine's CUDA defaults (EngineConfig "auto"), which every variant runs unless it says otherwise
+ENGINE_CUDA = dict(loss_kernel="triton", working_weights="bf16")
 VARIANTS = {
     "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),  # engine default
-    # the engine's step with the loss chunks on ce_triton's two-pass kernel (no compiled loss graph)
-    "flex_layer_ce_triton": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1,
-                                 loss_kernel="triton"),
+    # the engine default with fp32 working weights (autocast casts every matrix, every step)
+    "flex_layer_fp32w": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1,
+                             working_weights="fp32"),
+    # session 4's engine: fp32 working weights and the inductor-compiled loss chunks
+    "flex_layer_s4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1,
+                          working_weights="fp32", loss_kernel="compiled"),
     "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),
     "flex_layer_q8": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=8),
     "flex_step": dict(attention="flex", compiled=True, compile_scope="step", flex_q_splits=1),
@@ -51,22 +56,13 @@ VARIANTS = {
     "sdpa_dense": dict(attention="dense", compiled=False),
     "sdpa_chunked": dict(attention="dense_chunked", compiled=False),
     "flex_eager": dict(attention="flex", compiled=False, flex_q_splits=1),
-    # the engine's step with the drafter's weights in bf16: the upper bound of what bf16 working
-    # weights (fp32 master copies kept by the optimizer) would save; its gradients are bf16 too
-    "flex_layer_bf16w": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),
 }
-
-
-BF16_WEIGHTS = {"flex_layer_bf16w"}  # a measurement aid, not an engine configuration
 
 
 def make_replica(cfg, head, variant, chunk):
     rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=chunk,
-                         **VARIANTS[variant])
-    rep.drafter.init_weights(0)
-    if variant in BF16_WEIGHTS:
-        rep.drafter.to(torch.bfloat16)
-        rep.params = list(rep.drafter.parameters())
+                         **{**ENGINE_CUDA, **VARIANTS[variant]})
+    rep.init_weights(0)
     return rep
 
 
@@ -145,10 +141,10 @@ def profile(rep, batch, feats, name, steps=3, table=False):
 def bench_optimizer(rep, compiled: bool):
     """The optimizer rows of bench.optimizer over this replica's parameters; the engine's step
     (its optimizer alone, without the norm) is the headline number."""
-    for p in rep.params:
-        p.grad = torch.randn_like(p) * 1e-3
-    n = sum(p.numel() for p in rep.params)
-    rows = optimizer_rows(rep.params, compiled)
+    for m in rep.masters:  # fp32: optimizer_rows makes the bf16 working copies itself
+        m.grad = torch.randn_like(m) * 1e-3
+    n = sum(m.numel() for m in rep.masters)
+    rows = optimizer_rows(rep.masters, compiled)
     for row in table_rows(rows, n):
         print(json.dumps(row), flush=True)
     engine = next(ms for name, ms in rows.items() if name.endswith("(engine)"))
@@ -156,7 +152,8 @@ def bench_optimizer(rep, compiled: bool):
 
 
 def flatness(rep, batch, feats, steps=100):
-    rep.optimizer = rep.optimizer or build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+    rep.zero_grad()  # the optimizer bench's fp32 gradients on the masters
+    rep.optimizer = rep.optimizer or rep.new_optimizer(1e-4, 0.0, (0.9, 0.95))
 
     def step():
         acc = rep.new_accumulator()
@@ -203,9 +200,9 @@ def compile_variant(name, layers, chunk, first_variant):
     t0 = time.perf_counter()
     if name == "optimizer":
         rep = make_replica(cfg, head, first_variant, chunk)
-        for p in rep.params:
-            p.grad = torch.randn_like(p) * 1e-3
-        compiled_optimizer_ms(rep.params)
+        for m in rep.masters:
+            m.grad = torch.randn_like(m) * 1e-3
+        compiled_optimizer_ms(rep.masters)
     else:
         rep = make_replica(cfg, head, name, chunk)
         fwd_bwd_of(rep, batch, feats)()

@@ -78,7 +78,7 @@ for part in "$@"; do
   WARM=$((T - 200 > T / 2 ? T - 200 : T / 2))  # parallel compile phase; the rest is for timing
   echo "=== $part $(date +%T) (limit ${T}s)"
   case "$part" in
-    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_ce_triton,sdpa_dense,sdpa_chunked} \
+    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_fp32w,flex_layer_s4,sdpa_dense,sdpa_chunked} \
               --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     recipe) DAEMON_WORK=/tmp/dflash-daemon-recipe OUT=$OUT/recipe timeout $T python3 -m bench.daemon_gpu --anchors 512 --steps 50 --timeout 300 2>&1 | tee "$OUT/daemon_recipe.log" ;;

@@ -3,8 +3,10 @@ one GPU, apart from the forward and backward (DESIGN.md section 7's optimizer ro
 
     python -m bench.optimizer [--layers 5] [--compiled]
 
-Rows: the engine's Triton AdamW (block size / warps sweep; the default first), the engine's
-clipped step (norm + AdamW with the clip folded in: what the training loop runs), torch's fused
+Rows: the engine's step on CUDA (Triton AdamW over fp32 masters, reading bf16 gradients and
+writing bf16 working copies of the weight matrices; alone, and clipped: norm + AdamW with the
+clip folded in, what the training loop runs), the Triton AdamW over fp32 weights and gradients
+(block size / warps sweep; the default first; clipped too), torch's fused
 AdamW per tensor and over one flat tensor, the engine's previous clip_grad_norm_ + fused step,
 and (--compiled, ~45 s of cold compile) torch.compile of the foreach step. Medians of 20
 CUDA-event timings after 3 warm-up steps, on random gradients. Writes $OUT/optimizer.json and
@@ -34,17 +36,37 @@ def _free():
     torch.cuda.empty_cache()
 
 
+def working_copy_rows(params) -> dict[str, float]:
+    """The engine's CUDA step (DrafterReplica's bf16 working weights): the matrices' gradients
+    in bf16 on their working copies, fp32 masters; `params` keep their own gradients."""
+    matrices = [p.dim() >= 2 for p in params]
+    copies = [p.detach().to(torch.bfloat16) if m else None for p, m in zip(params, matrices)]
+    saved = [p.grad for p in params]
+    for p, w, m in zip(params, copies, matrices):
+        if m:
+            w.grad, p.grad = p.grad.to(torch.bfloat16), None
+    opt = TritonAdamW(params, **KW, working_copies=copies)
+    grads = [w.grad if m else p.grad for p, w, m in zip(params, copies, matrices)]
+    rows = {"Triton AdamW, bf16 working copies + bf16 gradients of the matrices (engine)":
+            median(cuda_time_ms(opt.step, warmup=3, iters=20)),
+            "engine clipped step: norm of the bf16 gradients + the same AdamW, clip folded in":
+            median(cuda_time_ms(lambda: clipped_step(opt, grads, 1.0), warmup=3, iters=20))}
+    for p, g in zip(params, saved):
+        p.grad = g
+    return rows
+
+
 def optimizer_rows(params, compiled: bool = False) -> dict[str, float | None]:
-    """Milliseconds per optimizer step by implementation, over `params` (their .grad set)."""
-    rows: dict[str, float | None] = {}
+    """Milliseconds per optimizer step by implementation, over fp32 `params` (their .grad set)."""
+    rows: dict[str, float | None] = working_copy_rows(params)
+    _free()
     for block, warps in dict.fromkeys(SWEEP):
         triton_opt = TritonAdamW(params, **KW, block=block, num_warps=warps)
-        engine = (block, warps) == (BLOCK, NUM_WARPS)
-        rows[f"Triton AdamW, block {block}, {warps} warps" + (" (engine)" if engine else "")] = median(
+        rows[f"Triton AdamW, fp32 weights + gradients, block {block}, {warps} warps"] = median(
             cuda_time_ms(triton_opt.step, warmup=3, iters=20))
-        if engine:
-            rows["engine clipped step: norm + Triton AdamW, clip folded in"] = median(
-                cuda_time_ms(lambda: clipped_step(triton_opt, params, 1.0), warmup=3, iters=20))
+        if (block, warps) == (BLOCK, NUM_WARPS):
+            rows["clipped step over fp32 gradients: norm + Triton AdamW, clip folded in (session 4's engine)"] = median(
+                cuda_time_ms(lambda: clipped_step(triton_opt, [p.grad for p in params], 1.0), warmup=3, iters=20))
         triton_opt = None
         _free()
     fused = torch.optim.AdamW(params, **KW, fused=True)
@@ -95,7 +117,9 @@ def compiled_optimizer_ms(params) -> float | None:
 
 
 def table_rows(rows: dict[str, float | None], n_params: int) -> list[dict]:
-    bytes_moved = 28 * n_params  # param r+w, grad r, exp_avg r+w, exp_avg_sq r+w (fp32)
+    # fp32 param r+w, grad r, exp_avg r+w, exp_avg_sq r+w; with a working copy the gradient read
+    # is 2 bytes and the copy's write another 2 (the norms' few parameters aside)
+    bytes_moved = 28 * n_params
     return [{"optimizer": name, "ms": round(ms, 2), "TB_per_s": round(bytes_moved / (ms * 1e-3) / 1e12, 2)}
             for name, ms in rows.items() if ms is not None]
 

@@ -139,14 +139,7 @@ class DFlashDrafter(nn.Module):
         """Deterministic init (normal linears, unit norms) drawn on the parameters' device (a
         billion CPU draws take tens of seconds). Values depend on seed and device type; replicas
         are made identical by copying one replica's weights, not by drawing again."""
-        device = next(self.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, std, generator=gen)
+        init_drafter_weights(self.named_parameters(), seed, std)
 
     def forward(
         self,
@@ -167,3 +160,16 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             h = layer_fn(layer, h, context, rope_q, rope_k, attend)
         return self.norm(h)
+
+
+@torch.no_grad()
+def init_drafter_weights(named_weights, seed: int, std: float = 0.02) -> None:
+    """DFlashDrafter.init_weights over (name, tensor) pairs in parameter order: also the fp32
+    master copies a replica keeps beside bf16 working weights, so both draw the same values."""
+    named_weights = list(named_weights)
+    gen = torch.Generator(device=named_weights[0][1].device).manual_seed(seed)
+    for name, p in named_weights:
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)

@@ -65,8 +65,13 @@ class EngineSettings(BaseModel):
         None, description="what torch.compile covers on CUDA: flex_attention only, one decoder layer "
                           "(+ BlockMask and loss chunks), or the whole drafter forward")
     flex_q_splits: int = Field(1, ge=1, le=64, description="queries as this many flex batch entries (1 is fastest measured)")
-    loss_kernel: Literal["compiled", "triton"] = Field(
-        "compiled", description="lm_head + CE chunks: compiled by inductor, or a two-pass Triton kernel (CUDA only)")
+    loss_kernel: Literal["auto", "compiled", "triton"] = Field(
+        "auto", description="lm_head + CE chunks: compiled by inductor, or a two-pass Triton kernel (CUDA only); "
+                            "auto: triton when every drafter is on CUDA")
+    working_weights: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="weights the drafter computes with: the fp32 masters (cast every step), or bf16 copies "
+                            "of the weight matrices beside fp32 masters (CUDA only); auto: bf16 when every drafter "
+                            "is on CUDA")
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")
@@ -118,6 +123,7 @@ class EngineSettings(BaseModel):
             compile=self.compile,
             flex_q_splits=self.flex_q_splits,
             loss_kernel=self.loss_kernel,
+            working_weights=self.working_weights,
             init_seed=self.init_seed,
             inductor_cache_dir=str(self.inductor_cache_dir or data_dir / "inductor-cache"),
             warmup_delay_seconds=self.warmup_delay_seconds,
@@ -283,6 +289,8 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
         # caught here, not 10 s into the engine build (transformers would try the Hub with the name)
         raise ConfigError(f"{where}engine.target_path: {target} is not a model directory (no config.json)")
     drafters = config.engine.drafter_devices  # unset: chosen at build (the engine refuses it there)
-    if config.engine.loss_kernel == "triton" and drafters and not all(d.startswith("cuda") for d in drafters):
-        raise ConfigError(f"{where}engine.loss_kernel: 'triton' runs on CUDA only; drafter devices are {drafters}")
+    if drafters and not all(d.startswith("cuda") for d in drafters):
+        for key, cuda_only in (("loss_kernel", "triton"), ("working_weights", "bf16")):
+            if getattr(config.engine, key) == cuda_only:
+                raise ConfigError(f"{where}engine.{key}: {cuda_only!r} runs on CUDA only; drafter devices are {drafters}")
     return config

@@ -53,7 +53,7 @@ def compare(device: str = "cpu", steps: int = 3) -> dict:
         _set_grads(ref_p, grads)
         set_lr(ours, KW["lr"] * (step + 1) / steps)
         set_lr(ref, KW["lr"] * (step + 1) / steps)
-        clipped_step(ours, ours_p, 5.0)
+        clipped_step(ours, [p.grad for p in ours_p], 5.0)
         torch.nn.utils.clip_grad_norm_(ref_p, 5.0)
         ref.step()
     out = {
@@ -89,5 +89,43 @@ def compare(device: str = "cpu", steps: int = 3) -> dict:
     return out
 
 
+def working_copies_compare(device: str = "cpu", steps: int = 3) -> dict:
+    """fp32 masters with bf16 working copies of the matrices (DrafterReplica's bf16 mode): the
+    matrices' gradients in bf16 on the copies, clipped steps. Against torch.optim.AdamW on the
+    same gradients in fp32: masters and moments (rel), how far each copy is from its master
+    rounded to bf16 (in bf16 ulps: 0 on CUDA; the interpreter may truncate), and that the
+    vectors (no copy) read their own fp32 gradients."""
+    ours_p, ref_p = _params(device), _params(device)
+    copies = [p.detach().to(torch.bfloat16) if p.dim() >= 2 else None for p in ours_p]
+    ours = TritonAdamW(ours_p, **KW, working_copies=copies)
+    ref = torch.optim.AdamW(ref_p, **KW, foreach=False)
+    for step in range(steps):
+        grads = []
+        for p, w, r, g in zip(ours_p, copies, ref_p, _grads(step, device)):
+            if w is not None:
+                w.grad, p.grad = g.to(torch.bfloat16), None
+                grads.append(w.grad)
+            else:
+                p.grad = g.clone()
+                grads.append(p.grad)
+            r.grad = grads[-1].float()  # the same values in fp32
+        clipped_step(ours, grads, 5.0)
+        torch.nn.utils.clip_grad_norm_(ref_p, 5.0)
+        ref.step()
+    ulps = 0.0
+    for p, w in zip(ours_p, copies):
+        if w is not None:
+            rounded = p.detach().to(torch.bfloat16)
+            ulp = torch.finfo(torch.bfloat16).eps * rounded.float().abs().clamp_min(1e-30)
+            ulps = max(ulps, float(((w.float() - rounded.float()).abs() / ulp).max()))
+    return {
+        "masters": _rel(ours_p, ref_p),
+        "exp_avg": _rel([ours.state[p]["exp_avg"] for p in ours_p], [ref.state[p]["exp_avg"] for p in ref_p]),
+        "copy_ulps_from_rounded_master": ulps,
+        "copies": sum(w is not None for w in copies),
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(compare(sys.argv[1] if len(sys.argv) > 1 else "cpu")))
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    print(json.dumps({**compare(device), "working_copies": working_copies_compare(device)}))

@@ -26,6 +26,26 @@ def test_triton_adamw_matches_torch_adamw_interpreted():
     assert diff["step_on_host"] and diff["loaded_step_on_host"] and diff["to_torch_keeps_its_implementation"]
     for key in AGREEMENT:  # fp32 rounding: ~1e-7; decay applied after the update instead: ~1e-3
         assert diff[key] < 1e-6, (key, diff)
+    # fp32 masters updated from bf16 gradients on their bf16 working copies, which get the new
+    # master rounded (the interpreter truncates instead of rounding: within one bf16 ulp)
+    working = diff["working_copies"]
+    assert working["copies"] == 2 and working["masters"] < 1e-6 and working["exp_avg"] < 1e-6, working
+    assert working["copy_ulps_from_rounded_master"] <= 1.0, working
+
+
+def test_working_copies_are_checked():
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from dflash_core.engine.adamw_triton import TritonAdamW
+
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="working cop"):
+        TritonAdamW([p], working_copies=[])
+    with pytest.raises(ValueError, match="working copy must be"):
+        TritonAdamW([p], working_copies=[torch.zeros(3, 4, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="working copy must be"):
+        TritonAdamW([p], working_copies=[torch.zeros(4, 3)])  # fp32: not a working copy
+    with pytest.raises(ValueError, match="Triton AdamW"):
+        build_optimizer([p], 1e-3, 0.0, (0.9, 0.95), torch.device("cpu"), working_copies=[torch.zeros(4, 3, dtype=torch.bfloat16)])
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
@@ -40,7 +60,7 @@ def test_clipped_step_equals_clip_grad_norm_then_step(max_norm):
     ours_p, ref_p = make(), make()
     ours = build_optimizer(ours_p, 1e-2, 0.1, (0.9, 0.95), torch.device("cpu"))
     ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    norm = clipped_step(ours, ours_p, max_norm)
+    norm = clipped_step(ours, [p.grad for p in ours_p], max_norm)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref_p, max_norm) if max_norm > 0 else torch.zeros(())
     ref.step()
     assert torch.allclose(norm, ref_norm)

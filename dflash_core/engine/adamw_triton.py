@@ -7,6 +7,12 @@ a second of JIT. Clipping by the global norm also folds in: torch's clip_grad_no
 every gradient in place (another read and write of 4.2 GB); here the kernel reads the clip
 coefficient from device memory and scales each gradient as it loads it, so no host sync either.
 
+Working copies: a parameter may have a bf16 working copy (the tensor the model computes with;
+DrafterReplica keeps one per weight matrix). The kernel then reads the gradient from the working
+copy when the master (fp32) has none, and writes the updated master rounded to bf16 into the copy
+in the same pass: the step moves the same 28 bytes per parameter (a bf16 gradient read, a bf16
+write), and the forward no longer casts every weight matrix, nor the backward every gradient.
+
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps added to
 the corrected sqrt), in fp32; its state uses AdamW's names ("step", "exp_avg", "exp_avg_sq"),
 so checkpoints from either optimizer load into the other.
@@ -26,13 +32,13 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, n_elements,
+def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, working_ptr, n_elements,
                   lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-                  BLOCK: tl.constexpr):
+                  HAS_WORKING: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < n_elements
     param = tl.load(param_ptr + offsets, mask=in_range)
-    grad = tl.load(grad_ptr + offsets, mask=in_range) * tl.load(grad_scale_ptr)
+    grad = tl.load(grad_ptr + offsets, mask=in_range).to(tl.float32) * tl.load(grad_scale_ptr)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=in_range)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=in_range)
 
@@ -45,6 +51,8 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_p
     tl.store(param_ptr + offsets, param, mask=in_range)
     tl.store(exp_avg_ptr + offsets, exp_avg, mask=in_range)
     tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=in_range)
+    if HAS_WORKING:  # round to nearest even, as tensor.to(torch.bfloat16)
+        tl.store(working_ptr + offsets, param.to(working_ptr.dtype.element_ty), mask=in_range)
 
 
 # torch.optim.AdamW's implementation switches: a loaded torch state brings them, they mean nothing here
@@ -53,7 +61,12 @@ TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differ
 
 
 class TritonAdamW(torch.optim.Optimizer):
-    """AdamW over contiguous fp32 parameters and their fp32 gradients.
+    """AdamW over contiguous fp32 parameters.
+
+    working_copies (optional, aligned with the parameters in order; None where a parameter has
+    none): a bf16/fp16 tensor of the parameter's shape that every step overwrites with the
+    updated parameter. A parameter's gradient is its own .grad (fp32) when set, else its working
+    copy's .grad (any float dtype; read in fp32).
 
     step(grad_scale=t) multiplies every gradient by the one-element fp32 device tensor t as the
     kernel loads it (the clip coefficient); p.grad itself is left as it was. Without t the
@@ -61,7 +74,7 @@ class TritonAdamW(torch.optim.Optimizer):
     job that does not clip)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, block: int = BLOCK, num_warps: int = NUM_WARPS):
+                 *, working_copies=None, block: int = BLOCK, num_warps: int = NUM_WARPS):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -75,6 +88,18 @@ class TritonAdamW(torch.optim.Optimizer):
                     raise ValueError(f"TritonAdamW needs contiguous fp32 parameters, got {p.dtype} {tuple(p.shape)}")
                 if p.numel() >= 2**31:
                     raise ValueError(f"parameter of {p.numel()} elements: over the kernel's int32 offsets")
+        params = [p for group in self.param_groups for p in group["params"]]
+        working_copies = list(working_copies) if working_copies is not None else [None] * len(params)
+        if len(working_copies) != len(params):
+            raise ValueError(f"{len(working_copies)} working copies for {len(params)} parameters")
+        self.working_copies: dict[torch.Tensor, torch.Tensor] = {}  # master -> its working copy
+        for p, w in zip(params, working_copies):
+            if w is None:
+                continue
+            if w.shape != p.shape or w.device != p.device or not w.is_contiguous() or w.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"a working copy must be a contiguous bf16/fp16 tensor of its parameter's shape and "
+                                 f"device: got {w.dtype} {tuple(w.shape)} on {w.device} for {tuple(p.shape)} on {p.device}")
+            self.working_copies[p] = w
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: torch.Tensor | None = None):
@@ -88,7 +113,9 @@ class TritonAdamW(torch.optim.Optimizer):
             lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
             beta1, beta2 = (float(b) for b in group["betas"])
             for p in group["params"]:
-                if p.grad is None:
+                working = self.working_copies.get(p)
+                grad = p.grad if p.grad is not None or working is None else working.grad
+                if grad is None:
                     continue
                 state = self.state[p]
                 if not state:
@@ -98,14 +125,15 @@ class TritonAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 step = float(state["step"])
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                grad = grad if grad.is_contiguous() else grad.contiguous()
                 n = p.numel()
                 with triton_launch_device(p.device):
                     _adamw_kernel[(triton.cdiv(n, self.block),)](
                         p, grad, state["exp_avg"], state["exp_avg_sq"],
-                        grad_scale if grad_scale is not None else self._one(p.device), n,
+                        grad_scale if grad_scale is not None else self._one(p.device),
+                        working if working is not None else p, n,
                         lr, beta1, beta2, eps, weight_decay, 1.0 - beta1**step, math.sqrt(1.0 - beta2**step),
-                        BLOCK=self.block, num_warps=self.num_warps,
+                        HAS_WORKING=working is not None, BLOCK=self.block, num_warps=self.num_warps,
                     )
         return loss
 

@@ -1,6 +1,7 @@
 """Typed configuration of the engine (devices, shapes, precision, compile) and of one job."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +34,13 @@ class EngineConfig:
     compile: bool | None = None
     compile_scope: str = "layer"
     flex_q_splits: int = 1  # queries as this many flex batch entries (FlexAttention.q_splits); 1 = off
-    # lm_head + CE chunks: "compiled" (inductor) or "triton" (CUDA only: a two-pass CE kernel,
-    # no compiled loss graph; see ce_triton.py; not yet timed against "compiled" on a GPU)
-    loss_kernel: str = "compiled"
+    # lm_head + CE chunks: "compiled" (inductor), "triton" (CUDA only: a two-pass CE kernel, no
+    # compiled loss graph; ce_triton.py) or "auto" (triton where every drafter is on CUDA)
+    loss_kernel: str = "auto"
+    # the weights the drafter computes with: "fp32" (the masters; autocast casts them every step),
+    # "bf16" (CUDA only: bf16 working copies of the weight matrices, fp32 masters in the
+    # optimizer; replica.py) or "auto" (bf16 where every drafter is on CUDA)
+    working_weights: str = "auto"
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None
@@ -46,6 +51,19 @@ class EngineConfig:
         if self.attention != "auto":
             return self.attention
         return "flex" if all(d.startswith("cuda") for d in self.drafter_devices) else "dense"
+
+    def resolved_loss_kernel(self) -> str:
+        if self.loss_kernel != "auto":
+            return self.loss_kernel
+        return "triton" if self._cuda_drafters_with_triton() else "compiled"
+
+    def resolved_working_weights(self) -> str:
+        if self.working_weights != "auto":
+            return self.working_weights
+        return "bf16" if self._cuda_drafters_with_triton() else "fp32"
+
+    def _cuda_drafters_with_triton(self) -> bool:
+        return all(d.startswith("cuda") for d in self.drafter_devices) and importlib.util.find_spec("triton") is not None
 
     def resolved_compile(self) -> bool:
         if self.compile is not None:

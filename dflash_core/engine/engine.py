@@ -38,7 +38,7 @@ from .compile_guard import CompileGuard
 from .config import EngineConfig, TrainJob
 from .grad_sync import GradSync
 from .jobdata import load_job_data
-from .optim import build_optimizer, load_optimizer_state, lr_factor
+from .optim import load_optimizer_state, lr_factor
 from .replica import DrafterReplica
 
 log = logging.getLogger("dflash.engine")
@@ -217,7 +217,8 @@ class Engine:
             self.replicas.append(DrafterReplica(
                 i, self.drafter_config, dev, head, attention=attention, compiled=compiled,
                 compute_dtype=compute_dtype(dev), gamma=gamma, chunk_size=cfg.loss.chunk_size,
-                compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits, loss_kernel=cfg.loss_kernel,
+                compile_scope=cfg.compile_scope, flex_q_splits=cfg.flex_q_splits,
+                loss_kernel=cfg.resolved_loss_kernel(), working_weights=cfg.resolved_working_weights(),
             ))
             self._mark(f"build:replica_created:{dev}")
         if attention == "flex":
@@ -306,7 +307,7 @@ class Engine:
         """One full training step at the production shape, in this thread; weights restored after."""
         feats = features.to(rep.device)
         batch = mb.to(rep.device)
-        rep.optimizer = build_optimizer(rep.params, 1e-4, 0.0, (0.9, 0.95), rep.device)
+        rep.new_optimizer(1e-4, 0.0, (0.9, 0.95))
         acc = rep.new_accumulator()
         rep.forward_backward(batch, feats, 1.0, acc)
         rep.clip_and_step(1.0, 1e-4)
@@ -322,8 +323,8 @@ class Engine:
             state = load_weights(init_from, self.drafter_config.num_hidden_layers)
             first.load_state(state)
         else:
-            first.drafter.init_weights(seed)
-        state = {k: v.detach() for k, v in first.drafter.named_parameters()}
+            first.init_weights(seed)
+        state = first.weights_state()
         for rep in self.replicas:
             if rep is not first:
                 rep.load_state(state)
@@ -372,6 +373,7 @@ class Engine:
                 for rep in self.replicas:
                     rep.zero_grad()
                     rep.optimizer = None
+                    rep.micro_batches_per_step = 1
                 if any(r.device.type == "cuda" for r in self.replicas):
                     torch.cuda.empty_cache()
 
@@ -392,7 +394,8 @@ class Engine:
         start_step = 0
         self._reset_weights(job.seed, resume_from or job.init_from)  # a resume starts from its checkpoint's weights
         for rep in self.replicas:
-            rep.optimizer = build_optimizer(rep.params, job.learning_rate, job.weight_decay, job.adam_betas, rep.device)
+            rep.new_optimizer(job.learning_rate, job.weight_decay, job.adam_betas)
+            rep.micro_batches_per_step = job.grad_accum
         if resume_from:
             state = load_training_state(resume_from)
             if state is None:
@@ -576,7 +579,7 @@ class Engine:
         write of it as a checkpoint, for the checkpoint writer's thread."""
         out = job.output_path() / "checkpoints"
         rep = self.replicas[0]
-        weights = cpu_copy(dict(rep.drafter.state_dict()))
+        weights = cpu_copy(rep.weights_state())  # the fp32 masters, not the bf16 working copies
         state = cpu_copy({
             "step": step, "total_steps": total, "micro_batch_index": step * per_step,
             "optimizer": rep.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),

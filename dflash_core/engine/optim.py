@@ -19,12 +19,17 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, lr: float, weight_decay: float, betas, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(params, lr: float, weight_decay: float, betas, device: torch.device,
+                    working_copies=None) -> torch.optim.Optimizer:
+    """working_copies: bf16 working weights beside fp32 `params` (TritonAdamW's argument; CUDA)."""
     # CUDA: one Triton kernel per tensor (adamw_triton.py says why); torch's fused AdamW where
     # Triton is missing; foreach on CPU. The learning rate is a Python float set from the host
     # every step (set_lr): the schedule needs no device sync.
     if device.type == "cuda" and TritonAdamW is not None:
-        return TritonAdamW(params, lr=lr, betas=tuple(betas), eps=1e-8, weight_decay=weight_decay)
+        return TritonAdamW(params, lr=lr, betas=tuple(betas), eps=1e-8, weight_decay=weight_decay,
+                           working_copies=working_copies)
+    if working_copies is not None and any(w is not None for w in working_copies):
+        raise ValueError("bf16 working weights need the Triton AdamW (CUDA with Triton)")
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=1e-8, **kw)
 
@@ -44,20 +49,30 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
         group.update(own)
 
 
-def clipped_step(opt: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip the gradients to a global L2 norm of max_norm (<= 0: no clipping), then step; the
-    norm before clipping, on the device. Same parameters as clip_grad_norm_ then step; with
-    TritonAdamW the scaling happens inside the optimizer's kernel, so p.grad is left unscaled
-    (nothing reads it before the gradients are zeroed)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of gradients on one device, accumulated in fp32 whatever their dtypes
+    (bf16 gradients of working weights: get_total_norm would round each tensor's norm to bf16)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    norms = [n for group in by_dtype.values() for n in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clipped_step(opt: torch.optim.Optimizer, grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the step's gradients (the tensors the optimizer reads) to a global L2 norm of
+    max_norm (<= 0: no clipping), then step; the norm before clipping, on the device. The same
+    result as clip_grad_norm_ then step; with TritonAdamW the scaling happens inside the
+    optimizer's kernel, so the gradients are left unscaled (nothing reads them before they are
+    zeroed)."""
     if max_norm <= 0 or not grads:
         opt.step()
-        return torch.zeros((), device=params[0].device)
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        return torch.zeros((), device=opt.param_groups[0]["params"][0].device)
+    norm = grad_norm(grads)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s; 1 leaves small ones alone
     if TritonAdamW is not None and isinstance(opt, TritonAdamW):
-        # clip_grads_with_norm_'s coefficient, clamped to 1 so small gradients are left alone
-        opt.step(grad_scale=torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        opt.step(grad_scale=coefficient)
     else:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        torch._foreach_mul_(grads, coefficient)
         opt.step()
     return norm

@@ -1,4 +1,5 @@
-"""One drafter replica: its device, fp32 master weights, frozen head and optimizer."""
+"""One drafter replica: its device, fp32 master weights (with bf16 working copies of the weight
+matrices on CUDA), frozen head and optimizer."""
 from __future__ import annotations
 
 import contextlib
@@ -9,15 +10,20 @@ import torch
 
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
-from ..drafter import DFlashDrafter, run_layer
+from ..drafter import DFlashDrafter, init_drafter_weights, run_layer
 from ..loss import LOSS_KERNELS
 from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
-from .optim import clipped_step, set_lr
+from .optim import build_optimizer, clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
 # the engine's choice among loss.LOSS_KERNELS: "compiled" falls back to "eager" where nothing is
 # compiled; "triton" (CUDA) is the two-pass CE kernel of ce_triton.py, no compiled loss graph
 LOSS_KERNEL_CHOICES = tuple(k for k in LOSS_KERNELS if k != "eager")
+# "fp32": the module's parameters are the fp32 master weights (autocast casts every matrix to
+# bf16 in every forward, and every gradient back to fp32). "bf16" (CUDA, Triton AdamW): the
+# module's weight matrices are bf16 working copies, the fp32 masters live beside them and the
+# optimizer writes both; norms stay fp32.
+WORKING_WEIGHTS = ("fp32", "bf16")
 
 
 @dataclass
@@ -35,7 +41,7 @@ class StepAccumulator:
 class DrafterReplica:
     def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
                  compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "layer",
-                 flex_q_splits: int = 1, loss_kernel: str = "compiled"):
+                 flex_q_splits: int = 1, loss_kernel: str = "compiled", working_weights: str = "fp32"):
         """compile_scope (when compiled): "attention" compiles flex_attention alone; "layer"
         compiles one decoder layer (flex inside; the same code serves every layer), the BlockMask
         construction and the lm_head + CE chunks; "step" compiles the whole drafter forward
@@ -46,11 +52,15 @@ class DrafterReplica:
             raise ValueError(f"loss_kernel must be one of {LOSS_KERNEL_CHOICES}, got {loss_kernel!r}")
         if loss_kernel == "triton" and torch.device(device).type != "cuda":
             raise ValueError(f"loss_kernel 'triton' needs a CUDA device, got {device!r}")
+        if working_weights not in WORKING_WEIGHTS:
+            raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {working_weights!r}")
+        if working_weights == "bf16" and torch.device(device).type != "cuda":
+            raise ValueError(f"working_weights 'bf16' needs a CUDA device, got {device!r}")
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
         with torch.device(self.device):  # allocate and default-init on the device, not the CPU
-            self.drafter = DFlashDrafter(cfg)  # fp32 master weights
+            self.drafter = DFlashDrafter(cfg)
         self.head = head.to(self.device, compute_dtype)
         self.attention = attention
         self.compute_dtype = compute_dtype
@@ -59,17 +69,73 @@ class DrafterReplica:
         self.optimizer: torch.optim.Optimizer | None = None
         self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope, flex_q_splits, loss_kernel)
         self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
+        # masters[i]: the fp32 weight of record for params[i] (what the optimizer updates and
+        # checkpoints hold): params[i] itself, or an fp32 tensor beside its bf16 working copy
+        self.masters: list[torch.Tensor] = list(self.params)
+        if working_weights == "bf16":
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    if p.dim() >= 2:  # the GEMM operands; the norms' vectors stay fp32
+                        self.masters[i] = p.detach().clone()
+                        p.data = p.data.to(torch.bfloat16)
+        self.working_weights = working_weights
+        # micro-batches summed into one step's gradient (the engine sets it per job): above 1,
+        # bf16 gradients are summed in fp32 on the masters, not in bf16
+        self.micro_batches_per_step = 1
+
+    def working_copies(self) -> list[torch.Tensor | None]:
+        """Per master, its bf16 working copy (None where the master is the parameter itself)."""
+        return [None if m is p else p for m, p in zip(self.masters, self.params)]
+
+    def named_masters(self):
+        return ((name, m) for (name, _), m in zip(self.drafter.named_parameters(), self.masters))
+
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights of record by parameter name (checkpoints, copies to other replicas)."""
+        return {name: m.detach() for name, m in self.named_masters()}
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """DFlashDrafter.init_weights drawn into the masters (the same values in either mode)."""
+        init_drafter_weights(self.named_masters(), seed)
+        self._refresh_working_copies()
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name, m in self.named_masters():
+            m.copy_(state[name].to(m.device, m.dtype))
+        self._refresh_working_copies()
+
+    def _refresh_working_copies(self) -> None:
+        for m, p in zip(self.masters, self.params):
+            if m is not p:
+                p.copy_(m)  # round to nearest even: the same bf16 values autocast would compute with
 
     def grads(self) -> list[torch.Tensor]:
+        """The step's gradient tensors, one per parameter, as the optimizer will read them: a
+        master's fp32 sum when micro-batches were summed there, else the parameter's .grad."""
         out = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(p.grad)
+        for m, p in zip(self.masters, self.params):
+            holder = m if m.grad is not None else p
+            if holder.grad is None:
+                holder.grad = torch.zeros_like(holder)
+            out.append(holder.grad)
         return out
 
     def zero_grad(self) -> None:
-        for p in self.params:
+        for m, p in zip(self.masters, self.params):
+            p.grad = None
+            m.grad = None
+
+    @torch.no_grad()
+    def _sum_working_grads_in_fp32(self) -> None:
+        for m, p in zip(self.masters, self.params):
+            if m is p or p.grad is None:
+                continue
+            if m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.add_(p.grad)
             p.grad = None
 
     def autocast(self):
@@ -91,6 +157,8 @@ class DrafterReplica:
                 chunk_size=self.chunk_size, kernels=self.kernels,
             )
         (res.loss * loss_scale).backward()
+        if self.micro_batches_per_step > 1 and self.working_weights == "bf16":
+            self._sum_working_grads_in_fp32()
         with torch.no_grad():
             counted = res.weights > 0
             acc.loss_sum += res.loss.detach()
@@ -99,16 +167,17 @@ class DrafterReplica:
         acc.micro_batches += 1
         return res
 
+    def new_optimizer(self, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
+        """AdamW over the masters (writing the working copies too, in bf16 mode), as self.optimizer."""
+        copies = self.working_copies() if self.working_weights == "bf16" else None
+        self.optimizer = build_optimizer(self.masters, lr, weight_decay, betas, self.device, working_copies=copies)
+        return self.optimizer
+
     def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
         set_lr(self.optimizer, lr)
-        norm = clipped_step(self.optimizer, self.params, max_norm)
+        norm = clipped_step(self.optimizer, self.grads(), max_norm)
         self.zero_grad()
         return norm
-
-    @torch.no_grad()
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        for name, p in self.drafter.named_parameters():
-            p.copy_(state[name].to(p.device, p.dtype))
 
 
 def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int,

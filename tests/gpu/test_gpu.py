@@ -12,9 +12,9 @@ def test_flex_matches_dense_reference_widths():
 
     rows = {r["variant"]: r for r in run(layers=2, seq_len=3072, anchors=512)}
     dense = rows["dense_bf16"]
-    # flex alone; compiled layers + mask + loss chunks (the engine's default q_splits); the same
-    # with the Triton CE kernel for the loss chunks
-    for name in ("flex_bf16", "flex_layer_bf16", "flex_layer_ce_triton_bf16"):
+    # flex alone; the engine's CUDA step (compiled layers + mask, Triton CE loss chunks, its
+    # default q_splits, bf16 working weights)
+    for name in ("flex_bf16", "flex_layer_bf16"):
         flex = rows[name]
         assert float(flex["loss_rel"]) < 1e-2, name
         assert float(flex["hidden_rel"]) < 2e-2, name
@@ -65,6 +65,11 @@ def test_triton_adamw_matches_torch_adamw_on_cuda():
     assert diff["step_on_host"] and diff["loaded_step_on_host"] and diff["to_torch_keeps_its_implementation"]
     for key in AGREEMENT:
         assert diff[key] < 1e-6, (key, diff)
+    from tests.adamw_check import working_copies_compare
+
+    working = working_copies_compare("cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
+    assert working["copies"] == 2 and working["masters"] < 1e-6 and working["exp_avg"] < 1e-6, working
+    assert working["copy_ulps_from_rounded_master"] == 0.0, working  # rounded to nearest, as tensor.to(bf16)
 
 
 def test_triton_ce_chunk_matches_eager_chunk_on_cuda():
@@ -75,3 +80,48 @@ def test_triton_ce_chunk_matches_eager_chunk_on_cuda():
     assert diff["loss_rel"] < 1e-4 and diff["grad_rel"] < 1e-2, diff  # bf16 gradient rounding
     assert diff["hit_mismatches"] == 0 and diff["tie_rows_first_index"] and diff["loss_only_same"], diff
     assert diff["hits"] > 0, diff
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_bf16_working_weights_train_like_fp32_weights(micro_batches):
+    """The engine's CUDA default (bf16 working copies of the weight matrices, fp32 masters)
+    against fp32 weights under autocast: the GEMMs see the same bf16 values and the gradients are
+    the same bf16 products, so two clipped steps (one or two micro-batches each, summed in fp32)
+    leave the same masters; every copy is its master rounded to bf16."""
+    from dflash_core.config import ShapeConfig
+    from dflash_core.data.batches import synthetic_micro_batch
+    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.train_step import FrozenHead
+    from tests.helpers import tiny_drafter_config
+
+    cfg = tiny_drafter_config(vocab_size=512, block_size=8, hidden=256, heads=4, kv_heads=2, layers=2)
+    shape = ShapeConfig(seq_len=256, num_anchors=16, block_size=8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    head = FrozenHead(torch.randn(512, 256, device="cuda", generator=g), torch.randn(512, 256, device="cuda", generator=g) * 0.05)
+    feats = [torch.randn(256, 2 * 256, device="cuda", generator=g) for _ in range(micro_batches)]
+    batches = [synthetic_micro_batch(shape, 512, 0, seed=i).to("cuda") for i in range(micro_batches)]
+    reps, losses = {}, {}
+    for mode in ("fp32", "bf16"):
+        rep = DrafterReplica(0, cfg, "cuda:0", head, attention="dense", compiled=False, compute_dtype=torch.bfloat16,
+                             gamma=4.0, chunk_size=64, loss_kernel="triton", working_weights=mode)
+        rep.init_weights(3)
+        rep.new_optimizer(1e-3, 0.1, (0.9, 0.95))
+        rep.micro_batches_per_step = micro_batches
+        losses[mode] = []
+        for _ in range(2):
+            acc = rep.new_accumulator()
+            for batch, f in zip(batches, feats):
+                rep.forward_backward(batch, f, 1.0 / micro_batches, acc)
+            rep.clip_and_step(0.5, 1e-3)
+            losses[mode].append(float(acc.loss_sum))
+        reps[mode] = rep
+    fp32, bf16 = reps["fp32"], reps["bf16"]
+    assert sum(c is not None for c in bf16.working_copies()) == 2 * 7 + 1  # 7 matrices per layer + fc
+    assert all(p.dtype == torch.bfloat16 for p in bf16.params if p.dim() >= 2)
+    for (name, a), (_, b) in zip(fp32.named_masters(), bf16.named_masters()):
+        assert b.dtype == torch.float32
+        rel = float((a - b).norm() / a.norm())
+        assert rel < 1e-5, (name, rel)
+    for m, p in zip(bf16.masters, bf16.params):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype)), "working copy is not its master rounded"
+    assert losses["fp32"] == pytest.approx(losses["bf16"], rel=1e-5)

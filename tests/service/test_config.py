@@ -59,6 +59,8 @@ def test_yaml_file(tmp_path):
     ("port = ", ["dflash.toml"]),
     ("[engine]\nloss_kernel = 'fast'", ["engine.loss_kernel"]),
     ("[engine]\nloss_kernel = 'triton'\ndrafter_devices = ['cpu']", ["engine.loss_kernel", "CUDA only"]),
+    ("[engine]\nworking_weights = 'fp16'", ["engine.working_weights"]),
+    ("[engine]\nworking_weights = 'bf16'\ndrafter_devices = ['cuda:0', 'cpu']", ["engine.working_weights", "CUDA only"]),
 ])
 def test_invalid_config_names_the_field(tmp_path, text, words):
     path = tmp_path / "dflash.toml"
@@ -105,3 +107,16 @@ def test_missing_target_path_is_a_config_error(tmp_path):
     cfg.write_text(f'[engine]\ntarget_path = "{tmp_path / "nowhere"}"\n')
     with pytest.raises(ConfigError, match=r"engine.target_path: .*nowhere.*no config\.json"):
         load_config(cfg, env={})
+
+
+def test_cuda_kernels_default_on_for_cuda_drafters_only():
+    """loss_kernel and working_weights "auto": the Triton CE kernel and bf16 working weights where
+    every drafter is on CUDA, the portable paths elsewhere; an explicit choice wins."""
+    pytest.importorskip("triton")
+    for devices, want in ((["cuda:0", "cuda:1"], ("triton", "bf16")), (["cpu"], ("compiled", "fp32")),
+                          (["cuda:0", "cpu"], ("compiled", "fp32"))):
+        engine = load_config(None, env={"DFLASH_ENGINE__DRAFTER_DEVICES": ",".join(devices)}).engine_config()
+        assert (engine.resolved_loss_kernel(), engine.resolved_working_weights()) == want, devices
+    engine = load_config(None, env={"DFLASH_ENGINE__DRAFTER_DEVICES": "cuda:0", "DFLASH_ENGINE__WORKING_WEIGHTS": "fp32",
+                                    "DFLASH_ENGINE__LOSS_KERNEL": "compiled"}).engine_config()
+    assert (engine.resolved_loss_kernel(), engine.resolved_working_weights()) == ("compiled", "fp32")

@@ -116,19 +116,22 @@ inductor_cache_dir = "{work / 'inductor'}"
             if phase == "cold":
                 job = httpx.post(url + "/jobs", json={"name": "gpu-100", "datasets": ["builtin://train"], "steps": args.steps,
                                                        "checkpoint_interval": 50, "learning_rate": 6e-4}, timeout=10).json()
-                steps, reserved = [], {}  # reserved: device -> bytes sampled during the job (after step 10)
+                steps, reserved = [], {}  # reserved: device -> bytes sampled after every step from step 11 on
                 with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
                     for line in r.iter_lines():
                         if line.strip():
                             ev = json.loads(line)
                             if ev.get("kind") == "step":
                                 steps.append(ev)
-                                if len(steps) > 10 and len(steps) % 5 == 0:
+                                if len(steps) > 10:
                                     for dev, val in reserved_bytes(httpx.get(url + "/metrics", timeout=10).text).items():
                                         reserved.setdefault(dev, []).append(val)
                 record["reserved_during_job"] = {
                     dev: {"samples": len(v), "min_gib": round(min(v) / 2**30, 3), "max_gib": round(max(v) / 2**30, 3),
-                          "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3)} for dev, v in reserved.items()}
+                          "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3),
+                          # (sample index, GiB) where the value changed: when a growth happened
+                          "changes": [(i, round(x / 2**30, 3)) for i, x in enumerate(v) if i == 0 or x != v[i - 1]]}
+                    for dev, v in reserved.items()}
                 for dev, st in record["reserved_during_job"].items():
                     row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()

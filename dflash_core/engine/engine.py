@@ -36,6 +36,7 @@ from ..telemetry import RateMeter, allocator_stats
 from .checkpoint_writer import CheckpointWriter
 from .compile_guard import CompileGuard
 from .config import EngineConfig, TrainJob
+from .feature_slots import FeatureSlots
 from .grad_sync import GradSync
 from .jobdata import load_job_data
 from .optim import load_optimizer_state, lr_factor
@@ -205,6 +206,7 @@ class Engine:
             feats = self._capture(target, warm_batch)
             self._sync(target.device)
             warm_features = warm_features if warm_features is not None else feats  # reused by the drafters
+            self._feature_spec = (tuple(feats.shape), feats.dtype)  # every micro-batch's (static shapes)
             self.warmup_seconds.append(("target", str(target.device), time.monotonic() - t))
             self._mark(f"build:target_warm:{target.device}")
 
@@ -246,6 +248,8 @@ class Engine:
         self._reset_weights(seed=cfg.init_seed, init_from=None)
         self.guard.end_warmup(enforce=compiled)
         self._mark("warmup:done")
+        if compiled:
+            _log_compile_times()
 
         for rep in self.replicas:
             name = f"drafter-{rep.device}"
@@ -418,11 +422,13 @@ class Engine:
         for rep in self.replicas:
             rep.gamma = gamma
         queues = [queue.Queue(maxsize=self.config.queue_depth) for _ in self.replicas]
+        # one slot per queued micro-batch, one in the drafter's hands, one being filled
+        slots = [FeatureSlots(*self._feature_spec, rep.device, self.config.queue_depth + 2) for rep in self.replicas]
         pipe = _Pipeline()
         producers = [
             threading.Thread(
                 target=self._produce, name=f"target-{w}-{target.device}", daemon=True,
-                args=(w, stream, start_step * per_step, total * per_step, job.grad_accum, queues, pipe),
+                args=(w, stream, start_step * per_step, total * per_step, job.grad_accum, queues, slots, pipe),
             )
             for w, target in enumerate(self.targets[: len(self.replicas)])
         ]
@@ -455,7 +461,7 @@ class Engine:
                     status = "STOPPED"
                     break
                 t_step = time.monotonic()
-                futures = [pool.submit(self._replica_micro_steps, rep, queues[i], job.grad_accum, pipe)
+                futures = [pool.submit(self._replica_micro_steps, rep, queues[i], slots[i], job.grad_accum, pipe)
                            for i, (rep, pool) in enumerate(zip(self.replicas, self._drafter_pools))]
                 cf.wait(futures)  # every replica done (or failed) before anything else touches the grads
                 accs = [f.result() for f in futures]
@@ -502,7 +508,7 @@ class Engine:
         return JobResult(status, step, total, last_ckpt, last_stats, eval_result, data.skipped_lines)
 
     def _produce(self, worker: int, stream: MicroBatchStream, first: int, end: int, accum: int, queues,
-                 pipe: "_Pipeline") -> None:
+                 slots: list[FeatureSlots], pipe: "_Pipeline") -> None:
         """Target worker `worker`: captures features for the drafter replicas r with r mod W == worker
         (W target workers); micro-batch g goes to replica (g mod R*accum) // accum. Each replica is
         fed by one worker, in order, so results do not depend on the number of target devices."""
@@ -522,8 +528,10 @@ class Engine:
                 mb = stream.get(g)
                 if target.device.type == "cuda":
                     mb = mb.pin_memory()
-                feats = self._capture(target, mb)
-                item = (mb.to(rep.device, non_blocking=True), feats.to(rep.device, non_blocking=True), mb.context_tokens)
+                slot = slots[r].fill(self._capture(target, mb), pipe.stop)
+                if slot is None:
+                    return
+                item = (mb.to(rep.device, non_blocking=True), slot, mb.context_tokens)
                 while not pipe.stop.is_set():
                     try:
                         queues[r].put(item, timeout=0.2)
@@ -535,7 +543,8 @@ class Engine:
             pipe.error = e
             pipe.stop.set()
 
-    def _replica_micro_steps(self, rep: DrafterReplica, q: queue.Queue, accum: int, pipe: "_Pipeline"):
+    def _replica_micro_steps(self, rep: DrafterReplica, q: queue.Queue, slots: FeatureSlots, accum: int,
+                             pipe: "_Pipeline"):
         acc = rep.new_accumulator()
         t = time.monotonic()
         for _ in range(accum):
@@ -550,8 +559,9 @@ class Engine:
                     if pipe.stop.is_set():
                         raise JobFailed("the job's pipeline stopped")
             self.queue_depths[_queue_name(rep)] = q.qsize()
-            batch, feats, tokens = item
-            rep.forward_backward(batch, feats, 1.0 / accum, acc)
+            batch, slot, tokens = item
+            rep.forward_backward(batch, slots.buffers[slot], 1.0 / accum, acc)
+            slots.release(slot)  # forward and backward are queued: a copy into it waits for them
             acc.context_tokens += tokens
         self._sync(rep.device)
         acc.extra["seconds"] = time.monotonic() - t
@@ -636,3 +646,14 @@ def _rotate_checkpoints(directory: Path, keep: int) -> list[str]:
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
     return [str(p) for p in old]
+
+
+def _log_compile_times() -> None:
+    """Where a cold start's minutes went, per compiled function and phase (dynamo's own
+    accounting; a private helper, so a torch without it only loses this log line)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        log.info("compile times (dynamo, seconds per function and phase):\n%s", compile_times(repr="str", aggregate=True))
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        log.debug("no compile times: %s", e)

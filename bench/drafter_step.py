@@ -35,7 +35,6 @@ from bench.common import (
 from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
 from dflash_core.attention import dense_mask, dflash_mask_mod
 from dflash_core.data.batches import synthetic_micro_batch
-
 from dflash_core.engine.replica import DrafterReplica
 from dflash_core.train_step import FrozenHead
 

@@ -137,6 +137,12 @@ class TritonAdamW(torch.optim.Optimizer):
                     )
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The parameters' gradients and their working copies' (where the kernel reads them)."""
+        super().zero_grad(set_to_none)
+        for working in self.working_copies.values():
+            working.grad = None
+
     def _one(self, device: torch.device) -> torch.Tensor:
         if device not in self._ones:
             self._ones[device] = torch.ones((), dtype=torch.float32, device=device)

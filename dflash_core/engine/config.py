@@ -63,7 +63,11 @@ class EngineConfig:
         return "bf16" if self._cuda_drafters_with_triton() else "fp32"
 
     def _cuda_drafters_with_triton(self) -> bool:
-        return all(d.startswith("cuda") for d in self.drafter_devices) and importlib.util.find_spec("triton") is not None
+        if not all(d.startswith("cuda") for d in self.drafter_devices) or importlib.util.find_spec("triton") is None:
+            return False
+        from .optim import TritonAdamW  # None when Triton is there but its kernels do not import
+
+        return TritonAdamW is not None
 
     def resolved_compile(self) -> bool:
         if self.compile is not None:

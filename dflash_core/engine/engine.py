@@ -205,8 +205,9 @@ class Engine:
             t = time.monotonic()
             feats = self._capture(target, warm_batch)
             self._sync(target.device)
-            warm_features = warm_features if warm_features is not None else feats  # reused by the drafters
-            self._feature_spec = (tuple(feats.shape), feats.dtype)  # every micro-batch's (static shapes)
+            if warm_features is None:  # reused by the drafters
+                warm_features = feats
+                self._feature_spec = (tuple(feats.shape), feats.dtype)  # every micro-batch's (static shapes)
             self.warmup_seconds.append(("target", str(target.device), time.monotonic() - t))
             self._mark(f"build:target_warm:{target.device}")
 
@@ -308,14 +309,20 @@ class Engine:
             torch.cuda.synchronize(device)
 
     def _warm_replica(self, rep: DrafterReplica, mb: MicroBatch, features: torch.Tensor) -> None:
-        """One full training step at the production shape, in this thread; weights restored after."""
+        """One full training step at the production shape, in this thread; weights restored after.
+        With bf16 working weights a second step sums its gradient in fp32 on the masters (what
+        gradient accumulation and several replicas do): the AdamW kernel's variant for fp32
+        gradients beside a working copy is built here too, not in a drafter thread mid-job."""
         feats = features.to(rep.device)
         batch = mb.to(rep.device)
         rep.new_optimizer(1e-4, 0.0, (0.9, 0.95))
-        acc = rep.new_accumulator()
-        rep.forward_backward(batch, feats, 1.0, acc)
-        rep.clip_and_step(1.0, 1e-4)
-        float(acc.loss_sum)  # completes the step on the device
+        for fp32_sum in ((False, True) if rep.working_weights == "bf16" else (False,)):
+            rep.sum_grads_in_fp32 = fp32_sum
+            acc = rep.new_accumulator()
+            rep.forward_backward(batch, feats, 1.0, acc)
+            rep.clip_and_step(1.0, 1e-4)
+            float(acc.loss_sum)  # completes the step on the device
+        rep.sum_grads_in_fp32 = False
         rep.optimizer = None
         self._sync(rep.device)
 
@@ -377,7 +384,7 @@ class Engine:
                 for rep in self.replicas:
                     rep.zero_grad()
                     rep.optimizer = None
-                    rep.micro_batches_per_step = 1
+                    rep.sum_grads_in_fp32 = False
                 if any(r.device.type == "cuda" for r in self.replicas):
                     torch.cuda.empty_cache()
 
@@ -399,7 +406,7 @@ class Engine:
         self._reset_weights(job.seed, resume_from or job.init_from)  # a resume starts from its checkpoint's weights
         for rep in self.replicas:
             rep.new_optimizer(job.learning_rate, job.weight_decay, job.adam_betas)
-            rep.micro_batches_per_step = job.grad_accum
+            rep.sum_grads_in_fp32 = per_step > 1 or self.grad_sync.process_group is not None
         if resume_from:
             state = load_training_state(resume_from)
             if state is None:
@@ -499,6 +506,8 @@ class Engine:
                         break
             for producer in producers:
                 producer.join(timeout=60)
+            for job_slots in slots:  # a failed job's traceback keeps this frame: not its buffers
+                job_slots.buffers.clear()
             for name in self.queue_depths:
                 self.queue_depths[name] = 0
             try:  # after a failure: let a write in flight finish (its directory is complete or absent)

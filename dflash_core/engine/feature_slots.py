@@ -7,8 +7,10 @@ target runs. Those allocations interleave with the drafter's own at varying poin
 so the caching allocator sometimes split a large free block (the loss chunk's logits) for them
 and had to reserve a new segment later: reserved memory grew by one logits buffer (0.545 GiB,
 2.7 %) during a 100-step job on the H200 (run P). Here the buffers are allocated once per job;
-a worker copies into a free one and the drafter gives it back after its micro-step, so the
-drafter's device sees no allocation from another thread while the job runs.
+a worker copies into a free one and the drafter gives it back after its micro-step. What the
+worker still allocates on the drafter's device is the micro-batch's token ids and positions
+(a few KiB, the allocator's small pool); a target on the drafter's own GPU allocates its
+activations there anyway, and pays one extra device copy of the features per micro-batch.
 
 Reuse is ordered by the device: the drafter releases a slot after its forward and backward are
 queued, and a cross-device copy into the slot waits for the work queued on the destination's

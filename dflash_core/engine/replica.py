@@ -13,7 +13,7 @@ from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, init_drafter_weights, run_layer
 from ..loss import LOSS_KERNELS
 from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
-from .optim import build_optimizer, clipped_step, set_lr
+from .optim import TritonAdamW, build_optimizer, clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")
 # the engine's choice among loss.LOSS_KERNELS: "compiled" falls back to "eager" where nothing is
@@ -54,8 +54,11 @@ class DrafterReplica:
             raise ValueError(f"loss_kernel 'triton' needs a CUDA device, got {device!r}")
         if working_weights not in WORKING_WEIGHTS:
             raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {working_weights!r}")
-        if working_weights == "bf16" and torch.device(device).type != "cuda":
-            raise ValueError(f"working_weights 'bf16' needs a CUDA device, got {device!r}")
+        if working_weights == "bf16":
+            if torch.device(device).type != "cuda" or compute_dtype != torch.bfloat16:
+                raise ValueError(f"working_weights 'bf16' needs a CUDA device computing in bf16, got {device!r} {compute_dtype}")
+            if TritonAdamW is None:
+                raise ValueError("working_weights 'bf16' needs the Triton AdamW (Triton could not be imported)")
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
@@ -79,9 +82,11 @@ class DrafterReplica:
                         self.masters[i] = p.detach().clone()
                         p.data = p.data.to(torch.bfloat16)
         self.working_weights = working_weights
-        # micro-batches summed into one step's gradient (the engine sets it per job): above 1,
-        # bf16 gradients are summed in fp32 on the masters, not in bf16
-        self.micro_batches_per_step = 1
+        # True when a step's gradient is a sum or mean of several micro-batches' (gradient
+        # accumulation, or several replicas averaged by GradSync; the engine sets it per job):
+        # the working copies' bf16 gradients then move to fp32 on the masters after every
+        # backward, so the sum and the mean are not rounded to bf16 again
+        self.sum_grads_in_fp32 = False
 
     def working_copies(self) -> list[torch.Tensor | None]:
         """Per master, its bf16 working copy (None where the master is the parameter itself)."""
@@ -106,6 +111,7 @@ class DrafterReplica:
             m.copy_(state[name].to(m.device, m.dtype))
         self._refresh_working_copies()
 
+    @torch.no_grad()
     def _refresh_working_copies(self) -> None:
         for m, p in zip(self.masters, self.params):
             if m is not p:
@@ -157,7 +163,7 @@ class DrafterReplica:
                 chunk_size=self.chunk_size, kernels=self.kernels,
             )
         (res.loss * loss_scale).backward()
-        if self.micro_batches_per_step > 1 and self.working_weights == "bf16":
+        if self.sum_grads_in_fp32 and self.working_weights == "bf16":
             self._sum_working_grads_in_fp32()
         with torch.no_grad():
             counted = res.weights > 0

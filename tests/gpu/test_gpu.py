@@ -51,8 +51,11 @@ def test_replicas_identical_and_no_runtime_compile(tmp_path):
     assert res.status == "SUCCEEDED" and len(steps) == 50
     assert engine.compile_counts()["runtime"] == 0
     first = [p.detach().cpu() for p in engine.replicas[0].drafter.parameters()]
+    masters = {k: v.cpu() for k, v in engine.replicas[0].weights_state().items()}
     for rep in engine.replicas[1:]:
         assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(first, rep.drafter.parameters()))
+        # the fp32 masters too: bf16 working copies can agree while their masters differ
+        assert all(torch.equal(masters[k], v.cpu()) for k, v in rep.weights_state().items())
     engine.close()  # also puts dynamo's stance back
 
 
@@ -82,12 +85,14 @@ def test_triton_ce_chunk_matches_eager_chunk_on_cuda():
     assert diff["hits"] > 0, diff
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_bf16_working_weights_train_like_fp32_weights(micro_batches):
+@pytest.mark.parametrize("micro_batches, replicas", [(1, 1), (2, 1), (1, 2)])
+def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     """The engine's CUDA default (bf16 working copies of the weight matrices, fp32 masters)
     against fp32 weights under autocast: the GEMMs see the same bf16 values and the gradients are
-    the same bf16 products, so two clipped steps (one or two micro-batches each, summed in fp32)
-    leave the same masters; every copy is its master rounded to bf16."""
+    the same bf16 products, so two clipped steps (one or two micro-batches each, or two replicas
+    averaged by GradSync; sums and means in fp32) leave the same masters; every copy is its
+    master rounded to bf16."""
+    from dflash_core.engine.grad_sync import GradSync
     from dflash_core.config import ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.engine.replica import DrafterReplica
@@ -98,23 +103,29 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches):
     shape = ShapeConfig(seq_len=256, num_anchors=16, block_size=8)
     g = torch.Generator(device="cuda").manual_seed(0)
     head = FrozenHead(torch.randn(512, 256, device="cuda", generator=g), torch.randn(512, 256, device="cuda", generator=g) * 0.05)
-    feats = [torch.randn(256, 2 * 256, device="cuda", generator=g) for _ in range(micro_batches)]
-    batches = [synthetic_micro_batch(shape, 512, 0, seed=i).to("cuda") for i in range(micro_batches)]
+    n = micro_batches * replicas
+    feats = [torch.randn(256, 2 * 256, device="cuda", generator=g) for _ in range(n)]
+    batches = [synthetic_micro_batch(shape, 512, 0, seed=i).to("cuda") for i in range(n)]
     reps, losses = {}, {}
     for mode in ("fp32", "bf16"):
-        rep = DrafterReplica(0, cfg, "cuda:0", head, attention="dense", compiled=False, compute_dtype=torch.bfloat16,
-                             gamma=4.0, chunk_size=64, loss_kernel="triton", working_weights=mode)
-        rep.init_weights(3)
-        rep.new_optimizer(1e-3, 0.1, (0.9, 0.95))
-        rep.micro_batches_per_step = micro_batches
+        group = [DrafterReplica(i, cfg, "cuda:0", head, attention="dense", compiled=False, compute_dtype=torch.bfloat16,
+                                gamma=4.0, chunk_size=64, loss_kernel="triton", working_weights=mode)
+                 for i in range(replicas)]
+        for rep in group:
+            rep.init_weights(3)
+            rep.new_optimizer(1e-3, 0.1, (0.9, 0.95))
+            rep.sum_grads_in_fp32 = n > 1  # as the engine sets it
         losses[mode] = []
         for _ in range(2):
-            acc = rep.new_accumulator()
-            for batch, f in zip(batches, feats):
-                rep.forward_backward(batch, f, 1.0 / micro_batches, acc)
-            rep.clip_and_step(0.5, 1e-3)
-            losses[mode].append(float(acc.loss_sum))
-        reps[mode] = rep
+            accs = [rep.new_accumulator() for rep in group]
+            for k, (batch, f) in enumerate(zip(batches, feats)):
+                r = k // micro_batches
+                group[r].forward_backward(batch, f, 1.0 / micro_batches, accs[r])
+            GradSync().average([rep.grads() for rep in group])
+            for rep in group:
+                rep.clip_and_step(0.5, 1e-3)
+            losses[mode].append(sum(float(a.loss_sum) for a in accs))
+        reps[mode] = group[0]
     fp32, bf16 = reps["fp32"], reps["bf16"]
     assert sum(c is not None for c in bf16.working_copies()) == 2 * 7 + 1  # 7 matrices per layer + fc
     assert all(p.dtype == torch.bfloat16 for p in bf16.params if p.dim() >= 2)

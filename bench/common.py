@@ -119,7 +119,6 @@ def report(name: str, record: dict, title: str, rows: list[dict], cols: list[str
     print_table(rows, cols)
 
 
-
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -15,6 +15,7 @@ from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import DFlashDrafter, run_layer
 from dflash_core.engine.config import EngineConfig
+from dflash_core.engine.replica import make_bf16_working_copies
 from dflash_core.train_step import EAGER, FrozenHead, StepKernels, drafter_forward, micro_step, step_attention
 
 
@@ -43,9 +44,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
         drafter = DFlashDrafter(cfg).cuda()
         drafter.load_state_dict(base.state_dict())
         if kernels is flex_layer:  # DrafterReplica's working_weights "bf16": the matrices in bf16, norms fp32
-            for p in drafter.parameters():
-                if p.dim() >= 2:
-                    p.data = p.data.to(torch.bfloat16)
+            make_bf16_working_copies(list(drafter.parameters()))
         head = FrozenHead(embed, lm_head).to("cuda", dtype)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == torch.bfloat16 else torch.autocast("cuda", enabled=False)
         with ctx:

@@ -1,7 +1,6 @@
 """Typed configuration of the engine (devices, shapes, precision, compile) and of one job."""
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +49,7 @@ class EngineConfig:
     def resolved_attention(self) -> str:
         if self.attention != "auto":
             return self.attention
-        return "flex" if all(d.startswith("cuda") for d in self.drafter_devices) else "dense"
+        return "flex" if self._cuda_drafters() else "dense"
 
     def resolved_loss_kernel(self) -> str:
         if self.loss_kernel != "auto":
@@ -62,10 +61,13 @@ class EngineConfig:
             return self.working_weights
         return "bf16" if self._cuda_drafters_with_triton() else "fp32"
 
+    def _cuda_drafters(self) -> bool:
+        return all(d.startswith("cuda") for d in self.drafter_devices)
+
     def _cuda_drafters_with_triton(self) -> bool:
-        if not all(d.startswith("cuda") for d in self.drafter_devices) or importlib.util.find_spec("triton") is None:
+        if not self._cuda_drafters():
             return False
-        from .optim import TritonAdamW  # None when Triton is there but its kernels do not import
+        from .optim import TritonAdamW  # None when Triton is missing or its kernels do not import
 
         return TritonAdamW is not None
 

@@ -74,13 +74,7 @@ class DrafterReplica:
         self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
         # masters[i]: the fp32 weight of record for params[i] (what the optimizer updates and
         # checkpoints hold): params[i] itself, or an fp32 tensor beside its bf16 working copy
-        self.masters: list[torch.Tensor] = list(self.params)
-        if working_weights == "bf16":
-            with torch.no_grad():
-                for i, p in enumerate(self.params):
-                    if p.dim() >= 2:  # the GEMM operands; the norms' vectors stay fp32
-                        self.masters[i] = p.detach().clone()
-                        p.data = p.data.to(torch.bfloat16)
+        self.masters = make_bf16_working_copies(self.params) if working_weights == "bf16" else list(self.params)
         self.working_weights = working_weights
         # True when a step's gradient is a sum or mean of several micro-batches' (gradient
         # accumulation, or several replicas averaged by GradSync; the engine sets it per job):
@@ -184,6 +178,21 @@ class DrafterReplica:
         norm = clipped_step(self.optimizer, self.grads(), max_norm)
         self.zero_grad()
         return norm
+
+
+@torch.no_grad()
+def make_bf16_working_copies(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Turns the weight matrices among `params` (the GEMM operands) into bf16 in place; the
+    norms' vectors stay fp32. Returns the fp32 masters aligned with `params`: a copy of each
+    matrix's fp32 values, the parameter itself for the rest."""
+    masters: list[torch.Tensor] = []
+    for p in params:
+        if p.dim() >= 2:
+            masters.append(p.detach().clone())
+            p.data = p.data.to(torch.bfloat16)
+        else:
+            masters.append(p)
+    return masters
 
 
 def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int,

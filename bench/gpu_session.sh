@@ -11,15 +11,16 @@
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
 #   bash bench/gpu_session.sh optimizer # the optimizer step alone (Triton AdamW sweep vs torch), ~30 s
 #   bash bench/gpu_session.sh ce        # one loss chunk: compiled vs the Triton CE kernel (sweep)
+#   bash bench/gpu_session.sh probe     # a warm start's imports and CUDA initialisation, ~1 min
 #   bash bench/gpu_session.sh tests step   # several parts in one call, in order
 #
 # Packages the GPU image lacks travel as wheels in .whl/ (device README, Notes); the Prometheus
 # binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
 # prometheus). Results go to $OUT.
 set -u
-[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce|probe ..." >&2; exit 2; }
 for part in "$@"; do
-  case "$part" in step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
+  case "$part" in step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce|probe) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
 done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -89,6 +90,7 @@ for part in "$@"; do
               --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;
     optimizer) timeout $T python3 -m bench.optimizer 2>&1 | tee "$OUT/optimizer.log" ;;
     ce)     timeout $T python3 -m bench.ce_kernel 2>&1 | tee "$OUT/ce_kernel.log" ;;
+    probe)  timeout $T python3 -m bench.startup_probe 2>&1 | tee "$OUT/startup_probe.log" ;;
     tests)  timeout $T python3 -u -m pytest -v -p no:cacheprovider --durations=0 -m gpu ${TESTS_SELECT:+-k "$TESTS_SELECT"} tests/gpu 2>&1 \
               | tee "$OUT/gpu_tests.log" ;;
   esac

@@ -35,6 +35,7 @@ from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .checkpoint_writer import CheckpointWriter
 from .compile_guard import CompileGuard
+from .compile_workers import compile_delta, compile_snapshot, compile_workers_ready, start_compile_workers
 from .config import EngineConfig, TrainJob
 from .feature_slots import FeatureSlots
 from .grad_sync import GradSync
@@ -165,6 +166,11 @@ class Engine:
                 # the cold/warm start depends on it: say which one wins
                 log.info("inductor cache: %s (TORCHINDUCTOR_CACHE_DIR overrides inductor_cache_dir %s)",
                          os.environ["TORCHINDUCTOR_CACHE_DIR"], cfg.inductor_cache_dir)
+        attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
+        compile_workers = None
+        if compiled and any(torch.device(d).type == "cuda" for d in cfg.drafter_devices):
+            compile_workers = start_compile_workers()  # ready by the first drafter compile, not during it
+            self._mark("build:compile_workers_started")
         self._report("loading_target", 0)
         self._delay()
         target_path = cfg.target_path
@@ -212,7 +218,6 @@ class Engine:
             self._mark(f"build:target_warm:{target.device}")
 
         head = self.targets[0].frozen_head()
-        attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
         if compiled:
             self._raise_recompile_limit(len(cfg.drafter_devices))
         gamma = cfg.loss.resolved_gamma(cfg.shape.block_size)
@@ -235,10 +240,17 @@ class Engine:
         self._report("warming_drafters", 0)
         self._delay()
         self._mark("warmup:drafters:start")
+        if compile_workers is not None:
+            self._mark(f"warmup:compile_workers_ready={compile_workers_ready()}")
         for i, rep in enumerate(self.replicas):
             t = time.monotonic()
+            before = compile_snapshot() if compiled else {}
             self._warm_replica(rep, warm_batch, warm_features)
             self.warmup_seconds.append(("drafter", str(rep.device), time.monotonic() - t))
+            if compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
+                log.info("drafter warm-up compiles", extra={"fields": {
+                    "device": str(rep.device), "seconds": round(time.monotonic() - t, 3),
+                    **compile_delta(before, compile_snapshot())}})
             self._mark(f"warmup:drafter:{rep.device}")
             self._report("warming_drafters", i + 1)
             if i + 1 < len(self.replicas):

@@ -83,7 +83,7 @@ for part in "$@"; do
               --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     recipe) DAEMON_WORK=/tmp/dflash-daemon-recipe OUT=$OUT/recipe timeout $T python3 -m bench.daemon_gpu --anchors 512 --steps 50 --timeout 300 2>&1 | tee "$OUT/daemon_recipe.log" ;;
-    twodrafters) DAEMON_WORK=/tmp/dflash-daemon-two OUT=$OUT/twodrafters timeout $T python3 -m bench.daemon_gpu --two-drafters --anchors 256 --steps 30 --timeout 300 2>&1 | tee "$OUT/daemon_two.log" ;;
+    twodrafters) DAEMON_WORK=/tmp/dflash-daemon-two OUT=$OUT/twodrafters timeout $T python3 -m bench.daemon_gpu --two-drafters --anchors 256 --steps 30 --timeout 300 --warm-starts ${WARM_STARTS:-1} 2>&1 | tee "$OUT/daemon_two.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \

@@ -10,7 +10,6 @@ start or the log line, never the build.
 from __future__ import annotations
 
 import logging
-import time
 
 log = logging.getLogger("dflash.engine")
 
@@ -26,20 +25,19 @@ _PHASES = {
 _COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "async_compile_cache_hit", "async_compile_cache_miss")
 
 
-def start_compile_workers() -> float | None:
-    """Ask inductor to start its worker pool now; returns the monotonic start time, or None
-    when torch has no pool to start (no Triton, compile threads = 1, an older/newer torch)."""
+def start_compile_workers() -> bool:
+    """Ask inductor to start its worker pool now; False when torch has no such call (an
+    older/newer torch) or it failed. Where torch would use no pool it is a no-op."""
     try:
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:
-        return None
-    started = time.monotonic()
+        return False
     try:
         maybe_warm_pool()  # no-op where torch would not use a pool (TORCH_WARM_POOL=0, one compile thread)
     except Exception as e:  # noqa: BLE001 - a head start only: torch starts it again at the first compile
         log.warning("could not start inductor's compile workers early: %s", e)
-        return None
-    return started
+        return False
+    return True
 
 
 def compile_workers_ready() -> bool:

@@ -167,9 +167,10 @@ class Engine:
                 log.info("inductor cache: %s (TORCHINDUCTOR_CACHE_DIR overrides inductor_cache_dir %s)",
                          os.environ["TORCHINDUCTOR_CACHE_DIR"], cfg.inductor_cache_dir)
         attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
-        compile_workers = None
-        if compiled and any(torch.device(d).type == "cuda" for d in cfg.drafter_devices):
-            compile_workers = start_compile_workers()  # ready by the first drafter compile, not during it
+        # ready by the first drafter compile, not during it
+        compile_workers = (compiled and any(torch.device(d).type == "cuda" for d in cfg.drafter_devices)
+                           and start_compile_workers())
+        if compile_workers:
             self._mark("build:compile_workers_started")
         self._report("loading_target", 0)
         self._delay()
@@ -240,7 +241,7 @@ class Engine:
         self._report("warming_drafters", 0)
         self._delay()
         self._mark("warmup:drafters:start")
-        if compile_workers is not None:
+        if compile_workers:
             self._mark(f"warmup:compile_workers_ready={compile_workers_ready()}")
         for i, rep in enumerate(self.replicas):
             t = time.monotonic()

@@ -5,7 +5,9 @@
 Starts `dflash-trainer serve` (target on cuda:0, drafter on cuda:1; colocated on cuda:0 with one
 GPU) with a cold inductor cache and measures time to /healthz 200; runs one job; keeps /metrics;
 stops it (SIGTERM) and starts it again on the warm cache to measure time to ready once more
-(--warm-starts N: N times, and their median).
+(--warm-starts N: N times, and their median; --warm-env "A;B": the warm starts take turns with
+these environments, e.g. "DFLASH_ENGINE__COMPILE_WORKERS=lazy", and a median is reported per
+environment; "" is the unchanged one).
 Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
 optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
 """
@@ -28,11 +30,21 @@ from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
 from service.demo import free_port, stop_daemon
 
 
-def start(config: Path, log: Path, inductor_cache: Path) -> subprocess.Popen:
+def parse_env(spec: str) -> dict[str, str]:
+    """'A=1 B=2' -> {'A': '1', 'B': '2'}"""
+    pairs = [item.partition("=") for item in spec.split()]
+    bad = [k for k, eq, _ in pairs if not eq or not k]
+    if bad:
+        raise SystemExit(f"--warm-env: {bad[0]!r} is not NAME=VALUE")
+    return {k: v for k, _, v in pairs}
+
+
+def start(config: Path, log: Path, inductor_cache: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     # the cache directory set here, not inherited: gpu_session.sh exports one for the whole call,
     # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
-               TRITON_CACHE_DIR=str(inductor_cache / "triton-home"))  # user Triton kernels (the AdamW) too
+               TRITON_CACHE_DIR=str(inductor_cache / "triton-home"),  # user Triton kernels (the AdamW) too
+               **(extra_env or {}))
     return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
@@ -80,6 +92,8 @@ def main(argv=None):
     p.add_argument("--colocated", action="store_true")
     p.add_argument("--two-drafters", action="store_true", help="drafters on cuda:0 and cuda:1 (target on cuda:0)")
     p.add_argument("--warm-starts", type=int, default=1, help="warm restarts after the cold start (median reported)")
+    p.add_argument("--warm-env", default="", help='environments the warm starts take turns with, ";"-separated '
+                                                  '("NAME=VALUE NAME2=VALUE"; empty = unchanged)')
     args = p.parse_args(argv)
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
@@ -109,12 +123,17 @@ inductor_cache_dir = "{work / 'inductor'}"
     out = out_dir()
     rows, record = [], {"args": vars(args), "drafter_device": drafter_dev}
     shutil.rmtree(work / "inductor", ignore_errors=True)  # "cold" is a new cache directory
+    variants = [v.strip() for v in args.warm_env.split(";")] if args.warm_env else [""]
+    envs = {v: parse_env(v) for v in variants}
     phases = ["cold"] + ["warm" if args.warm_starts == 1 else f"warm{i + 1}" for i in range(args.warm_starts)]
-    for phase in phases:
-        proc = start(config, out / f"daemon_{phase}.log", work / "inductor")
+    for n, phase in enumerate(phases):
+        variant = "" if phase == "cold" else variants[(n - 1) % len(variants)]
+        proc = start(config, out / f"daemon_{phase}.log", work / "inductor", envs[variant])
         try:
             ready_s, phases = wait_ready(url, proc, args.timeout)
             row = {"cache": phase, "ready_s": round(ready_s, 1)}
+            if len(variants) > 1:
+                row["env"] = variant or "-"
             record[f"phases_{phase}"] = phases
             if phase == "cold":
                 job = httpx.post(url + "/jobs", json={"name": "gpu-100", "datasets": ["builtin://train"], "steps": args.steps,
@@ -154,13 +173,15 @@ inductor_cache_dir = "{work / 'inductor'}"
             print(json.dumps(row), flush=True)
         finally:
             stop_daemon(proc, timeout=60)
-    warm = sorted(r["ready_s"] for r in rows if r["cache"] != "cold")
-    if len(warm) > 1:
-        rows.append({"cache": f"warm median of {len(warm)}", "ready_s": round(statistics.median(warm), 1)})
+    for variant in variants:
+        warm = sorted(r["ready_s"] for r in rows if r["cache"] != "cold" and r.get("env", "-") == (variant or "-"))
+        if len(warm) > 1:
+            median = {"cache": f"warm median of {len(warm)}", "ready_s": round(statistics.median(warm), 1)}
+            rows.append(median | ({"env": variant or "-"} if len(variants) > 1 else {}))
     record["rows"] = rows
     (out / "daemon_gpu.json").write_text(json.dumps(record, indent=1, default=str))
     print(json.dumps(record.get("phases_cold")), json.dumps(record.get("phases_warm")))
-    cols = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("cache", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k))
+    cols = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("cache", "env", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k))
     print_table(rows, cols)
 
 

@@ -6,6 +6,7 @@
 #                                       # time to ready cold + warm, a 100-step job, /metrics
 #   bash bench/gpu_session.sh recipe    # the same at the recipe's density (512 anchors), 50 steps
 #   bash bench/gpu_session.sh twodrafters  # drafters on cuda:0 and cuda:1 (cold + warm ready), 30 steps
+#                                      # WARM_STARTS=N; WARM_ENV="A=1;B=2": warm starts take turns (A/B)
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu (TESTS_SELECT="replicas or adamw": pytest -k)
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
@@ -83,7 +84,7 @@ for part in "$@"; do
               --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     recipe) DAEMON_WORK=/tmp/dflash-daemon-recipe OUT=$OUT/recipe timeout $T python3 -m bench.daemon_gpu --anchors 512 --steps 50 --timeout 300 2>&1 | tee "$OUT/daemon_recipe.log" ;;
-    twodrafters) DAEMON_WORK=/tmp/dflash-daemon-two OUT=$OUT/twodrafters timeout $T python3 -m bench.daemon_gpu --two-drafters --anchors 256 --steps 30 --timeout 300 --warm-starts ${WARM_STARTS:-1} 2>&1 | tee "$OUT/daemon_two.log" ;;
+    twodrafters) DAEMON_WORK=/tmp/dflash-daemon-two OUT=$OUT/twodrafters timeout $T python3 -m bench.daemon_gpu --two-drafters --anchors 256 --steps 30 --timeout 300 --warm-starts ${WARM_STARTS:-1} --warm-env "${WARM_ENV:-}" 2>&1 | tee "$OUT/daemon_two.log" ;;
     colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \

@@ -75,6 +75,9 @@ class EngineSettings(BaseModel):
     init_seed: int = 0
     warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
     inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")
+    compile_workers: Literal["early", "lazy"] = Field(
+        "early", description="inductor's Triton worker pool: started when the build starts (ready by the first "
+                             "drafter compile), or lazily by torch at the first compile")
     queue_depth: int = Field(4, ge=1)
 
     @field_validator("target_path", "inductor_cache_dir")
@@ -126,6 +129,7 @@ class EngineSettings(BaseModel):
             working_weights=self.working_weights,
             init_seed=self.init_seed,
             inductor_cache_dir=str(self.inductor_cache_dir or data_dir / "inductor-cache"),
+            compile_workers=self.compile_workers,
             warmup_delay_seconds=self.warmup_delay_seconds,
             queue_depth=self.queue_depth,
         )

@@ -43,6 +43,9 @@ class EngineConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     init_seed: int = 0
     inductor_cache_dir: str | None = None
+    # inductor's Triton worker pool: "early" (started when the build starts, ready by the first
+    # drafter compile; compile_workers.py) or "lazy" (torch's own: at the first compile)
+    compile_workers: str = "early"
     warmup_delay_seconds: float = 0.0  # pause per warmup phase (tests observe the warming state)
     queue_depth: int = 4  # bounded hand-off queue per drafter (micro-batches)
 

@@ -167,8 +167,11 @@ class Engine:
                 log.info("inductor cache: %s (TORCHINDUCTOR_CACHE_DIR overrides inductor_cache_dir %s)",
                          os.environ["TORCHINDUCTOR_CACHE_DIR"], cfg.inductor_cache_dir)
         attention, compiled = cfg.resolved_attention(), cfg.resolved_compile()
+        if cfg.compile_workers not in ("early", "lazy"):
+            raise ValueError(f"compile_workers must be 'early' or 'lazy', not {cfg.compile_workers!r}")
         # ready by the first drafter compile, not during it
-        compile_workers = (compiled and any(torch.device(d).type == "cuda" for d in cfg.drafter_devices)
+        compile_workers = (compiled and cfg.compile_workers == "early"
+                           and any(torch.device(d).type == "cuda" for d in cfg.drafter_devices)
                            and start_compile_workers())
         if compile_workers:
             self._mark("build:compile_workers_started")

@@ -37,6 +37,8 @@ def test_toml_file_env_and_flags_override_in_order(tmp_path):
     assert (cfg.port, cfg.auth_token, cfg.engine.warmup_delay_seconds) == (9100, "from-env", 2.0)
     assert cfg.engine.target_devices == ["cpu", "cpu"]
     assert cfg.engine.seq_len == 256  # the file's value survives an env override of another engine field
+    assert cfg.engine_config().compile_workers == "early"
+    assert load_config(path, env={"DFLASH_ENGINE__COMPILE_WORKERS": "lazy"}).engine_config().compile_workers == "lazy"
 
     cfg = load_config(path, env=env, overrides={"port": 9200, "host": None})
     assert cfg.port == 9200 and cfg.host == "127.0.0.1"
@@ -60,6 +62,7 @@ def test_yaml_file(tmp_path):
     ("[engine]\nloss_kernel = 'fast'", ["engine.loss_kernel"]),
     ("[engine]\nloss_kernel = 'triton'\ndrafter_devices = ['cpu']", ["engine.loss_kernel", "CUDA only"]),
     ("[engine]\nworking_weights = 'fp16'", ["engine.working_weights"]),
+    ("[engine]\ncompile_workers = 'eager'", ["engine.compile_workers"]),
     ("[engine]\nworking_weights = 'bf16'\ndrafter_devices = ['cuda:0', 'cpu']", ["engine.working_weights", "CUDA only"]),
 ])
 def test_invalid_config_names_the_field(tmp_path, text, words):

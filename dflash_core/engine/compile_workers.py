@@ -26,18 +26,22 @@ _COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "async_compile_cache_hit
 
 
 def start_compile_workers() -> bool:
-    """Ask inductor to start its worker pool now; False when torch has no such call (an
-    older/newer torch) or it failed. Where torch would use no pool it is a no-op."""
+    """Ask inductor to start its worker pool now; whether a pool now exists. False where torch
+    uses no pool (TORCHINDUCTOR_COMPILE_THREADS=1, TORCH_WARM_POOL=0, no Triton), has no such
+    call (an older/newer torch) or the start failed."""
     try:
-        from torch._inductor.async_compile import maybe_warm_pool
+        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
     except ImportError:
         return False
     try:
-        maybe_warm_pool()  # no-op where torch would not use a pool (TORCH_WARM_POOL=0, one compile thread)
+        maybe_warm_pool()
     except Exception as e:  # noqa: BLE001 - a head start only: torch starts it again at the first compile
         log.warning("could not start inductor's compile workers early: %s", e)
         return False
-    return True
+    try:  # maybe_warm_pool returns quietly where torch uses no pool; the pool is a cached factory
+        return AsyncCompile.process_pool.cache_info().currsize > 0
+    except AttributeError:  # a torch whose pool is not cached like that: the call above did not fail
+        return True
 
 
 def compile_workers_ready() -> bool:

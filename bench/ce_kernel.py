@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from bench.common import cuda_time_ms, env_record, median, report
-from dflash_core import ce_triton
-from dflash_core.loss import compiled_chunk_loss
+from dflash_core.kernels import ce as ce_triton
+from dflash_core.step.loss import compiled_chunk_loss
 
 SWEEP = [(ce_triton.BLOCK_V, ce_triton.NUM_WARPS), (2048, 8), (4096, 4), (4096, 16), (8192, 8)]
 

@@ -33,10 +33,10 @@ from bench.common import (
     warm_caches_in_parallel,
 )
 from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
-from dflash_core.attention import dense_mask, dflash_mask_mod
+from dflash_core.step.attention import dense_mask, dflash_mask_mod
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.engine.replica import DrafterReplica
-from dflash_core.train_step import FrozenHead
+from dflash_core.drafter import FrozenHead
 
 # the engine's CUDA defaults (EngineConfig "auto"), which every variant runs unless it says otherwise
 ENGINE_CUDA = dict(loss_kernel="triton", working_weights="bf16")

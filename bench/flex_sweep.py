@@ -26,7 +26,7 @@ import traceback
 import torch
 
 from bench.common import cuda_time_ms, env_record, median, out_dir, pid_alive, print_table, warm_caches_in_parallel
-from dflash_core.attention import build_block_mask, dflash_mask_mod
+from dflash_core.step.attention import build_block_mask, dflash_mask_mod
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch, synthetic_micro_batch
 

@@ -16,7 +16,8 @@ from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import DFlashDrafter, run_layer
 from dflash_core.engine.config import EngineConfig
 from dflash_core.engine.replica import make_bf16_working_copies
-from dflash_core.train_step import EAGER, FrozenHead, StepKernels, drafter_forward, micro_step, step_attention
+from dflash_core.drafter import FrozenHead
+from dflash_core.step.micro_step import EAGER, StepKernels, drafter_forward, micro_step, step_attention
 
 
 def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):

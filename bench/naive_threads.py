@@ -26,7 +26,7 @@ def child(mode: str, threads: int) -> None:
     from dflash_core.config import DrafterConfig, ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.engine.replica import DrafterReplica
-    from dflash_core.train_step import FrozenHead
+    from dflash_core.drafter import FrozenHead
 
     cfg = DrafterConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=128, vocab_size=32000, block_size=16, mask_token_id=5,

@@ -24,7 +24,7 @@ import torch
 
 from bench.common import cuda_time_ms, env_record, median, reference_drafter_config, report
 from dflash_core.drafter import DFlashDrafter
-from dflash_core.engine.adamw_triton import BLOCK, NUM_WARPS, TritonAdamW
+from dflash_core.kernels.adamw import BLOCK, NUM_WARPS, TritonAdamW
 from dflash_core.engine.optim import clipped_step
 
 KW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)

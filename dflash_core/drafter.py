@@ -10,6 +10,7 @@ Parameter names equal the checkpoint keys of the reference `DFlashDraftModel`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -173,3 +174,16 @@ def init_drafter_weights(named_weights, seed: int, std: float = 0.02) -> None:
             p.fill_(1.0)
         else:
             p.normal_(0.0, std, generator=gen)
+
+
+@dataclass
+class FrozenHead:
+    """The target's embedding and LM head weights, shared read-only by drafters on a device."""
+
+    embed_weight: torch.Tensor  # [V, H]
+    lm_head_weight: torch.Tensor  # [V, H]
+
+    def to(self, device, dtype) -> "FrozenHead":
+        # plain tensors, not the target's nn.Parameters: the compiled loss sees the same input
+        # types whether or not the drafter shares the target's device
+        return FrozenHead(self.embed_weight.detach().to(device, dtype), self.lm_head_weight.detach().to(device, dtype))

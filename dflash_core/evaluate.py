@@ -20,7 +20,8 @@ import torch
 from .devices import compute_dtype
 from .drafter import DFlashDrafter
 from .target import TargetModel
-from .train_step import FrozenHead, inference_block_forward
+from .drafter import FrozenHead
+from .step.micro_step import inference_block_forward
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .devices import compute_dtype
-from .train_step import FrozenHead
+from .drafter import FrozenHead
 
 
 class _StopForward(Exception):

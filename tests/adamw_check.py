@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from dflash_core.engine.adamw_triton import TritonAdamW
+from dflash_core.kernels.adamw import TritonAdamW
 from dflash_core.engine.optim import clipped_step, load_optimizer_state, set_lr
 
 SHAPES = [(64, 48), (3000,), (7,), (33, 5, 4)]  # not multiples of the kernel's block; one tiny

@@ -9,8 +9,8 @@ import json
 
 import torch
 
-from dflash_core.ce_triton import BLOCK_V, chunk_loss_and_grad
-from dflash_core.loss import _chunk_loss_and_grad
+from dflash_core.kernels.ce import BLOCK_V, chunk_loss_and_grad
+from dflash_core.step.loss import _chunk_loss_and_grad
 
 
 def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 5000, dtype=torch.float32,
@@ -67,7 +67,8 @@ def micro_step_compare() -> dict:
     import numpy as np
 
     from dflash_core.config import ShapeConfig
-    from dflash_core.train_step import EAGER, FrozenHead, StepKernels, micro_step
+    from dflash_core.drafter import FrozenHead
+    from dflash_core.step.micro_step import EAGER, StepKernels, micro_step
     from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
     cfg = tiny_drafter_config(block_size=4)

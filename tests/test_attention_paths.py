@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_core.attention import training_attention
+from dflash_core.step.attention import training_attention
 from dflash_core.config import ShapeConfig
-from dflash_core.train_step import FrozenHead, drafter_forward
+from dflash_core.drafter import FrozenHead
+from dflash_core.step.micro_step import drafter_forward
 from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 
@@ -62,7 +63,7 @@ def test_compiled_step_equals_eager_step(scope):
 def test_flex_with_query_splits_equals_sdpa(compiled):
     """Queries run as batch entries against one broadcast K, V (FlexAttention.q_splits): the same
     function as one entry and as the dense mask."""
-    from dflash_core.attention import FlexAttention, usable_q_splits
+    from dflash_core.step.attention import FlexAttention, usable_q_splits
 
     shape = ShapeConfig(seq_len=200, num_anchors=64, block_size=4)  # Q = 256 = 2 tiles of 128
     assert usable_q_splits(256, 4) == 2 and usable_q_splits(256, 1) == 1 and usable_q_splits(48, 4) == 1
@@ -79,7 +80,7 @@ def test_flex_with_query_splits_equals_sdpa(compiled):
 
 
 def test_split_mask_mod_is_the_mask_reshaped():
-    from dflash_core.attention import dense_mask, dflash_mask_mod
+    from dflash_core.step.attention import dense_mask, dflash_mask_mod
 
     rng = np.random.default_rng(5)
     shape = ShapeConfig(seq_len=40, num_anchors=8, block_size=4)

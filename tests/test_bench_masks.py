@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.flex_sweep import gather_mask_mod
-from dflash_core.attention import dense_mask, dflash_mask_mod
+from dflash_core.step.attention import dense_mask, dflash_mask_mod
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from tests.helpers import random_micro_batch

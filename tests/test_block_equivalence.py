@@ -6,9 +6,10 @@ import torch
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import make_micro_batch
 from dflash_core.data.packing import pack_documents
-from dflash_core.loss import reference_lm_head_loss
+from dflash_core.step.loss import reference_lm_head_loss
 from dflash_core.target import TargetModel
-from dflash_core.train_step import FrozenHead, inference_block_forward, micro_step
+from dflash_core.drafter import FrozenHead
+from dflash_core.step.micro_step import inference_block_forward, micro_step
 from tests.helpers import random_documents, random_drafter, tiny_drafter_config
 
 
@@ -32,8 +33,8 @@ def test_training_blocks_equal_inference_blocks(random_target_dir, tokenizer):
 
     with torch.no_grad():
         res = micro_step(drafter, head64, mb, feats, attention="dense", gamma=2.0, chunk_size=7)
-        from dflash_core.train_step import drafter_forward
-        from dflash_core.attention import training_attention
+        from dflash_core.step.micro_step import drafter_forward
+        from dflash_core.step.attention import training_attention
         train_hidden = drafter_forward(drafter, head64, mb, feats, training_attention(
             "dense", mb.doc_ids, mb.anchors, mb.anchor_valid, seq_len, block)).view(-1, block, cfg.hidden_size)
 

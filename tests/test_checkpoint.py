@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_core.attention import DenseAttention
+from dflash_core.step.attention import DenseAttention
 from dflash_core.checkpoint import expected_keys, load_drafter, load_training_state, save_checkpoint
 from tests.helpers import random_drafter, tiny_drafter_config
 

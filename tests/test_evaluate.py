@@ -13,7 +13,7 @@ from dflash_core.drafter import DFlashDrafter
 from dflash_core.engine import Engine, EngineConfig, TrainJob
 from dflash_core.evaluate import evaluate_acceptance, greedy_generate, prompt_ids, speculative_generate, stop_ids
 from dflash_core.target import TargetModel
-from dflash_core.train_step import inference_block_forward
+from dflash_core.step.micro_step import inference_block_forward
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def independent_tau(target: TargetModel, drafter: DFlashDrafter, embed, lm_head,
     while len(seq) - len(prompt) < max_new and seq[-1] != tokenizer.eos_token_id:
         a = len(seq) - 1
         block = torch.tensor([seq[a]] + [cfg.mask_token_id] * (cfg.block_size - 1))
-        from dflash_core.train_step import FrozenHead
+        from dflash_core.drafter import FrozenHead
 
         h = inference_block_forward(drafter, FrozenHead(embed, lm_head), feats[:a], block, a)
         guess = (h[1:] @ lm_head.t()).argmax(-1).tolist()

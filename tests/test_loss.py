@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_core.attention import training_attention
-from dflash_core.blocks import block_inputs, block_labels, expected_acceptance_length, position_decay
+from dflash_core.step.attention import training_attention
+from dflash_core.step.blocks import block_inputs, block_labels, expected_acceptance_length, position_decay
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch
-from dflash_core.loss import (
+from dflash_core.step.loss import (
     _chunk_loss_and_grad, _chunk_loss_and_grad_fusible, chunked_lm_head_loss, reference_lm_head_loss,
 )
-from dflash_core.train_step import FrozenHead, drafter_forward, micro_step
+from dflash_core.drafter import FrozenHead
+from dflash_core.step.micro_step import drafter_forward, micro_step
 from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 

@@ -5,12 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_core.attention import dense_mask, dflash_mask_mod, training_attention
-from dflash_core.blocks import block_labels
+from dflash_core.step.attention import dense_mask, dflash_mask_mod, training_attention
+from dflash_core.step.blocks import block_labels
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import make_micro_batch
 from dflash_core.data.packing import pack_documents
-from dflash_core.train_step import FrozenHead, drafter_forward
+from dflash_core.drafter import FrozenHead
+from dflash_core.step.micro_step import drafter_forward
 from tests.helpers import random_documents, random_drafter, tiny_drafter_config
 
 

@@ -35,7 +35,7 @@ def test_triton_adamw_matches_torch_adamw_interpreted():
 
 def test_working_copies_are_checked():
     triton = pytest.importorskip("triton")  # noqa: F841
-    from dflash_core.engine.adamw_triton import TritonAdamW
+    from dflash_core.kernels.adamw import TritonAdamW
 
     p = torch.nn.Parameter(torch.zeros(4, 3))
     with pytest.raises(ValueError, match="working cop"):
@@ -82,7 +82,7 @@ def test_resumed_torch_adamw_keeps_its_own_implementation():
 
 def test_triton_adamw_refuses_what_its_kernel_cannot_update():
     pytest.importorskip("triton")
-    from dflash_core.engine.adamw_triton import TritonAdamW
+    from dflash_core.kernels.adamw import TritonAdamW
 
     with pytest.raises(ValueError, match="fp32"):
         TritonAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])

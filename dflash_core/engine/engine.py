@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from ..attention import FLEX_TILE, usable_q_splits
-from ..blocks import expected_acceptance_length
+from ..step.attention import FLEX_TILE, usable_q_splits
+from ..step.blocks import expected_acceptance_length
 from ..checkpoint import cpu_copy, load_training_state, load_weights, read_config, write_checkpoint
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch, MicroBatchStream, synthetic_micro_batch
@@ -39,7 +39,7 @@ from .compile_workers import compile_delta, compile_snapshot, compile_workers_re
 from .config import EngineConfig, TrainJob
 from .feature_slots import FeatureSlots
 from .grad_sync import GradSync
-from .jobdata import load_job_data
+from ..data.job import load_job_data
 from .optim import load_optimizer_state, lr_factor
 from .replica import DrafterReplica
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 try:  # the GPU image's torch brings Triton; a CPU-only install may not have it
-    from .adamw_triton import TritonAdamW
+    from ..kernels.adamw import TritonAdamW
 except ImportError:
     TritonAdamW = None
 

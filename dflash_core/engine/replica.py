@@ -10,9 +10,9 @@ import torch
 
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
-from ..drafter import DFlashDrafter, init_drafter_weights, run_layer
-from ..loss import LOSS_KERNELS
-from ..train_step import FrozenHead, MicroStepResult, StepKernels, micro_step
+from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
+from ..step.loss import LOSS_KERNELS
+from ..step.micro_step import MicroStepResult, StepKernels, micro_step
 from .optim import TritonAdamW, build_optimizer, clipped_step, set_lr
 
 COMPILE_SCOPES = ("attention", "layer", "step")

@@ -96,7 +96,7 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     from dflash_core.config import ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.engine.replica import DrafterReplica
-    from dflash_core.train_step import FrozenHead
+    from dflash_core.drafter import FrozenHead
     from tests.helpers import tiny_drafter_config
 
     cfg = tiny_drafter_config(vocab_size=512, block_size=8, hidden=256, heads=4, kv_heads=2, layers=2)

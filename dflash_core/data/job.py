@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..data.conversations import Conversation, DatasetError, ReadReport, read_conversations
-from ..data.tokenize import Document, encode_conversation
+from .conversations import Conversation, DatasetError, ReadReport, read_conversations
+from .tokenize import Document, encode_conversation
 
 
 @dataclass

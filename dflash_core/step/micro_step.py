@@ -6,24 +6,11 @@ from typing import Callable
 
 import torch
 
+from ..data.batches import MicroBatch
+from ..drafter import DFlashDrafter, FrozenHead
 from .attention import DenseAttention, training_attention
 from .blocks import block_inputs, block_labels
-from .data.batches import MicroBatch
-from .drafter import DFlashDrafter
 from .loss import chunked_lm_head_loss
-
-
-@dataclass
-class FrozenHead:
-    """The target's embedding and LM head weights, shared read-only by drafters on a device."""
-
-    embed_weight: torch.Tensor  # [V, H]
-    lm_head_weight: torch.Tensor  # [V, H]
-
-    def to(self, device, dtype) -> "FrozenHead":
-        # plain tensors, not the target's nn.Parameters: the compiled loss sees the same input
-        # types whether or not the drafter shares the target's device
-        return FrozenHead(self.embed_weight.detach().to(device, dtype), self.lm_head_weight.detach().to(device, dtype))
 
 
 @dataclass

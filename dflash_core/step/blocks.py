@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .data.batches import MicroBatch
+from ..data.batches import MicroBatch
 
 
 def block_inputs(batch: MicroBatch, block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,7 +67,7 @@ def chunk_function(kernel: str):
     if kernel == "compiled":
         return compiled_chunk_loss()
     if kernel == "triton":
-        from .ce_triton import chunk_loss_and_grad  # Triton may be missing on CPU-only installs
+        from ..kernels.ce import chunk_loss_and_grad  # Triton may be missing on CPU-only installs
 
         return chunk_loss_and_grad
     raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {kernel!r}")

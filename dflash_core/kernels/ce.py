@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .devices import triton_launch_device
+from ..devices import triton_launch_device
 
 BLOCK_V = 4096  # bench.ce_kernel, run N: 0.19 ms per 1920-row chunk beyond the GEMMs (2048: 0.36, 8192: 0.38)
 NUM_WARPS = 8

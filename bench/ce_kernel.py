@@ -1,5 +1,6 @@
-"""One lm_head + CE loss chunk at the reference shape, alone, on one GPU: the compiled chunk (the
-engine's default, inductor) against ce_triton's two-pass kernel over a few launch settings.
+"""One lm_head + CE loss chunk at the reference shape, alone, on one GPU: the inductor-compiled
+chunk against the two-pass Triton kernel of dflash_core/kernels/ce.py (the engine's CUDA path)
+over a few launch settings.
 
     python -m bench.ce_kernel [--rows 1920]
 
@@ -40,7 +41,7 @@ def main(argv=None):
 
     gemms = timed(lambda: (hidden @ weight.t()) @ weight)
     compiled = compiled_chunk_loss()
-    rows = [{"chunk": "compiled (inductor; the engine default)", "ms": timed(lambda: compiled(hidden, weight, labels, w, True))}]
+    rows = [{"chunk": "compiled (inductor)", "ms": timed(lambda: compiled(hidden, weight, labels, w, True))}]
     for block_v, warps in dict.fromkeys(SWEEP):
         rows.append({"chunk": f"triton, BLOCK_V {block_v}, {warps} warps", "ms": timed(
             lambda: ce_triton.chunk_loss_and_grad(hidden, weight, labels, w, True, block_v=block_v, num_warps=warps))})

@@ -73,7 +73,7 @@ def measured_bf16_peak_tflops(n: int = 8192) -> float:
 
 
 def drafter_flops(cfg: DrafterConfig, shape: ShapeConfig, visible_pairs: int) -> dict[str, float]:
-    """Model FLOPs of one forward+backward, counted as in DESIGN.md section 7."""
+    """Model FLOPs of one forward+backward, counted as docs/design.md (performance model) says."""
     h, kvd = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     qd = cfg.num_attention_heads * cfg.head_dim
     per_layer = h * qd + 2 * h * kvd + qd * h + 3 * h * cfg.intermediate_size

@@ -6,7 +6,7 @@ Starts `dflash-trainer serve` (target on cuda:0, drafter on cuda:1; colocated on
 GPU) with a cold inductor cache and measures time to /healthz 200; runs one job; keeps /metrics;
 stops it (SIGTERM) and starts it again on the warm cache to measure time to ready once more
 (--warm-starts N: N times, and their median; --warm-env "A;B": the warm starts take turns with
-these environments, e.g. "DFLASH_ENGINE__COMPILE_WORKERS=lazy", and a median is reported per
+these environments, e.g. "TORCHINDUCTOR_COMPILE_THREADS=1", and a median is reported per
 environment; "" is the unchanged one).
 Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
 optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.

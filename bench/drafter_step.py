@@ -1,4 +1,4 @@
-"""Drafter training step at the reference shape (DESIGN.md section 7) on one GPU.
+"""Drafter training step at the reference shape (docs/design.md) on one GPU.
 
     python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
                                  [--warm-jobs 4]   # a cold machine: compile the variants in parallel first
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from dataclasses import replace
 import json
 import time
 import traceback
@@ -35,32 +36,33 @@ from bench.common import (
 from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
 from dflash_core.step.attention import dense_mask, dflash_mask_mod
 from dflash_core.data.batches import synthetic_micro_batch
-from dflash_core.engine.replica import DrafterReplica
+from bench.variants import variant_kernels
 from dflash_core.drafter import FrozenHead
+from dflash_core.engine.config import StepPlan
+from dflash_core.engine.replica import DrafterReplica
 
-# the engine's CUDA defaults (EngineConfig "auto"), which every variant runs unless it says otherwise
-ENGINE_CUDA = dict(loss_kernel="triton", working_weights="bf16")
+ENGINE = StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")  # step_plan on CUDA
+FP32W = replace(ENGINE, working_weights="fp32")
+EAGER_SDPA = StepPlan(attention="dense", compiled=False, loss="eager", working_weights="bf16")
+# variant -> (plan, compile scope, query splits); bench.variants says what each means
 VARIANTS = {
-    "flex_layer": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1),  # engine default
-    # the engine default with fp32 working weights (autocast casts every matrix, every step)
-    "flex_layer_fp32w": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1,
-                             working_weights="fp32"),
-    # session 4's engine: fp32 working weights and the inductor-compiled loss chunks
-    "flex_layer_s4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=1,
-                          working_weights="fp32", loss_kernel="compiled"),
-    "flex_layer_q4": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=4),
-    "flex_layer_q8": dict(attention="flex", compiled=True, compile_scope="layer", flex_q_splits=8),
-    "flex_step": dict(attention="flex", compiled=True, compile_scope="step", flex_q_splits=1),
-    "flex": dict(attention="flex", compiled=True, compile_scope="attention", flex_q_splits=1),
-    "sdpa_dense": dict(attention="dense", compiled=False),
-    "sdpa_chunked": dict(attention="dense_chunked", compiled=False),
-    "flex_eager": dict(attention="flex", compiled=False, flex_q_splits=1),
+    "flex_layer": (ENGINE, "layer", 1),  # the engine's step
+    "flex_layer_fp32w": (FP32W, "layer", 1),  # fp32 working weights: autocast casts every matrix, every step
+    "flex_layer_inductor_ce": (replace(FP32W, loss="compiled"), "layer", 1),  # and the inductor-compiled loss chunks
+    "flex_layer_q4": (ENGINE, "layer", 4),
+    "flex_layer_q8": (ENGINE, "layer", 8),
+    "flex_step": (ENGINE, "step", 1),
+    "flex": (ENGINE, "attention", 1),
+    "sdpa_dense": (EAGER_SDPA, "layer", 1),
+    "sdpa_chunked": (replace(EAGER_SDPA, attention="dense_chunked"), "layer", 1),
+    "flex_eager": (replace(EAGER_SDPA, attention="flex"), "layer", 1),
 }
 
 
 def make_replica(cfg, head, variant, chunk):
-    rep = DrafterReplica(0, cfg, "cuda:0", head, compute_dtype=torch.bfloat16, gamma=7.0, chunk_size=chunk,
-                         **{**ENGINE_CUDA, **VARIANTS[variant]})
+    plan, scope, q_splits = VARIANTS[variant]
+    rep = DrafterReplica(0, cfg, "cuda:0", head, plan, gamma=7.0, chunk_size=chunk)
+    rep.kernels = variant_kernels(rep.drafter, plan, scope, q_splits)
     rep.init_weights(0)
     return rep
 
@@ -212,7 +214,7 @@ def compile_variant(name, layers, chunk, first_variant):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--variants", default="flex_layer,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager")
+    p.add_argument("--variants", default="flex_layer,sdpa_dense,sdpa_chunked")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flat-steps", type=int, default=100)
     p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
@@ -221,7 +223,7 @@ def main(argv=None):
                    help="first compile the variants in this many parallel processes (cold machines)")
     p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
     p.add_argument("--compiled-optimizer", action="store_true",
-                   help="also time torch.compile's AdamW step (~45 s of cold compile; run I: 7.79 ms)")
+                   help="also time torch.compile's AdamW step (a cold compile of tens of seconds)")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--cases", help=argparse.SUPPRESS)  # one variant, with --compile-only (a warm-up child)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -232,7 +234,7 @@ def main(argv=None):
         return compile_variant(args.cases, args.layers, args.chunk, names[0])
     warm = {}
     if args.warm_jobs:
-        compiled = [n for n in names if VARIANTS[n].get("compiled")] + (["optimizer"] if args.compiled_optimizer else [])
+        compiled = [n for n in names if VARIANTS[n][0].compiled] + (["optimizer"] if args.compiled_optimizer else [])
         warm = warm_caches_in_parallel(
             "bench.drafter_step", compiled,
             ["--layers", str(args.layers), "--chunk", str(args.chunk), "--variants", args.variants],

@@ -22,7 +22,6 @@ def child(steps: int, work: Path) -> None:
     import torch
 
     from bench.common import write_target_dir
-    from dflash_core.config import ShapeConfig
     from dflash_core.defaults import ensure_default_assets
     from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
 
@@ -32,7 +31,7 @@ def child(steps: int, work: Path) -> None:
     target = write_target_dir(work / "target", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     cfg = EngineConfig(target_path=str(target), target_random_init=True, target_devices=["cuda:0"], drafter_devices=drafters,
-                       shape=ShapeConfig(seq_len=2048, num_anchors=256, block_size=16), drafter_layers=3,
+                       seq_len=2048, num_anchors=256, block_size=16, drafter_layers=3,
                        target_layer_ids=[1, 5, 9])
     t0 = time.time()
     engine = Engine(cfg, work / "data").build()
@@ -50,7 +49,7 @@ def child(steps: int, work: Path) -> None:
     same = all(torch.equal(a.cpu(), b.cpu()) for rep in engine.replicas[1:]
                for a, b in zip(engine.replicas[0].drafter.parameters(), rep.drafter.parameters()))
     print(json.dumps({"status": res.status, "steps": res.steps_done, "ready_s": round(ready, 1), "train_s": round(train, 1),
-                      "compiles": engine.compile_counts(), "replicas": len(drafters), "replicas_identical": same,
+                      "compiles": engine.status().compiles, "replicas": len(drafters), "replicas_identical": same,
                       "tokens_per_s": round(sum(s.context_tokens for s in stats[5:]) / max(1e-9, sum(s.step_seconds for s in stats[5:])))}),
           flush=True)
     engine.close()

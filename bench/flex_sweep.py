@@ -7,7 +7,7 @@ bf16, a random output gradient), one case per row:
 
   * the mask function: the production `dflash_mask_mod` (per-block context intervals: two loads
     per query row, none per key) against the element-wise form it replaced (`gather_mask_mod`:
-    doc[kv] == doc[anchor], a gather per element; 2.5x slower backward in run F);
+    doc[kv] == doc[anchor], a gather per element, which makes every backward tile much slower);
   * query splits (FlexAttention.q_splits);
   * kernel block sizes / warps / stages of the backward (`kernel_options`);
   * the kernel itself: the same sizes with no mask at all ("dense") as a control.
@@ -50,8 +50,9 @@ CASES = {  # name: (mask, q_splits, kernel_options); "dflash" first: the others 
 
 
 def gather_mask_mod(doc_ids, anchors, anchor_valid, seq_len: int, block_size: int, queries_per_batch: int = 0):
-    """The element-wise form of the DFlash mask that production used until run F: the same
-    function (tests/test_bench_masks.py), with a document-id gather per (query, key) element."""
+    """The element-wise form of the DFlash mask, kept as the baseline the interval form is timed
+    against: the same function (tests/test_bench_masks.py), with a document-id gather per
+    (query, key) element."""
     num_anchors = anchors.shape[0]
 
     def mask_mod(b, h, q_idx, kv_idx):

@@ -13,10 +13,9 @@ import torch
 from bench.common import env_record, out_dir, print_table, reference_drafter_config
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
-from dflash_core.drafter import DFlashDrafter, run_layer
-from dflash_core.engine.config import EngineConfig
-from dflash_core.engine.replica import make_bf16_working_copies
-from dflash_core.drafter import FrozenHead
+from dflash_core.drafter import DFlashDrafter, FrozenHead
+from dflash_core.engine.config import step_plan
+from dflash_core.engine.replica import make_bf16_working_copies, plan_kernels
 from dflash_core.step.micro_step import EAGER, StepKernels, drafter_forward, micro_step, step_attention
 
 
@@ -32,19 +31,16 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     base.init_weights(seed)
     results = {}
     flex_alone = StepKernels(attention=True)
-    # the engine's CUDA kernels: compiled layer, BlockMask, the Triton CE kernel for the loss
-    # chunks, its default q_splits, and bf16 working copies of the weight matrices (below).
-    # Session 4's fp32 weights + compiled loss chunks passed here at a52a556 and 555b089; each
-    # variant is another cold compile of minutes in tests/gpu.
-    flex_layer = StepKernels(layer=torch.compile(run_layer, dynamic=False), mask=True, loss="triton",
-                             q_splits=EngineConfig().flex_q_splits)
+    # the engine's CUDA step: compiled layer and BlockMask, the Triton CE kernel for the loss chunks,
+    # and bf16 working copies of the weight matrices (below)
+    flex_layer = plan_kernels(step_plan(["cuda:0"]))
     for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
                                             ("flex_bf16", "flex", torch.bfloat16, flex_alone),
                                             ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
                                             ("dense_bf16", "dense", torch.bfloat16, EAGER)):
         drafter = DFlashDrafter(cfg).cuda()
         drafter.load_state_dict(base.state_dict())
-        if kernels is flex_layer:  # DrafterReplica's working_weights "bf16": the matrices in bf16, norms fp32
+        if kernels is flex_layer:  # as DrafterReplica's bf16 working weights: the matrices in bf16, norms fp32
             make_bf16_working_copies(list(drafter.parameters()))
         head = FrozenHead(embed, lm_head).to("cuda", dtype)
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == torch.bfloat16 else torch.autocast("cuda", enabled=False)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/benchmarks.md, in parts that each fit one device call (10 min):
+# The GPU measurements of docs/performance.md, in parts; several parts run in order in one call,
+# which DEADLINE bounds (for GPU runners that limit a call to about 10 minutes):
 #
 #   bash bench/gpu_session.sh step      # drafter step variants at the reference shape, flatness, profile
 #   bash bench/gpu_session.sh daemon    # daemon, Qwen3-8B-shaped target on cuda:0, drafter on cuda:1:
@@ -7,17 +8,19 @@
 #   bash bench/gpu_session.sh recipe    # the same at the recipe's density (512 anchors), 50 steps
 #   bash bench/gpu_session.sh twodrafters  # drafters on cuda:0 and cuda:1 (cold + warm ready), 30 steps
 #                                      # WARM_STARTS=N; WARM_ENV="A=1;B=2": warm starts take turns (A/B)
+#   bash bench/gpu_session.sh colocated # the daemon part with target and drafter on cuda:0 (one GPU)
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu (TESTS_SELECT="replicas or adamw": pytest -k)
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
-#   bash bench/gpu_session.sh optimizer # the optimizer step alone (Triton AdamW sweep vs torch), ~30 s
+#   bash bench/gpu_session.sh optimizer # the optimizer step alone (Triton AdamW sweep vs torch)
 #   bash bench/gpu_session.sh ce        # one loss chunk: compiled vs the Triton CE kernel (sweep)
-#   bash bench/gpu_session.sh probe     # a warm start's imports and CUDA initialisation, ~1 min
+#   bash bench/gpu_session.sh probe     # a warm start's imports and CUDA initialisation
 #   bash bench/gpu_session.sh tests step   # several parts in one call, in order
 #
-# Packages the GPU image lacks travel as wheels in .whl/ (device README, Notes); the Prometheus
-# binary travels as .prom/prometheus (cp /usr/bin/prometheus .prom/ here, after apt-get install
-# prometheus). Results go to $OUT.
+# Packages a bare GPU image lacks (the service's: fastapi, uvicorn, pydantic, prometheus_client, ...)
+# can travel as wheels in .whl/; the Prometheus binary for `panels` as .prom/prometheus (cp
+# /usr/bin/prometheus .prom/ after apt-get install prometheus). Results, logs and compile logs go to
+# $OUT (default out/, ignored by git), packed into one gpu_results.tgz at the end; never into docs/.
 set -u
 [ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce|probe ..." >&2; exit 2; }
 for part in "$@"; do
@@ -25,6 +28,9 @@ for part in "$@"; do
 done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
+case "$(realpath -m "$OUT")/" in
+  "$(realpath "$PWD")"/docs/*) echo "OUT=$OUT is under docs/: benchmark output stays out of the repository (use out/)" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,11 +38,11 @@ if [ -d .whl ]; then
 fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-# A device call has 600 s in all: parts share DEADLINE (s since this script started), each also
-# bounded by PART_TIMEOUT; whatever ran is packed on exit, also when a part times out or fails.
+# Parts share DEADLINE (s since this script started), each also bounded by PART_TIMEOUT; whatever
+# ran is packed on exit, also when a part times out or fails.
 DEADLINE=${DEADLINE:-570}
-# Compiled kernels travel between calls (a fresh machine compiles flex for minutes): the cache
-# comes in as .cache_in/inductor_cache.tgz.* (carry .cache_in) and goes back as $OUT pieces.
+# Compiled kernels can travel between calls (a fresh machine compiles flex for minutes): the cache
+# comes in as .cache_in/inductor_cache.tgz.* and goes back as $OUT pieces (CACHE_BACK=1).
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor_cache
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
 if ls .cache_in/inductor_cache.tgz.* >/dev/null 2>&1; then
@@ -57,10 +63,10 @@ fi
 wait_background_tests() {
   if [ -n "${TESTS_PID:-}" ]; then wait "$TESTS_PID"; echo "=== background tests exit $?"; TESTS_PID=""; fi
 }
-pack() {  # the device tool brings back at most 8 files, 64 MB: the results in one, the cache in <= 4 pieces
+pack() {  # for runners that bring back few files of limited size: the results in one, the cache in <= 4 pieces
   wait_background_tests
   (cd "$OUT" && tar czf /tmp/gpu_results.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_results.tgz .)
-  if [ "${CACHE_BACK:-0}" = 1 ]; then  # ~100 MB compressed after the flex sweep and the gpu tests: over the limit
+  if [ "${CACHE_BACK:-0}" = 1 ]; then  # after the flex sweep and the gpu tests it is usually over the limit
     tar czf /tmp/inductor_cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null
     size=$(stat -c %s /tmp/inductor_cache.tgz)
     room=$((60 * 1024 * 1024 - $(stat -c %s "$OUT/gpu_results.tgz")))
@@ -80,7 +86,7 @@ for part in "$@"; do
   WARM=$((T - 200 > T / 2 ? T - 200 : T / 2))  # parallel compile phase; the rest is for timing
   echo "=== $part $(date +%T) (limit ${T}s)"
   case "$part" in
-    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,flex_layer_fp32w,flex_layer_s4,sdpa_dense,sdpa_chunked} \
+    step)   timeout $T python3 -m bench.drafter_step --variants ${STEP_VARIANTS:-flex_layer,sdpa_dense,sdpa_chunked} \
               --iters 10 --profile --warm-jobs ${WARM_JOBS:-4} --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/drafter_step.log" ;;
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     recipe) DAEMON_WORK=/tmp/dflash-daemon-recipe OUT=$OUT/recipe timeout $T python3 -m bench.daemon_gpu --anchors 512 --steps 50 --timeout 300 2>&1 | tee "$OUT/daemon_recipe.log" ;;

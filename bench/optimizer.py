@@ -1,5 +1,5 @@
 """The optimizer step over the drafter's parameters at the reference widths (~1.05B fp32), on
-one GPU, apart from the forward and backward (DESIGN.md section 7's optimizer row).
+one GPU, apart from the forward and backward (the optimizer rows of docs/performance.md).
 
     python -m bench.optimizer [--layers 5] [--compiled]
 
@@ -7,8 +7,8 @@ Rows: the engine's step on CUDA (Triton AdamW over fp32 masters, reading bf16 gr
 writing bf16 working copies of the weight matrices; alone, and clipped: norm + AdamW with the
 clip folded in, what the training loop runs), the Triton AdamW over fp32 weights and gradients
 (block size / warps sweep; the default first; clipped too), torch's fused
-AdamW per tensor and over one flat tensor, the engine's previous clip_grad_norm_ + fused step,
-and (--compiled, ~45 s of cold compile) torch.compile of the foreach step. Medians of 20
+AdamW per tensor and over one flat tensor, torch's usual clip_grad_norm_ + fused step, and
+(--compiled, a long cold compile) torch.compile of the foreach step. Medians of 20
 CUDA-event timings after 3 warm-up steps, on random gradients. Writes $OUT/optimizer.json and
 prints a table last.
 """
@@ -65,19 +65,19 @@ def optimizer_rows(params, compiled: bool = False) -> dict[str, float | None]:
         rows[f"Triton AdamW, fp32 weights + gradients, block {block}, {warps} warps"] = median(
             cuda_time_ms(triton_opt.step, warmup=3, iters=20))
         if (block, warps) == (BLOCK, NUM_WARPS):
-            rows["clipped step over fp32 gradients: norm + Triton AdamW, clip folded in (session 4's engine)"] = median(
+            rows["clipped step over fp32 gradients: norm + Triton AdamW, clip folded in"] = median(
                 cuda_time_ms(lambda: clipped_step(triton_opt, [p.grad for p in params], 1.0), warmup=3, iters=20))
         triton_opt = None
         _free()
     fused = torch.optim.AdamW(params, **KW, fused=True)
     rows["torch fused AdamW, per-tensor"] = median(cuda_time_ms(fused.step, warmup=3, iters=20))
 
-    def old_engine_step():
+    def torch_clipped_step():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         fused.step()
 
     saved = [p.grad.clone() for p in params]  # clip_grad_norm_ rewrites the gradients
-    rows["clip_grad_norm_ + torch fused AdamW (the engine before)"] = median(cuda_time_ms(old_engine_step, warmup=3, iters=20))
+    rows["clip_grad_norm_ + torch fused AdamW"] = median(cuda_time_ms(torch_clipped_step, warmup=3, iters=20))
     for p, g in zip(params, saved):
         p.grad.copy_(g)
     fused = saved = None
@@ -127,7 +127,7 @@ def table_rows(rows: dict[str, float | None], n_params: int) -> list[dict]:
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--compiled", action="store_true", help="also torch.compile the foreach step (~45 s cold)")
+    p.add_argument("--compiled", action="store_true", help="also torch.compile the foreach step (slow cold compile)")
     args = p.parse_args(argv)
     with torch.device("cuda:0"):
         drafter = DFlashDrafter(reference_drafter_config(args.layers))

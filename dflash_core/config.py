@@ -14,7 +14,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 def default_loss_gamma(block_size: int) -> float:
@@ -69,7 +69,7 @@ class DrafterConfig:
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
-    ) -> "DrafterConfig":
+    ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
         ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(num_target_layers, num_hidden_layers)

@@ -10,8 +10,8 @@ Parameter names equal the checkpoint keys of the reference `DFlashDraftModel`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -183,7 +185,7 @@ class FrozenHead:
     embed_weight: torch.Tensor  # [V, H]
     lm_head_weight: torch.Tensor  # [V, H]
 
-    def to(self, device, dtype) -> "FrozenHead":
+    def to(self, device, dtype) -> FrozenHead:
         # plain tensors, not the target's nn.Parameters: the compiled loss sees the same input
         # types whether or not the drafter shares the target's device
         return FrozenHead(self.embed_weight.detach().to(device, dtype), self.lm_head_weight.detach().to(device, dtype))

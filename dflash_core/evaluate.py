@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .devices import compute_dtype
-from .drafter import DFlashDrafter
-from .target import TargetModel
-from .drafter import FrozenHead
+from .drafter import DFlashDrafter, FrozenHead
 from .step.micro_step import inference_block_forward
+from .target import TargetModel
 
 
 @dataclass
@@ -52,7 +51,13 @@ class EvalResult:
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
+    """The argmax token of each row of logits [n, vocab]."""
     return logits.argmax(dim=-1).tolist()
+
+
+def _argmax_one(logits: torch.Tensor) -> int:
+    """The argmax token of one row of logits [vocab]."""
+    return int(logits.argmax(dim=-1))
 
 
 @torch.no_grad()
@@ -64,7 +69,7 @@ def speculative_generate(
     b = cfg.block_size
     tdev, ddev = target.device, head.embed_weight.device
     logits, feats = target.forward_logits(torch.tensor(prompt, device=tdev))
-    out = list(prompt) + [_argmax(logits[-1])]
+    out = list(prompt) + [_argmax_one(logits[-1])]
     lengths: list[int] = []
     while len(out) - len(prompt) < max_new_tokens and out[-1] not in stop_token_ids:
         anchor = len(out) - 1
@@ -98,7 +103,7 @@ def greedy_generate(target: TargetModel, prompt: list[int], *, max_new_tokens: i
     out = list(prompt)
     while len(out) - len(prompt) < max_new_tokens:
         logits, _ = target.forward_logits(torch.tensor(out, device=target.device))
-        out.append(_argmax(logits[-1]))
+        out.append(_argmax_one(logits[-1]))
         if out[-1] in stop_token_ids:
             break
     return out[len(prompt):]

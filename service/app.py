@@ -1,4 +1,4 @@
-"""The HTTP control plane (DESIGN.md section 5): health, jobs, events, metrics.
+"""The HTTP control plane (docs/design.md, "HTTP API"): health, jobs, events, metrics.
 
 `create_app(config)` returns the FastAPI app; its lifespan opens the store, starts the job worker
 and starts the engine build in a background thread without awaiting it, so uvicorn answers
@@ -15,7 +15,7 @@ import math
 import os
 import threading
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +88,7 @@ class Daemon:
         self.store = JobStore(self.config.database_path)
         self.host = EngineHost(self.config)
         self.manager = JobManager(self.config, self.store, self.host)
-        self.metrics = ServiceMetrics(self.host, self.store, job_running=lambda: self.manager.job_running,
-                                      block_size=self.config.engine.shape_values()[2])
+        self.metrics = ServiceMetrics(self.host, self.store, block_size=self.config.engine.block_size)
         self.manager.metrics = self.metrics
         self.manager.start()
         self.host.start()
@@ -127,7 +126,7 @@ class Daemon:
 
 # --------------------------------------------------------------------------- JSON shapes
 def _iso(t: float | None) -> str | None:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z") if t is not None else None
+    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z") if t is not None else None
 
 
 def finite(value: Any) -> Any:
@@ -143,7 +142,7 @@ def finite(value: Any) -> Any:
 
 def job_json(job: JobRecord) -> dict[str, Any]:
     total = job.total_steps
-    out = {
+    out: dict[str, Any] = {
         "id": job.id,
         "name": job.name,
         "submission_id": job.submission_id,
@@ -241,20 +240,22 @@ def create_app(config: ServiceConfig) -> FastAPI:
     # the pool is busy (e.g. submissions waiting for the engine during a cold start).
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
+        assert daemon.host is not None  # set by daemon.start(), which the lifespan runs before any request
         body = daemon.host.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
 
     @app.get("/livez")
     async def livez() -> JSONResponse:
+        assert daemon.manager is not None and daemon.host is not None  # set by daemon.start() (lifespan)
         problems = []
         if not daemon.manager.worker_alive and not daemon.shutting_down:
             problems.append("the job worker thread died")
-        engine = daemon.host.engine
-        if daemon.host.ready and engine is not None and not engine.threads_alive() and not daemon.shutting_down:
+        status = daemon.host.engine_status()
+        if daemon.host.ready and status is not None and not status.threads_alive and not daemon.shutting_down:
             problems.append("an engine drafter thread died")
         if daemon.host.failed:
             problems.append(f"the engine failed to start: {daemon.host.error}")
-        body = {"status": "alive" if not problems else "dead", "engine": daemon.host.status(),
+        body: dict[str, Any] = {"status": "alive" if not problems else "dead", "engine": daemon.host.status(),
                 "job_worker_alive": daemon.manager.worker_alive, "engine_build_running": daemon.host.build_thread_alive}
         if problems:
             body["problems"] = problems
@@ -262,6 +263,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.get("/metrics")
     def metrics() -> Response:
+        assert daemon.metrics is not None  # set by daemon.start(), which the lifespan runs before any request
         return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)
 
     # ------------------------------------------------------------------ jobs
@@ -280,6 +282,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
             return _invalid([{"field": "body", "message": f"not a usable JSON document ({type(e).__name__})"}])
         if body is None:
             return _invalid([{"field": "body", "message": "empty body; send the job spec as a JSON object"}])
+        assert daemon.manager is not None  # set by daemon.start(), which the lifespan runs before any request
         try:
             spec = parse_spec(body)
             job, created = await run_in_threadpool(daemon.manager.submit, spec)
@@ -300,11 +303,13 @@ def create_app(config: ServiceConfig) -> FastAPI:
                   limit: int = Query(1000, ge=1, le=100_000, description="the newest this many jobs")) -> JSONResponse:
         if state is not None and state.upper() not in STATES:
             return _invalid_query("state", f"{state!r} is not one of {', '.join(STATES)}")
+        assert daemon.store is not None  # set by daemon.start(), which the lifespan runs before any request
         jobs = daemon.store.list_jobs(state=state.upper() if state else None, limit=limit)
         return JSONResponse({"jobs": [job_json(j) for j in jobs]})
 
     @app.get("/jobs/{job_id}")
     def get_job(job_id: str) -> JSONResponse:
+        assert daemon.store is not None  # set by daemon.start(), which the lifespan runs before any request
         job = daemon.store.get_job(job_id)
         if job is None:
             return _error(404, f"no job {job_id!r}")
@@ -314,6 +319,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
     def cancel_job(request: Request, job_id: str) -> JSONResponse:
         if (denied := _unauthorized(request)) is not None:
             return denied
+        assert daemon.manager is not None  # set by daemon.start(), which the lifespan runs before any request
         try:
             job = daemon.manager.cancel(job_id)
         except JobNotFound:
@@ -331,6 +337,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         kind: list[str] | None = Query(None, description="only these kinds (repeatable), e.g. step"),
     ) -> Response:
         store = daemon.store
+        assert store is not None  # set by daemon.start(), which the lifespan runs before any request
         job = await run_in_threadpool(store.get_job, job_id, with_checkpoints=False)
         if job is None:
             return _error(404, f"no job {job_id!r}")

@@ -11,8 +11,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from .client import DaemonClient, DaemonError, default_token, default_url
 from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,7 @@ class DaemonClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "DaemonClient":
+    def __enter__(self) -> DaemonClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -5,7 +5,7 @@ With no file at all the daemon serves the embedded default (tiny target, bundled
 CPU, or on the GPU(s) when CUDA is present.
 
 Environment: DFLASH_<FIELD> for top-level fields (DFLASH_PORT, DFLASH_DATA_DIR, DFLASH_AUTH_TOKEN,
-...), DFLASH_ENGINE__<FIELD> for the engine section (DFLASH_ENGINE__WARMUP_DELAY_SECONDS). Lists
+...), DFLASH_ENGINE__<FIELD> for the engine section (DFLASH_ENGINE__DRAFTER_DEVICES). Lists
 are JSON (`["cuda:0","cuda:1"]`) or comma-separated (`cuda:0,cuda:1`).
 """
 from __future__ import annotations
@@ -15,13 +15,15 @@ import os
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dflash_core.engine.config import EngineConfig
+
 ENV_PREFIX = "DFLASH_"
-DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
 class ConfigError(ValueError):
@@ -43,98 +45,6 @@ def embedded_assets_dir() -> Path:
     return ASSETS
 
 
-class EngineSettings(BaseModel):
-    """Maps onto dflash_core's EngineConfig. Unset values take the embedded default's."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    target_path: Path | None = Field(None, description="HF checkpoint dir of the target; unset = embedded tiny target")
-    target_random_init: bool = Field(False, description="the target_path architecture with random weights (benchmarks, dry runs)")
-    target_devices: list[typing.Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(None, min_length=1)
-    drafter_devices: list[typing.Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(None, min_length=1)
-    seq_len: int | None = Field(None, ge=2)
-    num_anchors: int | None = Field(None, ge=1)
-    block_size: int | None = Field(None, ge=2)
-    drafter_layers: int | None = Field(None, ge=1)
-    drafter_intermediate_size: int | None = Field(None, ge=1)
-    target_layer_ids: list[int] | None = Field(None, min_length=1)
-    mask_token: str | None = None
-    attention: Literal["auto", "flex", "dense"] = "auto"
-    compile: bool | None = None
-    compile_scope: Literal["attention", "layer", "step"] | None = Field(
-        None, description="what torch.compile covers on CUDA: flex_attention only, one decoder layer "
-                          "(+ BlockMask and loss chunks), or the whole drafter forward")
-    flex_q_splits: int = Field(1, ge=1, le=64, description="queries as this many flex batch entries (1 is fastest measured)")
-    loss_kernel: Literal["auto", "compiled", "triton"] = Field(
-        "auto", description="lm_head + CE chunks: compiled by inductor, or a two-pass Triton kernel (CUDA only); "
-                            "auto: triton when every drafter is on CUDA")
-    working_weights: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="weights the drafter computes with: the fp32 masters (cast every step), or bf16 copies "
-                            "of the weight matrices beside fp32 masters (CUDA only); auto: bf16 when every drafter "
-                            "is on CUDA")
-    init_seed: int = 0
-    warmup_delay_seconds: float = Field(0.0, ge=0, description="pause per warmup phase, to observe warming in tests")
-    inductor_cache_dir: Path | None = Field(None, description="default <data_dir>/inductor-cache")
-    compile_workers: Literal["early", "lazy"] = Field(
-        "early", description="inductor's Triton worker pool: started when the build starts (ready by the first "
-                             "drafter compile), or lazily by torch at the first compile")
-    queue_depth: int = Field(4, ge=1)
-
-    @field_validator("target_path", "inductor_cache_dir")
-    @classmethod
-    def _expand(cls, v: Path | None) -> Path | None:
-        return v.expanduser() if v is not None else None
-
-    def shape_values(self) -> tuple[int, int, int]:
-        """(seq_len, num_anchors, block_size) the engine will compile for."""
-        from dflash_core.defaults import DEFAULT_SHAPE_CPU
-
-        return (self.seq_len or DEFAULT_SHAPE_CPU.seq_len, self.num_anchors or DEFAULT_SHAPE_CPU.num_anchors,
-                self.block_size or DEFAULT_SHAPE_CPU.block_size)
-
-    def to_engine_config(self, data_dir: Path):
-        """The EngineConfig the daemon builds its engine with."""
-        from dflash_core.config import ShapeConfig
-        from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
-        from dflash_core.devices import default_devices
-        from dflash_core.engine import EngineConfig
-
-        embedded = self.target_path is None
-        auto_target, auto_drafter = default_devices()
-        if self.target_layer_ids is not None:
-            layer_ids = list(self.target_layer_ids)
-        else:  # the tiny target needs explicit ids; a real target takes the reference rule
-            layer_ids = list(DEFAULT_TARGET_LAYER_IDS) if embedded else None
-        seq_len, num_anchors, block_size = self.shape_values()
-        try:
-            shape = ShapeConfig(seq_len=seq_len, num_anchors=num_anchors, block_size=block_size)
-        except ValueError as e:
-            raise ConfigError(f"engine: {e}") from None
-        optional = {"compile_scope": self.compile_scope} if self.compile_scope is not None else {}
-        return EngineConfig(
-            **optional,
-            target_path=str(self.target_path) if self.target_path else None,
-            target_random_init=self.target_random_init,
-            target_devices=list(self.target_devices or auto_target),
-            drafter_devices=list(self.drafter_devices or auto_drafter),
-            shape=shape,
-            drafter_layers=self.drafter_layers or DEFAULT_DRAFTER_LAYERS,
-            target_layer_ids=layer_ids,
-            drafter_intermediate_size=self.drafter_intermediate_size,
-            mask_token=self.mask_token,
-            attention=self.attention,
-            compile=self.compile,
-            flex_q_splits=self.flex_q_splits,
-            loss_kernel=self.loss_kernel,
-            working_weights=self.working_weights,
-            init_seed=self.init_seed,
-            inductor_cache_dir=str(self.inductor_cache_dir or data_dir / "inductor-cache"),
-            compile_workers=self.compile_workers,
-            warmup_delay_seconds=self.warmup_delay_seconds,
-            queue_depth=self.queue_depth,
-        )
-
-
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -147,7 +57,7 @@ class ServiceConfig(BaseModel):
     log_json: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_timeout_seconds: float = Field(120.0, gt=0, description="how long SIGTERM waits for the job's checkpoint")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @field_validator("data_dir")
     @classmethod
@@ -175,9 +85,6 @@ class ServiceConfig(BaseModel):
     @property
     def database_path(self) -> Path:
         return self.data_dir / "dflash.sqlite3"
-
-    def engine_config(self):
-        return self.engine.to_engine_config(self.data_dir)
 
 
 # --------------------------------------------------------------------------- loading
@@ -247,8 +154,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         key = var[len(ENV_PREFIX):].lower()
         if key.startswith("engine__"):
             name = key[len("engine__"):]
-            if name in EngineSettings.model_fields:
-                engine[name] = _env_value(EngineSettings, name, raw, var)
+            if name in EngineConfig.model_fields:
+                engine[name] = _env_value(EngineConfig, name, raw, var)
         elif key in ServiceConfig.model_fields and key != "engine":
             out[key] = _env_value(ServiceConfig, key, raw, var)
     if engine:
@@ -292,9 +199,4 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
     if target is not None and not (target / "config.json").is_file():
         # caught here, not 10 s into the engine build (transformers would try the Hub with the name)
         raise ConfigError(f"{where}engine.target_path: {target} is not a model directory (no config.json)")
-    drafters = config.engine.drafter_devices  # unset: chosen at build (the engine refuses it there)
-    if drafters and not all(d.startswith("cuda") for d in drafters):
-        for key, cuda_only in (("loss_kernel", "triton"), ("working_weights", "bf16")):
-            if getattr(config.engine, key) == cuda_only:
-                raise ConfigError(f"{where}engine.{key}: {cuda_only!r} runs on CUDA only; drafter devices are {drafters}")
     return config

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from .cli import follow_job
 from .client import DaemonClient, DaemonError
 from .config import default_data_dir
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         health = wait_ready(client, proc, args.ready_timeout, log_path)
         print(f"ready after {time.monotonic() - t0:.1f} s: compiles {health.get('compiles')}", flush=True)
-        status, job = client.submit(spec)
+        _status, job = client.submit(spec)
         print(f"submitted {args.job.name}: {job['id']} ({job['state']})", flush=True)
         job = follow_job(client, job["id"])
         p = job["progress"]

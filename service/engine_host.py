@@ -3,6 +3,7 @@ answers at once, even before torch is imported) and turns its progress into the 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -13,6 +14,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash.engine")
 
 STARTING, WARMING, READY, FAILED = "starting", "warming", "ready", "failed"
+
+# A pause after each warm-up phase, read from the environment: it keeps the daemon observably
+# warming for the tests of /healthz and of the container healthcheck. Not a setting of the daemon.
+WARMUP_PAUSE_SECONDS = float(os.environ.get("DFLASH_TEST_WARMUP_PAUSE_SECONDS", "0") or 0)
 
 
 class EngineHost:
@@ -42,18 +47,18 @@ class EngineHost:
 
     def _build(self) -> None:
         try:
-            engine_config = self.config.engine_config()
+            engine_config = self.config.engine
             from dflash_core.engine import Engine
 
             created_after = time.monotonic() - self._started  # daemon start -> engine object (imports mostly)
-            self.engine = Engine(engine_config, self.config.data_dir, progress=self._on_progress)
-            self.drafters_total = len(engine_config.drafter_devices)
+            self.engine = Engine(engine_config, self.config.data_dir, on_phase=self._on_phase)
+            self.drafters_total = len(self.engine.drafter_devices)
             for listener in self._listeners:
                 listener(self.engine)
             self._created.set()
             log.info("engine build started", extra={"fields": {
-                "target": engine_config.target_path or "embedded default", "target_devices": engine_config.target_devices,
-                "drafter_devices": engine_config.drafter_devices, "shape": dict(vars(engine_config.shape))}})
+                "target": str(engine_config.target_path or "embedded default"),
+                "drafter_devices": self.engine.drafter_devices, "shape": dict(vars(engine_config.shape))}})
             self.engine.build()
         except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
             self._error = f"{type(e).__name__}: {e}"
@@ -62,7 +67,7 @@ class EngineHost:
             self._ready_after = time.monotonic() - self._started
             self._ready.set()
             log.info("engine ready", extra={"fields": {"seconds": round(self._ready_after, 3),
-                                                       "compiles": self.engine.compile_counts()}})
+                                                       "compiles": self.engine.status().compiles}})
         finally:
             if self.engine is not None:  # where the time to ready (or to the failure) went
                 log.info("engine build timeline", extra={"fields": {
@@ -72,10 +77,12 @@ class EngineHost:
             self._created.set()
             self._finished.set()
 
-    def _on_progress(self, progress) -> None:
+    def _on_phase(self, status) -> None:
         log.info("engine progress", extra={"fields": {
-            "phase": progress.phase, "drafters_ready": progress.drafters_ready,
-            "drafters_total": progress.drafters_total, "elapsed_seconds": round(progress.elapsed, 3)}})
+            "phase": status.phase, "drafters_ready": status.drafters_ready,
+            "drafters_total": status.drafters_total, "elapsed_seconds": round(status.elapsed_seconds, 3)}})
+        if WARMUP_PAUSE_SECONDS > 0 and status.phase != "ready":
+            time.sleep(WARMUP_PAUSE_SECONDS)
 
     def wait_engine(self, timeout: float | None = None):
         """The engine object (maybe still warming), or None if it could not be created in time."""
@@ -109,8 +116,13 @@ class EngineHost:
     def build_thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def engine_status(self):
+        """The engine's status snapshot, or None before the engine object exists."""
+        return self.engine.status() if self.engine is not None else None
+
     def phase(self) -> str:
-        return self.engine.progress.phase if self.engine is not None else "starting"
+        snapshot = self.engine_status()
+        return snapshot.phase if snapshot is not None else "starting"
 
     def status(self) -> str:
         if self._error is not None:
@@ -121,19 +133,19 @@ class EngineHost:
 
     def health(self) -> dict[str, Any]:
         status = self.status()
-        phase = self.phase()
-        engine = self.engine
+        snapshot = self.engine_status()
+        phase = snapshot.phase if snapshot is not None else "starting"
         body: dict[str, Any] = {
             "status": status,
             "phase": phase if status != FAILED else f"failed during {phase}",
-            "drafters_ready": engine.progress.drafters_ready if engine is not None else 0,
+            "drafters_ready": snapshot.drafters_ready if snapshot is not None else 0,
             "drafters_total": self.drafters_total,
             "elapsed_seconds": round(self._ready_after if self._ready_after is not None else time.monotonic() - self._started, 3),
         }
         if status == FAILED:
             body["error"] = self._error
-        if status == READY:
-            body["compiles"] = engine.compile_counts()
-            body["warmup_seconds"] = [{"component": c, "device": d, "seconds": round(s, 4)}
-                                      for c, d, s in engine.warmup_seconds]
+        if status == READY and snapshot is not None:
+            body["compiles"] = snapshot.compiles
+            body["warmup_seconds"] = [{"component": w.component, "device": w.device, "seconds": round(w.seconds, 4)}
+                                      for w in snapshot.warmup]
         return body

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md section 6), on a registry of the daemon's own.
+"""Prometheus metrics (docs/design.md, "Metrics"), on a registry of the daemon's own.
 
 Per-step values (step time histogram, loss, accuracy per block position, acceptance lengths) are
 set by the job runner; everything the engine or the store already knows (readiness, warmup times,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,53 +39,49 @@ ALLOCATOR_METRICS = {
 
 
 class _EngineCollector(Collector):
-    def __init__(self, host: "EngineHost", store: "JobStore", job_running: Callable[[], bool]):
+    def __init__(self, host: "EngineHost", store: "JobStore"):
         self.host = host
         self.store = store
-        self.job_running = job_running
 
     def collect(self):
-        engine = self.host.engine  # None while torch is still being imported
+        status = self.host.engine_status()  # None while torch is still being imported
         yield GaugeMetricFamily("dflash_ready", "1 when every drafter is warm and jobs can run", value=1 if self.host.ready else 0)
         yield GaugeMetricFamily("dflash_drafters_ready", "Drafter replicas warmed",
-                                value=engine.progress.drafters_ready if engine is not None else 0)
+                                value=status.drafters_ready if status is not None else 0)
         yield GaugeMetricFamily("dflash_drafters_total", "Drafter replicas configured", value=self.host.drafters_total)
 
         warm = GaugeMetricFamily("dflash_warmup_seconds", "Seconds spent loading/warming each component",
                                  labels=["component", "device"])
         totals: dict[tuple[str, str], float] = defaultdict(float)
-        for component, device, seconds in list(engine.warmup_seconds if engine is not None else []):
-            totals[(component, device)] += seconds
+        for record in status.warmup if status is not None else ():
+            totals[(record.component, record.device)] += record.seconds
         for (component, device), seconds in sorted(totals.items()):
             warm.add_metric([component, device], seconds)
         yield warm
 
         compiles = CounterMetricFamily("dflash_compiles", "Graphs compiled by torch.compile; any at runtime is a bug",
                                        labels=["phase"])
-        counts = engine.compile_counts() if engine is not None else {}
+        counts = status.compiles if status is not None else {}
         for phase in ("warmup", "runtime"):
             compiles.add_metric([phase], counts.get(phase, 0))
         yield compiles
 
         tokens = CounterMetricFamily("dflash_train_tokens", "Non-padding context tokens trained", labels=["device"])
-        if engine is not None:
-            per_device = dict.fromkeys(engine.config.drafter_devices, 0)
-            per_device.update(engine.tokens_per_device)
+        if status is not None:
+            per_device = dict.fromkeys(status.drafter_devices, 0)
+            per_device.update(status.tokens_per_device)
             for device, n in sorted(per_device.items()):
                 tokens.add_metric([device], n)
         yield tokens
         yield GaugeMetricFamily("dflash_train_tokens_per_second", "Tokens per second over the recent steps",
-                                value=engine.rate.rate() if engine is not None else 0.0)
+                                value=status.tokens_per_second if status is not None else 0.0)
 
         queues = GaugeMetricFamily("dflash_queue_depth", "Items waiting: queued jobs, micro-batches per drafter queue",
                                    labels=["queue"])
         job_counts = self.store.count_by_state()
         queues.add_metric(["jobs"], job_counts[PENDING])
-        # the engine records a drafter queue's depth when it fills it and drains the queues when a job
-        # ends, so between jobs the last recorded depth is stale: they are empty then
-        running = self.job_running()
-        for name, depth in sorted(dict(engine.queue_depths if engine is not None else {}).items()):
-            queues.add_metric([name], depth if running else 0)
+        for name, depth in sorted((status.queue_depths if status is not None else {}).items()):
+            queues.add_metric([name], depth)
         yield queues
 
         jobs = GaugeMetricFamily("dflash_jobs", "Jobs by state", labels=["state"])
@@ -94,7 +90,7 @@ class _EngineCollector(Collector):
         yield jobs
 
         # CUDA caching-allocator statistics, read now (thread-safe, no device sync); no samples on CPU
-        stats = engine.allocator_stats() if self.host.ready else {}
+        stats = status.allocator if status is not None else {}
         for key, (name, doc, counter) in ALLOCATOR_METRICS.items():
             family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["device"])
             for device, values in sorted(stats.items()):
@@ -104,7 +100,7 @@ class _EngineCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, host: "EngineHost", store: "JobStore", job_running: Callable[[], bool], block_size: int):
+    def __init__(self, host: "EngineHost", store: "JobStore", block_size: int):
         # no `_created` series: they double the series count and no dashboard of ours reads them
         disable_created_metrics()
         self.registry = CollectorRegistry()
@@ -124,10 +120,10 @@ class ServiceMetrics:
         for position in range(1, block_size):
             self.accuracy.labels(position=str(position)).set(math.nan)
         host.on_engine_created(self._engine_created)
-        self.registry.register(_EngineCollector(host, store, job_running))
+        self.registry.register(_EngineCollector(host, store))
 
     def _engine_created(self, engine) -> None:
-        for device in engine.config.drafter_devices:  # a series per device from the first scrape on
+        for device in engine.status().drafter_devices:  # a series per device from the first scrape on
             self.step_seconds.labels(device=device)
 
     def observe_step(self, stats) -> None:

@@ -1,4 +1,4 @@
-"""The Triton loss chunk (dflash_core/ce_triton.py) against the eager one (loss.py): the same
+"""The Triton loss chunk (dflash_core/kernels/ce.py) against the eager one (loss.py): the same
 weighted CE sum, argmax hits (first index on ties) and hidden-state gradient. Runs on CUDA
 (tests/gpu, bf16 at the real vocabulary) and, through Triton's interpreter, on CPU:
 `TRITON_INTERPRET=1 python -m tests.ce_check` (a separate process: the flag is read when the

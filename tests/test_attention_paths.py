@@ -33,9 +33,11 @@ def test_flex_equals_sdpa_forward(compiled):
 
 @pytest.mark.parametrize("scope", ["layer", "step"])
 def test_compiled_step_equals_eager_step(scope):
-    """compile_scope "layer" / "step" (compiled layers or forward, their backward, compiled loss
-    chunks) compute the same loss and gradients as the eager step (CPU, dense attention: flex has
-    no CPU backward)."""
+    """The engine's compiled step ("layer": compiled layers, their backward, compiled loss chunks)
+    and the benchmarks' whole-forward variant ("step") compute the same loss and gradients as the
+    eager step (CPU, dense attention: flex has no CPU backward)."""
+    from bench.variants import variant_kernels
+    from dflash_core.engine.config import CPU_PLAN, StepPlan
     from dflash_core.engine.replica import DrafterReplica
 
     rng = np.random.default_rng(3)
@@ -46,9 +48,11 @@ def test_compiled_step_equals_eager_step(scope):
     head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
     feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
     results = []
-    for scope_, compiled in (("attention", False), (scope, True)):
-        rep = DrafterReplica(0, cfg, "cpu", head, attention="dense", compiled=compiled, compute_dtype=torch.float32,
-                             gamma=2.0, chunk_size=16, compile_scope=scope_)
+    compiled_plan = StepPlan(attention="dense", compiled=True, loss="compiled", working_weights="fp32")
+    for plan in (CPU_PLAN, compiled_plan):
+        rep = DrafterReplica(0, cfg, "cpu", head, plan, gamma=2.0, chunk_size=16)
+        if plan.compiled and scope != "layer":
+            rep.kernels = variant_kernels(rep.drafter, plan, scope)
         rep.drafter.init_weights(0, std=0.2)
         acc = rep.new_accumulator()
         res = rep.forward_backward(mb, feats, 1.0, acc)
@@ -97,10 +101,11 @@ def test_split_mask_mod_is_the_mask_reshaped():
 
 
 def test_one_compiled_layer_serves_every_layer():
-    """compile_scope "layer": a 5-layer drafter compiles the layer twice (the first layer's input
-    has no grad, the others' has), not once per layer; the loss chunk adds one graph."""
+    """The compiled step: a 5-layer drafter compiles the layer twice (the first layer's input has
+    no grad, the others' has), not once per layer; the loss chunk adds one graph."""
     from torch._dynamo.utils import counters
 
+    from dflash_core.engine.config import StepPlan
     from dflash_core.engine.replica import DrafterReplica
 
     torch._dynamo.reset()
@@ -110,7 +115,7 @@ def test_one_compiled_layer_serves_every_layer():
     head = FrozenHead(torch.randn(64, cfg.hidden_size), torch.randn(64, cfg.hidden_size))
     feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
     before = counters["stats"]["unique_graphs"]
-    rep = DrafterReplica(0, cfg, "cpu", head, attention="dense", compiled=True, compute_dtype=torch.float32,
-                         gamma=2.0, chunk_size=16, compile_scope="layer")
+    plan = StepPlan(attention="dense", compiled=True, loss="compiled", working_weights="fp32")
+    rep = DrafterReplica(0, cfg, "cpu", head, plan, gamma=2.0, chunk_size=16)
     rep.forward_backward(mb, feats, 1.0, rep.new_accumulator())
     assert counters["stats"]["unique_graphs"] - before == 3

@@ -1,4 +1,4 @@
-"""The element-wise form of the DFlash mask that bench/flex_sweep.py times as the old baseline
+"""The element-wise form of the DFlash mask that bench/flex_sweep.py times as its baseline
 is the same function as the production (interval) mask_mod on packed micro-batches, also split
 into query batch entries."""
 import numpy as np

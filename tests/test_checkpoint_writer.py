@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from dflash_core.engine.checkpoint_writer import CheckpointWriter
+from dflash_core.engine.checkpointing import CheckpointWriter
 
 
 def test_one_write_in_flight_and_results_in_order():

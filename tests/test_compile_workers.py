@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")  # inductor uses no worker pool without Triton
 
-PROBE = "from dflash_core.engine.compile_workers import start_compile_workers; print(start_compile_workers())"
+PROBE = "from dflash_core.engine.compile import start_compile_workers; print(start_compile_workers())"
 
 
 def started(**env: str) -> bool:

@@ -8,15 +8,23 @@ import torch
 from dflash_core.checkpoint import load_weights
 from dflash_core.config import ShapeConfig
 from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS
-from dflash_core.engine import Engine, EngineConfig, JobCallbacks, JobFailed, JobValidationError, TrainJob
+from dflash_core.engine import Engine, EngineConfig, JobCallbacks, JobError, TrainJob
 
 SMALL = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 
 
-def make_engine(data_dir, devices, shape=SMALL, progress=None):
-    cfg = EngineConfig(drafter_devices=devices, shape=shape, drafter_layers=DEFAULT_DRAFTER_LAYERS,
-                       target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
-    return Engine(cfg, data_dir, progress=progress).build()
+def engine_config(devices, shape=SMALL, **kw):
+    return EngineConfig(drafter_devices=devices, seq_len=shape.seq_len, num_anchors=shape.num_anchors,
+                        block_size=shape.block_size, drafter_layers=DEFAULT_DRAFTER_LAYERS,
+                        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS), **kw)
+
+
+def make_engine(data_dir, devices, shape=SMALL, on_phase=None):
+    return Engine(engine_config(devices, shape), data_dir, on_phase=on_phase).build()
+
+
+def thread_names(engine):
+    return [label for label, _ in engine.build_timeline() if label.startswith("thread:")]
 
 
 def job(default_assets, out, **kw):
@@ -75,14 +83,14 @@ def test_replicas_identical_and_equal_to_single_replica(data_dir, default_assets
 
 def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
     seen = []
-    engine = make_engine(data_dir, ["cpu", "cpu"], progress=seen.append)
-    names = [n for _, n in engine.events]
+    engine = make_engine(data_dir, ["cpu", "cpu"], on_phase=seen.append)
+    names = [n for n, _ in engine.build_timeline()]
     last_warm = max(i for i, n in enumerate(names) if n.startswith("warmup:drafter:"))
     first_thread = min(i for i, n in enumerate(names) if n.startswith("thread:"))
     assert names.index("warmup:done") < first_thread and last_warm < first_thread
     ready = [p.drafters_ready for p in seen]
     assert ready == sorted(ready) and ready[-1] == seen[-1].drafters_total == 2
-    assert seen[-1].phase == "ready" and [p.elapsed for p in seen] == sorted(p.elapsed for p in seen)
+    assert seen[-1].phase == "ready" and [p.elapsed_seconds for p in seen] == sorted(p.elapsed_seconds for p in seen)
     timeline = engine.build_timeline()  # where time to ready went, in order
     labels = [label for label, _ in timeline]
     for earlier, later in (("build:tokenizer_and_config", "build:cuda_contexts"),
@@ -96,20 +104,20 @@ def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
 
 def test_no_compile_after_warmup_and_other_shapes_refused(data_dir, default_assets, tmp_path):
     engine = make_engine(data_dir, ["cpu"])
-    before = engine.compile_counts()
+    before = engine.status().compiles
     engine.run_job(job(default_assets, tmp_path, steps=3), Recorder())
-    assert engine.compile_counts()["runtime"] == 0 == before["runtime"]
-    with pytest.raises(JobValidationError) as e:
+    assert engine.status().compiles["runtime"] == 0 == before["runtime"]
+    with pytest.raises(JobError) as e:
         engine.validate_job(job(default_assets, tmp_path, block_size=16))
     assert e.value.field == "block_size" and "block_size=8" in str(e.value)
-    with pytest.raises(JobValidationError):
+    with pytest.raises(JobError):
         engine.run_job(job(default_assets, tmp_path, seq_len=1024))
     engine.close()
 
 
 def test_fail_on_recompile_holds_in_worker_threads():
     """The guard the engine sets after a compiled warmup: a new shape raises in another thread."""
-    from dflash_core.engine.compile_guard import CompileGuard
+    from dflash_core.engine.compile import CompileGuard
 
     guard = CompileGuard()
     fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
@@ -150,13 +158,13 @@ def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeyp
         raise RuntimeError("injected drafter fault")
 
     monkeypatch.setattr(victim, "forward_backward", broken)
-    with pytest.raises(JobFailed, match="injected drafter fault"):
+    with pytest.raises(JobError, match="injected drafter fault"):
         engine.run_job(job(default_assets, tmp_path / "fail", steps=5), Recorder())
     monkeypatch.setattr(victim, "forward_backward", real)
     # ...and the same warm engine runs the next job to completion, without compiling.
     res = engine.run_job(job(default_assets, tmp_path / "after", steps=4), Recorder())
     assert res.status == "SUCCEEDED" and res.steps_done == 4
-    assert engine.compile_counts()["runtime"] == 0
+    assert engine.status().compiles["runtime"] == 0
     engine.close()
 
 
@@ -194,11 +202,9 @@ def test_two_target_workers_give_the_same_result(data_dir, default_assets, tmp_p
     """One target worker per target device; each replica is fed by one worker, in order."""
     results = []
     for targets in (["cpu"], ["cpu", "cpu"]):
-        cfg = EngineConfig(target_devices=targets, drafter_devices=["cpu", "cpu"], shape=SMALL,
-                           drafter_layers=DEFAULT_DRAFTER_LAYERS, target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
-        engine = Engine(cfg, data_dir).build()
+        engine = Engine(engine_config(["cpu", "cpu"], target_devices=targets), data_dir).build()
         engine.run_job(job(default_assets, tmp_path / str(len(targets)), steps=4, grad_accum=2), Recorder())
-        assert sum(n.startswith("thread:target-") for _, n in engine.events) == len(targets)
+        assert sum(n.startswith("thread:target-") for n in thread_names(engine)) == len(targets)
         results.append(params_of(engine.replicas[0]))
         engine.close()
     assert all(torch.equal(a, b) for a, b in zip(*results))
@@ -217,7 +223,7 @@ def test_a_failing_target_worker_fails_the_job_without_hanging(data_dir, default
         return real(*a, **k)
 
     monkeypatch.setattr(target, "capture", flaky)
-    with pytest.raises(JobFailed, match="injected target fault"):
+    with pytest.raises(JobError, match="injected target fault"):
         engine.run_job(job(default_assets, tmp_path / "f", steps=20, grad_accum=2), Recorder())
     monkeypatch.setattr(target, "capture", real)
     assert engine.run_job(job(default_assets, tmp_path / "ok", steps=2), Recorder()).status == "SUCCEEDED"
@@ -250,8 +256,8 @@ def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir
     assert all(seen >= s for _, s, seen in rec.checkpoints)  # never reported before its step ran
     assert res.final_checkpoint == rec.checkpoints[-1][0]
     final = {k: v for k, v in engine.replicas[0].drafter.state_dict().items()}
-    at_4 = load_weights(rec.checkpoints[1][0], engine.drafter_config.num_hidden_layers)
-    at_6 = load_weights(rec.checkpoints[2][0], engine.drafter_config.num_hidden_layers)
+    at_4 = load_weights(rec.checkpoints[1][0], DEFAULT_DRAFTER_LAYERS)
+    at_6 = load_weights(rec.checkpoints[2][0], DEFAULT_DRAFTER_LAYERS)
     assert all(torch.equal(at_6[k], final[k]) for k in final)
     assert any(not torch.equal(at_4[k], final[k]) for k in final)  # the step-4 snapshot was not overwritten
     assert load_training_state(rec.checkpoints[1][0])["step"] == 4
@@ -269,7 +275,7 @@ def test_checkpoint_that_cannot_be_written_fails_the_job(data_dir, default_asset
     out = tmp_path / "blocked"
     out.mkdir()
     (out / "checkpoints").write_text("a file where the checkpoint directory goes\n")
-    with pytest.raises(JobFailed, match=r"checkpoint .*step-00000002 could not be written: FileExistsError"):
+    with pytest.raises(JobError, match=r"checkpoint .*step-00000002 could not be written: FileExistsError"):
         engine.run_job(job(default_assets, out, steps=4, checkpoint_interval=2), Recorder())
     # the engine is not left half-busy: the next job runs
     res = engine.run_job(job(default_assets, tmp_path / "next", steps=2), Recorder())

@@ -18,7 +18,9 @@ from dflash_core.step.micro_step import inference_block_forward
 
 @pytest.fixture(scope="module")
 def engine(default_assets):
-    cfg = EngineConfig(drafter_devices=["cpu"], shape=DEFAULT_SHAPE_CPU, drafter_layers=DEFAULT_DRAFTER_LAYERS,
+    shape = DEFAULT_SHAPE_CPU
+    cfg = EngineConfig(drafter_devices=["cpu"], seq_len=shape.seq_len, num_anchors=shape.num_anchors,
+                       block_size=shape.block_size, drafter_layers=DEFAULT_DRAFTER_LAYERS,
                        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
     eng = Engine(cfg, default_assets.root.parent.parent).build()
     yield eng

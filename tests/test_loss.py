@@ -152,9 +152,10 @@ def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
 
 
 def test_triton_chunk_matches_eager_chunk_interpreted():
-    """ce_triton's kernel (Triton's interpreter on CPU; tests/gpu runs it on CUDA in bf16): same
-    loss, gradient and argmax hits as the eager chunk, ties broken to the first index, one and
-    several vocabulary blocks; and a whole micro-step with it equals the eager one."""
+    """The Triton CE kernel of kernels/ce.py (Triton's interpreter on CPU; tests/gpu runs it on
+    CUDA in bf16): same loss, gradient and argmax hits as the eager chunk, ties broken to the
+    first index, one and several vocabulary blocks; and a whole micro-step with it equals the
+    eager one."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "tests.ce_check"], cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"),

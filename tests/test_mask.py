@@ -1,4 +1,4 @@
-"""The training mask equals a brute-force reading of DESIGN.md section 3, for random packings."""
+"""The training mask equals a brute-force reading of its rule (docs/design.md), for random packings."""
 import numpy as np
 import pytest
 import torch

@@ -7,6 +7,7 @@ the documents with seed (seed, e) and packs them; anchors of micro-batch g are d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,17 +28,18 @@ class MicroBatch:
     anchor_valid: torch.Tensor  # bool [N]
     index: int = 0  # global micro-batch index
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "MicroBatch":
-        kw = dict(device=device, non_blocking=non_blocking)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        kw: dict[str, Any] = dict(device=device, non_blocking=non_blocking)
         return MicroBatch(
             self.input_ids.to(**kw), self.position_ids.to(**kw), self.doc_ids.to(**kw),
             self.loss_mask.to(**kw), self.anchors.to(**kw), self.anchor_valid.to(**kw), self.index,
         )
 
-    def pin_memory(self) -> "MicroBatch":
-        return MicroBatch(*(t.pin_memory() for t in (
-            self.input_ids, self.position_ids, self.doc_ids, self.loss_mask, self.anchors, self.anchor_valid
-        )), index=self.index)
+    def pin_memory(self) -> MicroBatch:
+        return MicroBatch(
+            self.input_ids.pin_memory(), self.position_ids.pin_memory(), self.doc_ids.pin_memory(),
+            self.loss_mask.pin_memory(), self.anchors.pin_memory(), self.anchor_valid.pin_memory(), self.index,
+        )
 
     @property
     def context_tokens(self) -> int:
@@ -65,7 +67,7 @@ def synthetic_micro_batch(shape: ShapeConfig, vocab_size: int, pad_token_id: int
     rng = np.random.default_rng(seed)
     docs, used = [], 0
     while used < shape.seq_len:
-        n = int(min(shape.seq_len - used, rng.integers(max(4, shape.seq_len // 8), max(8, shape.seq_len // 3))))
+        n = min(shape.seq_len - used, int(rng.integers(max(4, shape.seq_len // 8), max(8, shape.seq_len // 3))))
         if n < 2:
             break
         mask = np.zeros(n, dtype=bool)

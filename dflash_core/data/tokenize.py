@@ -8,7 +8,6 @@ import numpy as np
 
 from .conversations import Conversation, DatasetError
 
-
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -65,7 +64,7 @@ def encode_conversation(tokenizer, conv: Conversation) -> Document:
     """Full conversation; packing truncates to the micro-batch budget (and counts what it cut)."""
     try:
         text, spans = assistant_char_spans(tokenizer, conv.messages)
-    except Exception as e:  # template errors carry no location: add it
+    except Exception as e:  # noqa: BLE001 - template errors carry no location: add it
         path, _, line = conv.source.rpartition(":")
         raise DatasetError(path, int(line or 0), f"chat template failed: {e}") from None
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -75,6 +74,6 @@ def encode_conversation(tokenizer, conv: Conversation) -> Document:
     if spans:
         starts = np.asarray([o[0] for o in offsets])
         ends = np.asarray([o[1] for o in offsets])
-        for s, e in spans:
-            mask |= (starts >= s) & (ends <= e) & (ends > starts)
+        for lo, hi in spans:
+            mask |= (starts >= lo) & (ends <= hi) & (ends > starts)
     return Document(ids, mask, conv.source)

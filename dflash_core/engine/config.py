@@ -1,83 +1,106 @@
-"""Typed configuration of the engine (devices, shapes, precision, compile) and of one job."""
+"""What the engine is built with (the user's choices) and one training job.
+
+`EngineConfig` holds only real choices: which target, which devices, the fixed training shapes,
+the drafter's size, where the compile cache lives. How the step runs on those devices (attention
+kernel, what is compiled, the loss kernel, the precision of the working weights) is derived from
+the devices by `step_plan`, never configured; `debug_eager` is the one escape from it.
+
+The daemon's config file nests this model as its `[engine]` table, so the schema is written once.
+Importing this module imports neither torch nor transformers: the daemon validates its config
+before it pays for those imports.
+"""
+
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from ..config import LossConfig, ShapeConfig
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..config import ShapeConfig
+
+Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
 
 
-@dataclass
-class EngineConfig:
-    """What the engine is built with; fixed for the life of the process.
+class EngineConfig(BaseModel):
+    """The engine's settings; fixed for the life of the process. Unset devices are chosen from the
+    host when the engine is built (`dflash_core.devices.default_devices`)."""
 
-    target_path: HF model dir (with tokenizer); None = the embedded tiny default.
-    drafter_devices: one drafter replica per entry ("cuda:1", "cpu"); may equal the target's.
-    attention: "flex" (compiled flex_attention, CUDA), "dense" (SDPA + boolean mask) or "auto".
-    compile: compile the attention kernels (default: on for CUDA, off for CPU).
-    compile_scope: "layer" (one compiled decoder layer with flex inside serves every layer, plus
-        the compiled BlockMask and loss chunks), "attention" (flex_attention alone, layers eager)
-        or "step" (the whole drafter forward; several times the cold compile of "layer").
+    model_config = ConfigDict(extra="forbid")
+
+    target_path: Path | None = Field(
+        None, description="HF model directory of the target (with its tokenizer); unset: the embedded tiny target"
+    )
+    target_random_init: bool = Field(
+        False,
+        description="build target_path's architecture with random weights: sizing and throughput dry runs "
+        "without the weights",
+    )
+    target_devices: list[Device] | None = Field(None, min_length=1, description="one target copy per entry")
+    drafter_devices: list[Device] | None = Field(None, min_length=1, description="one drafter replica per entry")
+    seq_len: int = Field(512, ge=2, description="packed context tokens per micro-batch")
+    num_anchors: int = Field(64, ge=1, description="blocks per micro-batch")
+    block_size: int = Field(8, ge=2, description="tokens per block: the anchor and block_size - 1 drafted tokens")
+    drafter_layers: int = Field(2, ge=1, description="decoder layers of the drafter")
+    drafter_intermediate_size: int | None = Field(None, ge=1, description="MLP width; unset: the target's")
+    target_layer_ids: list[int] | None = Field(
+        None, min_length=1, description="target layers whose outputs feed the drafter; unset: the DFlash rule"
+    )
+    mask_token: str | None = Field(
+        None, description="the block's mask token; unset: the tokenizer's mask token, else <|mask|> added"
+    )
+    inductor_cache_dir: Path | None = Field(
+        None, description="torch.compile's cache; unset: <data_dir>/inductor-cache (an exported variable wins)"
+    )
+    debug_eager: bool = Field(
+        False,
+        description="run the step without torch.compile or hand-written kernels (SDPA with a dense mask, fp32 "
+        "weights): slow, for debugging a compile problem",
+    )
+
+    @field_validator("target_path", "inductor_cache_dir")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return v.expanduser() if v is not None else None
+
+    @property
+    def shape(self) -> ShapeConfig:
+        return ShapeConfig(seq_len=self.seq_len, num_anchors=self.num_anchors, block_size=self.block_size)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How the drafter step runs on a set of drafter devices: derived from the devices.
+
+    attention: "flex" (compiled flex_attention with a BlockMask) or "dense" (SDPA with a boolean
+        mask: flex_attention has no backward on the CPU).
+    compiled: one decoder layer, the BlockMask construction and the loss chunks are compiled.
+    loss: how the lm_head + CE chunks run ("triton", "compiled" or "eager"; step.loss).
+    working_weights: "bf16" (bf16 copies of the weight matrices for the GEMMs, fp32 masters in the
+        optimizer and checkpoints; needs the Triton AdamW) or "fp32" (the masters themselves).
     """
 
-    target_path: str | None = None
-    target_random_init: bool = False  # architecture of target_path, random weights (benchmarks)
-    target_devices: list[str] = field(default_factory=lambda: ["cpu"])
-    drafter_devices: list[str] = field(default_factory=lambda: ["cpu"])
-    shape: ShapeConfig = field(default_factory=lambda: ShapeConfig(seq_len=512, num_anchors=64, block_size=8))
-    drafter_layers: int = 2
-    target_layer_ids: list[int] | None = None
-    drafter_intermediate_size: int | None = None
-    mask_token: str | None = None  # default: the tokenizer's mask token, else "<|mask|>" added
-    attention: str = "auto"
-    compile: bool | None = None
-    compile_scope: str = "layer"
-    flex_q_splits: int = 1  # queries as this many flex batch entries (FlexAttention.q_splits); 1 = off
-    # lm_head + CE chunks: "compiled" (inductor), "triton" (CUDA only: a two-pass CE kernel, no
-    # compiled loss graph; ce_triton.py) or "auto" (triton where every drafter is on CUDA)
-    loss_kernel: str = "auto"
-    # the weights the drafter computes with: "fp32" (the masters; autocast casts them every step),
-    # "bf16" (CUDA only: bf16 working copies of the weight matrices, fp32 masters in the
-    # optimizer; replica.py) or "auto" (bf16 where every drafter is on CUDA)
-    working_weights: str = "auto"
-    loss: LossConfig = field(default_factory=LossConfig)
-    init_seed: int = 0
-    inductor_cache_dir: str | None = None
-    # inductor's Triton worker pool: "early" (started when the build starts, ready by the first
-    # drafter compile; compile_workers.py) or "lazy" (torch's own: at the first compile)
-    compile_workers: str = "early"
-    warmup_delay_seconds: float = 0.0  # pause per warmup phase (tests observe the warming state)
-    queue_depth: int = 4  # bounded hand-off queue per drafter (micro-batches)
+    attention: str
+    compiled: bool
+    loss: str
+    working_weights: str
 
-    def resolved_attention(self) -> str:
-        if self.attention != "auto":
-            return self.attention
-        return "flex" if self._cuda_drafters() else "dense"
 
-    def resolved_loss_kernel(self) -> str:
-        if self.loss_kernel != "auto":
-            return self.loss_kernel
-        return "triton" if self._cuda_drafters_with_triton() else "compiled"
+CPU_PLAN = StepPlan(attention="dense", compiled=False, loss="eager", working_weights="fp32")
 
-    def resolved_working_weights(self) -> str:
-        if self.working_weights != "auto":
-            return self.working_weights
-        return "bf16" if self._cuda_drafters_with_triton() else "fp32"
 
-    def _cuda_drafters(self) -> bool:
-        return all(d.startswith("cuda") for d in self.drafter_devices)
+def step_plan(drafter_devices: list[str], debug_eager: bool = False) -> StepPlan:
+    """The fastest step the devices run: on CUDA compiled flex attention, and where Triton
+    imports, the Triton CE kernel and bf16 working weights; the eager dense path elsewhere (any
+    CPU drafter makes the whole plan CPU: replicas must compute the same function)."""
+    if debug_eager or not all(d.startswith("cuda") for d in drafter_devices):
+        return CPU_PLAN
+    from .optim import TritonAdamW  # None where Triton is missing or its kernels do not import
 
-    def _cuda_drafters_with_triton(self) -> bool:
-        if not self._cuda_drafters():
-            return False
-        from .optim import TritonAdamW  # None when Triton is missing or its kernels do not import
-
-        return TritonAdamW is not None
-
-    def resolved_compile(self) -> bool:
-        if self.compile is not None:
-            return self.compile
-        return self.resolved_attention() == "flex"
+    if TritonAdamW is None:
+        return StepPlan(attention="flex", compiled=True, loss="compiled", working_weights="fp32")
+    return StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")
 
 
 @dataclass

@@ -11,14 +11,12 @@ import torch
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
+from ..devices import compute_dtype
 from ..step.loss import LOSS_KERNELS
 from ..step.micro_step import MicroStepResult, StepKernels, micro_step
+from .config import StepPlan
 from .optim import TritonAdamW, build_optimizer, clipped_step, set_lr
 
-COMPILE_SCOPES = ("attention", "layer", "step")
-# the engine's choice among loss.LOSS_KERNELS: "compiled" falls back to "eager" where nothing is
-# compiled; "triton" (CUDA) is the two-pass CE kernel of ce_triton.py, no compiled loss graph
-LOSS_KERNEL_CHOICES = tuple(k for k in LOSS_KERNELS if k != "eager")
 # "fp32": the module's parameters are the fp32 master weights (autocast casts every matrix to
 # bf16 in every forward, and every gradient back to fp32). "bf16" (CUDA, Triton AdamW): the
 # module's weight matrices are bf16 working copies, the fp32 masters live beside them and the
@@ -39,43 +37,41 @@ class StepAccumulator:
 
 
 class DrafterReplica:
-    def __init__(self, index: int, cfg: DrafterConfig, device: str, head: FrozenHead, *, attention: str, compiled: bool,
-                 compute_dtype: torch.dtype, gamma: float, chunk_size: int, compile_scope: str = "layer",
-                 flex_q_splits: int = 1, loss_kernel: str = "compiled", working_weights: str = "fp32"):
-        """compile_scope (when compiled): "attention" compiles flex_attention alone; "layer"
-        compiles one decoder layer (flex inside; the same code serves every layer), the BlockMask
-        construction and the lm_head + CE chunks; "step" compiles the whole drafter forward
-        instead of one layer (a cold compile several times longer)."""
-        if compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {compile_scope!r}")
-        if loss_kernel not in LOSS_KERNEL_CHOICES:
-            raise ValueError(f"loss_kernel must be one of {LOSS_KERNEL_CHOICES}, got {loss_kernel!r}")
-        if loss_kernel == "triton" and torch.device(device).type != "cuda":
-            raise ValueError(f"loss_kernel 'triton' needs a CUDA device, got {device!r}")
-        if working_weights not in WORKING_WEIGHTS:
-            raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {working_weights!r}")
-        if working_weights == "bf16":
-            if torch.device(device).type != "cuda" or compute_dtype != torch.bfloat16:
-                raise ValueError(f"working_weights 'bf16' needs a CUDA device computing in bf16, got {device!r} {compute_dtype}")
+    def __init__(self, index: int, cfg: DrafterConfig, device: str | torch.device, head: FrozenHead, plan: StepPlan, *,
+                 gamma: float, chunk_size: int, kernels: StepKernels | None = None):
+        """plan: how the step runs (engine.config.step_plan); kernels: the compiled parts of the
+        step, by default the plan's (benchmarks pass their variants)."""
+        device = torch.device(device)
+        if plan.loss not in LOSS_KERNELS:
+            raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {plan.loss!r}")
+        if plan.loss == "triton" and device.type != "cuda":
+            raise ValueError(f"the Triton loss kernel needs a CUDA device, got {device}")
+        if plan.working_weights not in WORKING_WEIGHTS:
+            raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {plan.working_weights!r}")
+        compute = compute_dtype(device)
+        if plan.working_weights == "bf16":
+            if device.type != "cuda" or compute != torch.bfloat16:
+                raise ValueError(f"bf16 working weights need a CUDA device computing in bf16, got {device}")
             if TritonAdamW is None:
-                raise ValueError("working_weights 'bf16' needs the Triton AdamW (Triton could not be imported)")
+                raise ValueError("bf16 working weights need the Triton AdamW (Triton could not be imported)")
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
         with torch.device(self.device):  # allocate and default-init on the device, not the CPU
             self.drafter = DFlashDrafter(cfg)
-        self.head = head.to(self.device, compute_dtype)
-        self.attention = attention
-        self.compute_dtype = compute_dtype
+        self.head = head.to(self.device, compute)
+        self.plan = plan
+        self.attention = plan.attention
+        self.compute_dtype = compute
         self.gamma = gamma
         self.chunk_size = chunk_size
         self.optimizer: torch.optim.Optimizer | None = None
-        self.kernels = _step_kernels(self.drafter, attention, compiled, compile_scope, flex_q_splits, loss_kernel)
+        self.kernels = kernels if kernels is not None else plan_kernels(plan)
         self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
         # masters[i]: the fp32 weight of record for params[i] (what the optimizer updates and
         # checkpoints hold): params[i] itself, or an fp32 tensor beside its bf16 working copy
-        self.masters = make_bf16_working_copies(self.params) if working_weights == "bf16" else list(self.params)
-        self.working_weights = working_weights
+        self.working_weights = plan.working_weights
+        self.masters = make_bf16_working_copies(self.params) if self.working_weights == "bf16" else list(self.params)
         # True when a step's gradient is a sum or mean of several micro-batches' (gradient
         # accumulation, or several replicas averaged by GradSync; the engine sets it per job):
         # the working copies' bf16 gradients then move to fp32 on the masters after every
@@ -195,25 +191,17 @@ def make_bf16_working_copies(params: list[torch.nn.Parameter]) -> list[torch.Ten
     return masters
 
 
-def _step_kernels(drafter: DFlashDrafter, attention: str, compiled: bool, scope: str, q_splits: int,
-                  loss_kernel: str) -> StepKernels:
-    # Compiled functions, not compiled modules: evaluation calls the eager drafter at other shapes.
-    fused = compiled and scope in ("layer", "step")
-    loss = "triton" if loss_kernel == "triton" else ("compiled" if fused else "eager")
-    if not compiled:
-        return StepKernels(q_splits=q_splits, loss=loss)
-    return StepKernels(
-        attention=attention == "flex" and scope == "attention",  # otherwise compiled with the layer/forward
-        forward=torch.compile(drafter.forward, dynamic=False) if scope == "step" else None,
-        layer=_compiled_run_layer() if scope == "layer" else None,
-        mask=fused and attention == "flex",
-        loss=loss,
-        q_splits=q_splits,
-    )
+def plan_kernels(plan: StepPlan) -> StepKernels:
+    """The step's compiled parts for a plan: one compiled decoder layer (flex_attention inside)
+    serves every layer, plus the compiled BlockMask construction and loss chunks. Compiled
+    functions, not compiled modules: evaluation calls the eager drafter at other shapes."""
+    if not plan.compiled:
+        return StepKernels(loss=plan.loss)
+    return StepKernels(layer=compiled_run_layer(), mask=plan.attention == "flex", loss=plan.loss)
 
 
 @functools.cache
-def _compiled_run_layer():
+def compiled_run_layer():
     """One process-wide compiled layer function: every layer of every replica shares its code
     (one graph per device, since guards include the device)."""
     return torch.compile(run_layer, dynamic=False)

@@ -1,17 +1,20 @@
 """AdamW as one Triton kernel per parameter tensor, with gradient clipping folded in.
 
-Why not torch's fused AdamW: at 1.05B fp32 parameters the step is memory-bound (28 bytes moved
-per parameter) and torch's kernel reached 3.26 TB/s on the H200 (9.0 ms; a compiled foreach step
-reached 3.77 TB/s but costs ~45 s of cold compile per process). A plain elementwise kernel needs
-a second of JIT. Clipping by the global norm also folds in: torch's clip_grad_norm_ rescales
-every gradient in place (another read and write of 4.2 GB); here the kernel reads the clip
-coefficient from device memory and scales each gradient as it loads it, so no host sync either.
+Why not torch's fused AdamW: at drafter sizes (about a billion fp32 parameters) the step is
+memory-bound, 28 bytes moved per parameter, so the only question is how close a kernel gets to
+the copy bandwidth. torch's fused kernel stays well below it; a compiled foreach step gets closer
+but pays a long cold compile in every process, on every drafter GPU. A plain elementwise Triton
+kernel gets as close and needs about a second of JIT. Clipping by the global norm folds in too:
+torch's clip_grad_norm_ rescales every gradient in place (another full read and write of the
+gradients); here the kernel reads the clip coefficient from device memory and scales each
+gradient as it loads it, so there is no host sync either. `python -m bench.optimizer` compares
+them (docs/performance.md).
 
 Working copies: a parameter may have a bf16 working copy (the tensor the model computes with;
 DrafterReplica keeps one per weight matrix). The kernel then reads the gradient from the working
 copy when the master (fp32) has none, and writes the updated master rounded to bf16 into the copy
 in the same pass: the step moves the same 28 bytes per parameter (a bf16 gradient read, a bf16
-write), and the forward no longer casts every weight matrix, nor the backward every gradient.
+write), and the forward need not cast every weight matrix, nor the backward every gradient.
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps added to
 the corrected sqrt), in fp32; its state uses AdamW's names ("step", "exp_avg", "exp_avg_sq"),
@@ -149,7 +152,7 @@ class TritonAdamW(torch.optim.Optimizer):
         return self._ones[device]
 
     def load_state_dict(self, state_dict) -> None:
-        """Loads torch.optim.AdamW's state too (what the engine saved before this optimizer)."""
+        """Loads torch.optim.AdamW's state too (checkpoints written with torch's optimizer resume here)."""
         for group in state_dict["param_groups"]:
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):

@@ -5,8 +5,9 @@ The chunk is `logits = hidden @ W^T` (cuBLAS), this kernel, then `grad_hidden = 
 the argmax; pass 2 reads them again and writes (softmax - onehot) * weight over them, in place,
 in the logits' dtype. That is two reads and one write of the [rows, vocab] logits, the least a
 softmax gradient needs when a row (151936 values) does not fit on chip; inductor's fused kernel
-for the same math took 0.92 ms per 1920-row chunk on the H200 (run I), this traffic is ~0.4 ms.
-It also means no compiled graph for the loss: one less graph per drafter GPU to compile cold.
+for the same math reads the logits more often. It also means no compiled graph for the loss: one
+graph less per drafter GPU to compile on a cold start. `python -m bench.ce_kernel` times one chunk
+against the compiled form (docs/performance.md).
 
 Same function as loss._chunk_loss_and_grad (fp32 math on the logits, first index on argmax
 ties); tests compare them through Triton's interpreter on CPU.
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from ..devices import triton_launch_device
 
-BLOCK_V = 4096  # bench.ce_kernel, run N: 0.19 ms per 1920-row chunk beyond the GEMMs (2048: 0.36, 8192: 0.38)
+BLOCK_V = 4096  # the fastest of bench.ce_kernel's sweep on an H200 (2048 and 8192 are slower)
 NUM_WARPS = 8
 
 

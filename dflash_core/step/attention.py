@@ -14,8 +14,8 @@ there). Tests check that both compute the same function.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +49,9 @@ def dflash_mask_mod(
 
     Written with per-block context intervals (`context_intervals`) rather than as
     `doc[kv] == doc[anchor]`: the kernel then loads two numbers per query row and nothing per
-    key, where the per-element document gather made the flex backward 2.5x slower at the
-    reference shape (docs/benchmarks.md, run F). tests/test_mask.py checks it against the
-    element-wise reading of DESIGN.md on random packings.
+    key, where a per-element document gather makes the flex backward several times slower.
+    tests/test_mask.py checks it against the element-wise rule (docs/design.md) on random
+    packings.
     queries_per_batch > 0: the queries are split into batch entries of that many (see
     FlexAttention.q_splits); query q_idx of entry b is query b * queries_per_batch + q_idx."""
     num_anchors = anchors.shape[0]
@@ -96,8 +96,8 @@ class DenseAttention:
 @dataclass
 class ChunkedDenseAttention:
     """SDPA over chunks of queries, each with its slice of the dense mask: bounds the mask and
-    score memory per call. The seed tried this; it swung reserved memory and lost throughput,
-    and stays here as the baseline the benchmarks compare against."""
+    score memory per call. It swings reserved memory and loses throughput; the engine never
+    uses it, and it stays as the baseline the benchmarks compare against."""
 
     mask: torch.Tensor
     chunk: int = 1024
@@ -125,9 +125,9 @@ class FlexAttention:
 
     q_splits > 1 runs the Q queries as q_splits batch entries of Q / q_splits queries against one
     broadcast K, V (flex's KV batch broadcast). Same function, more dK/dV programs in the
-    backward (one per KV tile, KV head and batch entry). At the reference shape 4 splits made
-    flex 4 % faster with the old element-wise document mask and make it 17 % slower with the
-    interval mask (docs/benchmarks.md, run F), so the engine's default is 1."""
+    backward (one per KV tile, KV head and batch entry). With the interval mask splitting is
+    slower at the reference shape, so the engine runs one entry; bench.variants keeps the splits
+    to measure them."""
 
     block_mask: object
     compiled: bool = True

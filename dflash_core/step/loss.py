@@ -39,8 +39,8 @@ def _chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool):
 def _chunk_loss_and_grad_fusible(hidden, lm_head_weight, labels, w, need_grad: bool):
     """The same chunk math for torch.compile: the gradient as one pure expression, the one-hot as
     an index comparison. Inductor then reads the logits and writes the low-precision gradient in
-    one pass; the in-place form made it write an fp32 [chunk, vocab] buffer (scatter_add) and
-    read it again to scale and cast it (docs/benchmarks.md, run G profile)."""
+    one pass; the in-place form makes it write an fp32 [chunk, vocab] buffer (scatter_add) and
+    read it again to scale and cast it."""
     logits, lse, loss, correct = _chunk_ce(hidden, lm_head_weight, labels, w)
     if not need_grad:
         return loss, correct, None
@@ -61,7 +61,7 @@ LOSS_KERNELS = ("eager", "compiled", "triton")
 
 def chunk_function(kernel: str):
     """The chunk implementation: "eager" (in-place torch ops), "compiled" (inductor fuses the CE
-    passes) or "triton" (CUDA: ce_triton's two-pass kernel between the two GEMMs, nothing compiled)."""
+    passes) or "triton" (CUDA: kernels.ce's two-pass kernel between the two GEMMs, nothing compiled)."""
     if kernel == "eager":
         return _chunk_loss_and_grad
     if kernel == "compiled":
@@ -90,7 +90,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             part, hits, grad = chunk_fn(hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad)
             loss = loss + part
             correct[start:end] = hits
-            if need_grad:
+            if grad_hidden is not None:  # need_grad
                 grad_hidden[start:end] = grad
         if need_grad:
             ctx.save_for_backward(grad_hidden)

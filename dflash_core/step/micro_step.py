@@ -1,8 +1,8 @@
 """One drafter micro-step: micro-batch + target features -> weighted loss and statistics."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

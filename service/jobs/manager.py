@@ -178,12 +178,12 @@ class JobManager:
         return job, created
 
     def _validate_with_engine(self, engine, train_job) -> None:
-        from dflash_core.engine import JobValidationError
+        from dflash_core.engine import JobError
 
         try:
             engine.validate_job(train_job)
-        except JobValidationError as e:
-            raise SpecError(e.field, e.message) from None
+        except JobError as e:
+            raise SpecError(e.field or "spec", e.message) from None
 
     def cancel(self, job_id: str) -> JobRecord:
         job = self.store.get_job(job_id, with_checkpoints=False)
@@ -266,7 +266,7 @@ class JobManager:
         return True, checkpoint_path
 
     def _run(self, job: JobRecord) -> None:
-        from dflash_core.engine import JobFailed, JobValidationError
+        from dflash_core.engine import JobError
 
         resume_from = None
         if job.state == RUNNING:
@@ -290,7 +290,7 @@ class JobManager:
             callbacks.cancel.set()
         try:
             result = self.host.engine.run_job(train_job, callbacks, resume_from=resume_from)
-        except (JobFailed, JobValidationError) as e:
+        except JobError as e:
             self.store.finish(job.id, FAILED, error=str(e))
             log.error("job failed", extra={"fields": {"job": job.id, "error": str(e)}})
             return

@@ -68,7 +68,7 @@ class JobSpec(BaseModel):
     block_size: int | None = Field(None, ge=2, le=10**4)
 
     @model_validator(mode="after")
-    def _steps_or_epochs(self) -> "JobSpec":
+    def _steps_or_epochs(self) -> JobSpec:
         if self.steps is None and self.epochs is None:
             raise SpecError("steps", "give steps or epochs")
         if self.steps is not None and self.epochs is not None:

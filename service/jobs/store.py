@@ -9,9 +9,10 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 STATES = (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
@@ -176,7 +177,9 @@ class JobStore:
                 (job_id, name, submission_id, json.dumps(spec), fingerprint, train_job_json, output_dir, PENDING, now),
             )
             self._event(db, job_id, "state", None, {"state": PENDING})
-        return self.get_job(job_id), True
+        job = self.get_job(job_id)
+        assert job is not None  # inserted just above; jobs are never deleted
+        return job, True
 
     def find_by_submission(self, submission_id: str) -> JobRecord | None:
         with self._lock:

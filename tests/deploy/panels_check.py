@@ -430,14 +430,14 @@ def scraped_daemon(*, prometheus_bin: str, config: Path | None = None, data_dir:
 
 
 def start_daemon(workdir: Path, *, config: Path | None = None, data_dir: Path | None = None,
-                 warmup_delay: float = 0.0) -> Daemon:
+                 warmup_pause: float = 0.0) -> Daemon:
     """The service tests' daemon (tests/service/harness.py). With `config`, the user's file is used as it is
     except for data_dir (a fresh one under workdir unless `data_dir` is given)."""
     data_dir = data_dir or workdir / "data"
     cwd = workdir / "cwd"
     cwd.mkdir(exist_ok=True)
     if config is None:
-        config_path = write_config(workdir / "dflash.toml", data_dir, warmup_delay=warmup_delay)
+        config_path = write_config(workdir / "dflash.toml", data_dir)
     else:
         from service.config import _read_file  # the daemon's own reader: relative paths resolved the same way
 
@@ -445,7 +445,7 @@ def start_daemon(workdir: Path, *, config: Path | None = None, data_dir: Path | 
         settings["data_dir"] = str(Path(data_dir).absolute())
         config_path = workdir / "dflash.yaml"
         config_path.write_text(yaml.safe_dump(settings, sort_keys=False))
-    daemon = Daemon(config_path, data_dir, cwd)
+    daemon = Daemon(config_path, data_dir, cwd, warmup_pause=warmup_pause)
     daemon.log_path = workdir / f"daemon-{daemon.port}.log"
     return daemon.start()
 

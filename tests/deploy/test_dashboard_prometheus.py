@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     # a warmup pause per phase keeps the daemon warming for a few seconds, for the healthcheck test
-    d = start_daemon(tmp_path_factory.mktemp("panels"), warmup_delay=1.0)
+    d = start_daemon(tmp_path_factory.mktemp("panels"), warmup_pause=1.0)
     yield d
     d.close()
 

@@ -1,6 +1,6 @@
 """The deployment files under docker/ hang together: compose and k8s YAML parse and reference files that
 exist, ports and paths agree across Dockerfile, compose, Prometheus, Grafana and k8s, the probes hit the
-daemon's real endpoints, and the dashboard reads exactly the metric contract (DESIGN.md section 6).
+daemon's real endpoints, and the dashboard reads exactly the metric contract (docs/design.md).
 No Docker or cluster needed; the Prometheus-backed check is test_dashboard_prometheus.py."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER = REPO_ROOT / "docker"
 K8S = DOCKER / "k8s"
 
-# DESIGN.md section 6, the names as exported (counters with _total)
+# the metric contract (docs/design.md), the names as exported (counters with _total)
 CONTRACT_METRICS = {
     "dflash_ready", "dflash_drafters_ready", "dflash_drafters_total", "dflash_warmup_seconds", "dflash_compiles_total",
     "dflash_train_tokens_total", "dflash_train_tokens_per_second", "dflash_train_step_seconds", "dflash_train_loss",
@@ -342,7 +342,7 @@ def test_dashboard_structure():
 
 def test_dashboard_reads_exactly_the_metric_contract():
     used = set().union(*(t.metrics for t in dashboard_targets(json.loads(DASHBOARD.read_text()))))
-    assert used - CONTRACT_METRICS == set(), "metrics outside DESIGN.md section 6"
+    assert used - CONTRACT_METRICS == set(), "metrics outside the metric contract (docs/design.md)"
     assert CONTRACT_METRICS - used == set(), "contract metrics without a panel"
 
 

@@ -35,10 +35,10 @@ def test_replicas_identical_and_no_runtime_compile(tmp_path):
     target = write_target_dir(tmp_path / "target", hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=151936)
     cfg = EngineConfig(target_path=str(target), target_random_init=True, target_devices=["cuda:0"], drafter_devices=devices,
-                       shape=ShapeConfig(seq_len=1024, num_anchors=128, block_size=16), drafter_layers=2,
+                       seq_len=1024, num_anchors=128, block_size=16, drafter_layers=2,
                        inductor_cache_dir=str(tmp_path / "inductor"))
     engine = Engine(cfg, tmp_path / "data").build()
-    warm = engine.compile_counts()["warmup"]
+    warm = engine.status().compiles["warmup"]
     assert warm > 0  # flex was really compiled
     steps = []
 
@@ -49,7 +49,7 @@ def test_replicas_identical_and_no_runtime_compile(tmp_path):
     res = engine.run_job(TrainJob(datasets=[str(assets.train)], output_dir=str(tmp_path / "out"), steps=50,
                                   learning_rate=1e-3, checkpoint_interval=50), CB())
     assert res.status == "SUCCEEDED" and len(steps) == 50
-    assert engine.compile_counts()["runtime"] == 0
+    assert engine.status().compiles["runtime"] == 0
     first = [p.detach().cpu() for p in engine.replicas[0].drafter.parameters()]
     masters = {k: v.cpu() for k, v in engine.replicas[0].weights_state().items()}
     for rep in engine.replicas[1:]:
@@ -95,6 +95,7 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     from dflash_core.engine.grad_sync import GradSync
     from dflash_core.config import ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
+    from dflash_core.engine.config import StepPlan
     from dflash_core.engine.replica import DrafterReplica
     from dflash_core.drafter import FrozenHead
     from tests.helpers import tiny_drafter_config
@@ -108,8 +109,8 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     batches = [synthetic_micro_batch(shape, 512, 0, seed=i).to("cuda") for i in range(n)]
     reps, losses = {}, {}
     for mode in ("fp32", "bf16"):
-        group = [DrafterReplica(i, cfg, "cuda:0", head, attention="dense", compiled=False, compute_dtype=torch.bfloat16,
-                                gamma=4.0, chunk_size=64, loss_kernel="triton", working_weights=mode)
+        plan = StepPlan(attention="dense", compiled=False, loss="triton", working_weights=mode)
+        group = [DrafterReplica(i, cfg, "cuda:0", head, plan, gamma=4.0, chunk_size=64)
                  for i in range(replicas)]
         for rep in group:
             rep.init_weights(3)

@@ -21,12 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 
-def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None, warmup_delay: float = 0.0,
+def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None,
                  engine: dict[str, Any] | None = None) -> Path:
     lines = [f'data_dir = "{data_dir}"']
     if auth_token:
         lines.append(f'auth_token = "{auth_token}"')
-    lines += ["", "[engine]", f"warmup_delay_seconds = {warmup_delay}"]
+    lines += ["", "[engine]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in (engine or {}).items()]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -35,8 +35,11 @@ def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None, w
 class Daemon:
     """One daemon process; start() may be called again after stop()/kill() (same data dir and port)."""
 
-    def __init__(self, config_path: Path, data_dir: Path, workdir: Path):
+    def __init__(self, config_path: Path, data_dir: Path, workdir: Path, warmup_pause: float = 0.0):
+        """warmup_pause: seconds the daemon waits after each warm-up phase (its test hook,
+        DFLASH_TEST_WARMUP_PAUSE_SECONDS), so that warming can be observed."""
         self.config_path = config_path
+        self.warmup_pause = warmup_pause
         self.data_dir = data_dir
         self.workdir = workdir
         self.port = free_port()
@@ -47,6 +50,8 @@ class Daemon:
 
     def start(self) -> "Daemon":
         env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+        if self.warmup_pause:
+            env["DFLASH_TEST_WARMUP_PAUSE_SECONDS"] = str(self.warmup_pause)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         with self.log_path.open("ab") as log:
             # cwd is an empty directory: the daemon must not write to the current directory

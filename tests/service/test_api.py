@@ -1,4 +1,4 @@
-"""The HTTP contract (DESIGN.md section 5) against one real daemon: jobs, validation, cancel,
+"""The HTTP contract (docs/design.md) against one real daemon: jobs, validation, cancel,
 idempotency, events and /metrics after a job."""
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def _value(families, name, **labels) -> float:
 
 def test_metrics_after_a_job(finished_job, daemon):
     families, text = _metrics(daemon)
-    # every contract name (DESIGN.md section 6) is exported; the parser strips _total from counter names
+    # every contract name (docs/design.md) is exported; the parser strips _total from counter names
     for name in ("dflash_ready", "dflash_drafters_ready", "dflash_drafters_total", "dflash_warmup_seconds",
                  "dflash_compiles", "dflash_train_tokens", "dflash_train_tokens_per_second", "dflash_train_step_seconds",
                  "dflash_train_loss", "dflash_train_accuracy", "dflash_train_expected_acceptance_length",

@@ -14,9 +14,8 @@ def test_defaults_need_no_file_and_never_use_cwd(tmp_path, monkeypatch):
     cfg = load_config(env={"HOME": str(tmp_path / "home")})
     assert cfg.host == "127.0.0.1" and cfg.port == 8000 and cfg.auth_token is None
     assert cfg.data_dir == tmp_path / "home" / ".local" / "share" / "dflash-trainer"
-    engine = cfg.engine_config()
-    assert engine.target_path is None  # the embedded default
-    assert engine.inductor_cache_dir == str(cfg.data_dir / "inductor-cache")
+    assert cfg.engine.target_path is None  # the embedded default
+    assert cfg.engine.drafter_devices is None  # chosen from the host when the engine is built
     assert cfg.resolved_output_roots() == [cfg.data_dir.resolve()]
     assert cfg.data_dir.resolve() in cfg.resolved_dataset_roots()
 
@@ -25,20 +24,18 @@ def test_toml_file_env_and_flags_override_in_order(tmp_path):
     path = tmp_path / "conf" / "dflash.toml"
     path.parent.mkdir()
     path.write_text('port = 9000\ndata_dir = "state"\nauth_token = "from-file"\n\n[engine]\n'
-                    'seq_len = 256\nwarmup_delay_seconds = 0.5\ndrafter_devices = ["cpu"]\n')
+                    'seq_len = 256\nnum_anchors = 16\ndrafter_devices = ["cpu"]\n')
     cfg = load_config(path, env={})
     assert cfg.port == 9000
     assert cfg.data_dir == tmp_path / "conf" / "state"  # relative to the file, not the cwd
-    assert cfg.engine_config().shape.seq_len == 256
+    assert cfg.engine.shape.seq_len == 256
 
-    env = {"DFLASH_PORT": "9100", "DFLASH_AUTH_TOKEN": "from-env", "DFLASH_ENGINE__WARMUP_DELAY_SECONDS": "2",
+    env = {"DFLASH_PORT": "9100", "DFLASH_AUTH_TOKEN": "from-env", "DFLASH_ENGINE__NUM_ANCHORS": "32",
            "DFLASH_ENGINE__TARGET_DEVICES": "cpu,cpu", "DFLASH_URL": "http://not-a-config-field"}
     cfg = load_config(path, env=env)
-    assert (cfg.port, cfg.auth_token, cfg.engine.warmup_delay_seconds) == (9100, "from-env", 2.0)
+    assert (cfg.port, cfg.auth_token, cfg.engine.num_anchors) == (9100, "from-env", 32)
     assert cfg.engine.target_devices == ["cpu", "cpu"]
     assert cfg.engine.seq_len == 256  # the file's value survives an env override of another engine field
-    assert cfg.engine_config().compile_workers == "early"
-    assert load_config(path, env={"DFLASH_ENGINE__COMPILE_WORKERS": "lazy"}).engine_config().compile_workers == "lazy"
 
     cfg = load_config(path, env=env, overrides={"port": 9200, "host": None})
     assert cfg.port == 9200 and cfg.host == "127.0.0.1"
@@ -46,11 +43,11 @@ def test_toml_file_env_and_flags_override_in_order(tmp_path):
 
 def test_yaml_file(tmp_path):
     path = tmp_path / "dflash.yaml"
-    path.write_text("host: 0.0.0.0\nlog_json: true\nengine:\n  block_size: 16\n  attention: dense\n")
+    path.write_text("host: 0.0.0.0\nlog_json: true\nengine:\n  block_size: 16\n  debug_eager: true\n")
     cfg = load_config(path, env={"DFLASH_DATA_DIR": str(tmp_path / "d")})
     assert cfg.host == "0.0.0.0" and cfg.log_json is True
     assert cfg.data_dir == tmp_path / "d"
-    assert cfg.engine_config().shape.block_size == 16
+    assert cfg.engine.shape.block_size == 16 and cfg.engine.debug_eager
 
 
 @pytest.mark.parametrize("text, words", [
@@ -59,11 +56,12 @@ def test_yaml_file(tmp_path):
     ("[engine]\ndrafter_devices = ['gpu0']", ["engine.drafter_devices"]),
     ("colour = 'blue'", ["colour"]),
     ("port = ", ["dflash.toml"]),
-    ("[engine]\nloss_kernel = 'fast'", ["engine.loss_kernel"]),
-    ("[engine]\nloss_kernel = 'triton'\ndrafter_devices = ['cpu']", ["engine.loss_kernel", "CUDA only"]),
-    ("[engine]\nworking_weights = 'fp16'", ["engine.working_weights"]),
-    ("[engine]\ncompile_workers = 'eager'", ["engine.compile_workers"]),
-    ("[engine]\nworking_weights = 'bf16'\ndrafter_devices = ['cuda:0', 'cpu']", ["engine.working_weights", "CUDA only"]),
+    ("[engine]\nnum_anchors = 0", ["engine.num_anchors"]),
+    # what the device decides is not a setting: the variants that used to be settings are refused
+    *[(f"[engine]\n{name} = {value}", [f"engine.{name}", "Extra inputs"]) for name, value in (
+        ("attention", "'dense'"), ("compile", "true"), ("compile_scope", "'layer'"), ("flex_q_splits", "1"),
+        ("loss_kernel", "'triton'"), ("working_weights", "'bf16'"), ("compile_workers", "'early'"),
+        ("init_seed", "0"), ("warmup_delay_seconds", "1.0"), ("queue_depth", "4"))],
 ])
 def test_invalid_config_names_the_field(tmp_path, text, words):
     path = tmp_path / "dflash.toml"
@@ -112,14 +110,18 @@ def test_missing_target_path_is_a_config_error(tmp_path):
         load_config(cfg, env={})
 
 
-def test_cuda_kernels_default_on_for_cuda_drafters_only():
-    """loss_kernel and working_weights "auto": the Triton CE kernel and bf16 working weights where
-    every drafter is on CUDA, the portable paths elsewhere; an explicit choice wins."""
-    pytest.importorskip("triton")
-    for devices, want in ((["cuda:0", "cuda:1"], ("triton", "bf16")), (["cpu"], ("compiled", "fp32")),
-                          (["cuda:0", "cpu"], ("compiled", "fp32"))):
-        engine = load_config(None, env={"DFLASH_ENGINE__DRAFTER_DEVICES": ",".join(devices)}).engine_config()
-        assert (engine.resolved_loss_kernel(), engine.resolved_working_weights()) == want, devices
-    engine = load_config(None, env={"DFLASH_ENGINE__DRAFTER_DEVICES": "cuda:0", "DFLASH_ENGINE__WORKING_WEIGHTS": "fp32",
-                                    "DFLASH_ENGINE__LOSS_KERNEL": "compiled"}).engine_config()
-    assert (engine.resolved_loss_kernel(), engine.resolved_working_weights()) == ("compiled", "fp32")
+def test_step_plan_follows_the_devices():
+    """How the step runs is derived from the drafter devices: compiled flex attention on CUDA (with
+    the Triton CE kernel and bf16 working weights where Triton imports), the eager dense path as
+    soon as one drafter is on the CPU, and the eager path everywhere with debug_eager."""
+    from dflash_core.engine.config import CPU_PLAN, step_plan
+
+    assert step_plan(["cpu"]) == CPU_PLAN == step_plan(["cuda:0", "cpu"]) == step_plan(["cuda:0"], debug_eager=True)
+    cuda = step_plan(["cuda:0", "cuda:1"])
+    assert (cuda.attention, cuda.compiled) == ("flex", True)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert (cuda.loss, cuda.working_weights) == ("compiled", "fp32")
+    else:
+        assert (cuda.loss, cuda.working_weights) == ("triton", "bf16")

@@ -12,8 +12,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def warming_daemon(make_daemon):
-    # 1.5 s pause in each warmup phase (a real engine config field, not a mock) makes warming observable
-    return make_daemon(auth_token=TOKEN, warmup_delay=1.5)
+    # a 1.5 s pause after each warm-up phase (the daemon's test hook; the build is real) makes warming observable
+    return make_daemon(auth_token=TOKEN, warmup_pause=1.5)
 
 
 def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon):

@@ -1,0 +1,86 @@
+"""The engine's public types: what a job reports while it runs, what it returns, the status the
+daemon reads, and the one error type engine and service share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class JobError(Exception):
+    """A job that cannot run or could not finish, with a message meant for the user.
+
+    `field` names the job spec field at fault when the job was refused before it started (the
+    service answers 422); it is None for a failure while the job ran."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+@dataclass(frozen=True)
+class WarmupRecord:
+    component: str  # target_load | target | drafter
+    device: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One consistent reading of the engine for health checks and metrics (cheap: no device sync)."""
+
+    phase: str  # starting | loading_target | warming_target | warming_drafters | ready
+    ready: bool
+    drafters_ready: int
+    drafters_total: int
+    elapsed_seconds: float  # since the engine was created
+    warmup: tuple[WarmupRecord, ...]
+    compiles: dict[str, int]  # {"warmup": n, "runtime": n}; any runtime compile is a bug
+    drafter_devices: tuple[str, ...]
+    tokens_per_device: dict[str, int]  # context tokens trained since start
+    tokens_per_second: float  # over the recent steps of the running job
+    queue_depths: dict[str, int]  # micro-batches waiting per drafter (empty between jobs)
+    threads_alive: bool  # every worker thread started after warm-up is running
+    allocator: dict[str, dict[str, int]]  # CUDA caching-allocator gauges per device (none on CPU)
+
+
+@dataclass
+class StepStats:
+    step: int  # steps completed (1-based)
+    total_steps: int
+    loss: float
+    position_accuracy: list[float]  # block positions 1..B-1
+    expected_acceptance_length: float
+    context_tokens: int
+    tokens_per_device: dict[str, int]
+    step_seconds: float
+    seconds_per_device: dict[str, float]
+    tokens_per_second: float
+    learning_rate: float
+    grad_norm: float
+    epoch: float
+
+
+class JobCallbacks:
+    """Hooks a job calls from its thread; override what you need."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+    def on_checkpoint(self, path: str, step: int) -> None: ...
+    def on_checkpoints_removed(self, paths: list[str]) -> None: ...
+    def on_event(self, kind: str, payload: dict[str, Any]) -> None: ...
+    def on_eval(self, step: int, result: dict[str, Any]) -> None: ...
+
+    def should_cancel(self) -> bool:
+        return False
+
+
+@dataclass
+class JobResult:
+    status: str  # SUCCEEDED | STOPPED
+    steps_done: int
+    total_steps: int
+    final_checkpoint: str | None
+    last_stats: StepStats | None = None
+    eval: dict[str, Any] | None = None
+    skipped_lines: int = 0

@@ -1,0 +1,144 @@
+"""Everything the engine does around torch.compile: the cache directory, inductor's worker pool,
+the recompile limit, the post-warm-up guard, and the accounting of where compile time went.
+
+torch.compile is not thread-safe, and past its recompile limit it silently falls back to eager
+(for flex_attention: the unfused O(S^2) path). The engine therefore compiles everything during
+warm-up, in one thread, and afterwards treats any compile as a bug: `CompileGuard` counts
+compiled graphs by phase and switches dynamo to `fail_on_recompile`, which turns a new compile in
+any thread into a RuntimeError instead of a silent recompile.
+
+Several helpers here read private torch APIs (inductor's pool, dynamo's timers). A torch without
+them loses a head start or a log line, never the build.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger("dflash.engine")
+
+
+def use_cache_dir(directory: str) -> str:
+    """Point inductor's cache at `directory` unless TORCHINDUCTOR_CACHE_DIR is exported; the
+    directory in effect. Say which one: a warm start depends on it."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", directory)
+    used = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    if used != directory:
+        log.info("inductor cache: %s (TORCHINDUCTOR_CACHE_DIR overrides %s)", used, directory)
+    return used
+
+
+def start_compile_workers() -> bool:
+    """Ask inductor to start its Triton worker pool now; whether a pool now exists.
+
+    Torch starts the pool only at the first compile and builds every kernel in this process until
+    a worker answers; started at the beginning of the build, the pool is ready while the target
+    loads, so the drafters' kernels build in parallel. False where torch uses no pool
+    (TORCHINDUCTOR_COMPILE_THREADS=1, TORCH_WARM_POOL=0, no Triton), has no such call, or the
+    start failed."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+    except ImportError:
+        return False
+    try:
+        maybe_warm_pool()
+    except Exception as e:  # noqa: BLE001 - a head start only: torch starts it again at the first compile
+        log.warning("could not start inductor's compile workers early: %s", e)
+        return False
+    try:  # maybe_warm_pool returns quietly where torch uses no pool; the pool is a cached factory
+        return AsyncCompile.process_pool.cache_info().currsize > 0
+    except AttributeError:  # a torch whose pool is not cached like that: the call above did not fail
+        return True
+
+
+def raise_recompile_limit(devices: int) -> None:
+    """Each drafter device is its own compiled entry (guards include the device index); past
+    dynamo's limit it would silently run eager. Set in the thread that compiles (dynamo's config
+    is per thread in newer torch)."""
+    import torch._dynamo.config as dynamo_config
+
+    need = 8 * max(1, devices)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < need:
+            setattr(dynamo_config, name, need)
+
+
+def compiled_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001 - dynamo unavailable: nothing is ever compiled
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileGuard:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start = compiled_graphs()
+        self._warm_end: int | None = None
+        self._enforcing = False
+
+    def end_warmup(self, enforce: bool) -> None:
+        with self._lock:
+            self._warm_end = compiled_graphs()
+        if enforce and hasattr(torch.compiler, "set_stance"):
+            torch.compiler.set_stance("fail_on_recompile")
+            self._enforcing = True
+
+    def release(self) -> None:
+        """Back to dynamo's default stance (the stance is process-wide; the engine is closing)."""
+        if self._enforcing:
+            torch.compiler.set_stance("default")
+            self._enforcing = False
+
+    def counts(self) -> dict[str, int]:
+        now = compiled_graphs()
+        with self._lock:
+            if self._warm_end is None:
+                return {"warmup": now - self._start, "runtime": 0}
+            return {"warmup": self._warm_end - self._start, "runtime": now - self._warm_end}
+
+
+# dynamo's per-phase timers (seconds, summed) worth a log line per GPU
+_PHASES = {
+    "dynamo_s": "_compile.compile_inner",
+    "triton_in_process_s": "async_compile.precompile",  # kernels built here: the pool was not ready
+    "triton_pool_wait_s": "async_compile.wait",
+    "load_modules_s": "PyCodeCache.load_by_key_path",
+    "backward_s": "compile_fx.<locals>.bw_compiler",
+    "autotune_s": "CachingAutotuner.benchmark_all_configs",
+}
+_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "async_compile_cache_hit", "async_compile_cache_miss")
+
+
+def compile_snapshot() -> dict[str, float]:
+    """Cumulative compile seconds per phase and inductor's cache counters, as of now."""
+    out: dict[str, float] = {}
+    try:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+    except ImportError:
+        return out
+    for key, phase in _PHASES.items():
+        out[key] = float(sum(compilation_time_metrics.get(phase, ())))
+    for name in _COUNTERS:
+        out[name] = float(counters["inductor"][name])
+    return out
+
+
+def compile_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before, rounded for a log line."""
+    return {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
+
+
+def log_compile_times() -> None:
+    """Where a cold start's time went, per compiled function and phase (dynamo's accounting)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        log.info("compile times (dynamo, seconds per function and phase):\n%s", compile_times(repr="str", aggregate=True))
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        log.debug("no compile times: %s", e)

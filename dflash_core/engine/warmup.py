@@ -1,0 +1,232 @@
+"""Building the engine's parts and warming them, one device at a time, in the calling thread.
+
+Threads that call a compiled flex_attention forward and backward for the first time together
+deadlock inside dynamo and the autograd engine (docs/design.md says how). So nothing here starts
+a worker thread: the target copies are loaded and run once each, then every drafter replica runs
+one full training step (forward, backward, optimizer) at the production shapes, one after the
+other, and only then does the engine start its drafter threads. Compiled graphs are keyed by
+device, so each replica compiles (or loads from the cache) its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import DrafterConfig, LossConfig
+from ..data.batches import MicroBatch, synthetic_micro_batch
+from ..devices import CudaContexts, default_devices
+from ..target import TargetModel
+from .api import WarmupRecord
+from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
+from .config import EngineConfig, StepPlan, step_plan
+from .grad_sync import GradSync
+from .pipeline import capture
+from .replica import DrafterReplica
+
+log = logging.getLogger("dflash.engine")
+
+WARMUP_SEED = 0  # the weights warm-up trains are reset afterwards; every job draws its own
+
+
+class Timeline:
+    """The build's phases and ordered events: what /healthz reports and where time to ready went."""
+
+    def __init__(self, drafters_total: int, on_phase: Callable[[str, int], None]):
+        self.t0 = time.monotonic()
+        self.drafters_total = drafters_total
+        self.phase = "starting"
+        self.drafters_ready = 0
+        self.events: list[tuple[float, str]] = []
+        self.warmup: list[WarmupRecord] = []
+        self._on_phase = on_phase
+        self._lock = threading.Lock()
+
+    def mark(self, label: str) -> None:
+        with self._lock:
+            self.events.append((time.monotonic(), label))
+
+    def enter(self, phase: str, drafters_ready: int = 0) -> None:
+        self.phase, self.drafters_ready = phase, drafters_ready
+        self.mark(f"progress:{phase}:{drafters_ready}")
+        self._on_phase(phase, drafters_ready)
+
+    def record(self, component: str, device: str | torch.device, started: float) -> None:
+        self.warmup.append(WarmupRecord(component, str(device), time.monotonic() - started))
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def labels(self) -> list[tuple[str, float]]:
+        """(event, seconds since the engine was created), in order."""
+        with self._lock:
+            return [(label, round(t - self.t0, 3)) for t, label in self.events]
+
+
+@dataclass
+class Parts:
+    """What a built engine holds."""
+
+    target_path: str
+    tokenizer: object
+    drafter_config: DrafterConfig
+    pad_token_id: int
+    plan: StepPlan
+    targets: list[TargetModel]
+    replicas: list[DrafterReplica]
+    feature_spec: tuple[tuple[int, ...], torch.dtype]  # every micro-batch's target features
+
+
+def resolve_devices(config: EngineConfig) -> tuple[list[str], list[str]]:
+    """(target_devices, drafter_devices): the configured ones, else this host's default."""
+    auto_target, auto_drafter = default_devices()
+    return list(config.target_devices or auto_target), list(config.drafter_devices or auto_drafter)
+
+
+def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts, grad_sync: GradSync) -> Parts:
+    """Load the target copies and the drafter replicas and warm each device in turn."""
+    target_devices, drafter_devices = resolve_devices(config)
+    plan = step_plan(drafter_devices, config.debug_eager)
+    if plan.compiled and any(d.startswith("cuda") for d in drafter_devices) and start_compile_workers():
+        timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
+
+    timeline.enter("loading_target")
+    target_path, layer_ids = _target_source(config, data_dir)
+    from transformers import AutoConfig, AutoTokenizer
+
+    timeline.mark("build:transformers_imported")
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    hf_cfg = AutoConfig.from_pretrained(target_path)
+    timeline.mark("build:tokenizer_and_config")
+    drafter_config = DrafterConfig.from_target_config(
+        hf_cfg, num_hidden_layers=config.drafter_layers, block_size=config.block_size,
+        mask_token_id=mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token),
+        target_layer_ids=layer_ids, intermediate_size=config.drafter_intermediate_size,
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    cuda.wait()
+    timeline.mark("build:cuda_contexts")
+    targets = []
+    for dev in target_devices:
+        t = time.monotonic()
+        targets.append(TargetModel(target_path, drafter_config.target_layer_ids, dev,
+                                   random_init=config.target_random_init, seed=WARMUP_SEED))
+        timeline.record("target_load", dev, t)
+        timeline.mark(f"build:target_loaded:{dev}")
+
+    timeline.enter("warming_target")
+    batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
+    features = None
+    for target in targets:
+        t = time.monotonic()
+        feats = capture(target, batch)
+        _sync(target.device)
+        if features is None:  # reused by the drafters
+            features = feats
+        timeline.record("target", target.device, t)
+        timeline.mark(f"build:target_warm:{target.device}")
+    assert features is not None
+
+    head = targets[0].frozen_head()
+    if plan.compiled:
+        raise_recompile_limit(len(drafter_devices))
+    loss = LossConfig()
+    replicas = []
+    for i, dev in enumerate(drafter_devices):
+        replicas.append(DrafterReplica(i, drafter_config, dev, head, plan, gamma=loss.resolved_gamma(config.block_size),
+                                       chunk_size=loss.chunk_size))
+        timeline.mark(f"build:replica_created:{dev}")
+    reset_weights(replicas, WARMUP_SEED)
+    timeline.mark("build:weights_initialized")
+
+    timeline.enter("warming_drafters")
+    timeline.mark("warmup:drafters:start")
+    for i, rep in enumerate(replicas):
+        t = time.monotonic()
+        before = compile_snapshot() if plan.compiled else {}
+        warm_replica(rep, batch, features)
+        timeline.record("drafter", rep.device, t)
+        if plan.compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
+            log.info("drafter warm-up compiles", extra={"fields": {
+                "device": str(rep.device), "seconds": round(time.monotonic() - t, 3),
+                **compile_delta(before, compile_snapshot())}})
+        timeline.mark(f"warmup:drafter:{rep.device}")
+        timeline.enter("warming_drafters", i + 1)
+    grad_sync.average([rep.grads() for rep in replicas])  # exercise the sync path once
+    for rep in replicas:
+        rep.zero_grad()
+    reset_weights(replicas, WARMUP_SEED)
+    return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas,
+                 (tuple(features.shape), features.dtype))
+
+
+def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int] | None]:
+    """The target's directory and the layer ids to capture (None: the DFlash rule)."""
+    if config.target_path is not None:
+        return str(config.target_path), config.target_layer_ids
+    from ..defaults import DEFAULT_TARGET_LAYER_IDS, ensure_default_assets
+
+    # the tiny target's own ids: the rule would pick the same layer twice for its depth
+    ids = config.target_layer_ids or list(DEFAULT_TARGET_LAYER_IDS)
+    return str(ensure_default_assets(data_dir).target), ids
+
+
+def mask_token_id(tokenizer, vocab_size: int, name: str | None) -> int:
+    """The block's mask token: the configured one, else the tokenizer's, else <|mask|> added
+    (it must fall inside the target's vocabulary: the frozen embedding has a row for it)."""
+    if name is None and tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    name = name or "<|mask|>"
+    ids = tokenizer.convert_tokens_to_ids([name])
+    if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
+        return int(ids[0])
+    tokenizer.add_special_tokens({"mask_token": name})
+    mid = int(tokenizer.mask_token_id)
+    if mid >= vocab_size:
+        raise ValueError(f"mask token {name!r} got id {mid}, outside the target vocabulary ({vocab_size})")
+    return mid
+
+
+def warm_replica(rep: DrafterReplica, mb: MicroBatch, features: torch.Tensor) -> None:
+    """One full training step at the production shape, in this thread. With bf16 working weights
+    a second step sums its gradient in fp32 on the masters (what gradient accumulation and
+    several replicas do): the AdamW kernel's variant for fp32 gradients beside a working copy is
+    built here too, not in a drafter thread mid-job."""
+    feats = features.to(rep.device)
+    batch = mb.to(rep.device)
+    rep.new_optimizer(1e-4, 0.0, (0.9, 0.95))
+    for fp32_sum in (False, True) if rep.working_weights == "bf16" else (False,):
+        rep.sum_grads_in_fp32 = fp32_sum
+        acc = rep.new_accumulator()
+        rep.forward_backward(batch, feats, 1.0, acc)
+        rep.clip_and_step(1.0, 1e-4)
+        float(acc.loss_sum)  # completes the step on the device
+    rep.sum_grads_in_fp32 = False
+    rep.optimizer = None
+    _sync(rep.device)
+
+
+def reset_weights(replicas: list[DrafterReplica], seed: int, init_from: dict[str, torch.Tensor] | None = None) -> None:
+    """Every replica gets the same starting weights: the given state, or one draw on the first
+    replica's device copied to the others."""
+    first = replicas[0]
+    if init_from is not None:
+        first.load_state(init_from)
+    else:
+        first.init_weights(seed)
+    state = first.weights_state()
+    for rep in replicas:
+        if rep is not first:
+            rep.load_state(state)
+        rep.zero_grad()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -43,7 +43,7 @@ from dflash_core.engine.replica import DrafterReplica
 
 ENGINE = StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")  # step_plan on CUDA
 FP32W = replace(ENGINE, working_weights="fp32")
-EAGER_SDPA = StepPlan(attention="dense", compiled=False, loss="eager", working_weights="bf16")
+EAGER_SDPA = StepPlan(attention="dense", compiled=False, loss="triton", working_weights="bf16")  # our SDPA path
 # variant -> (plan, compile scope, query splits); bench.variants says what each means
 VARIANTS = {
     "flex_layer": (ENGINE, "layer", 1),  # the engine's step

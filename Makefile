@@ -1,10 +1,11 @@
 # Two commands for a fresh machine:  make demo   |   make test
+# Before a commit:  make check (lint, format, types)   |   make test-fast (skips slow and gpu tests)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-gpu clean
+.PHONY: venv demo test test-fast test-gpu check lint format-check typecheck clean
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,26 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests
+
+# settings in pyproject.toml ([tool.ruff], [tool.mypy]); all three run, and any failure fails check
+check: $(STAMP)
+	@rc=0; \
+	echo "== ruff check"; $(VENV)/bin/ruff check . || rc=1; \
+	echo "== ruff format --check"; $(VENV)/bin/ruff format --check --output-format concise . || rc=1; \
+	echo "== mypy"; $(VENV)/bin/mypy || rc=1; \
+	exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+format-check: $(STAMP)
+	$(VENV)/bin/ruff format --check --output-format concise .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 test-gpu:
 	python3 -m pytest -q -p no:cacheprovider -m gpu tests

@@ -9,6 +9,7 @@ bf16, rows = 1920: the reference step's near-equal chunks of 7680 predicted rows
 CUDA-event timings after 3 warm-up calls, under bf16 autocast as in the step; random inputs.
 The "CE only" column subtracts the two GEMMs timed alone. Writes $OUT/ce_kernel.json, prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,27 @@ def main(argv=None):
     compiled = compiled_chunk_loss()
     rows = [{"chunk": "compiled (inductor)", "ms": timed(lambda: compiled(hidden, weight, labels, w, True))}]
     for block_v, warps in dict.fromkeys(SWEEP):
-        rows.append({"chunk": f"triton, BLOCK_V {block_v}, {warps} warps", "ms": timed(
-            lambda: ce_triton.chunk_loss_and_grad(hidden, weight, labels, w, True, block_v=block_v, num_warps=warps))})
+        rows.append(
+            {
+                "chunk": f"triton, BLOCK_V {block_v}, {warps} warps",
+                "ms": timed(
+                    lambda: ce_triton.chunk_loss_and_grad(
+                        hidden, weight, labels, w, True, block_v=block_v, num_warps=warps
+                    )
+                ),
+            }
+        )
     for row in rows:
         row["CE only (minus the GEMMs)"] = round(row["ms"] - gemms, 3)
     rows.append({"chunk": "the two GEMMs alone", "ms": gemms})
     env = env_record()
-    report("ce_kernel", {"env": env, "args": vars(args), "rows": rows},
-           f"One loss chunk, {env['gpu']}, torch {env['torch']}: [{args.rows}, {args.hidden}] x [{args.vocab}, {args.hidden}] bf16",
-           rows, ["chunk", "ms", "CE only (minus the GEMMs)"])
+    report(
+        "ce_kernel",
+        {"env": env, "args": vars(args), "rows": rows},
+        f"One loss chunk, {env['gpu']}, torch {env['torch']}: [{args.rows}, {args.hidden}] x [{args.vocab}, {args.hidden}] bf16",
+        rows,
+        ["chunk", "ms", "CE only (minus the GEMMs)"],
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Shared pieces of the GPU benchmarks: reference shapes, target config dirs, timing, peak rate."""
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,40 @@ import torch
 from dflash_core.config import DrafterConfig, ShapeConfig
 
 QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
-    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-    hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    torch_dtype="bfloat16",
 )
 REFERENCE_SHAPE = ShapeConfig(seq_len=3072, num_anchors=512, block_size=16)
 
 
 def reference_drafter_config(layers: int = 5, mask_token_id: int = 5) -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16, mask_token_id=mask_token_id,
-        target_layer_ids=(1, 9, 17, 25, 33), num_target_layers=36, rope_theta=1_000_000.0,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        block_size=16,
+        mask_token_id=mask_token_id,
+        target_layer_ids=(1, 9, 17, 25, 33),
+        num_target_layers=36,
+        rope_theta=1_000_000.0,
     )
 
 
@@ -92,9 +114,12 @@ def env_record() -> dict:
     import triton
 
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "triton": getattr(triton, "__version__", "?"),
-        "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": getattr(triton, "__version__", "?"),
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count(),
     }
 
 
@@ -127,7 +152,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs: int, budget_s: float) -> dict[str, str]:
+def warm_caches_in_parallel(
+    module: str, names: list[str], args: list[str], jobs: int, budget_s: float
+) -> dict[str, str]:
     """Compile every case in its own process, `jobs` at a time, so the cold compile of many
     kernels (minutes each on a fresh machine, mostly one single-threaded ptxas per kernel) shares
     the cores; the timed run in this process then loads them from the inductor and Triton caches.
@@ -150,8 +177,16 @@ def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs
             name = pending.pop(0)
             log = open(log_dir / f"{name}.log", "w")
             # its own process group: a kill also stops the compiler processes it started
-            running[name] = (subprocess.Popen([sys.executable, "-m", module, "--cases", name, "--compile-only", *args],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
+            running[name] = (
+                subprocess.Popen(
+                    [sys.executable, "-m", module, "--cases", name, "--compile-only", *args],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log,
+            )
         for name, (proc, log) in list(running.items()):
             if proc.poll() is not None:
                 outcome[name] = "ok" if proc.returncode == 0 else f"failed rc={proc.returncode}"
@@ -166,4 +201,3 @@ def warm_caches_in_parallel(module: str, names: list[str], args: list[str], jobs
             print(f"[warm {time.monotonic() - start:6.1f}s] {name}: {outcome[name]}", flush=True)
         time.sleep(0.5)
     return outcome
-

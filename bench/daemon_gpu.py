@@ -11,6 +11,7 @@ environment; "" is the unchanged one).
 Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
 optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,11 +43,19 @@ def parse_env(spec: str) -> dict[str, str]:
 def start(config: Path, log: Path, inductor_cache: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     # the cache directory set here, not inherited: gpu_session.sh exports one for the whole call,
     # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
-               TRITON_CACHE_DIR=str(inductor_cache / "triton-home"),  # user Triton kernels (the AdamW) too
-               **(extra_env or {}))
-    return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
+        TRITON_CACHE_DIR=str(inductor_cache / "triton-home"),  # user Triton kernels (the AdamW) too
+        **(extra_env or {}),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float, list[str]]:
@@ -72,8 +81,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float,
 
 def metric_samples(page: str, names: tuple[str, ...]) -> list[tuple[str, dict[str, str], float]]:
     """(sample name, labels, value) of the named samples on a /metrics page."""
-    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(page) for s in family.samples
-            if s.name in names]
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.name in names
+    ]
 
 
 def reserved_bytes(page: str) -> dict[str, float]:
@@ -85,15 +98,21 @@ def main(argv=None):
     import torch
 
     p = argparse.ArgumentParser()
-    p.add_argument("--anchors", type=int, default=256, help="512 = recipe density at S=3072; 256 = 1 anchor per 12 tokens")
+    p.add_argument(
+        "--anchors", type=int, default=256, help="512 = recipe density at S=3072; 256 = 1 anchor per 12 tokens"
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300, help="seconds to wait for /healthz 200")
     p.add_argument("--colocated", action="store_true")
     p.add_argument("--two-drafters", action="store_true", help="drafters on cuda:0 and cuda:1 (target on cuda:0)")
     p.add_argument("--warm-starts", type=int, default=1, help="warm restarts after the cold start (median reported)")
-    p.add_argument("--warm-env", default="", help='environments the warm starts take turns with, ";"-separated '
-                                                  '("NAME=VALUE NAME2=VALUE"; empty = unchanged)')
+    p.add_argument(
+        "--warm-env",
+        default="",
+        help='environments the warm starts take turns with, ";"-separated '
+        '("NAME=VALUE NAME2=VALUE"; empty = unchanged)',
+    )
     args = p.parse_args(argv)
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
@@ -105,7 +124,7 @@ def main(argv=None):
     config = work / "config.toml"
     config.write_text(f"""
 port = {port}
-data_dir = "{work / 'data'}"
+data_dir = "{work / "data"}"
 
 [engine]
 target_path = "{target}"
@@ -117,7 +136,7 @@ num_anchors = {args.anchors}
 block_size = 16
 drafter_layers = {args.layers}
 target_layer_ids = [1, 9, 17, 25, 33]
-inductor_cache_dir = "{work / 'inductor'}"
+inductor_cache_dir = "{work / "inductor"}"
 """)
     url = f"http://127.0.0.1:{port}"
     out = out_dir()
@@ -136,8 +155,17 @@ inductor_cache_dir = "{work / 'inductor'}"
                 row["env"] = variant or "-"
             record[f"phases_{phase}"] = phases
             if phase == "cold":
-                job = httpx.post(url + "/jobs", json={"name": "gpu-100", "datasets": ["builtin://train"], "steps": args.steps,
-                                                       "checkpoint_interval": 50, "learning_rate": 6e-4}, timeout=10).json()
+                job = httpx.post(
+                    url + "/jobs",
+                    json={
+                        "name": "gpu-100",
+                        "datasets": ["builtin://train"],
+                        "steps": args.steps,
+                        "checkpoint_interval": 50,
+                        "learning_rate": 6e-4,
+                    },
+                    timeout=10,
+                ).json()
                 steps, reserved = [], {}  # reserved: device -> bytes sampled after every step from step 11 on
                 with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
                     for line in r.iter_lines():
@@ -146,27 +174,38 @@ inductor_cache_dir = "{work / 'inductor'}"
                             if ev.get("kind") == "step":
                                 steps.append(ev)
                                 if len(steps) > 10:
-                                    for dev, val in reserved_bytes(httpx.get(url + "/metrics", timeout=10).text).items():
+                                    for dev, val in reserved_bytes(
+                                        httpx.get(url + "/metrics", timeout=10).text
+                                    ).items():
                                         reserved.setdefault(dev, []).append(val)
                 record["reserved_during_job"] = {
-                    dev: {"samples": len(v), "min_gib": round(min(v) / 2**30, 3), "max_gib": round(max(v) / 2**30, 3),
-                          "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3),
-                          # (sample index, GiB) where the value changed: when a growth happened
-                          "changes": [(i, round(x / 2**30, 3)) for i, x in enumerate(v) if i == 0 or x != v[i - 1]]}
-                    for dev, v in reserved.items()}
+                    dev: {
+                        "samples": len(v),
+                        "min_gib": round(min(v) / 2**30, 3),
+                        "max_gib": round(max(v) / 2**30, 3),
+                        "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3),
+                        # (sample index, GiB) where the value changed: when a growth happened
+                        "changes": [(i, round(x / 2**30, 3)) for i, x in enumerate(v) if i == 0 or x != v[i - 1]],
+                    }
+                    for dev, v in reserved.items()
+                }
                 for dev, st in record["reserved_during_job"].items():
                     row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
                 record["job"] = final
                 secs = [s.get("step_seconds") for s in steps[10:] if s.get("step_seconds")]
                 toks = [s.get("context_tokens") for s in steps[10:] if s.get("context_tokens")]
-                row.update(state=final.get("state"), steps=len(steps),
-                           step_ms=round(1000 * statistics.median(secs), 1) if secs else None,
-                           tokens_per_s=round(sum(toks) / sum(secs)) if secs else None)
+                row.update(
+                    state=final.get("state"),
+                    steps=len(steps),
+                    step_ms=round(1000 * statistics.median(secs), 1) if secs else None,
+                    tokens_per_s=round(sum(toks) / sum(secs)) if secs else None,
+                )
             metrics = httpx.get(url + "/metrics", timeout=10).text
             (out / f"metrics_{phase}.txt").write_text(metrics)
             for name, labels, val in metric_samples(
-                    metrics, ("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")):
+                metrics, ("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")
+            ):
                 key = name.removeprefix("dflash_") + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
                 row[key] = round(val / 2**30, 2) if "bytes" in name else val
             rows.append(row)
@@ -181,7 +220,10 @@ inductor_cache_dir = "{work / 'inductor'}"
     record["rows"] = rows
     (out / "daemon_gpu.json").write_text(json.dumps(record, indent=1, default=str))
     print(json.dumps(record.get("phases_cold")), json.dumps(record.get("phases_warm")))
-    cols = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("cache", "env", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k))
+    cols = sorted(
+        {k for r in rows for k in r},
+        key=lambda k: (k not in ("cache", "env", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k),
+    )
     print_table(rows, cols)
 
 

@@ -9,14 +9,15 @@ in the same run, peak/steady reserved memory; times the optimizer step on its ow
 full steps (fwd+bwd+optimizer) of the first variant and reports memory flatness. Writes
 $OUT/drafter_step.json and prints a table last.
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
-from dataclasses import replace
 import json
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -34,12 +35,12 @@ from bench.common import (
     warm_caches_in_parallel,
 )
 from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
-from dflash_core.step.attention import dense_mask, dflash_mask_mod
-from dflash_core.data.batches import synthetic_micro_batch
 from bench.variants import variant_kernels
+from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import FrozenHead
 from dflash_core.engine.config import StepPlan
 from dflash_core.engine.replica import DrafterReplica
+from dflash_core.step.attention import dense_mask, dflash_mask_mod
 
 ENGINE = StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")  # step_plan on CUDA
 FP32W = replace(ENGINE, working_weights="fp32")
@@ -87,7 +88,9 @@ def bench_variant(name, cfg, head, batch, feats, iters, chunk):
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time_ms(fwd_bwd, warmup=2, iters=iters)
     res = {
-        "variant": name, "median_ms": round(median(times), 2), "min_ms": round(min(times), 2),
+        "variant": name,
+        "median_ms": round(median(times), 2),
+        "min_ms": round(min(times), 2),
         "first_call_s": round(first_call_s, 1),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
         "steady_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
@@ -172,7 +175,9 @@ def flatness(rep, batch, feats, steps=100):
     torch.cuda.synchronize()
     s1 = torch.cuda.memory_stats()
     return {
-        "steps": steps, "reserved_min_gib": round(min(reserved) / 2**30, 3), "reserved_max_gib": round(max(reserved) / 2**30, 3),
+        "steps": steps,
+        "reserved_min_gib": round(min(reserved) / 2**30, 3),
+        "reserved_max_gib": round(max(reserved) / 2**30, 3),
         "reserved_swing_pct": round(100 * (max(reserved) - min(reserved)) / max(reserved), 3),
         "alloc_retries": s1.get("num_alloc_retries", 0) - s0.get("num_alloc_retries", 0),
         "device_allocs": s1.get("num_device_alloc", 0) - s0.get("num_device_alloc", 0),
@@ -187,8 +192,13 @@ def reference_inputs(cfg):
         torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
     )
     batch = synthetic_micro_batch(REFERENCE_SHAPE, cfg.vocab_size, 0).to("cuda")
-    feats = torch.randn(REFERENCE_SHAPE.seq_len, cfg.num_target_features * cfg.hidden_size, device="cuda",
-                        dtype=torch.bfloat16, generator=g)
+    feats = torch.randn(
+        REFERENCE_SHAPE.seq_len,
+        cfg.num_target_features * cfg.hidden_size,
+        device="cuda",
+        dtype=torch.bfloat16,
+        generator=g,
+    )
     return head, batch, feats
 
 
@@ -218,12 +228,21 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--flat-steps", type=int, default=100)
     p.add_argument("--chunk", type=int, default=2048, help="query tokens per lm_head+CE chunk")
-    p.add_argument("--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first")
-    p.add_argument("--warm-jobs", type=int, default=0,
-                   help="first compile the variants in this many parallel processes (cold machines)")
+    p.add_argument(
+        "--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first"
+    )
+    p.add_argument(
+        "--warm-jobs",
+        type=int,
+        default=0,
+        help="first compile the variants in this many parallel processes (cold machines)",
+    )
     p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
-    p.add_argument("--compiled-optimizer", action="store_true",
-                   help="also time torch.compile's AdamW step (a cold compile of tens of seconds)")
+    p.add_argument(
+        "--compiled-optimizer",
+        action="store_true",
+        help="also time torch.compile's AdamW step (a cold compile of tens of seconds)",
+    )
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--cases", help=argparse.SUPPRESS)  # one variant, with --compile-only (a warm-up child)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -236,9 +255,12 @@ def main(argv=None):
     if args.warm_jobs:
         compiled = [n for n in names if VARIANTS[n][0].compiled] + (["optimizer"] if args.compiled_optimizer else [])
         warm = warm_caches_in_parallel(
-            "bench.drafter_step", compiled,
+            "bench.drafter_step",
+            compiled,
             ["--layers", str(args.layers), "--chunk", str(args.chunk), "--variants", args.variants],
-            args.warm_jobs, args.warm_budget)
+            args.warm_jobs,
+            args.warm_budget,
+        )
     while args.wait_pid and pid_alive(args.wait_pid):
         time.sleep(1)
     env = env_record()
@@ -258,7 +280,9 @@ def main(argv=None):
         # replica also times the optimizer and the flatness run before it is dropped
         rep = None
         try:
-            rep, res = bench_variant(name, cfg, head, batch, feats, args.iters if "eager" not in name else 5, args.chunk)
+            rep, res = bench_variant(
+                name, cfg, head, batch, feats, args.iters if "eager" not in name else 5, args.chunk
+            )
             res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
             res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
             if args.profile and "eager" not in name:
@@ -266,7 +290,8 @@ def main(argv=None):
             if i == 0:
                 rep.zero_grad()
                 opt_ms, n_params, opt_rows = bench_optimizer(
-                    rep, compiled=args.compiled_optimizer and warm.get("optimizer") != "killed")
+                    rep, compiled=args.compiled_optimizer and warm.get("optimizer") != "killed"
+                )
                 rep.zero_grad()
                 print(json.dumps({"optimizer_ms": opt_ms}), flush=True)
                 flat = flatness(rep, batch, feats, args.flat_steps)
@@ -285,14 +310,41 @@ def main(argv=None):
     for r in rows:
         if r.get("median_ms") and first_ms:
             r["speedup_of_first"] = round(r["median_ms"] / first_ms, 2)
-    record = {"env": env, "peak_bf16_tflops": round(peak, 1), "shape": vars(shape), "layers": args.layers, "loss_chunk": args.chunk,
-              "visible_pairs": visible, "flops": flops, "rows": rows, "optimizer_ms": opt_ms,
-              "optimizer_variants_ms": opt_rows, "optimizer_params": n_params, "flatness": flat}
+    record = {
+        "env": env,
+        "peak_bf16_tflops": round(peak, 1),
+        "shape": vars(shape),
+        "layers": args.layers,
+        "loss_chunk": args.chunk,
+        "visible_pairs": visible,
+        "flops": flops,
+        "rows": rows,
+        "optimizer_ms": opt_ms,
+        "optimizer_variants_ms": opt_rows,
+        "optimizer_params": n_params,
+        "flatness": flat,
+    }
     (out_dir() / "drafter_step.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: v for k, v in record.items() if k != "rows"}, indent=1))
-    print(f"\nDrafter step, {env['gpu']}, torch {env['torch']}, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, "
-          f"{args.layers} layers, {flops['total'] / 1e12:.1f} TFLOP/step, peak {peak:.0f} TFLOP/s, optimizer {opt_ms} ms")
-    print_table(rows, ["variant", "median_ms", "min_ms", "first_call_s", "tflops", "mfu_pct", "peak_reserved_gib", "steady_reserved_gib", "speedup_of_first", "error"])
+    print(
+        f"\nDrafter step, {env['gpu']}, torch {env['torch']}, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, "
+        f"{args.layers} layers, {flops['total'] / 1e12:.1f} TFLOP/step, peak {peak:.0f} TFLOP/s, optimizer {opt_ms} ms"
+    )
+    print_table(
+        rows,
+        [
+            "variant",
+            "median_ms",
+            "min_ms",
+            "first_call_s",
+            "tflops",
+            "mfu_pct",
+            "peak_reserved_gib",
+            "steady_reserved_gib",
+            "speedup_of_first",
+            "error",
+        ],
+    )
 
 
 if __name__ == "__main__":

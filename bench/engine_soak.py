@@ -6,6 +6,7 @@ Each trial: a new inductor cache directory, an Engine with a random-weight targe
 one drafter replica per GPU (4 replicas on cuda:0 when there is one GPU), 50 steps of the bundled
 dataset. Reports time to ready, train time, compile counts by phase, and hangs (timeouts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,26 @@ def child(steps: int, work: Path) -> None:
     gpus = torch.cuda.device_count()
     drafters = [f"cuda:{i}" for i in range(gpus)] if gpus >= 2 else ["cuda:0"] * 4
     assets = ensure_default_assets(work / "data")
-    target = write_target_dir(work / "target", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    cfg = EngineConfig(target_path=str(target), target_random_init=True, target_devices=["cuda:0"], drafter_devices=drafters,
-                       seq_len=2048, num_anchors=256, block_size=16, drafter_layers=3,
-                       target_layer_ids=[1, 5, 9])
+    target = write_target_dir(
+        work / "target",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    cfg = EngineConfig(
+        target_path=str(target),
+        target_random_init=True,
+        target_devices=["cuda:0"],
+        drafter_devices=drafters,
+        seq_len=2048,
+        num_anchors=256,
+        block_size=16,
+        drafter_layers=3,
+        target_layer_ids=[1, 5, 9],
+    )
     t0 = time.time()
     engine = Engine(cfg, work / "data").build()
     ready = time.time() - t0
@@ -43,15 +59,39 @@ def child(steps: int, work: Path) -> None:
             stats.append(s)
 
     t1 = time.time()
-    res = engine.run_job(TrainJob(datasets=[str(assets.train)], output_dir=str(work / "out"), steps=steps,
-                                  learning_rate=1e-3, checkpoint_interval=steps), CB())
+    res = engine.run_job(
+        TrainJob(
+            datasets=[str(assets.train)],
+            output_dir=str(work / "out"),
+            steps=steps,
+            learning_rate=1e-3,
+            checkpoint_interval=steps,
+        ),
+        CB(),
+    )
     train = time.time() - t1
-    same = all(torch.equal(a.cpu(), b.cpu()) for rep in engine.replicas[1:]
-               for a, b in zip(engine.replicas[0].drafter.parameters(), rep.drafter.parameters()))
-    print(json.dumps({"status": res.status, "steps": res.steps_done, "ready_s": round(ready, 1), "train_s": round(train, 1),
-                      "compiles": engine.status().compiles, "replicas": len(drafters), "replicas_identical": same,
-                      "tokens_per_s": round(sum(s.context_tokens for s in stats[5:]) / max(1e-9, sum(s.step_seconds for s in stats[5:])))}),
-          flush=True)
+    same = all(
+        torch.equal(a.cpu(), b.cpu())
+        for rep in engine.replicas[1:]
+        for a, b in zip(engine.replicas[0].drafter.parameters(), rep.drafter.parameters())
+    )
+    print(
+        json.dumps(
+            {
+                "status": res.status,
+                "steps": res.steps_done,
+                "ready_s": round(ready, 1),
+                "train_s": round(train, 1),
+                "compiles": engine.status().compiles,
+                "replicas": len(drafters),
+                "replicas_identical": same,
+                "tokens_per_s": round(
+                    sum(s.context_tokens for s in stats[5:]) / max(1e-9, sum(s.step_seconds for s in stats[5:]))
+                ),
+            }
+        ),
+        flush=True,
+    )
     engine.close()
 
 
@@ -71,8 +111,13 @@ def main(argv=None):
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(work / "inductor-cold"), PYTHONUNBUFFERED="1")
         t0 = time.time()
         try:
-            proc = subprocess.run([sys.executable, "-m", "bench.engine_soak", "--child", str(work), "--steps", str(args.steps)],
-                                  env=env, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.engine_soak", "--child", str(work), "--steps", str(args.steps)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
             row = json.loads(line) if line else {"status": f"CRASH exit {proc.returncode}", "error": proc.stderr[-300:]}
         except subprocess.TimeoutExpired:
@@ -85,8 +130,22 @@ def main(argv=None):
     from bench.common import out_dir, print_table
 
     (out_dir() / "engine_soak.json").write_text(json.dumps(rows, indent=1))
-    print_table(rows, ["trial", "status", "steps", "replicas", "ready_s", "train_s", "warmup_compiles", "runtime_compiles",
-                       "replicas_identical", "tokens_per_s", "wall_s"])
+    print_table(
+        rows,
+        [
+            "trial",
+            "status",
+            "steps",
+            "replicas",
+            "ready_s",
+            "train_s",
+            "warmup_compiles",
+            "runtime_compiles",
+            "replicas_identical",
+            "tokens_per_s",
+            "wall_s",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Each row: forward ms, backward ms (fwd+bwd minus fwd), tiles the BlockMask compu
 full), TFLOP/s on the computed tiles, and the largest difference from the production output.
 Writes $OUT/flex_sweep.json; prints a table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ import traceback
 import torch
 
 from bench.common import cuda_time_ms, env_record, median, out_dir, pid_alive, print_table, warm_caches_in_parallel
-from dflash_core.step.attention import build_block_mask, dflash_mask_mod
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch, synthetic_micro_batch
+from dflash_core.step.attention import build_block_mask, dflash_mask_mod
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -75,7 +76,9 @@ def make_mask(kind: str, batch: MicroBatch, shape: ShapeConfig, splits: int):
     if kind == "none":
         return None
     make = dflash_mask_mod if kind == "dflash" else gather_mask_mod
-    mod = make(batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size, per if splits > 1 else 0)
+    mod = make(
+        batch.doc_ids, batch.anchors, batch.anchor_valid, shape.seq_len, shape.block_size, per if splits > 1 else 0
+    )
     return build_block_mask(mod, per, kv_len, "cuda", compiled=True, batches=splits)
 
 
@@ -130,8 +133,12 @@ def run_case(name, shape, batch, q, k, v, grad_out, reference, compile_only=Fals
     tiles = partial + full if block_mask is not None else (q_len // 128) * (k.shape[2] // 128)
     flop_fwd = 4 * HEADS * HEAD_DIM * tiles * 128 * 128  # computed tiles, every query head
     row = {
-        "case": name, "fwd_ms": round(fwd_ms, 3), "bwd_ms": round(both_ms - fwd_ms, 3),
-        "bwd_over_fwd": round((both_ms - fwd_ms) / fwd_ms, 2), "partial_tiles": partial, "full_tiles": full,
+        "case": name,
+        "fwd_ms": round(fwd_ms, 3),
+        "bwd_ms": round(both_ms - fwd_ms, 3),
+        "bwd_over_fwd": round((both_ms - fwd_ms) / fwd_ms, 2),
+        "partial_tiles": partial,
+        "full_tiles": full,
         "fwd_tflops": round(flop_fwd / (fwd_ms * 1e-3) / 1e12, 1),
         "bwd_tflops": round(2.5 * flop_fwd / ((both_ms - fwd_ms) * 1e-3) / 1e12, 1),
         "compile_s": round(compile_s, 1),
@@ -147,8 +154,12 @@ def main(argv=None):
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--cases", default="all")
-    p.add_argument("--warm-jobs", type=int, default=0,
-                   help="first compile the cases in this many parallel processes (cold machines)")
+    p.add_argument(
+        "--warm-jobs",
+        type=int,
+        default=0,
+        help="first compile the cases in this many parallel processes (cold machines)",
+    )
     p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -188,13 +199,31 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         if args.compile_only:
             continue
-        (out_dir() / "flex_sweep.json").write_text(json.dumps({"env": env, "shape": vars(shape), "rows": rows}, indent=1))
+        (out_dir() / "flex_sweep.json").write_text(
+            json.dumps({"env": env, "shape": vars(shape), "rows": rows}, indent=1)
+        )
     if args.compile_only:
         return
-    print(f"\nflex_attention alone, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, Q={q_len} KV={kv_len}, "
-          f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16")
-    print_table(rows, ["case", "fwd_ms", "bwd_ms", "bwd_over_fwd", "fwd_tflops", "bwd_tflops", "partial_tiles",
-                       "full_tiles", "compile_s", "max_abs_diff", "error"])
+    print(
+        f"\nflex_attention alone, S={shape.seq_len} N={shape.num_anchors} B={shape.block_size}, Q={q_len} KV={kv_len}, "
+        f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16"
+    )
+    print_table(
+        rows,
+        [
+            "case",
+            "fwd_ms",
+            "bwd_ms",
+            "bwd_over_fwd",
+            "fwd_tflops",
+            "bwd_tflops",
+            "partial_tiles",
+            "full_tiles",
+            "compile_s",
+            "max_abs_diff",
+            "error",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ backward, at the reference widths: relative error of the outputs and of every pa
 
     python -m bench.flex_vs_dense [--layers 2] [--seq-len 3072] [--anchors 512]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,25 +35,36 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
     # the engine's CUDA step: compiled layer and BlockMask, the Triton CE kernel for the loss chunks,
     # and bf16 working copies of the weight matrices (below)
     flex_layer = plan_kernels(step_plan(["cuda:0"]))
-    for name, attention, dtype, kernels in (("dense_fp32", "dense", torch.float32, EAGER),
-                                            ("flex_bf16", "flex", torch.bfloat16, flex_alone),
-                                            ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
-                                            ("dense_bf16", "dense", torch.bfloat16, EAGER)):
+    for name, attention, dtype, kernels in (
+        ("dense_fp32", "dense", torch.float32, EAGER),
+        ("flex_bf16", "flex", torch.bfloat16, flex_alone),
+        ("flex_layer_bf16", "flex", torch.bfloat16, flex_layer),
+        ("dense_bf16", "dense", torch.bfloat16, EAGER),
+    ):
         drafter = DFlashDrafter(cfg).cuda()
         drafter.load_state_dict(base.state_dict())
         if kernels is flex_layer:  # as DrafterReplica's bf16 working weights: the matrices in bf16, norms fp32
             make_bf16_working_copies(list(drafter.parameters()))
         head = FrozenHead(embed, lm_head).to("cuda", dtype)
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == torch.bfloat16 else torch.autocast("cuda", enabled=False)
+        ctx = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if dtype == torch.bfloat16
+            else torch.autocast("cuda", enabled=False)
+        )
         with ctx:
-            res = micro_step(drafter, head, batch, feats.to(dtype), attention=attention, gamma=7.0, chunk_size=2048,
-                             kernels=kernels)
+            res = micro_step(
+                drafter, head, batch, feats.to(dtype), attention=attention, gamma=7.0, chunk_size=2048, kernels=kernels
+            )
             with torch.no_grad():
-                hidden = drafter_forward(drafter, head, batch, feats.to(dtype), step_attention(batch, block, attention, kernels),
-                                         kernels)
+                hidden = drafter_forward(
+                    drafter, head, batch, feats.to(dtype), step_attention(batch, block, attention, kernels), kernels
+                )
         res.loss.backward()
-        results[name] = {"loss": res.loss.detach().float(), "hidden": hidden.detach().float(),
-                         "grads": {k: p.grad.detach().float() for k, p in drafter.named_parameters()}}
+        results[name] = {
+            "loss": res.loss.detach().float(),
+            "hidden": hidden.detach().float(),
+            "grads": {k: p.grad.detach().float() for k, p in drafter.named_parameters()},
+        }
         del drafter
         torch.cuda.empty_cache()
     ref = results["dense_fp32"]
@@ -62,10 +74,17 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
         rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
         grads = {k: rel(r["grads"][k], ref["grads"][k]) for k in ref["grads"]}
         worst = max(grads, key=grads.get)
-        rows.append({"variant": name, "loss_rel": f"{rel(r['loss'], ref['loss']):.2e}",
-                     "hidden_rel": f"{rel(r['hidden'], ref['hidden']):.2e}",
-                     "grad_rel_max": f"{grads[worst]:.2e}", "grad_worst": worst,
-                     "grad_rel_median": f"{sorted(grads.values())[len(grads) // 2]:.2e}", "grads": grads})
+        rows.append(
+            {
+                "variant": name,
+                "loss_rel": f"{rel(r['loss'], ref['loss']):.2e}",
+                "hidden_rel": f"{rel(r['hidden'], ref['hidden']):.2e}",
+                "grad_rel_max": f"{grads[worst]:.2e}",
+                "grad_worst": worst,
+                "grad_rel_median": f"{sorted(grads.values())[len(grads) // 2]:.2e}",
+                "grads": grads,
+            }
+        )
     return rows
 
 
@@ -76,8 +95,12 @@ def main(argv=None):
     p.add_argument("--anchors", type=int, default=512)
     args = p.parse_args(argv)
     rows = run(args.layers, args.seq_len, args.anchors)
-    (out_dir() / "flex_vs_dense.json").write_text(json.dumps({"env": env_record(), "args": vars(args), "rows": rows}, indent=1))
-    print(f"flex (bf16, compiled) and dense SDPA (bf16) vs dense SDPA fp32; {args.layers} layers, S={args.seq_len}, N={args.anchors}, B=16")
+    (out_dir() / "flex_vs_dense.json").write_text(
+        json.dumps({"env": env_record(), "args": vars(args), "rows": rows}, indent=1)
+    )
+    print(
+        f"flex (bf16, compiled) and dense SDPA (bf16) vs dense SDPA fp32; {args.layers} layers, S={args.seq_len}, N={args.anchors}, B=16"
+    )
     print_table(rows, ["variant", "loss_rel", "hidden_rel", "grad_rel_median", "grad_rel_max", "grad_worst"])
 
 

@@ -8,6 +8,7 @@ Runs two children, each with a cold inductor cache, under a timeout:
   warmed  the same, after one forward+backward per GPU in the main thread (what the engine does).
 Prints, per mode, how many threads finished, errors, wall time, or that it hung.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,23 @@ def child(mode: str, threads: int) -> None:
 
     from dflash_core.config import DrafterConfig, ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
+    from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import StepPlan
     from dflash_core.engine.replica import DrafterReplica
-    from dflash_core.drafter import FrozenHead
 
-    cfg = DrafterConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8,
-                        num_key_value_heads=4, head_dim=128, vocab_size=32000, block_size=16, mask_token_id=5,
-                        target_layer_ids=(1, 3), num_target_layers=8)
+    cfg = DrafterConfig(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+        block_size=16,
+        mask_token_id=5,
+        target_layer_ids=(1, 3),
+        num_target_layers=8,
+    )
     shape = ShapeConfig(seq_len=1024, num_anchors=64, block_size=16)
     gpus = torch.cuda.device_count()
     devices = [f"cuda:{i % gpus}" for i in range(threads)]
@@ -70,8 +81,18 @@ def child(mode: str, threads: int) -> None:
         t.start()
     for t in ts:
         t.join()
-    print(json.dumps({"mode": mode, "threads": threads, "finished": len(done), "errors": errors,
-                      "seconds": round(time.time() - t0, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "threads": threads,
+                "finished": len(done),
+                "errors": errors,
+                "seconds": round(time.time() - t0, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main(argv=None):
@@ -88,12 +109,26 @@ def main(argv=None):
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-cold-"), PYTHONUNBUFFERED="1")
         t0 = time.time()
         try:
-            proc = subprocess.run([sys.executable, "-m", "bench.naive_threads", "--child", mode, "--threads", str(args.threads)],
-                                  env=env, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.naive_threads", "--child", mode, "--threads", str(args.threads)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
-            row = json.loads(line) if line else {"mode": mode, "finished": 0, "errors": [f"exit {proc.returncode}: {proc.stderr[-400:]}"]}
+            row = (
+                json.loads(line)
+                if line
+                else {"mode": mode, "finished": 0, "errors": [f"exit {proc.returncode}: {proc.stderr[-400:]}"]}
+            )
         except subprocess.TimeoutExpired:
-            row = {"mode": mode, "threads": args.threads, "finished": "HUNG", "errors": [f"no result after {args.timeout:.0f} s"]}
+            row = {
+                "mode": mode,
+                "threads": args.threads,
+                "finished": "HUNG",
+                "errors": [f"no result after {args.timeout:.0f} s"],
+            }
         row["wall_seconds"] = round(time.time() - t0, 1)
         rows.append(row)
     from bench.common import out_dir, print_table

@@ -12,6 +12,7 @@ AdamW per tensor and over one flat tensor, torch's usual clip_grad_norm_ + fused
 CUDA-event timings after 3 warm-up steps, on random gradients. Writes $OUT/optimizer.json and
 prints a table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import torch
 
 from bench.common import cuda_time_ms, env_record, median, reference_drafter_config, report
 from dflash_core.drafter import DFlashDrafter
-from dflash_core.kernels.adamw import BLOCK, NUM_WARPS, TritonAdamW
 from dflash_core.engine.optim import clipped_step
+from dflash_core.kernels.adamw import BLOCK, NUM_WARPS, TritonAdamW
 
 KW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 SWEEP = [(BLOCK, NUM_WARPS), (2048, 8), (2048, 4), (4096, 8), (8192, 16)]
@@ -47,10 +48,14 @@ def working_copy_rows(params) -> dict[str, float]:
             w.grad, p.grad = p.grad.to(torch.bfloat16), None
     opt = TritonAdamW(params, **KW, working_copies=copies)
     grads = [w.grad if m else p.grad for p, w, m in zip(params, copies, matrices)]
-    rows = {"Triton AdamW, bf16 working copies + bf16 gradients of the matrices (engine)":
-            median(cuda_time_ms(opt.step, warmup=3, iters=20)),
-            "engine clipped step: norm of the bf16 gradients + the same AdamW, clip folded in":
-            median(cuda_time_ms(lambda: clipped_step(opt, grads, 1.0), warmup=3, iters=20))}
+    rows = {
+        "Triton AdamW, bf16 working copies + bf16 gradients of the matrices (engine)": median(
+            cuda_time_ms(opt.step, warmup=3, iters=20)
+        ),
+        "engine clipped step: norm of the bf16 gradients + the same AdamW, clip folded in": median(
+            cuda_time_ms(lambda: clipped_step(opt, grads, 1.0), warmup=3, iters=20)
+        ),
+    }
     for p, g in zip(params, saved):
         p.grad = g
     return rows
@@ -63,10 +68,12 @@ def optimizer_rows(params, compiled: bool = False) -> dict[str, float | None]:
     for block, warps in dict.fromkeys(SWEEP):
         triton_opt = TritonAdamW(params, **KW, block=block, num_warps=warps)
         rows[f"Triton AdamW, fp32 weights + gradients, block {block}, {warps} warps"] = median(
-            cuda_time_ms(triton_opt.step, warmup=3, iters=20))
+            cuda_time_ms(triton_opt.step, warmup=3, iters=20)
+        )
         if (block, warps) == (BLOCK, NUM_WARPS):
             rows["clipped step over fp32 gradients: norm + Triton AdamW, clip folded in"] = median(
-                cuda_time_ms(lambda: clipped_step(triton_opt, [p.grad for p in params], 1.0), warmup=3, iters=20))
+                cuda_time_ms(lambda: clipped_step(triton_opt, [p.grad for p in params], 1.0), warmup=3, iters=20)
+            )
         triton_opt = None
         _free()
     fused = torch.optim.AdamW(params, **KW, fused=True)
@@ -120,8 +127,11 @@ def table_rows(rows: dict[str, float | None], n_params: int) -> list[dict]:
     # fp32 param r+w, grad r, exp_avg r+w, exp_avg_sq r+w; with a working copy the gradient read
     # is 2 bytes and the copy's write another 2 (the norms' few parameters aside)
     bytes_moved = 28 * n_params
-    return [{"optimizer": name, "ms": round(ms, 2), "TB_per_s": round(bytes_moved / (ms * 1e-3) / 1e12, 2)}
-            for name, ms in rows.items() if ms is not None]
+    return [
+        {"optimizer": name, "ms": round(ms, 2), "TB_per_s": round(bytes_moved / (ms * 1e-3) / 1e12, 2)}
+        for name, ms in rows.items()
+        if ms is not None
+    ]
 
 
 def main(argv=None):
@@ -137,9 +147,14 @@ def main(argv=None):
     n = sum(prm.numel() for prm in params)
     table = table_rows(optimizer_rows(params, args.compiled), n)
     env = env_record()
-    report("optimizer", {"env": env, "params": n, "tensors": len(params), "rows": table},
-           f"Optimizer step, {env['gpu']}, torch {env['torch']}, {n / 1e9:.3f}B fp32 parameters in {len(params)} "
-           "tensors, 28 bytes moved per parameter", table, ["optimizer", "ms", "TB_per_s"])
+    report(
+        "optimizer",
+        {"env": env, "params": n, "tensors": len(params), "rows": table},
+        f"Optimizer step, {env['gpu']}, torch {env['torch']}, {n / 1e9:.3f}B fp32 parameters in {len(params)} "
+        "tensors, 28 bytes moved per parameter",
+        table,
+        ["optimizer", "ms", "TB_per_s"],
+    )
 
 
 if __name__ == "__main__":

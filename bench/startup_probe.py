@@ -13,13 +13,14 @@ Each measurement runs in a fresh interpreter (imports are cached per process):
   cuinit    the same with the driver's cuInit called first through ctypes (which releases the GIL)
 Writes $OUT/startup_probe.json; prints a table last.
 """
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
-from bench.common import print_table, out_dir
+from bench.common import out_dir, print_table
 
 IMPORT_CHAIN = [
     ("service.app (fastapi, uvicorn, pydantic)", "import uvicorn, service.app"),

@@ -3,6 +3,7 @@ a directory with `config.json` (Qwen3 config + DFlash fields) and `model.safeten
 weights only: no embedding, no LM head), plus our training state beside them for resume.
 Every checkpoint is written into a temporary directory and renamed into place, so a crash never
 leaves a torn checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -183,7 +184,9 @@ def load_weights(path: str | Path, num_layers: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DFlashDrafter:
     cfg = read_config(path)
     drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(load_weights(path, cfg.num_hidden_layers))

@@ -1,4 +1,5 @@
 """Typed configuration of the drafter architecture and of the fixed training shapes."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -52,7 +53,9 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2 (an anchor and one drafted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) not in (None, "default"):
+        if self.rope_scaling not in (None, {}) and self.rope_scaling.get(
+            "rope_type", self.rope_scaling.get("type")
+        ) not in (None, "default"):
             raise ValueError(f"rope_scaling {self.rope_scaling!r} is not supported; only default RoPE is")
 
     @property
@@ -72,7 +75,9 @@ class DrafterConfig:
     ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
-        ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(num_target_layers, num_hidden_layers)
+        ids = (
+            list(target_layer_ids) if target_layer_ids else build_target_layer_ids(num_target_layers, num_hidden_layers)
+        )
         bad = [i for i in ids if not 0 <= i < num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside the target's {num_target_layers} layers")

@@ -1,4 +1,5 @@
 """Which accelerators this host has, for callers that must not import torch themselves."""
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,10 @@ class CudaContexts:
         if self.devices:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise RuntimeError(f"creating the CUDA contexts of {', '.join(self.devices)} took over {timeout:.0f} s: "
-                                   "is a GPU hung or held by another process? (nvidia-smi)")
+                raise RuntimeError(
+                    f"creating the CUDA contexts of {', '.join(self.devices)} took over {timeout:.0f} s: "
+                    "is a GPU hung or held by another process? (nvidia-smi)"
+                )
         if self.error is not None:
             raise self.error
 

@@ -8,6 +8,7 @@ enters the residual stream. Embedding and LM head are the target's, frozen, and 
 
 Parameter names equal the checkpoint keys of the reference `DFlashDraftModel`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

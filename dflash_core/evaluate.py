@@ -9,6 +9,7 @@ with the semantics of the reference loop.
 tau = mean accepted length per block. Output is identical to target-only greedy decoding.
 The target is re-run over the whole sequence each block (no KV cache): simple, and exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,14 @@ def _argmax_one(logits: torch.Tensor) -> int:
 
 @torch.no_grad()
 def speculative_generate(
-    target: TargetModel, drafter: DFlashDrafter, head: FrozenHead, prompt: list[int], *,
-    max_new_tokens: int, stop_token_ids: set[int], autocast=contextlib.nullcontext,
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+    autocast=contextlib.nullcontext,
 ) -> SpeculativeOutput:
     cfg = drafter.config
     b = cfg.block_size
@@ -89,7 +96,7 @@ def speculative_generate(
         lengths.append(accepted + 1)
         if stop_token_ids.intersection(new_tokens):  # generation ended inside this block
             break
-    gen = out[len(prompt):][:max_new_tokens]
+    gen = out[len(prompt) :][:max_new_tokens]
     for i, t in enumerate(gen):
         if t in stop_token_ids:
             gen = gen[: i + 1]
@@ -98,7 +105,9 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def greedy_generate(target: TargetModel, prompt: list[int], *, max_new_tokens: int, stop_token_ids: set[int]) -> list[int]:
+def greedy_generate(
+    target: TargetModel, prompt: list[int], *, max_new_tokens: int, stop_token_ids: set[int]
+) -> list[int]:
     """Target-only greedy decoding (the lossless reference)."""
     out = list(prompt)
     while len(out) - len(prompt) < max_new_tokens:
@@ -106,7 +115,7 @@ def greedy_generate(target: TargetModel, prompt: list[int], *, max_new_tokens: i
         out.append(_argmax_one(logits[-1]))
         if out[-1] in stop_token_ids:
             break
-    return out[len(prompt):]
+    return out[len(prompt) :]
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -121,8 +130,15 @@ def stop_ids(tokenizer) -> set[int]:
 
 
 def evaluate_acceptance(
-    target: TargetModel, drafter: DFlashDrafter, tokenizer, conversations, *, max_new_tokens: int = 48,
-    drafter_device=None, head: FrozenHead | None = None, check_lossless: bool = False,
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    tokenizer,
+    conversations,
+    *,
+    max_new_tokens: int = 48,
+    drafter_device=None,
+    head: FrozenHead | None = None,
+    check_lossless: bool = False,
 ) -> EvalResult:
     """tau over held-out prompts (conversations or message lists). With check_lossless, each
     speculative output is also compared with target-only greedy decoding."""
@@ -138,14 +154,17 @@ def evaluate_acceptance(
         for conv in conversations:
             messages = conv.messages if hasattr(conv, "messages") else conv
             prompt = prompt_ids(tokenizer, messages)
-            spec = speculative_generate(target, drafter, head, prompt, max_new_tokens=max_new_tokens,
-                                        stop_token_ids=stops, autocast=autocast)
+            spec = speculative_generate(
+                target, drafter, head, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stops, autocast=autocast
+            )
             result.acceptance_lengths += spec.acceptance_lengths
-            result.samples.append({
-                "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
-                "output": tokenizer.decode(spec.tokens, skip_special_tokens=True),
-                "acceptance_length": sum(spec.acceptance_lengths) / max(1, len(spec.acceptance_lengths)),
-            })
+            result.samples.append(
+                {
+                    "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+                    "output": tokenizer.decode(spec.tokens, skip_special_tokens=True),
+                    "acceptance_length": sum(spec.acceptance_lengths) / max(1, len(spec.acceptance_lengths)),
+                }
+            )
             if check_lossless:
                 greedy = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stops)
                 result.lossless_mismatches += spec.tokens != greedy
@@ -155,8 +174,15 @@ def evaluate_acceptance(
 
 
 def evaluate_checkpoint(
-    checkpoint: str, prompts: str, *, target_path: str | None = None, device: str = "cpu", max_prompts: int = 32,
-    max_new_tokens: int = 64, data_dir: str | None = None, check_lossless: bool = False,
+    checkpoint: str,
+    prompts: str,
+    *,
+    target_path: str | None = None,
+    device: str = "cpu",
+    max_prompts: int = 32,
+    max_new_tokens: int = 64,
+    data_dir: str | None = None,
+    check_lossless: bool = False,
 ) -> dict:
     """Load a drafter checkpoint and its target, measure tau on a JSONL of conversations.
 
@@ -180,8 +206,9 @@ def evaluate_checkpoint(
     target = TargetModel(target_path, drafter.config.target_layer_ids, device)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     convs = list(read_conversations(prompts))[:max_prompts]
-    result = evaluate_acceptance(target, drafter, tokenizer, convs, max_new_tokens=max_new_tokens,
-                                 check_lossless=check_lossless)
+    result = evaluate_acceptance(
+        target, drafter, tokenizer, convs, max_new_tokens=max_new_tokens, check_lossless=check_lossless
+    )
     summary = result.summary()
     summary["per_prompt"] = [
         {"prompt": s["prompt"][-60:], "acceptance_length": round(s["acceptance_length"], 2), "output": s["output"][:60]}

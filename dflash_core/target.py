@@ -1,6 +1,7 @@
 """The frozen target LLM: loads an HF causal LM from a local path and captures the outputs of
 selected decoder layers with forward hooks (never all hidden states). Packed documents are kept
 apart with a block-diagonal causal mask and per-document position ids."""
+
 from __future__ import annotations
 
 import threading
@@ -29,8 +30,15 @@ def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 class TargetModel:
-    def __init__(self, path: str | Path, layer_ids: list[int] | tuple[int, ...], device: str | torch.device,
-                 dtype: torch.dtype | None = None, random_init: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        path: str | Path,
+        layer_ids: list[int] | tuple[int, ...],
+        device: str | torch.device,
+        dtype: torch.dtype | None = None,
+        random_init: bool = False,
+        seed: int = 0,
+    ):
         """random_init: build the architecture of `path`'s config.json with random weights,
         directly on the device (benchmarks and dry runs of large targets without their weights)."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,8 +97,10 @@ class TargetModel:
         self._local.early_stop = True
         try:
             self.model.get_decoder()(
-                input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                attention_mask=mask, use_cache=False,
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=position_ids.unsqueeze(0),
+                attention_mask=mask,
+                use_cache=False,
             )
         except _StopForward:
             pass

@@ -1,5 +1,6 @@
 """Readers for the service's metrics (no prometheus here): a tokens/s meter over recent steps and
 the CUDA caching-allocator statistics of each device (thread-safe, no device sync)."""
+
 from __future__ import annotations
 
 import collections

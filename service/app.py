@@ -4,6 +4,7 @@
 and starts the engine build in a background thread without awaiting it, so uvicorn answers
 /healthz (503 while warming) from the first moment.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,7 +59,9 @@ class _DataDirLock:
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise DataDirInUse(f"another dflash-trainer daemon (pid {holder}) is using data dir {self.path.parent}") from None
+            raise DataDirInUse(
+                f"another dflash-trainer daemon (pid {holder}) is using data dir {self.path.parent}"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
@@ -92,8 +95,10 @@ class Daemon:
         self.manager.metrics = self.metrics
         self.manager.start()
         self.host.start()
-        log.info("daemon started", extra={"fields": {"data_dir": str(self.config.data_dir),
-                                                     "database": str(self.config.database_path)}})
+        log.info(
+            "daemon started",
+            extra={"fields": {"data_dir": str(self.config.data_dir), "database": str(self.config.database_path)}},
+        )
 
     @property
     def shutting_down(self) -> bool:
@@ -176,8 +181,16 @@ def job_json(job: JobRecord) -> dict[str, Any]:
 
 
 def event_json(event: EventRecord) -> dict[str, Any]:
-    return finite({**event.payload, "event_id": event.id, "job_id": event.job_id, "time": event.time,
-                   "kind": event.kind, "step": event.step})
+    return finite(
+        {
+            **event.payload,
+            "event_id": event.id,
+            "job_id": event.job_id,
+            "time": event.time,
+            "kind": event.kind,
+            "step": event.step,
+        }
+    )
 
 
 def _error(status: int, detail: str, **extra: Any) -> JSONResponse:
@@ -206,8 +219,12 @@ def create_app(config: ServiceConfig) -> FastAPI:
         finally:
             await asyncio.to_thread(daemon.stop)
 
-    app = FastAPI(title="dflash-trainer", version="0.1.0", lifespan=lifespan,
-                  description="Training daemon for DFlash speculative-decoding drafters")
+    app = FastAPI(
+        title="dflash-trainer",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Training daemon for DFlash speculative-decoding drafters",
+    )
     app.state.daemon = daemon
 
     @app.exception_handler(RequestValidationError)
@@ -255,8 +272,12 @@ def create_app(config: ServiceConfig) -> FastAPI:
             problems.append("an engine drafter thread died")
         if daemon.host.failed:
             problems.append(f"the engine failed to start: {daemon.host.error}")
-        body: dict[str, Any] = {"status": "alive" if not problems else "dead", "engine": daemon.host.status(),
-                "job_worker_alive": daemon.manager.worker_alive, "engine_build_running": daemon.host.build_thread_alive}
+        body: dict[str, Any] = {
+            "status": "alive" if not problems else "dead",
+            "engine": daemon.host.status(),
+            "job_worker_alive": daemon.manager.worker_alive,
+            "engine_build_running": daemon.host.build_thread_alive,
+        }
         if problems:
             body["problems"] = problems
         return JSONResponse(body, status_code=200 if not problems else 503)
@@ -299,8 +320,10 @@ def create_app(config: ServiceConfig) -> FastAPI:
         return JSONResponse(job_json(job), status_code=202 if created else 200)
 
     @app.get("/jobs")
-    def list_jobs(state: str | None = Query(None, description="only jobs in this state"),
-                  limit: int = Query(1000, ge=1, le=100_000, description="the newest this many jobs")) -> JSONResponse:
+    def list_jobs(
+        state: str | None = Query(None, description="only jobs in this state"),
+        limit: int = Query(1000, ge=1, le=100_000, description="the newest this many jobs"),
+    ) -> JSONResponse:
         if state is not None and state.upper() not in STATES:
             return _invalid_query("state", f"{state!r} is not one of {', '.join(STATES)}")
         assert daemon.store is not None  # set by daemon.start(), which the lifespan runs before any request

@@ -4,6 +4,7 @@ Client commands take --url (default $DFLASH_URL or http://127.0.0.1:8000) and --
 $DFLASH_AUTH_TOKEN). Subcommands are argparse subparsers; `register_client_command` lets other
 modules add their own (e.g. an `eval` command) with the same client options.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging
 
-    overrides: dict[str, Any] = {"host": args.host, "port": args.port, "data_dir": args.data_dir,
-                                 "log_level": args.log_level, "log_json": True if args.log_json else None}
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "log_level": args.log_level,
+        "log_json": True if args.log_json else None,
+    }
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as e:
@@ -40,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.auth_token:
         logging.getLogger("dflash.service").warning(
-            "listening on %s without auth_token: anyone who reaches this port can submit and cancel jobs", config.host)
+            "listening on %s without auth_token: anyone who reaches this port can submit and cancel jobs", config.host
+        )
     app = create_app(config)
     daemon = app.state.daemon
 
@@ -51,10 +58,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             daemon.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    server = DaemonServer(uvicorn.Config(
-        app, host=config.host, port=config.port, log_config=log_config, log_level=config.log_level,
-        timeout_graceful_shutdown=10, access_log=config.log_level == "debug",
-    ))
+    server = DaemonServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_config=log_config,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=10,
+            access_log=config.log_level == "debug",
+        )
+    )
     server.run()
     return 0 if server.started else 1
 
@@ -69,11 +83,15 @@ def progress_line(event: dict[str, Any]) -> str:
     width = 24
     filled = int(width * step / total) if total else 0
     bar = "#" * filled + "-" * (width - filled)
-    return (f"step {step}/{total} [{bar}] {100 * step / total if total else 0:5.1f}%  loss {_fmt(event.get('loss'), '.4f')}"
-            f"  {_fmt(event.get('tokens_per_second'), ',.0f')} tok/s")
+    return (
+        f"step {step}/{total} [{bar}] {100 * step / total if total else 0:5.1f}%  loss {_fmt(event.get('loss'), '.4f')}"
+        f"  {_fmt(event.get('tokens_per_second'), ',.0f')} tok/s"
+    )
 
 
-def follow_job(client: DaemonClient, job_id: str, out: TextIO = sys.stdout, *, quiet_steps_seconds: float = 1.0) -> dict[str, Any]:
+def follow_job(
+    client: DaemonClient, job_id: str, out: TextIO = sys.stdout, *, quiet_steps_seconds: float = 1.0
+) -> dict[str, Any]:
     """Stream the job's events, drawing a progress line; returns the job when it ends."""
     tty = out.isatty()
     last_print = 0.0
@@ -114,8 +132,10 @@ def _event_message(event: dict[str, Any]) -> str | None:
     if kind == "resumed":
         return f"resumed from step {event.get('step')} ({event.get('reason')}): {event.get('checkpoint')}"
     if kind == "data":
-        return (f"data: {event.get('documents')} documents, {event.get('micro_batches_per_epoch')} micro-batches per epoch,"
-                f" {event.get('total_steps')} steps")
+        return (
+            f"data: {event.get('documents')} documents, {event.get('micro_batches_per_epoch')} micro-batches per epoch,"
+            f" {event.get('total_steps')} steps"
+        )
     if kind == "skipped_lines":
         return f"skipped {event.get('count')} bad dataset lines, first: {event.get('first')}"
     if kind in ("cancel_requested", "interrupted"):
@@ -183,8 +203,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps(jobs, indent=2))
             return 0
         _, health = client.health()
-        print(f"daemon {client.url}: {health['status']} ({health.get('phase')}, "
-              f"{health.get('drafters_ready')}/{health.get('drafters_total')} drafters)")
+        print(
+            f"daemon {client.url}: {health['status']} ({health.get('phase')}, "
+            f"{health.get('drafters_ready')}/{health.get('drafters_total')} drafters)"
+        )
         if not jobs:
             print("no jobs")
             return 0
@@ -192,8 +214,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         for job in jobs:
             p = job["progress"]
             step = f"{p['step']}/{p['total_steps'] or '?'}"
-            print(f"{job['id']:<18} {job['state']:<10} {step:>13} {_fmt(p['loss'], '.4f'):>8} "
-                  f"{_fmt(p['tokens_per_second'], ',.0f'):>9}  {job['name'] or ''}")
+            print(
+                f"{job['id']:<18} {job['state']:<10} {step:>13} {_fmt(p['loss'], '.4f'):>8} "
+                f"{_fmt(p['tokens_per_second'], ',.0f'):>9}  {job['name'] or ''}"
+            )
         return 0
 
 
@@ -227,8 +251,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             return 2
     try:
         summary = evaluate_checkpoint(
-            args.checkpoint, prompts, target_path=args.target, device=args.device, max_prompts=args.max_prompts,
-            max_new_tokens=args.max_new_tokens, data_dir=str(data_dir), check_lossless=args.check_lossless,
+            args.checkpoint,
+            prompts,
+            target_path=args.target,
+            device=args.device,
+            max_prompts=args.max_prompts,
+            max_new_tokens=args.max_new_tokens,
+            data_dir=str(data_dir),
+            check_lossless=args.check_lossless,
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -237,8 +267,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"checkpoint {summary['checkpoint']}\ntarget     {summary['target']}")
-    print(f"tau (mean acceptance length) = {summary['acceptance_length']:.3f} over {summary['blocks']} blocks, "
-          f"{summary['prompts']} prompts")
+    print(
+        f"tau (mean acceptance length) = {summary['acceptance_length']:.3f} over {summary['blocks']} blocks, "
+        f"{summary['prompts']} prompts"
+    )
     print("accepted per block: " + "  ".join(f"{k}:{v}" for k, v in summary["histogram"].items()))
     if "lossless_mismatches" in summary:
         print(f"outputs differing from target-only greedy decoding: {summary['lossless_mismatches']}")
@@ -266,8 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-trainer", description="DFlash drafter training daemon")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon", description="Run the training daemon (embedded default "
-                           "target without a config file).")
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the training daemon (embedded default target without a config file).",
+    )
     serve.add_argument("--config", help="TOML or YAML config file")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
@@ -289,17 +324,27 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = register_client_command(sub, "cancel", cmd_cancel, "stop a queued or running job")
     cancel.add_argument("job_id", metavar="JOB_ID")
 
-    ev = sub.add_parser("eval", help="measure a checkpoint's acceptance length (tau)",
-                        description="Greedy speculative decoding with the target and a drafter checkpoint, in this "
-                        "process (no daemon): prints tau and a small table.")
+    ev = sub.add_parser(
+        "eval",
+        help="measure a checkpoint's acceptance length (tau)",
+        description="Greedy speculative decoding with the target and a drafter checkpoint, in this "
+        "process (no daemon): prints tau and a small table.",
+    )
     ev.add_argument("--checkpoint", required=True, help="drafter checkpoint directory")
-    ev.add_argument("--prompts", required=True, help="JSONL conversations (prompt = up to the first assistant turn), "
-                    "or builtin://heldout")
-    ev.add_argument("--target", help="target model dir (default: the one recorded in the checkpoint, else the embedded default)")
+    ev.add_argument(
+        "--prompts",
+        required=True,
+        help="JSONL conversations (prompt = up to the first assistant turn), or builtin://heldout",
+    )
+    ev.add_argument(
+        "--target", help="target model dir (default: the one recorded in the checkpoint, else the embedded default)"
+    )
     ev.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     ev.add_argument("--max-prompts", type=int, default=32)
     ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--check-lossless", action="store_true", help="also compare every output with target-only greedy decoding")
+    ev.add_argument(
+        "--check-lossless", action="store_true", help="also compare every output with target-only greedy decoding"
+    )
     ev.add_argument("--data-dir", help="data directory for the embedded default")
     ev.add_argument("--json", action="store_true", help="print the raw JSON summary")
     ev.set_defaults(handler=cmd_eval)

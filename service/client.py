@@ -1,4 +1,5 @@
 """A small HTTP client of the daemon, shared by the CLI and the demo."""
+
 from __future__ import annotations
 
 import json
@@ -91,7 +92,9 @@ class DaemonClient:
 
     def events(self, job_id: str, *, follow: bool = False, after: int = 0) -> Iterator[dict[str, Any]]:
         params = {"follow": "true" if follow else "false", "after": after}
-        with self._http.stream("GET", f"/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(30.0, read=None)) as r:
+        with self._http.stream(
+            "GET", f"/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(30.0, read=None)
+        ) as r:
             if r.status_code != 200:
                 r.read()
                 self._check(r)

@@ -8,14 +8,15 @@ Environment: DFLASH_<FIELD> for top-level fields (DFLASH_PORT, DFLASH_DATA_DIR, 
 ...), DFLASH_ENGINE__<FIELD> for the engine section (DFLASH_ENGINE__DRAFTER_DEVICES). Lists
 are JSON (`["cuda:0","cuda:1"]`) or comma-separated (`cuda:0,cuda:1`).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import tomllib
 import typing
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -151,9 +152,9 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     for var, raw in env.items():
         if not var.startswith(ENV_PREFIX):
             continue
-        key = var[len(ENV_PREFIX):].lower()
+        key = var[len(ENV_PREFIX) :].lower()
         if key.startswith("engine__"):
-            name = key[len("engine__"):]
+            name = key[len("engine__") :]
             if name in EngineConfig.model_fields:
                 engine[name] = _env_value(EngineConfig, name, raw, var)
         elif key in ServiceConfig.model_fields and key != "engine":
@@ -181,8 +182,9 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,
-                overrides: dict[str, Any] | None = None) -> ServiceConfig:
+def load_config(
+    path: str | Path | None = None, *, env: Mapping[str, str] | None = None, overrides: dict[str, Any] | None = None
+) -> ServiceConfig:
     """File (optional) < DFLASH_* environment < explicit overrides (command-line flags)."""
     env = os.environ if env is None else env
     data: dict[str, Any] = _read_file(Path(path).expanduser()) if path else {}

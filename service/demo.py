@@ -5,6 +5,7 @@ examples/demo-job.json, follows it to the end, prints the checkpoint and the fin
 stops the daemon with SIGTERM. The data directory is stable (`<data dir>/demo`), so the checkpoint
 it prints is still there afterwards; the daemon's log goes to `<that dir>/daemon.log`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,22 @@ def start_daemon(data_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
     log = log_path.open("ab")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--data-dir", str(data_dir)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(REPO_ROOT),
         )
     finally:
         log.close()
@@ -66,8 +80,11 @@ def wait_ready(client: DaemonClient, proc: subprocess.Popen, timeout: float, log
             raise RuntimeError(f"the daemon exited with code {proc.returncode}; see {log_path}")
         phase = body.get("phase", "starting the process")
         if phase != last_phase:
-            print(f"  /healthz: {body.get('status')} ({phase}, "
-                  f"{body.get('drafters_ready', 0)}/{body.get('drafters_total', '?')} drafters)", flush=True)
+            print(
+                f"  /healthz: {body.get('status')} ({phase}, "
+                f"{body.get('drafters_ready', 0)}/{body.get('drafters_total', '?')} drafters)",
+                flush=True,
+            )
             last_phase = phase
 
     try:

@@ -1,14 +1,18 @@
 """Owns the engine for the daemon: creates, builds and warms it in a background thread (so uvicorn
 answers at once, even before torch is imported) and turns its progress into the /healthz body."""
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dflash_core.engine import Engine, EngineStatus
+
     from .config import ServiceConfig
 
 log = logging.getLogger("dflash.engine")
@@ -21,9 +25,9 @@ WARMUP_PAUSE_SECONDS = float(os.environ.get("DFLASH_TEST_WARMUP_PAUSE_SECONDS", 
 
 
 class EngineHost:
-    def __init__(self, config: "ServiceConfig"):
+    def __init__(self, config: ServiceConfig):
         self.config = config
-        self.engine = None  # dflash_core Engine, created by the build thread (importing torch takes seconds)
+        self.engine: Engine | None = None  # created by the build thread (importing torch takes seconds)
         # without explicit devices the embedded default uses exactly one drafter (cpu, cuda:0 or cuda:1)
         self.drafters_total = len(config.engine.drafter_devices) if config.engine.drafter_devices else 1
         self._started = time.monotonic()
@@ -51,36 +55,62 @@ class EngineHost:
             from dflash_core.engine import Engine
 
             created_after = time.monotonic() - self._started  # daemon start -> engine object (imports mostly)
-            self.engine = Engine(engine_config, self.config.data_dir, on_phase=self._on_phase)
-            self.drafters_total = len(self.engine.drafter_devices)
+            self.engine = engine = Engine(engine_config, self.config.data_dir, on_phase=self._on_phase)
+            self.drafters_total = len(engine.drafter_devices)
             for listener in self._listeners:
-                listener(self.engine)
+                listener(engine)
             self._created.set()
-            log.info("engine build started", extra={"fields": {
-                "target": str(engine_config.target_path or "embedded default"),
-                "drafter_devices": self.engine.drafter_devices, "shape": dict(vars(engine_config.shape))}})
-            self.engine.build()
+            log.info(
+                "engine build started",
+                extra={
+                    "fields": {
+                        "target": str(engine_config.target_path or "embedded default"),
+                        "drafter_devices": engine.drafter_devices,
+                        "shape": dict(vars(engine_config.shape)),
+                    }
+                },
+            )
+            engine.build()
         except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
             self._error = f"{type(e).__name__}: {e}"
             log.exception("engine build failed")
         else:
             self._ready_after = time.monotonic() - self._started
             self._ready.set()
-            log.info("engine ready", extra={"fields": {"seconds": round(self._ready_after, 3),
-                                                       "compiles": self.engine.status().compiles}})
+            log.info(
+                "engine ready",
+                extra={"fields": {"seconds": round(self._ready_after, 3), "compiles": engine.status().compiles}},
+            )
         finally:
             if self.engine is not None:  # where the time to ready (or to the failure) went
-                log.info("engine build timeline", extra={"fields": {
-                    "engine_created_after_seconds": round(created_after, 3),
-                    "events": " ".join(f"{label}@{t}" for label, t in self.engine.build_timeline()
-                                       if not label.startswith("thread:"))}})
+                log.info(
+                    "engine build timeline",
+                    extra={
+                        "fields": {
+                            "engine_created_after_seconds": round(created_after, 3),
+                            "events": " ".join(
+                                f"{label}@{t}"
+                                for label, t in self.engine.build_timeline()
+                                if not label.startswith("thread:")
+                            ),
+                        }
+                    },
+                )
             self._created.set()
             self._finished.set()
 
     def _on_phase(self, status) -> None:
-        log.info("engine progress", extra={"fields": {
-            "phase": status.phase, "drafters_ready": status.drafters_ready,
-            "drafters_total": status.drafters_total, "elapsed_seconds": round(status.elapsed_seconds, 3)}})
+        log.info(
+            "engine progress",
+            extra={
+                "fields": {
+                    "phase": status.phase,
+                    "drafters_ready": status.drafters_ready,
+                    "drafters_total": status.drafters_total,
+                    "elapsed_seconds": round(status.elapsed_seconds, 3),
+                }
+            },
+        )
         if WARMUP_PAUSE_SECONDS > 0 and status.phase != "ready":
             time.sleep(WARMUP_PAUSE_SECONDS)
 
@@ -96,7 +126,7 @@ class EngineHost:
     def close(self, timeout: float = 5.0) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
-        if self.ready:
+        if self.ready and self.engine is not None:
             self.engine.close()
 
     # ------------------------------------------------------------------ state
@@ -116,7 +146,7 @@ class EngineHost:
     def build_thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def engine_status(self):
+    def engine_status(self) -> EngineStatus | None:
         """The engine's status snapshot, or None before the engine object exists."""
         return self.engine.status() if self.engine is not None else None
 
@@ -140,12 +170,15 @@ class EngineHost:
             "phase": phase if status != FAILED else f"failed during {phase}",
             "drafters_ready": snapshot.drafters_ready if snapshot is not None else 0,
             "drafters_total": self.drafters_total,
-            "elapsed_seconds": round(self._ready_after if self._ready_after is not None else time.monotonic() - self._started, 3),
+            "elapsed_seconds": round(
+                self._ready_after if self._ready_after is not None else time.monotonic() - self._started, 3
+            ),
         }
         if status == FAILED:
             body["error"] = self._error
         if status == READY and snapshot is not None:
             body["compiles"] = snapshot.compiles
-            body["warmup_seconds"] = [{"component": w.component, "device": w.device, "seconds": round(w.seconds, 4)}
-                                      for w in snapshot.warmup]
+            body["warmup_seconds"] = [
+                {"component": w.component, "device": w.device, "seconds": round(w.seconds, 4)} for w in snapshot.warmup
+            ]
         return body

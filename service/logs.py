@@ -1,5 +1,6 @@
 """Logging for the daemon: readable lines by default, JSON lines (one object per record) with
 `log_json`, for log shippers. Structured values travel in `extra={"fields": {...}}`."""
+
 from __future__ import annotations
 
 import json
@@ -52,11 +53,16 @@ def configure_logging(*, json_lines: bool, level: str = "info") -> dict[str, Any
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"default": {"()": cls}},
-        "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "default", "stream": "ext://sys.stderr"}},
+        "handlers": {
+            "default": {"class": "logging.StreamHandler", "formatter": "default", "stream": "ext://sys.stderr"}
+        },
         "loggers": {
             "uvicorn": {"handlers": ["default"], "level": level.upper(), "propagate": False},
             "uvicorn.error": {"level": level.upper()},
-            "uvicorn.access": {"handlers": ["default"], "level": "WARNING" if level == "info" else level.upper(),
-                               "propagate": False},
+            "uvicorn.access": {
+                "handlers": ["default"],
+                "level": "WARNING" if level == "info" else level.upper(),
+                "propagate": False,
+            },
         },
     }

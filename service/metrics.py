@@ -5,6 +5,7 @@ set by the job runner; everything the engine or the store already knows (readine
 compile counts, tokens, queue depths, job counts, CUDA allocator gauges) is read at scrape time by
 a custom collector, so a scrape never waits on a training step and never syncs a device.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,14 +25,37 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Step times from ~10 ms (small GPU shapes) to minutes (large grad_accum on CPU).
-STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+STEP_SECONDS_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 
 # engine.allocator_stats() field -> (metric name, help, counter?)
 ALLOCATOR_METRICS = {
     "allocated_bytes": ("dflash_cuda_allocated_bytes", "Bytes held by live tensors (caching allocator)", False),
     "reserved_bytes": ("dflash_cuda_reserved_bytes", "Bytes reserved from the driver by the caching allocator", False),
     "active_bytes": ("dflash_cuda_active_bytes", "Bytes in active allocator blocks", False),
-    "inactive_split_bytes": ("dflash_cuda_inactive_split_bytes", "Bytes in inactive, split blocks (fragmentation)", False),
+    "inactive_split_bytes": (
+        "dflash_cuda_inactive_split_bytes",
+        "Bytes in inactive, split blocks (fragmentation)",
+        False,
+    ),
     "peak_reserved_bytes": ("dflash_cuda_peak_reserved_bytes", "Peak reserved bytes since the process started", False),
     "alloc_retries": ("dflash_cuda_alloc_retries", "cudaMalloc retries after freeing cached blocks", True),
     "ooms": ("dflash_cuda_ooms", "Out-of-memory errors raised by the allocator", True),
@@ -39,19 +63,23 @@ ALLOCATOR_METRICS = {
 
 
 class _EngineCollector(Collector):
-    def __init__(self, host: "EngineHost", store: "JobStore"):
+    def __init__(self, host: EngineHost, store: JobStore):
         self.host = host
         self.store = store
 
     def collect(self):
         status = self.host.engine_status()  # None while torch is still being imported
-        yield GaugeMetricFamily("dflash_ready", "1 when every drafter is warm and jobs can run", value=1 if self.host.ready else 0)
-        yield GaugeMetricFamily("dflash_drafters_ready", "Drafter replicas warmed",
-                                value=status.drafters_ready if status is not None else 0)
+        yield GaugeMetricFamily(
+            "dflash_ready", "1 when every drafter is warm and jobs can run", value=1 if self.host.ready else 0
+        )
+        yield GaugeMetricFamily(
+            "dflash_drafters_ready", "Drafter replicas warmed", value=status.drafters_ready if status is not None else 0
+        )
         yield GaugeMetricFamily("dflash_drafters_total", "Drafter replicas configured", value=self.host.drafters_total)
 
-        warm = GaugeMetricFamily("dflash_warmup_seconds", "Seconds spent loading/warming each component",
-                                 labels=["component", "device"])
+        warm = GaugeMetricFamily(
+            "dflash_warmup_seconds", "Seconds spent loading/warming each component", labels=["component", "device"]
+        )
         totals: dict[tuple[str, str], float] = defaultdict(float)
         for record in status.warmup if status is not None else ():
             totals[(record.component, record.device)] += record.seconds
@@ -59,8 +87,9 @@ class _EngineCollector(Collector):
             warm.add_metric([component, device], seconds)
         yield warm
 
-        compiles = CounterMetricFamily("dflash_compiles", "Graphs compiled by torch.compile; any at runtime is a bug",
-                                       labels=["phase"])
+        compiles = CounterMetricFamily(
+            "dflash_compiles", "Graphs compiled by torch.compile; any at runtime is a bug", labels=["phase"]
+        )
         counts = status.compiles if status is not None else {}
         for phase in ("warmup", "runtime"):
             compiles.add_metric([phase], counts.get(phase, 0))
@@ -73,11 +102,15 @@ class _EngineCollector(Collector):
             for device, n in sorted(per_device.items()):
                 tokens.add_metric([device], n)
         yield tokens
-        yield GaugeMetricFamily("dflash_train_tokens_per_second", "Tokens per second over the recent steps",
-                                value=status.tokens_per_second if status is not None else 0.0)
+        yield GaugeMetricFamily(
+            "dflash_train_tokens_per_second",
+            "Tokens per second over the recent steps",
+            value=status.tokens_per_second if status is not None else 0.0,
+        )
 
-        queues = GaugeMetricFamily("dflash_queue_depth", "Items waiting: queued jobs, micro-batches per drafter queue",
-                                   labels=["queue"])
+        queues = GaugeMetricFamily(
+            "dflash_queue_depth", "Items waiting: queued jobs, micro-batches per drafter queue", labels=["queue"]
+        )
         job_counts = self.store.count_by_state()
         queues.add_metric(["jobs"], job_counts[PENDING])
         for name, depth in sorted((status.queue_depths if status is not None else {}).items()):
@@ -100,20 +133,34 @@ class _EngineCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, host: "EngineHost", store: "JobStore", block_size: int):
+    def __init__(self, host: EngineHost, store: JobStore, block_size: int):
         # no `_created` series: they double the series count and no dashboard of ours reads them
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.step_seconds = Histogram("dflash_train_step_seconds", "Seconds per training step, per drafter device",
-                                      ["device"], buckets=STEP_SECONDS_BUCKETS, registry=self.registry)
+        self.step_seconds = Histogram(
+            "dflash_train_step_seconds",
+            "Seconds per training step, per drafter device",
+            ["device"],
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.loss = Gauge("dflash_train_loss", "Training loss of the last step", registry=self.registry)
-        self.accuracy = Gauge("dflash_train_accuracy", "Top-1 accuracy of the last step per block position",
-                              ["position"], registry=self.registry)
-        self.expected_acceptance = Gauge("dflash_train_expected_acceptance_length",
-                                         "Acceptance length implied by the last step's per-position accuracy",
-                                         registry=self.registry)
-        self.eval_acceptance = Gauge("dflash_eval_acceptance_length",
-                                     "Mean accepted tokens per block in the last held-out evaluation", registry=self.registry)
+        self.accuracy = Gauge(
+            "dflash_train_accuracy",
+            "Top-1 accuracy of the last step per block position",
+            ["position"],
+            registry=self.registry,
+        )
+        self.expected_acceptance = Gauge(
+            "dflash_train_expected_acceptance_length",
+            "Acceptance length implied by the last step's per-position accuracy",
+            registry=self.registry,
+        )
+        self.eval_acceptance = Gauge(
+            "dflash_eval_acceptance_length",
+            "Mean accepted tokens per block in the last held-out evaluation",
+            registry=self.registry,
+        )
         # NaN = not measured yet; present from the first scrape so dashboards see every series
         for gauge in (self.loss, self.expected_acceptance, self.eval_acceptance):
             gauge.set(math.nan)

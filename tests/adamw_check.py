@@ -3,6 +3,7 @@ steps, then a checkpoint hand-over in both directions (torch's fused AdamW's sta
 Runs on CUDA (tests/gpu) and, through Triton's interpreter, on CPU:
 `TRITON_INTERPRET=1 python -m tests.adamw_check` (the flag must be set before the kernel module is
 imported, hence a separate process)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,8 @@ import sys
 
 import torch
 
-from dflash_core.kernels.adamw import TritonAdamW
 from dflash_core.engine.optim import clipped_step, load_optimizer_state, set_lr
+from dflash_core.kernels.adamw import TritonAdamW
 
 SHAPES = [(64, 48), (3000,), (7,), (33, 5, 4)]  # not multiples of the kernel's block; one tiny
 # a large lr and weight decay, so that the order of decay and update shows (~1e-4 apart)
@@ -82,7 +83,7 @@ def compare(device: str = "cpu", steps: int = 3) -> dict:
     for ps, opt in [*results.values(), (ref_p, ref)]:
         _set_grads(ps, grads)
         opt.step()
-    for name, (ps, opt) in results.items():
+    for name, (ps, _opt) in results.items():
         out[name] = _rel(ps, ref_p)
     out["loaded_step_on_host"] = all(s["step"].device.type == "cpu" for s in results["from_fused"][1].state.values())
     out["to_torch_keeps_its_implementation"] = results["to_torch"][1].param_groups[0].get("foreach") is False

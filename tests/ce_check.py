@@ -3,6 +3,7 @@ weighted CE sum, argmax hits (first index on ties) and hidden-state gradient. Ru
 (tests/gpu, bf16 at the real vocabulary) and, through Triton's interpreter, on CPU:
 `TRITON_INTERPRET=1 python -m tests.ce_check` (a separate process: the flag is read when the
 kernel module is imported)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ from dflash_core.kernels.ce import BLOCK_V, chunk_loss_and_grad
 from dflash_core.step.loss import _chunk_loss_and_grad
 
 
-def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 5000, dtype=torch.float32,
-            seed: int = 0) -> dict:
+def compare(
+    device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 5000, dtype=torch.float32, seed: int = 0
+) -> dict:
     """Relative differences of loss and gradient, and the number of argmax disagreements. Vocab
     entries 7 and vocab - 3 share a weight row, so every row's logits tie there: in rows 0-4 that
     tie is the maximum, and the argmax must break it to the first index (7)."""
@@ -47,8 +49,11 @@ def compare(device: str = "cpu", rows: int = 37, hidden: int = 64, vocab: int = 
     out["tie_rows_first_index"] = bool(hits[0]) and not bool(hits[1])
     # the forward-only launch is another compiled variant of the kernel: same pass 1, so the same
     # loss up to the compiler's scheduling
-    out["loss_only_same"] = (abs(float(loss_only) - float(loss)) <= 1e-6 * abs(float(loss))
-                             and bool((hits_only == hits).all()) and none is None)
+    out["loss_only_same"] = (
+        abs(float(loss_only) - float(loss)) <= 1e-6 * abs(float(loss))
+        and bool((hits_only == hits).all())
+        and none is None
+    )
     return out
 
 
@@ -84,15 +89,29 @@ def micro_step_compare() -> dict:
         res.loss.backward()
         results.append((res, {n: p.grad for n, p in drafter.named_parameters()}))
     (ref, ref_grads), (got, grads) = results
-    return {"loss_rel": _rel(got.loss, ref.loss),
-            "grad_rel_max": max(_rel(grads[n], ref_grads[n]) for n in ref_grads),
-            "hits_equal": bool(torch.equal(got.correct, ref.correct)), "hits": int(ref.correct.sum())}
+    return {
+        "loss_rel": _rel(got.loss, ref.loss),
+        "grad_rel_max": max(_rel(grads[n], ref_grads[n]) for n in ref_grads),
+        "hits_equal": bool(torch.equal(got.correct, ref.correct)),
+        "hits": int(ref.correct.sum()),
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().float() - b.detach().float()).abs().max() / b.detach().float().abs().max().clamp_min(1e-12))
+    return float(
+        (a.detach().float() - b.detach().float()).abs().max() / b.detach().float().abs().max().clamp_min(1e-12)
+    )
 
 
 if __name__ == "__main__":
-    print(json.dumps({"one_block": compare(vocab=1500), "several_blocks": compare(vocab=9000),
-                      "exact_blocks": compare(vocab=2 * BLOCK_V, seed=1), "bad_label_nan": out_of_range_label_gives_nan(), "micro_step": micro_step_compare()}))
+    print(
+        json.dumps(
+            {
+                "one_block": compare(vocab=1500),
+                "several_blocks": compare(vocab=9000),
+                "exact_blocks": compare(vocab=2 * BLOCK_V, seed=1),
+                "bad_label_nan": out_of_range_label_gives_nan(),
+                "micro_step": micro_step_compare(),
+            }
+        )
+    )

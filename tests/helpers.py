@@ -1,4 +1,5 @@
 """Small builders shared by tests (real components, tiny sizes)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,11 +11,21 @@ from dflash_core.data.tokenize import Document
 from dflash_core.drafter import DFlashDrafter
 
 
-def tiny_drafter_config(vocab_size=64, block_size=4, hidden=32, heads=4, kv_heads=2, n_features=2, layers=2, mask_token_id=1):
+def tiny_drafter_config(
+    vocab_size=64, block_size=4, hidden=32, heads=4, kv_heads=2, n_features=2, layers=2, mask_token_id=1
+):
     return DrafterConfig(
-        hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab_size, block_size=block_size,
-        mask_token_id=mask_token_id, target_layer_ids=tuple(range(1, 1 + n_features)), num_target_layers=n_features + 2,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        vocab_size=vocab_size,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(range(1, 1 + n_features)),
+        num_target_layers=n_features + 2,
         rope_theta=10000.0,
     )
 

@@ -1,11 +1,12 @@
 """flex_attention (BlockMask) and SDPA (dense mask) compute the same function on CPU."""
+
 import numpy as np
 import pytest
 import torch
 
-from dflash_core.step.attention import training_attention
 from dflash_core.config import ShapeConfig
 from dflash_core.drafter import FrozenHead
+from dflash_core.step.attention import training_attention
 from dflash_core.step.micro_step import drafter_forward
 from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
@@ -25,8 +26,20 @@ def test_flex_equals_sdpa_forward(compiled):
     shape = ShapeConfig(seq_len=160, num_anchors=12, block_size=4)
     mb, drafter, head, feats = _forward_setup(1, shape, n_docs=6)
     with torch.no_grad():
-        dense = drafter_forward(drafter, head, mb, feats, training_attention("dense", mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4))
-        flex = drafter_forward(drafter, head, mb, feats, training_attention("flex", mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4, compiled=compiled))
+        dense = drafter_forward(
+            drafter,
+            head,
+            mb,
+            feats,
+            training_attention("dense", mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4),
+        )
+        flex = drafter_forward(
+            drafter,
+            head,
+            mb,
+            feats,
+            training_attention("flex", mb.doc_ids, mb.anchors, mb.anchor_valid, shape.seq_len, 4, compiled=compiled),
+        )
     rel = (flex - dense).norm() / dense.norm()
     assert rel < 1e-5, rel
 

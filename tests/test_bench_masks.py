@@ -1,14 +1,15 @@
 """The element-wise form of the DFlash mask that bench/flex_sweep.py times as its baseline
 is the same function as the production (interval) mask_mod on packed micro-batches, also split
 into query batch entries."""
+
 import numpy as np
 import pytest
 import torch
 
 from bench.flex_sweep import gather_mask_mod
-from dflash_core.step.attention import dense_mask, dflash_mask_mod
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
+from dflash_core.step.attention import dense_mask, dflash_mask_mod
 from tests.helpers import random_micro_batch
 
 

@@ -1,15 +1,16 @@
 """Training-time forward of a block == inference-time forward given only the context before its
 anchor (the guard against `<=` at the anchor, leaking neighbours and shifted labels)."""
+
 import numpy as np
 import torch
 
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import make_micro_batch
 from dflash_core.data.packing import pack_documents
-from dflash_core.step.loss import reference_lm_head_loss
-from dflash_core.target import TargetModel
 from dflash_core.drafter import FrozenHead
+from dflash_core.step.loss import reference_lm_head_loss
 from dflash_core.step.micro_step import inference_block_forward, micro_step
+from dflash_core.target import TargetModel
 from tests.helpers import random_documents, random_drafter, tiny_drafter_config
 
 
@@ -17,8 +18,14 @@ def test_training_blocks_equal_inference_blocks(random_target_dir, tokenizer):
     block = 4
     target = TargetModel(random_target_dir, [1, 3], "cpu")
     vocab = target.config.vocab_size
-    cfg = tiny_drafter_config(vocab_size=vocab, block_size=block, hidden=target.hidden_size, heads=4, kv_heads=2,
-                              mask_token_id=tokenizer.mask_token_id)
+    cfg = tiny_drafter_config(
+        vocab_size=vocab,
+        block_size=block,
+        hidden=target.hidden_size,
+        heads=4,
+        kv_heads=2,
+        mask_token_id=tokenizer.mask_token_id,
+    )
     drafter = random_drafter(cfg, seed=3)
     head64 = FrozenHead(target.frozen_head().embed_weight.double(), target.frozen_head().lm_head_weight.double())
 
@@ -33,10 +40,16 @@ def test_training_blocks_equal_inference_blocks(random_target_dir, tokenizer):
 
     with torch.no_grad():
         res = micro_step(drafter, head64, mb, feats, attention="dense", gamma=2.0, chunk_size=7)
-        from dflash_core.step.micro_step import drafter_forward
         from dflash_core.step.attention import training_attention
-        train_hidden = drafter_forward(drafter, head64, mb, feats, training_attention(
-            "dense", mb.doc_ids, mb.anchors, mb.anchor_valid, seq_len, block)).view(-1, block, cfg.hidden_size)
+        from dflash_core.step.micro_step import drafter_forward
+
+        train_hidden = drafter_forward(
+            drafter,
+            head64,
+            mb,
+            feats,
+            training_attention("dense", mb.doc_ids, mb.anchors, mb.anchor_valid, seq_len, block),
+        ).view(-1, block, cfg.hidden_size)
 
     doc_start = {}
     for p, d in enumerate(mb.doc_ids.tolist()):
@@ -63,11 +76,21 @@ def test_training_blocks_equal_inference_blocks(random_target_dir, tokenizer):
             inf_weights.append(float(np.exp(-(k - 1) / 2.0)) if t < len(doc_tokens) and doc_mask[t] else 0.0)
         checked += 1
     assert checked >= 5
-    want = reference_lm_head_loss(torch.stack(inf_hidden), head64.lm_head_weight, torch.stack([torch.as_tensor(x) for x in inf_labels]), torch.tensor(inf_weights))
+    want = reference_lm_head_loss(
+        torch.stack(inf_hidden),
+        head64.lm_head_weight,
+        torch.stack([torch.as_tensor(x) for x in inf_labels]),
+        torch.tensor(inf_weights),
+    )
     assert abs(res.loss.item() - want.item()) < 1e-6 * want.item(), (res.loss.item(), want.item())
     # The check has teeth: labels shifted by one, or a context that includes the anchor (`<=`),
     # move the numbers far beyond that tolerance.
-    shifted = reference_lm_head_loss(torch.stack(inf_hidden), head64.lm_head_weight, torch.stack([torch.as_tensor(x) for x in inf_labels[1:] + inf_labels[:1]]), torch.tensor(inf_weights))
+    shifted = reference_lm_head_loss(
+        torch.stack(inf_hidden),
+        head64.lm_head_weight,
+        torch.stack([torch.as_tensor(x) for x in inf_labels[1:] + inf_labels[:1]]),
+        torch.tensor(inf_weights),
+    )
     assert abs(shifted.item() - want.item()) > 1e-3
     j = int(mb.anchor_valid.nonzero()[0])
     a = mb.anchors[j].item()
@@ -84,7 +107,9 @@ def test_target_packing_is_isolated(random_target_dir):
     rng = np.random.default_rng(0)
     docs = random_documents(rng, 4, min_len=8, max_len=16, vocab=target.config.vocab_size)
     seq = pack_documents(docs, 80, pad_token_id=0)[0]
-    packed = target.capture(torch.from_numpy(seq.input_ids), torch.from_numpy(seq.position_ids), torch.from_numpy(seq.doc_ids))
+    packed = target.capture(
+        torch.from_numpy(seq.input_ids), torch.from_numpy(seq.position_ids), torch.from_numpy(seq.doc_ids)
+    )
     for d, doc in enumerate(docs):
         ids = torch.from_numpy(doc.input_ids)
         alone = target.capture(ids, torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long))

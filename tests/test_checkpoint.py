@@ -1,19 +1,27 @@
 """Checkpoint round trip in the DFlashDraftModel format; atomic writes."""
+
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_core.step.attention import DenseAttention
 from dflash_core.checkpoint import expected_keys, load_drafter, load_training_state, save_checkpoint
+from dflash_core.step.attention import DenseAttention
 from tests.helpers import random_drafter, tiny_drafter_config
 
 FORMAT_KEYS_LAYER = [
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
 ]
 
 
@@ -22,7 +30,9 @@ def test_round_trip_and_exact_key_set(tmp_path):
     drafter = random_drafter(cfg, seed=5).float()
     path = save_checkpoint(tmp_path / "step-10", drafter, training_state={"step": 10}, metadata={"step": 10})
     keys = set(load_file(str(path / "model.safetensors")))
-    want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{k}" for i in range(3) for k in FORMAT_KEYS_LAYER}
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{k}" for i in range(3) for k in FORMAT_KEYS_LAYER
+    }
     assert keys == want == expected_keys(3)
     conf = json.loads((path / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"

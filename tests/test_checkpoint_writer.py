@@ -1,5 +1,6 @@
 """The checkpoint writer: one write in flight, finished writes reported in order, a failed write
 surfaces as an error."""
+
 import threading
 
 import pytest

@@ -1,5 +1,6 @@
 """start_compile_workers says whether inductor's worker pool really started (the engine's build
 timeline marks it only then). Each case runs in a fresh interpreter: the pool lives per process."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,14 @@ PROBE = "from dflash_core.engine.compile import start_compile_workers; print(sta
 
 
 def started(**env: str) -> bool:
-    out = subprocess.run([sys.executable, "-c", PROBE], env=dict(os.environ, **env), capture_output=True,
-                         text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1] == "True"
 
 

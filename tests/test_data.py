@@ -1,4 +1,5 @@
 """Conversation parsing, loss masks, fixed-shape packing and anchor coverage."""
+
 import copy
 import json
 
@@ -18,10 +19,22 @@ def write_lines(path, lines):
 
 
 def test_openai_and_sharegpt_formats(tmp_path, tokenizer):
-    p = write_lines(tmp_path / "d.jsonl", [
-        json.dumps({"messages": [{"role": "user", "content": "spell sun"}, {"role": "assistant", "content": "s - u - n ."}]}),
-        json.dumps({"conversations": [{"from": "human", "value": "spell sun"}, {"from": "gpt", "value": "s - u - n ."}]}),
-    ])
+    p = write_lines(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "spell sun"},
+                        {"role": "assistant", "content": "s - u - n ."},
+                    ]
+                }
+            ),
+            json.dumps(
+                {"conversations": [{"from": "human", "value": "spell sun"}, {"from": "gpt", "value": "s - u - n ."}]}
+            ),
+        ],
+    )
     convs = list(read_conversations(p))
     docs = [encode_conversation(tokenizer, c) for c in convs]
     assert docs[0].input_ids.tolist() == docs[1].input_ids.tolist()
@@ -30,12 +43,15 @@ def test_openai_and_sharegpt_formats(tmp_path, tokenizer):
 
 
 def test_malformed_lines_name_file_and_line(tmp_path):
-    p = write_lines(tmp_path / "bad.jsonl", [
-        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
-        "{not json",
-        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
-        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
-    ])
+    p = write_lines(
+        tmp_path / "bad.jsonl",
+        [
+            json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
+            "{not json",
+            json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+            json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        ],
+    )
     with pytest.raises(DatasetError) as e:
         list(read_conversations(p))
     assert str(e.value).startswith(f"{p}:2: invalid JSON")
@@ -55,8 +71,13 @@ def test_packing_shapes_are_identical(default_assets, tokenizer):
     docs = load_default_docs(default_assets, tokenizer, limit=300)
     shape = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
     stream = MicroBatchStream(docs, shape, tokenizer.pad_token_id, seed=0)
-    shapes = {tuple((k, tuple(getattr(mb, k).shape), getattr(mb, k).dtype) for k in ("input_ids", "position_ids", "doc_ids", "loss_mask", "anchors", "anchor_valid"))
-              for mb in (stream.get(i) for i in range(stream.per_epoch * 2))}
+    shapes = {
+        tuple(
+            (k, tuple(getattr(mb, k).shape), getattr(mb, k).dtype)
+            for k in ("input_ids", "position_ids", "doc_ids", "loss_mask", "anchors", "anchor_valid")
+        )
+        for mb in (stream.get(i) for i in range(stream.per_epoch * 2))
+    }
     assert len(shapes) == 1
     assert stream.report.truncated_documents == 0
 
@@ -102,8 +123,12 @@ def test_loss_mask_with_a_template_whose_history_is_not_prefix_stable(tokenizer)
 
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = UNSTABLE_TEMPLATE
-    messages = [{"role": "user", "content": "red dog"}, {"role": "assistant", "content": "dog"},
-                {"role": "user", "content": "blue cat"}, {"role": "assistant", "content": "cat"}]
+    messages = [
+        {"role": "user", "content": "red dog"},
+        {"role": "assistant", "content": "dog"},
+        {"role": "user", "content": "blue cat"},
+        {"role": "assistant", "content": "cat"},
+    ]
     doc = encode_conversation(tok, Conversation(messages, "mem:1"))
     toks = tok.convert_ids_to_tokens(doc.input_ids.tolist())
     masked = [i for i, m in enumerate(doc.loss_mask) if m]

@@ -1,5 +1,6 @@
 """The engine on CPU: replicas stay identical, warmup precedes worker threads, no runtime
 compiles, shapes are guarded, cancel/failure/resume behave."""
+
 import threading
 
 import pytest
@@ -14,9 +15,15 @@ SMALL = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 
 
 def engine_config(devices, shape=SMALL, **kw):
-    return EngineConfig(drafter_devices=devices, seq_len=shape.seq_len, num_anchors=shape.num_anchors,
-                        block_size=shape.block_size, drafter_layers=DEFAULT_DRAFTER_LAYERS,
-                        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS), **kw)
+    return EngineConfig(
+        drafter_devices=devices,
+        seq_len=shape.seq_len,
+        num_anchors=shape.num_anchors,
+        block_size=shape.block_size,
+        drafter_layers=DEFAULT_DRAFTER_LAYERS,
+        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
+        **kw,
+    )
 
 
 def make_engine(data_dir, devices, shape=SMALL, on_phase=None):
@@ -28,8 +35,14 @@ def thread_names(engine):
 
 
 def job(default_assets, out, **kw):
-    spec = dict(datasets=[str(default_assets.train)], output_dir=str(out), steps=12, learning_rate=3e-3,
-                checkpoint_interval=1000, seed=1)
+    spec = dict(
+        datasets=[str(default_assets.train)],
+        output_dir=str(out),
+        steps=12,
+        learning_rate=3e-3,
+        checkpoint_interval=1000,
+        seed=1,
+    )
     spec.update(kw)
     return TrainJob(**spec)
 
@@ -93,10 +106,13 @@ def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
     assert seen[-1].phase == "ready" and [p.elapsed_seconds for p in seen] == sorted(p.elapsed_seconds for p in seen)
     timeline = engine.build_timeline()  # where time to ready went, in order
     labels = [label for label, _ in timeline]
-    for earlier, later in (("build:tokenizer_and_config", "build:cuda_contexts"),
-                           ("build:cuda_contexts", "build:target_loaded:cpu"),
-                           ("build:target_loaded:cpu", "build:replica_created:cpu"),
-                           ("build:weights_initialized", "warmup:drafter:cpu"), ("warmup:drafter:cpu", "warmup:done")):
+    for earlier, later in (
+        ("build:tokenizer_and_config", "build:cuda_contexts"),
+        ("build:cuda_contexts", "build:target_loaded:cpu"),
+        ("build:target_loaded:cpu", "build:replica_created:cpu"),
+        ("build:weights_initialized", "warmup:drafter:cpu"),
+        ("warmup:drafter:cpu", "warmup:done"),
+    ):
         assert labels.index(earlier) < labels.index(later)
     assert [t for _, t in timeline] == sorted(t for _, t in timeline)
     engine.close()
@@ -171,10 +187,14 @@ def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeyp
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path, replicas):
     engine = make_engine(data_dir, ["cpu"] * replicas)
-    full = engine.run_job(job(default_assets, tmp_path / "full", steps=20, checkpoint_interval=10, keep_checkpoints=5), Recorder())
+    full = engine.run_job(
+        job(default_assets, tmp_path / "full", steps=20, checkpoint_interval=10, keep_checkpoints=5), Recorder()
+    )
     half = tmp_path / "full" / "checkpoints" / "step-00000010"
     rec = Recorder()
-    resumed = engine.run_job(job(default_assets, tmp_path / "resumed", steps=20, checkpoint_interval=10), rec, resume_from=str(half))
+    resumed = engine.run_job(
+        job(default_assets, tmp_path / "resumed", steps=20, checkpoint_interval=10), rec, resume_from=str(half)
+    )
     assert [s.step for s in rec.steps] == list(range(11, 21))
     a = load_weights(full.final_checkpoint, DEFAULT_DRAFTER_LAYERS)
     b = load_weights(resumed.final_checkpoint, DEFAULT_DRAFTER_LAYERS)
@@ -250,12 +270,14 @@ def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir
 
     engine = make_engine(data_dir, ["cpu"])
     rec = CheckpointRecorder()
-    res = engine.run_job(job(default_assets, tmp_path / "ckpts", steps=6, checkpoint_interval=2, keep_checkpoints=5), rec)
+    res = engine.run_job(
+        job(default_assets, tmp_path / "ckpts", steps=6, checkpoint_interval=2, keep_checkpoints=5), rec
+    )
     assert res.status == "SUCCEEDED"
     assert [s for _, s, _ in rec.checkpoints] == [2, 4, 6]
     assert all(seen >= s for _, s, seen in rec.checkpoints)  # never reported before its step ran
     assert res.final_checkpoint == rec.checkpoints[-1][0]
-    final = {k: v for k, v in engine.replicas[0].drafter.state_dict().items()}
+    final = dict(engine.replicas[0].drafter.state_dict())
     at_4 = load_weights(rec.checkpoints[1][0], DEFAULT_DRAFTER_LAYERS)
     at_6 = load_weights(rec.checkpoints[2][0], DEFAULT_DRAFTER_LAYERS)
     assert all(torch.equal(at_6[k], final[k]) for k in final)
@@ -263,7 +285,9 @@ def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir
     assert load_training_state(rec.checkpoints[1][0])["step"] == 4
     # rotation keeps the newest keep_checkpoints, and deletes only after the newer one is reported
     rec = CheckpointRecorder()
-    res = engine.run_job(job(default_assets, tmp_path / "rotated", steps=6, checkpoint_interval=2, keep_checkpoints=2), rec)
+    res = engine.run_job(
+        job(default_assets, tmp_path / "rotated", steps=6, checkpoint_interval=2, keep_checkpoints=2), rec
+    )
     on_disk = sorted(p.name for p in (tmp_path / "rotated" / "checkpoints").iterdir())
     assert on_disk == ["step-00000004", "step-00000006"] and [s for _, s, _ in rec.checkpoints] == [2, 4, 6]
     assert [p.rsplit("/", 1)[-1] for p in rec.removed] == ["step-00000002"]  # reported, for the job store

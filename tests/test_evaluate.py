@@ -1,5 +1,6 @@
 """Acceptance-length evaluation: lossless speculative decoding, tau of untrained vs trained
 drafters, and tau against an independent, cache-free reimplementation."""
+
 import random
 
 import pytest
@@ -7,21 +8,31 @@ import torch
 
 from dflash_core.config import DrafterConfig
 from dflash_core.data.conversations import read_conversations
-from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS, DEFAULT_TRAIN_STEPS
+from dflash_core.defaults import (
+    DEFAULT_DRAFTER_LAYERS,
+    DEFAULT_SHAPE_CPU,
+    DEFAULT_TARGET_LAYER_IDS,
+    DEFAULT_TRAIN_STEPS,
+)
 from dflash_core.defaults.synthetic import make_example
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.engine import Engine, EngineConfig, TrainJob
 from dflash_core.evaluate import evaluate_acceptance, greedy_generate, prompt_ids, speculative_generate, stop_ids
-from dflash_core.target import TargetModel
 from dflash_core.step.micro_step import inference_block_forward
+from dflash_core.target import TargetModel
 
 
 @pytest.fixture(scope="module")
 def engine(default_assets):
     shape = DEFAULT_SHAPE_CPU
-    cfg = EngineConfig(drafter_devices=["cpu"], seq_len=shape.seq_len, num_anchors=shape.num_anchors,
-                       block_size=shape.block_size, drafter_layers=DEFAULT_DRAFTER_LAYERS,
-                       target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS))
+    cfg = EngineConfig(
+        drafter_devices=["cpu"],
+        seq_len=shape.seq_len,
+        num_anchors=shape.num_anchors,
+        block_size=shape.block_size,
+        drafter_layers=DEFAULT_DRAFTER_LAYERS,
+        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
+    )
     eng = Engine(cfg, default_assets.root.parent.parent).build()
     yield eng
     eng.close()
@@ -30,8 +41,13 @@ def engine(default_assets):
 @pytest.fixture(scope="module")
 def trained(engine, default_assets, tmp_path_factory):
     """A drafter after the embedded default's short training job (a few CPU minutes at most)."""
-    job = TrainJob(datasets=[str(default_assets.train)], output_dir=str(tmp_path_factory.mktemp("trained")),
-                   steps=DEFAULT_TRAIN_STEPS, checkpoint_interval=DEFAULT_TRAIN_STEPS, learning_rate=3e-3)
+    job = TrainJob(
+        datasets=[str(default_assets.train)],
+        output_dir=str(tmp_path_factory.mktemp("trained")),
+        steps=DEFAULT_TRAIN_STEPS,
+        checkpoint_interval=DEFAULT_TRAIN_STEPS,
+        learning_rate=3e-3,
+    )
     engine.run_job(job)
     return engine.replicas[0].drafter
 
@@ -73,7 +89,9 @@ def test_speculative_decoding_is_lossless(engine, which, request):
 
 
 def test_untrained_tau_is_close_to_one(engine, untrained, heldout):
-    tau = evaluate_acceptance(engine.targets[0], untrained, engine.tokenizer, heldout[:16], max_new_tokens=48).acceptance_length
+    tau = evaluate_acceptance(
+        engine.targets[0], untrained, engine.tokenizer, heldout[:16], max_new_tokens=48
+    ).acceptance_length
     assert 1.0 <= tau < 1.3, tau
 
 
@@ -126,8 +144,12 @@ def test_tau_matches_independent_reimplementation(engine, trained, heldout):
     ours, theirs = [], []
     for conv in heldout[:8]:
         prompt = prompt_ids(tok, conv.messages)
-        ours += speculative_generate(target, trained, head, prompt, max_new_tokens=40, stop_token_ids=stop_ids(tok)).acceptance_lengths
-        theirs += independent_tau(target, trained, head.embed_weight, head.lm_head_weight, tok, prompt, 40, list(DEFAULT_TARGET_LAYER_IDS))
+        ours += speculative_generate(
+            target, trained, head, prompt, max_new_tokens=40, stop_token_ids=stop_ids(tok)
+        ).acceptance_lengths
+        theirs += independent_tau(
+            target, trained, head.embed_weight, head.lm_head_weight, tok, prompt, 40, list(DEFAULT_TARGET_LAYER_IDS)
+        )
     assert ours == theirs
     assert sum(ours) / len(ours) == pytest.approx(sum(theirs) / len(theirs))
 
@@ -137,8 +159,22 @@ def test_eval_cli_prints_tau(engine, trained, default_assets, tmp_path, capsys):
     from service.cli import main
 
     ckpt = save_checkpoint(tmp_path / "ckpt", trained, metadata={"target": str(default_assets.target)})
-    rc = main(["eval", "--checkpoint", str(ckpt), "--prompts", str(default_assets.heldout), "--max-prompts", "4",
-               "--max-new-tokens", "32", "--data-dir", str(tmp_path), "--check-lossless"])
+    rc = main(
+        [
+            "eval",
+            "--checkpoint",
+            str(ckpt),
+            "--prompts",
+            str(default_assets.heldout),
+            "--max-prompts",
+            "4",
+            "--max-new-tokens",
+            "32",
+            "--data-dir",
+            str(tmp_path),
+            "--check-lossless",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     tau = float(out.split("tau (mean acceptance length) = ")[1].split()[0])

@@ -1,4 +1,5 @@
 """Labels, weights and the chunked LM-head loss against hand-computed values and a dense reference."""
+
 import json
 import math
 import os
@@ -10,14 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_core.step.attention import training_attention
-from dflash_core.step.blocks import block_inputs, block_labels, expected_acceptance_length, position_decay
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch
-from dflash_core.step.loss import (
-    _chunk_loss_and_grad, _chunk_loss_and_grad_fusible, chunked_lm_head_loss, reference_lm_head_loss,
-)
 from dflash_core.drafter import FrozenHead
+from dflash_core.step.attention import training_attention
+from dflash_core.step.blocks import block_inputs, block_labels, expected_acceptance_length, position_decay
+from dflash_core.step.loss import (
+    _chunk_loss_and_grad,
+    _chunk_loss_and_grad_fusible,
+    chunked_lm_head_loss,
+    reference_lm_head_loss,
+)
 from dflash_core.step.micro_step import drafter_forward, micro_step
 from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
@@ -114,8 +118,9 @@ def test_fusible_chunk_gradient_equals_the_in_place_one():
 
 
 def test_compiled_chunked_loss_matches_dense_reference():
-    (loss, correct, got), (ref, ref_grad, argmax_hits) = _chunked_and_reference(2, 40, 64, torch.float32, 3.0,
-                                                                                kernel="compiled")
+    (loss, correct, got), (ref, ref_grad, argmax_hits) = _chunked_and_reference(
+        2, 40, 64, torch.float32, 3.0, kernel="compiled"
+    )
     assert abs(loss.item() - ref.item()) < 1e-5
     assert torch.allclose(got, ref_grad.float(), atol=1e-5)
     assert torch.equal(correct, argmax_hits)
@@ -130,8 +135,10 @@ def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
     mb = random_micro_batch(rng, shape, n_docs=2)
     drafter = random_drafter(cfg)
     g = torch.Generator().manual_seed(0)
-    head = FrozenHead(torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g),
-                      torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g))
+    head = FrozenHead(
+        torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g),
+        torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g),
+    )
     feats = torch.randn(48, 2 * cfg.hidden_size, dtype=torch.float64, generator=g)
     res = micro_step(drafter, head, mb, feats, attention="dense", gamma=2.0, chunk_size=5)
     res.loss.backward()
@@ -158,8 +165,14 @@ def test_triton_chunk_matches_eager_chunk_interpreted():
     eager one."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "tests.ce_check"], cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.ce_check"],
+        cwd=root,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result.pop("bad_label_nan")
@@ -174,5 +187,6 @@ def test_triton_chunk_matches_eager_chunk_interpreted():
 
 def test_unknown_loss_kernel_is_refused():
     with pytest.raises(ValueError, match="loss kernel"):
-        chunked_lm_head_loss(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.ones(4), 2,
-                             kernel="fast")
+        chunked_lm_head_loss(
+            torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.ones(4), 2, kernel="fast"
+        )

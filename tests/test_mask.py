@@ -1,16 +1,17 @@
 """The training mask equals a brute-force reading of its rule (docs/design.md), for random packings."""
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_core.step.attention import dense_mask, dflash_mask_mod, training_attention
-from dflash_core.step.blocks import block_labels
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import make_micro_batch
 from dflash_core.data.packing import pack_documents
 from dflash_core.drafter import FrozenHead
+from dflash_core.step.attention import dense_mask, dflash_mask_mod, training_attention
+from dflash_core.step.blocks import block_labels
 from dflash_core.step.micro_step import drafter_forward
 from tests.helpers import random_documents, random_drafter, tiny_drafter_config
 
@@ -77,7 +78,9 @@ def test_padding_blocks_are_finite_and_weightless():
     assert (~mb.anchor_valid).sum() > 0
     cfg = tiny_drafter_config(block_size=4)
     drafter = random_drafter(cfg)
-    head = FrozenHead(torch.randn(64, cfg.hidden_size, dtype=torch.float64), torch.randn(64, cfg.hidden_size, dtype=torch.float64))
+    head = FrozenHead(
+        torch.randn(64, cfg.hidden_size, dtype=torch.float64), torch.randn(64, cfg.hidden_size, dtype=torch.float64)
+    )
     feats = torch.randn(24, 2 * cfg.hidden_size, dtype=torch.float64)
     attend = training_attention("dense", mb.doc_ids, mb.anchors, mb.anchor_valid, 24, 4)
     out = drafter_forward(drafter, head, mb, feats, attend)

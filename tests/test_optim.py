@@ -1,6 +1,7 @@
 """The engine's optimizer: TritonAdamW's kernel (run by Triton's interpreter on CPU) against
 torch.optim.AdamW with clip_grad_norm_, checkpoint hand-over between them, and the CPU path's
 clipped step."""
+
 import json
 import os
 import subprocess
@@ -19,8 +20,9 @@ AGREEMENT = ("params", "exp_avg", "exp_avg_sq", "from_torch", "from_fused", "to_
 def test_triton_adamw_matches_torch_adamw_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "tests.adamw_check"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.adamw_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     diff = json.loads(out.stdout.strip().splitlines()[-1])
     assert diff["step_on_host"] and diff["loaded_step_on_host"] and diff["to_torch_keeps_its_implementation"]
@@ -45,7 +47,9 @@ def test_working_copies_are_checked():
     with pytest.raises(ValueError, match="working copy must be"):
         TritonAdamW([p], working_copies=[torch.zeros(4, 3)])  # fp32: not a working copy
     with pytest.raises(ValueError, match="Triton AdamW"):
-        build_optimizer([p], 1e-3, 0.0, (0.9, 0.95), torch.device("cpu"), working_copies=[torch.zeros(4, 3, dtype=torch.bfloat16)])
+        build_optimizer(
+            [p], 1e-3, 0.0, (0.9, 0.95), torch.device("cpu"), working_copies=[torch.zeros(4, 3, dtype=torch.bfloat16)]
+        )
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])

@@ -11,6 +11,7 @@ that every trainable token is a label of some block; the remaining slots get ran
 positions. When even the tiling does not fit, one random anchor per equal stratum of the valid
 positions (as dense and even as the slots allow).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ Micro-batch g (global index over the whole run) depends only on (seed, g): epoch
 the documents with seed (seed, e) and packs them; anchors of micro-batch g are drawn with seed
 (seed, g). Resuming at g therefore needs no RNG state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,14 +32,24 @@ class MicroBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         kw: dict[str, Any] = dict(device=device, non_blocking=non_blocking)
         return MicroBatch(
-            self.input_ids.to(**kw), self.position_ids.to(**kw), self.doc_ids.to(**kw),
-            self.loss_mask.to(**kw), self.anchors.to(**kw), self.anchor_valid.to(**kw), self.index,
+            self.input_ids.to(**kw),
+            self.position_ids.to(**kw),
+            self.doc_ids.to(**kw),
+            self.loss_mask.to(**kw),
+            self.anchors.to(**kw),
+            self.anchor_valid.to(**kw),
+            self.index,
         )
 
     def pin_memory(self) -> MicroBatch:
         return MicroBatch(
-            self.input_ids.pin_memory(), self.position_ids.pin_memory(), self.doc_ids.pin_memory(),
-            self.loss_mask.pin_memory(), self.anchors.pin_memory(), self.anchor_valid.pin_memory(), self.index,
+            self.input_ids.pin_memory(),
+            self.position_ids.pin_memory(),
+            self.doc_ids.pin_memory(),
+            self.loss_mask.pin_memory(),
+            self.anchors.pin_memory(),
+            self.anchor_valid.pin_memory(),
+            self.index,
         )
 
     @property
@@ -52,12 +63,18 @@ def make_micro_batch(seq: PackedSequence, shape: ShapeConfig, rng: np.random.Gen
     runs = np.flatnonzero(np.diff(seq.doc_ids)) + 1
     run_ids = seq.doc_ids[np.concatenate(([0], runs))]
     if len(np.unique(run_ids)) != len(run_ids):
-        raise ValueError("a packed sequence holds a document id in more than one run; packing must keep each "
-                         "document contiguous")
+        raise ValueError(
+            "a packed sequence holds a document id in more than one run; packing must keep each document contiguous"
+        )
     anchors, valid = sample_anchors(seq.doc_ids, seq.loss_mask, shape.num_anchors, rng, shape.block_size)
     return MicroBatch(
-        torch.from_numpy(seq.input_ids), torch.from_numpy(seq.position_ids), torch.from_numpy(seq.doc_ids),
-        torch.from_numpy(seq.loss_mask), torch.from_numpy(anchors), torch.from_numpy(valid), index,
+        torch.from_numpy(seq.input_ids),
+        torch.from_numpy(seq.position_ids),
+        torch.from_numpy(seq.doc_ids),
+        torch.from_numpy(seq.loss_mask),
+        torch.from_numpy(anchors),
+        torch.from_numpy(valid),
+        index,
     )
 
 

@@ -1,5 +1,6 @@
 """Read chat conversations from JSONL: OpenAI `messages` (role/content) or ShareGPT
 `conversations` (from/value). Every problem names the file and the line."""
+
 from __future__ import annotations
 
 import json

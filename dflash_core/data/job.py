@@ -1,4 +1,5 @@
 """A job's datasets -> tokenized documents (train and held-out), with readable failures."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,8 +18,9 @@ class JobData:
     skip_messages: list[str] = field(default_factory=list)
 
 
-def load_job_data(paths: list[str], tokenizer, *, skip_bad_lines: bool,
-                  eval_prompts: str | None, eval_fraction: float, seed: int) -> JobData:
+def load_job_data(
+    paths: list[str], tokenizer, *, skip_bad_lines: bool, eval_prompts: str | None, eval_fraction: float, seed: int
+) -> JobData:
     report = ReadReport()
     convs: list[Conversation] = []
     for path in paths:

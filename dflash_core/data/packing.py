@@ -3,6 +3,7 @@
 Each packed sequence carries document ids (-1 on padding) and position ids that restart at
 every document, so the target and the drafter never attend across documents.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Conversation -> token ids + loss mask (True on assistant tokens only), via the chat template."""
+
 from __future__ import annotations
 
 import re

@@ -2,6 +2,7 @@
 template, mask token) and a bundled synthetic conversation dataset. Shipped under `assets/`
 (rebuilt by `python -m dflash_core.defaults.build`) and copied into the data directory on first
 use. Never touches the network."""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ def ensure_default_assets(data_dir: str | Path) -> DefaultAssets:
     root = Path(data_dir) / "defaults" / ASSETS_VERSION
     if not (root / "train.jsonl").is_file():
         if not (ASSETS / "train.jsonl").is_file():
-            raise FileNotFoundError(f"bundled default assets missing under {ASSETS}; run python -m dflash_core.defaults.build")
+            raise FileNotFoundError(
+                f"bundled default assets missing under {ASSETS}; run python -m dflash_core.defaults.build"
+            )
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = root.parent / f".tmp-{uuid.uuid4().hex[:8]}"
         shutil.copytree(ASSETS, tmp)

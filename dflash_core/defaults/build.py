@@ -6,6 +6,7 @@ Deterministic for fixed seeds on a given torch build; takes a few minutes on 2 C
 dataset's assistant turns are the tiny target's own greedy answers, as the DFlash recipe
 regenerates training data with the target.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,13 @@ def regenerate_with_target(model, tokenizer, conversations, batch_size: int = 64
             ]
             enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True)
             gen = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
             )
-            for (ci, mi), row in zip(chunk, gen[:, enc["input_ids"].shape[1]:].tolist()):
+            for (ci, mi), row in zip(chunk, gen[:, enc["input_ids"].shape[1] :].tolist()):
                 if tokenizer.eos_token_id in row:
                     row = row[: row.index(tokenizer.eos_token_id)]
                 out[ci][mi] = {"role": "assistant", "content": tokenizer.decode(row, skip_special_tokens=True).strip()}

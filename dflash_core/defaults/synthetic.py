@@ -1,6 +1,7 @@
 """A small synthetic conversational language with real structure (counting, copying, reversing,
 arithmetic, spelling, templated facts), so a tiny target's greedy answers are predictable from
 context and a drafter has something to learn. Deterministic for a given seed."""
+
 from __future__ import annotations
 
 import random
@@ -42,7 +43,10 @@ def make_example(rng: random.Random) -> tuple[str, str]:
         return f"spell {w}", f"the word {w} is spelled " + " - ".join(w) + " ."
     if kind == 5:
         thing = rng.choice(sorted(COLORS))
-        return f"what color is the {thing}", f"the {thing} is {COLORS[thing]} . the color of the {thing} is {COLORS[thing]} ."
+        return (
+            f"what color is the {thing}",
+            f"the {thing} is {COLORS[thing]} . the color of the {thing} is {COLORS[thing]} .",
+        )
     animal = rng.choice(sorted(ANIMALS))
     n = rng.randrange(2, 5)
     return f"what does the {animal} say {_num(n)} times", f"the {animal} says " + " ".join([ANIMALS[animal]] * n) + " ."

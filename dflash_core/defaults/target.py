@@ -1,5 +1,6 @@
 """The embedded default target: a tiny Qwen3-architecture model trained deterministically on the
 synthetic language (a few hundred CPU steps), so its greedy answers carry real structure."""
+
 from __future__ import annotations
 
 import time
@@ -74,5 +75,3 @@ def build_tiny_target(tokenizer, conversations, out_dir: str | Path, *, steps: i
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
-
-

@@ -1,5 +1,6 @@
 """A word-level tokenizer for the synthetic language, built offline with `tokenizers` and saved so
 that `AutoTokenizer.from_pretrained(dir)` loads it with a chat template and a mask token."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -89,8 +89,18 @@ def rotate_checkpoints(directory: Path, keep: int) -> list[str]:
 
 
 class Checkpointer:
-    def __init__(self, job: TrainJob, replica: DrafterReplica, callbacks: JobCallbacks, *, total_steps: int,
-                 micro_batches_per_step: int, replicas: int, target_path: str, resumed_from: str | None = None):
+    def __init__(
+        self,
+        job: TrainJob,
+        replica: DrafterReplica,
+        callbacks: JobCallbacks,
+        *,
+        total_steps: int,
+        micro_batches_per_step: int,
+        replicas: int,
+        target_path: str,
+        resumed_from: str | None = None,
+    ):
         self.job = job
         self.replica = replica  # replicas are identical: the first one's state is the job's
         self.callbacks = callbacks
@@ -106,8 +116,9 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.job.checkpoint_interval == 0 or step == self.total
 
-    def save(self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None,
-             *, force: bool = False) -> None:
+    def save(
+        self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None, *, force: bool = False
+    ) -> None:
         """After step `step`: report writes that finished, and write this step if it is due."""
         self._report(self._writer.poll())
         if not (force or self.due(step)) or self._last_step == step:
@@ -116,8 +127,15 @@ class Checkpointer:
         self._writer.submit(self._snapshot(step, stats, eval_result), step)
         self._last_step = step
 
-    def finish(self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, *,
-               stopped_early: bool, first_step: int) -> str | None:
+    def finish(
+        self,
+        step: int,
+        stats: StepStats | None,
+        eval_result: dict[str, Any] | None,
+        *,
+        stopped_early: bool,
+        first_step: int,
+    ) -> str | None:
         """Wait for the write in flight; a job stopped early also writes its current step (if it
         made progress), so that it resumes from there. The last checkpoint's path."""
         if stopped_early and step > first_step:
@@ -150,15 +168,26 @@ class Checkpointer:
         rep = self.replica
         assert rep.optimizer is not None
         weights = cpu_copy(rep.weights_state())  # the fp32 masters, not the bf16 working copies
-        state = cpu_copy({
-            "step": step, "total_steps": self.total, "micro_batch_index": step * self.per_step,
-            "optimizer": rep.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-            "replicas": self.replicas, "grad_accum": self.job.grad_accum,
-        })
-        meta = {"step": step, "total_steps": self.total, "loss": stats.loss if stats else None,
-                "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
-                "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
-                "target": self.target_path, "time": time.time()}
+        state = cpu_copy(
+            {
+                "step": step,
+                "total_steps": self.total,
+                "micro_batch_index": step * self.per_step,
+                "optimizer": rep.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "replicas": self.replicas,
+                "grad_accum": self.job.grad_accum,
+            }
+        )
+        meta = {
+            "step": step,
+            "total_steps": self.total,
+            "loss": stats.loss if stats else None,
+            "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
+            "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
+            "target": self.target_path,
+            "time": time.time(),
+        }
         config = rep.drafter.config
         path = self.directory / step_dir_name(step)
 

@@ -139,6 +139,8 @@ def log_compile_times() -> None:
     try:
         from torch._dynamo.utils import compile_times
 
-        log.info("compile times (dynamo, seconds per function and phase):\n%s", compile_times(repr="str", aggregate=True))
+        log.info(
+            "compile times (dynamo, seconds per function and phase):\n%s", compile_times(repr="str", aggregate=True)
+        )
     except Exception as e:  # noqa: BLE001 - diagnostics only
         log.debug("no compile times: %s", e)

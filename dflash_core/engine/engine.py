@@ -41,8 +41,9 @@ from .warmup import Parts, Timeline, build, reset_weights, resolve_devices
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, data_dir: str | Path,
-                 on_phase: Callable[[EngineStatus], None] | None = None):
+    def __init__(
+        self, config: EngineConfig, data_dir: str | Path, on_phase: Callable[[EngineStatus], None] | None = None
+    ):
         """on_phase(status) is called from the building thread at every phase change."""
         self.config = config
         self.data_dir = Path(data_dir)
@@ -73,8 +74,14 @@ class Engine:
             log_compile_times()
         for rep in self.replicas:
             name = f"drafter-{rep.device}"
-            self._drafter_pools.append(cf.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=name, initializer=self._thread_started, initargs=(name, rep.device)))
+            self._drafter_pools.append(
+                cf.ThreadPoolExecutor(
+                    max_workers=1,
+                    thread_name_prefix=name,
+                    initializer=self._thread_started,
+                    initargs=(name, rep.device),
+                )
+            )
         for pool in self._drafter_pools:  # start the threads now (executors start them lazily)
             pool.submit(lambda: None).result()
         self.ready = True
@@ -111,10 +118,17 @@ class Engine:
         pipeline = self._pipeline
         devices = {*self.drafter_devices, *(str(t.device) for t in (self.parts.targets if self.parts else []))}
         return EngineStatus(
-            phase=tl.phase, ready=self.ready, drafters_ready=tl.drafters_ready, drafters_total=tl.drafters_total,
-            elapsed_seconds=tl.elapsed(), warmup=tuple(tl.warmup), compiles=self.guard.counts(),
-            drafter_devices=tuple(self.drafter_devices), tokens_per_device=dict(self._tokens_per_device),
-            tokens_per_second=self.rate.rate(), queue_depths=self._queue_depths(pipeline),
+            phase=tl.phase,
+            ready=self.ready,
+            drafters_ready=tl.drafters_ready,
+            drafters_total=tl.drafters_total,
+            elapsed_seconds=tl.elapsed(),
+            warmup=tuple(tl.warmup),
+            compiles=self.guard.counts(),
+            drafter_devices=tuple(self.drafter_devices),
+            tokens_per_device=dict(self._tokens_per_device),
+            tokens_per_second=self.rate.rate(),
+            queue_depths=self._queue_depths(pipeline),
             threads_alive=bool(self._worker_threads) and all(t.is_alive() for t in self._worker_threads),
             allocator={d: s for d in sorted(devices) if (s := allocator_stats(d))} if self.ready else {},
         )
@@ -134,13 +148,19 @@ class Engine:
         """Raise JobError(message, field) for a job this engine cannot run as warmed. Works before
         the engine is built (shape checks), so jobs can be queued while it warms."""
         shape = self.config.shape
-        for name, want in (("seq_len", shape.seq_len), ("num_anchors", shape.num_anchors),
-                           ("block_size", shape.block_size)):
+        for name, want in (
+            ("seq_len", shape.seq_len),
+            ("num_anchors", shape.num_anchors),
+            ("block_size", shape.block_size),
+        ):
             got = getattr(job, name)
             if got is not None and got != want:
-                raise JobError(f"{got} differs from the warmed engine's {name}={want}; the engine compiled for "
-                               f"seq_len={shape.seq_len}, num_anchors={shape.num_anchors}, "
-                               f"block_size={shape.block_size} and does not recompile at runtime", name)
+                raise JobError(
+                    f"{got} differs from the warmed engine's {name}={want}; the engine compiled for "
+                    f"seq_len={shape.seq_len}, num_anchors={shape.num_anchors}, "
+                    f"block_size={shape.block_size} and does not recompile at runtime",
+                    name,
+                )
         if job.steps is not None and job.steps < 1:
             raise JobError("must be at least 1", "steps")
         if job.steps is None and job.epochs is None:
@@ -156,7 +176,9 @@ class Engine:
                 raise JobError(f"checkpoint architecture differs from the engine's drafter in {diff}", "init_from")
 
     # ------------------------------------------------------------------ running jobs
-    def run_job(self, job: TrainJob, callbacks: JobCallbacks | None = None, resume_from: str | None = None) -> JobResult:
+    def run_job(
+        self, job: TrainJob, callbacks: JobCallbacks | None = None, resume_from: str | None = None
+    ) -> JobResult:
         """Train `job` to its end, a cancel or a shutdown (callbacks.should_cancel); raises JobError."""
         if not self.ready:
             raise JobError("engine is not ready")
@@ -184,17 +206,38 @@ class Engine:
         stream = MicroBatchStream(data.train, self.config.shape, self.parts.pad_token_id, seed=job.seed)
         per_step = len(self.replicas) * job.grad_accum
         total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
-        cb.on_event("data", {"documents": len(data.train), "micro_batches_per_epoch": stream.per_epoch,
-                             "truncated_documents": stream.report.truncated_documents,
-                             "heldout": len(data.heldout), "total_steps": total})
+        cb.on_event(
+            "data",
+            {
+                "documents": len(data.train),
+                "micro_batches_per_epoch": stream.per_epoch,
+                "truncated_documents": stream.report.truncated_documents,
+                "heldout": len(data.heldout),
+                "total_steps": total,
+            },
+        )
         start = step = self._start_state(job, cb, resume_from, per_step)
         warmup_steps = int(job.warmup_ratio * total)
-        checkpointer = Checkpointer(job, self.replicas[0], cb, total_steps=total, micro_batches_per_step=per_step,
-                                    replicas=len(self.replicas), target_path=self.parts.target_path,
-                                    resumed_from=resume_from)
-        pipeline = FeaturePipeline(self.parts.targets, [r.device for r in self.replicas], stream,
-                                   first=start * per_step, end=total * per_step, grad_accum=job.grad_accum,
-                                   feature_spec=self.parts.feature_spec, on_thread=lambda n: self.timeline.mark(f"thread:{n}"))
+        checkpointer = Checkpointer(
+            job,
+            self.replicas[0],
+            cb,
+            total_steps=total,
+            micro_batches_per_step=per_step,
+            replicas=len(self.replicas),
+            target_path=self.parts.target_path,
+            resumed_from=resume_from,
+        )
+        pipeline = FeaturePipeline(
+            self.parts.targets,
+            [r.device for r in self.replicas],
+            stream,
+            first=start * per_step,
+            end=total * per_step,
+            grad_accum=job.grad_accum,
+            feature_spec=self.parts.feature_spec,
+            on_thread=lambda n: self.timeline.mark(f"thread:{n}"),
+        )
         wants_eval = bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
@@ -225,8 +268,14 @@ class Engine:
 
     def _load_data(self, job: TrainJob, cb: JobCallbacks) -> JobData:
         assert self.parts is not None
-        data = load_job_data(job.datasets, self.parts.tokenizer, skip_bad_lines=job.skip_bad_lines,
-                             eval_prompts=job.eval_prompts, eval_fraction=job.eval_fraction, seed=job.seed)
+        data = load_job_data(
+            job.datasets,
+            self.parts.tokenizer,
+            skip_bad_lines=job.skip_bad_lines,
+            eval_prompts=job.eval_prompts,
+            eval_fraction=job.eval_fraction,
+            seed=job.seed,
+        )
         if data.skipped_lines:
             cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
         return data
@@ -237,7 +286,11 @@ class Engine:
         source = resume_from or job.init_from  # a resume starts from its checkpoint's weights
         weights = load_weights(source, self.parts.drafter_config.num_hidden_layers) if source else None
         reset_weights(self.replicas, job.seed, weights)
-        gamma = job.loss_gamma if job.loss_gamma is not None else LossConfig().resolved_gamma(job.block_size or self.config.block_size)
+        gamma = (
+            job.loss_gamma
+            if job.loss_gamma is not None
+            else LossConfig().resolved_gamma(job.block_size or self.config.block_size)
+        )
         for rep in self.replicas:
             rep.new_optimizer(job.learning_rate, job.weight_decay, job.adam_betas)
             rep.sum_grads_in_fp32 = per_step > 1 or self.grad_sync.process_group is not None
@@ -256,22 +309,31 @@ class Engine:
         cb.on_event("resumed", {"from": str(resume_from), "step": int(state["step"])})
         saved = int(state.get("replicas", len(self.replicas))) * int(state.get("grad_accum", job.grad_accum))
         if saved != per_step:
-            cb.on_event("resume_data_order_changed", {
-                "message": f"the checkpoint was written with {saved} micro-batches per step, this engine runs "
-                           f"{per_step}: training continues, but not on the data order of the first run"})
+            cb.on_event(
+                "resume_data_order_changed",
+                {
+                    "message": f"the checkpoint was written with {saved} micro-batches per step, this engine runs "
+                    f"{per_step}: training continues, but not on the data order of the first run"
+                },
+            )
         return int(state["step"])
 
-    def _train_step(self, pipeline: FeaturePipeline, job: TrainJob, step: int, total: int, lr: float,
-                    per_epoch: int, per_step: int) -> StepStats:
+    def _train_step(
+        self, pipeline: FeaturePipeline, job: TrainJob, step: int, total: int, lr: float, per_epoch: int, per_step: int
+    ) -> StepStats:
         """One optimizer step: every replica's micro-batches, the gradient average, the update."""
         t = time.monotonic()
         pools = self._drafter_pools
-        futures = [pool.submit(self._micro_steps, r, rep, pipeline, job.grad_accum)
-                   for r, (rep, pool) in enumerate(zip(self.replicas, pools, strict=True))]
+        futures = [
+            pool.submit(self._micro_steps, r, rep, pipeline, job.grad_accum)
+            for r, (rep, pool) in enumerate(zip(self.replicas, pools, strict=True))
+        ]
         cf.wait(futures)  # every replica done (or failed) before anything else touches the grads
         accs = [f.result() for f in futures]
         self.grad_sync.average([rep.grads() for rep in self.replicas])
-        norms = [pool.submit(rep.clip_and_step, job.grad_clip, lr) for rep, pool in zip(self.replicas, pools, strict=True)]
+        norms = [
+            pool.submit(rep.clip_and_step, job.grad_clip, lr) for rep, pool in zip(self.replicas, pools, strict=True)
+        ]
         cf.wait(norms)
         norm = float(norms[0].result())
         for f in norms[1:]:
@@ -291,8 +353,17 @@ class Engine:
         acc.extra["seconds"] = time.monotonic() - t
         return acc
 
-    def _step_stats(self, accs: list[StepAccumulator], step: int, total: int, seconds: float, lr: float, norm: float,
-                    per_epoch: int, per_step: int) -> StepStats:
+    def _step_stats(
+        self,
+        accs: list[StepAccumulator],
+        step: int,
+        total: int,
+        seconds: float,
+        lr: float,
+        norm: float,
+        per_epoch: int,
+        per_step: int,
+    ) -> StepStats:
         loss = sum(float(a.loss_sum) for a in accs) / sum(a.micro_batches for a in accs)
         correct = sum(a.correct.cpu() for a in accs)  # [B] over all replicas
         counted = sum(a.counted.cpu() for a in accs)
@@ -307,8 +378,21 @@ class Engine:
             secs[dev] = a.extra.get("seconds", seconds)
             self._tokens_per_device[dev] = self._tokens_per_device.get(dev, 0) + a.context_tokens
         self.rate.add(tokens)
-        return StepStats(step, total, loss, acc_per_pos, expected_acceptance_length([1.0, *acc_per_pos]), tokens,
-                         per_dev, seconds, secs, self.rate.rate(), lr, norm, step * per_step / per_epoch)
+        return StepStats(
+            step,
+            total,
+            loss,
+            acc_per_pos,
+            expected_acceptance_length([1.0, *acc_per_pos]),
+            tokens,
+            per_dev,
+            seconds,
+            secs,
+            self.rate.rate(),
+            lr,
+            norm,
+            step * per_step / per_epoch,
+        )
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, conversations: list[Any], job: TrainJob) -> dict[str, Any]:
@@ -318,8 +402,13 @@ class Engine:
         assert self.parts is not None
         rep = self.replicas[0]
         fut = self._drafter_pools[0].submit(
-            evaluate_acceptance, self.parts.targets[0], rep.drafter, self.parts.tokenizer,
-            conversations[: job.eval_max_prompts], max_new_tokens=job.eval_max_new_tokens, drafter_device=rep.device,
+            evaluate_acceptance,
+            self.parts.targets[0],
+            rep.drafter,
+            self.parts.tokenizer,
+            conversations[: job.eval_max_prompts],
+            max_new_tokens=job.eval_max_new_tokens,
+            drafter_device=rep.device,
             head=rep.head,
         )
         return fut.result().summary()

@@ -6,6 +6,7 @@ to the others (broadcast), so identical inputs to identical optimizers keep repl
 A torch.distributed process group, when given, all-reduces the host mean across hosts before
 the broadcast (multi-host plugs in here without touching the drafter threads).
 """
+
 from __future__ import annotations
 
 import torch

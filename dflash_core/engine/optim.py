@@ -1,14 +1,16 @@
 """AdamW over fp32 master weights with a linear-warmup cosine schedule, and the clipped step."""
+
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 try:  # the GPU image's torch brings Triton; a CPU-only install may not have it
     from ..kernels.adamw import TritonAdamW
 except ImportError:
-    TritonAdamW = None
+    TritonAdamW = None  # type: ignore[assignment,misc]  # callers check for None: Triton is optional
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
@@ -19,15 +21,17 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, lr: float, weight_decay: float, betas, device: torch.device,
-                    working_copies=None) -> torch.optim.Optimizer:
+def build_optimizer(
+    params, lr: float, weight_decay: float, betas, device: torch.device, working_copies=None
+) -> torch.optim.Optimizer:
     """working_copies: bf16 working weights beside fp32 `params` (TritonAdamW's argument; CUDA)."""
     # CUDA: one Triton kernel per tensor (adamw_triton.py says why); torch's fused AdamW where
     # Triton is missing; foreach on CPU. The learning rate is a Python float set from the host
     # every step (set_lr): the schedule needs no device sync.
     if device.type == "cuda" and TritonAdamW is not None:
-        return TritonAdamW(params, lr=lr, betas=tuple(betas), eps=1e-8, weight_decay=weight_decay,
-                           working_copies=working_copies)
+        return TritonAdamW(
+            params, lr=lr, betas=tuple(betas), eps=1e-8, weight_decay=weight_decay, working_copies=working_copies
+        )
     if working_copies is not None and any(w is not None for w in working_copies):
         raise ValueError("bf16 working weights need the Triton AdamW (CUDA with Triton)")
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -43,7 +47,9 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
     """Resume `opt` from a saved state_dict, ours or torch AdamW's, keeping `opt`'s own
     implementation: loading replaces the param groups with the saved ones, and a torch AdamW
     would otherwise take the saver's fused/foreach switches (or none, from TritonAdamW)."""
-    switches = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups]
+    switches: list[dict[str, Any]] = [
+        {k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in opt.param_groups
+    ]
     opt.load_state_dict(state)
     for group, own in zip(opt.param_groups, switches):
         group.update(own)

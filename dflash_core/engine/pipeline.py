@@ -80,9 +80,18 @@ class FeaturePipeline:
     [first, end) of `stream`. `get(r)` is called by replica r's thread; `close()` stops and joins
     the workers and drops the buffers. A worker's failure reaches the drafters as a JobError."""
 
-    def __init__(self, targets: list[TargetModel], drafter_devices: list[torch.device], stream: MicroBatchStream, *,
-                 first: int, end: int, grad_accum: int, feature_spec: tuple[tuple[int, ...], torch.dtype],
-                 on_thread: Callable[[str], None] = lambda name: None):
+    def __init__(
+        self,
+        targets: list[TargetModel],
+        drafter_devices: list[torch.device],
+        stream: MicroBatchStream,
+        *,
+        first: int,
+        end: int,
+        grad_accum: int,
+        feature_spec: tuple[tuple[int, ...], torch.dtype],
+        on_thread: Callable[[str], None] = lambda name: None,
+    ):
         self.devices = drafter_devices
         self.stream = stream
         self.first, self.end, self.accum = first, end, grad_accum
@@ -133,8 +142,13 @@ class FeaturePipeline:
                 slot = self.slots[r].fill(capture(target, mb), self.stop)
                 if slot is None:
                     return
-                item = Delivery(mb.to(self.devices[r], non_blocking=True), self.slots[r].buffers[slot],
-                                mb.context_tokens, self.slots[r], slot)
+                item = Delivery(
+                    mb.to(self.devices[r], non_blocking=True),
+                    self.slots[r].buffers[slot],
+                    mb.context_tokens,
+                    self.slots[r],
+                    slot,
+                )
                 while not self.stop.is_set():
                     try:
                         self.queues[r].put(item, timeout=_POLL)

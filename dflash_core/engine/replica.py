@@ -1,5 +1,6 @@
 """One drafter replica: its device, fp32 master weights (with bf16 working copies of the weight
 matrices on CUDA), frozen head and optimizer."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +11,8 @@ import torch
 
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
-from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
 from ..devices import compute_dtype
+from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
 from ..step.loss import LOSS_KERNELS
 from ..step.micro_step import MicroStepResult, StepKernels, micro_step
 from .config import StepPlan
@@ -37,8 +38,18 @@ class StepAccumulator:
 
 
 class DrafterReplica:
-    def __init__(self, index: int, cfg: DrafterConfig, device: str | torch.device, head: FrozenHead, plan: StepPlan, *,
-                 gamma: float, chunk_size: int, kernels: StepKernels | None = None):
+    def __init__(
+        self,
+        index: int,
+        cfg: DrafterConfig,
+        device: str | torch.device,
+        head: FrozenHead,
+        plan: StepPlan,
+        *,
+        gamma: float,
+        chunk_size: int,
+        kernels: StepKernels | None = None,
+    ):
         """plan: how the step runs (engine.config.step_plan); kernels: the compiled parts of the
         step, by default the plan's (benchmarks pass their variants)."""
         device = torch.device(device)
@@ -144,13 +155,21 @@ class DrafterReplica:
         z = lambda *s: torch.zeros(*s, dtype=torch.float32, device=self.device)  # noqa: E731
         return StepAccumulator(z(()), z(b), z(b))
 
-    def forward_backward(self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator) -> MicroStepResult:
+    def forward_backward(
+        self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator
+    ) -> MicroStepResult:
         """Loss and gradients of one micro-batch; gradients accumulate into .grad."""
         self.drafter.train()
         with self.autocast():
             res = micro_step(
-                self.drafter, self.head, batch, features, attention=self.attention, gamma=self.gamma,
-                chunk_size=self.chunk_size, kernels=self.kernels,
+                self.drafter,
+                self.head,
+                batch,
+                features,
+                attention=self.attention,
+                gamma=self.gamma,
+                chunk_size=self.chunk_size,
+                kernels=self.kernels,
             )
         (res.loss * loss_scale).backward()
         if self.sum_grads_in_fp32 and self.working_weights == "bf16":
@@ -170,6 +189,7 @@ class DrafterReplica:
         return self.optimizer
 
     def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
+        assert self.optimizer is not None, "new_optimizer() first"
         set_lr(self.optimizer, lr)
         norm = clipped_step(self.optimizer, self.grads(), max_norm)
         self.zero_grad()

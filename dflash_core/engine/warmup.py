@@ -105,9 +105,12 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     hf_cfg = AutoConfig.from_pretrained(target_path)
     timeline.mark("build:tokenizer_and_config")
     drafter_config = DrafterConfig.from_target_config(
-        hf_cfg, num_hidden_layers=config.drafter_layers, block_size=config.block_size,
+        hf_cfg,
+        num_hidden_layers=config.drafter_layers,
+        block_size=config.block_size,
         mask_token_id=mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token),
-        target_layer_ids=layer_ids, intermediate_size=config.drafter_intermediate_size,
+        target_layer_ids=layer_ids,
+        intermediate_size=config.drafter_intermediate_size,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     cuda.wait()
@@ -115,8 +118,15 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     targets = []
     for dev in target_devices:
         t = time.monotonic()
-        targets.append(TargetModel(target_path, drafter_config.target_layer_ids, dev,
-                                   random_init=config.target_random_init, seed=WARMUP_SEED))
+        targets.append(
+            TargetModel(
+                target_path,
+                drafter_config.target_layer_ids,
+                dev,
+                random_init=config.target_random_init,
+                seed=WARMUP_SEED,
+            )
+        )
         timeline.record("target_load", dev, t)
         timeline.mark(f"build:target_loaded:{dev}")
 
@@ -139,8 +149,17 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     loss = LossConfig()
     replicas = []
     for i, dev in enumerate(drafter_devices):
-        replicas.append(DrafterReplica(i, drafter_config, dev, head, plan, gamma=loss.resolved_gamma(config.block_size),
-                                       chunk_size=loss.chunk_size))
+        replicas.append(
+            DrafterReplica(
+                i,
+                drafter_config,
+                dev,
+                head,
+                plan,
+                gamma=loss.resolved_gamma(config.block_size),
+                chunk_size=loss.chunk_size,
+            )
+        )
         timeline.mark(f"build:replica_created:{dev}")
     reset_weights(replicas, WARMUP_SEED)
     timeline.mark("build:weights_initialized")
@@ -153,17 +172,32 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         warm_replica(rep, batch, features)
         timeline.record("drafter", rep.device, t)
         if plan.compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
-            log.info("drafter warm-up compiles", extra={"fields": {
-                "device": str(rep.device), "seconds": round(time.monotonic() - t, 3),
-                **compile_delta(before, compile_snapshot())}})
+            log.info(
+                "drafter warm-up compiles",
+                extra={
+                    "fields": {
+                        "device": str(rep.device),
+                        "seconds": round(time.monotonic() - t, 3),
+                        **compile_delta(before, compile_snapshot()),
+                    }
+                },
+            )
         timeline.mark(f"warmup:drafter:{rep.device}")
         timeline.enter("warming_drafters", i + 1)
     grad_sync.average([rep.grads() for rep in replicas])  # exercise the sync path once
     for rep in replicas:
         rep.zero_grad()
     reset_weights(replicas, WARMUP_SEED)
-    return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas,
-                 (tuple(features.shape), features.dtype))
+    return Parts(
+        str(target_path),
+        tokenizer,
+        drafter_config,
+        pad,
+        plan,
+        targets,
+        replicas,
+        (tuple(features.shape), features.dtype),
+    )
 
 
 def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int] | None]:

@@ -20,6 +20,7 @@ The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moment
 the corrected sqrt), in fp32; its state uses AdamW's names ("step", "exp_avg", "exp_avg_sq"),
 so checkpoints from either optimizer load into the other.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,24 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, working_ptr, n_elements,
-                  lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-                  HAS_WORKING: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    grad_scale_ptr,
+    working_ptr,
+    n_elements,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bias_correction1,
+    bias_correction2_sqrt,
+    HAS_WORKING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offsets < n_elements
     param = tl.load(param_ptr + offsets, mask=in_range)
@@ -59,8 +75,15 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_p
 
 
 # torch.optim.AdamW's implementation switches: a loaded torch state brings them, they mean nothing here
-TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                         "decoupled_weight_decay")
+TORCH_ONLY_GROUP_KEYS = (
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
 
 
 class TritonAdamW(torch.optim.Optimizer):
@@ -76,8 +99,18 @@ class TritonAdamW(torch.optim.Optimizer):
     kernel reads a cached 1.0, so one compiled kernel serves both (nothing left to compile in a
     job that does not clip)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, working_copies=None, block: int = BLOCK, num_warps: int = NUM_WARPS):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        working_copies=None,
+        block: int = BLOCK,
+        num_warps: int = NUM_WARPS,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -99,9 +132,16 @@ class TritonAdamW(torch.optim.Optimizer):
         for p, w in zip(params, working_copies):
             if w is None:
                 continue
-            if w.shape != p.shape or w.device != p.device or not w.is_contiguous() or w.dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(f"a working copy must be a contiguous bf16/fp16 tensor of its parameter's shape and "
-                                 f"device: got {w.dtype} {tuple(w.shape)} on {w.device} for {tuple(p.shape)} on {p.device}")
+            if (
+                w.shape != p.shape
+                or w.device != p.device
+                or not w.is_contiguous()
+                or w.dtype not in (torch.bfloat16, torch.float16)
+            ):
+                raise ValueError(
+                    f"a working copy must be a contiguous bf16/fp16 tensor of its parameter's shape and "
+                    f"device: got {w.dtype} {tuple(w.shape)} on {w.device} for {tuple(p.shape)} on {p.device}"
+                )
             self.working_copies[p] = w
 
     @torch.no_grad()
@@ -132,11 +172,23 @@ class TritonAdamW(torch.optim.Optimizer):
                 n = p.numel()
                 with triton_launch_device(p.device):
                     _adamw_kernel[(triton.cdiv(n, self.block),)](
-                        p, grad, state["exp_avg"], state["exp_avg_sq"],
+                        p,
+                        grad,
+                        state["exp_avg"],
+                        state["exp_avg_sq"],
                         grad_scale if grad_scale is not None else self._one(p.device),
-                        working if working is not None else p, n,
-                        lr, beta1, beta2, eps, weight_decay, 1.0 - beta1**step, math.sqrt(1.0 - beta2**step),
-                        HAS_WORKING=working is not None, BLOCK=self.block, num_warps=self.num_warps,
+                        working if working is not None else p,
+                        n,
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        1.0 - beta1**step,
+                        math.sqrt(1.0 - beta2**step),
+                        HAS_WORKING=working is not None,
+                        BLOCK=self.block,
+                        num_warps=self.num_warps,
                     )
         return loss
 
@@ -165,4 +217,3 @@ class TritonAdamW(torch.optim.Optimizer):
         for state in self.state.values():
             if "step" in state:
                 state["step"] = state["step"].detach().to("cpu", torch.float32)
-

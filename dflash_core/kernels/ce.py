@@ -12,6 +12,7 @@ against the compiled form (docs/performance.md).
 Same function as loss._chunk_loss_and_grad (fp32 math on the logits, first index on argmax
 ties); tests compare them through Triton's interpreter on CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,17 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, labels_ptr, weights_ptr, loss_ptr, correct_ptr, vocab, row_stride,
-                    NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _ce_rows_kernel(
+    logits_ptr,
+    labels_ptr,
+    weights_ptr,
+    loss_ptr,
+    correct_ptr,
+    vocab,
+    row_stride,
+    NEED_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     label = tl.load(labels_ptr + row)
@@ -65,8 +75,9 @@ def _ce_rows_kernel(logits_ptr, labels_ptr, weights_ptr, loss_ptr, correct_ptr, 
             tl.store(row_ptr + idx, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
-def chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool, *, block_v: int = BLOCK_V,
-                        num_warps: int = NUM_WARPS):
+def chunk_loss_and_grad(
+    hidden, lm_head_weight, labels, w, need_grad: bool, *, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
+):
     """One chunk, as loss._chunk_loss_and_grad: (weighted CE sum, argmax hits, d(loss)/d(hidden)).
     The logits buffer is reused for the gradient. block_v / num_warps: launch settings
     (bench.ce_kernel sweeps them)."""
@@ -75,8 +86,18 @@ def chunk_loss_and_grad(hidden, lm_head_weight, labels, w, need_grad: bool, *, b
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     hits = torch.empty(rows, dtype=torch.int8, device=logits.device)
     with triton_launch_device(logits.device):
-        _ce_rows_kernel[(rows,)](logits, labels.contiguous(), w.float().contiguous(), losses, hits, vocab, logits.stride(0),
-                                 NEED_GRAD=need_grad, BLOCK_V=block_v, num_warps=num_warps)
+        _ce_rows_kernel[(rows,)](
+            logits,
+            labels.contiguous(),
+            w.float().contiguous(),
+            losses,
+            hits,
+            vocab,
+            logits.stride(0),
+            NEED_GRAD=need_grad,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
     loss, correct = losses.sum(), hits.bool()
     if not need_grad:
         return loss, correct, None

@@ -11,6 +11,7 @@ One `mask_mod` defines the rule; `flex` turns it into a BlockMask for compiled f
 (CUDA), `dense` evaluates it into a boolean [Q, KV] matrix for SDPA (CPU: flex has no backward
 there). Tests check that both compute the same function.
 """
+
 from __future__ import annotations
 
 import functools
@@ -157,14 +158,22 @@ def usable_q_splits(q_len: int, requested: int) -> int:
     return 1
 
 
-def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, compiled: bool = False,
-                     batches: int = 1):
+def build_block_mask(
+    mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str, compiled: bool = False, batches: int = 1
+):
     """BlockMask of one micro-batch (`batches` entries of q_len queries each); compiled, the
     [Q, KV] grid is never materialized."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(mask_mod, B=batches if batches > 1 else None, H=None, Q_LEN=q_len, KV_LEN=kv_len,
-                             device=device, _compile=compiled)
+    return create_block_mask(
+        mask_mod,
+        B=batches if batches > 1 else None,
+        H=None,
+        Q_LEN=q_len,
+        KV_LEN=kv_len,
+        device=device,
+        _compile=compiled,
+    )
 
 
 def training_attention(
@@ -183,7 +192,9 @@ def training_attention(
     q_len = anchors.shape[0] * block_size
     kv_len = seq_len + q_len
     if kind in ("dense", "dense_chunked"):
-        mask = dense_mask(dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size), q_len, kv_len, doc_ids.device)
+        mask = dense_mask(
+            dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size), q_len, kv_len, doc_ids.device
+        )
         return DenseAttention(mask) if kind == "dense" else ChunkedDenseAttention(mask)
     if kind == "flex":
         splits = usable_q_splits(q_len, q_splits)

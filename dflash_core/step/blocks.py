@@ -5,6 +5,7 @@ pos(a_j) + 0..B-1 (positions restart per document). Block position k = 1..B-1 pr
 a_j + k with weight exp(-(k-1)/gamma) if that token is loss-masked and in the anchor's document;
 position 0 (the anchor itself) never counts, nor does any position of a padding block.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ the gradient of the loss with respect to its hidden states at once (the LM head 
 weight gradient is needed), then drops the logits. Backward only scales the stored gradient.
 Loss = sum_q w_q * CE_q / sum_q w_q.
 """
+
 from __future__ import annotations
 
 import functools
@@ -87,7 +88,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk = -(-rows // chunks)  # near-equal chunks of at most chunk_size: at most two compiled shapes
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
-            part, hits, grad = chunk_fn(hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad)
+            part, hits, grad = chunk_fn(
+                hidden[start:end], lm_head_weight, labels[start:end], w_all[start:end], need_grad
+            )
             loss = loss + part
             correct[start:end] = hits
             if grad_hidden is not None:  # need_grad
@@ -105,7 +108,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_lm_head_loss(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int,
     kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean CE (fp32 scalar), argmax == label per query token); kernel: LOSS_KERNELS."""
@@ -114,6 +121,6 @@ def chunked_lm_head_loss(
 
 def reference_lm_head_loss(hidden, lm_head_weight, labels, weights):
     """Unchunked float64 reference, for tests."""
-    logits = (hidden.double() @ lm_head_weight.double().t())
+    logits = hidden.double() @ lm_head_weight.double().t()
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     return (ce * weights.double()).sum() / weights.double().sum().clamp_min(1e-6)

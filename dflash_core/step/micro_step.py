@@ -1,4 +1,5 @@
 """One drafter micro-step: micro-batch + target features -> weighted loss and statistics."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -43,13 +44,24 @@ EAGER = StepKernels()
 def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: StepKernels = EAGER):
     """The attention callable of one micro-batch, built as the step builds it."""
     return training_attention(
-        attention, batch.doc_ids, batch.anchors, batch.anchor_valid, batch.input_ids.shape[0], block_size,
-        compiled=kernels.attention, compiled_mask=kernels.mask, q_splits=kernels.q_splits,
+        attention,
+        batch.doc_ids,
+        batch.anchors,
+        batch.anchor_valid,
+        batch.input_ids.shape[0],
+        block_size,
+        compiled=kernels.attention,
+        compiled_mask=kernels.mask,
+        q_splits=kernels.q_splits,
     )
 
 
 def drafter_forward(
-    drafter: DFlashDrafter, head: FrozenHead, batch: MicroBatch, features: torch.Tensor, attend,
+    drafter: DFlashDrafter,
+    head: FrozenHead,
+    batch: MicroBatch,
+    features: torch.Tensor,
+    attend,
     kernels: StepKernels = EAGER,
 ) -> torch.Tensor:
     """Training-time forward of all blocks: final hidden states [Q, H]."""
@@ -76,7 +88,9 @@ def micro_step(
     kernels: StepKernels = EAGER,
 ) -> MicroStepResult:
     cfg = drafter.config
-    hidden = drafter_forward(drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels)
+    hidden = drafter_forward(
+        drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels
+    )
     labels, weights = block_labels(batch, cfg.block_size, gamma)
     n, b = batch.anchors.shape[0], cfg.block_size
 
@@ -85,8 +99,9 @@ def micro_step(
         # lm_head GEMMs and CE passes saved; the loss is the same (its weight is 0)
         return t.reshape(n, b, *t.shape[1:])[:, 1:].reshape(n * (b - 1), *t.shape[1:])
 
-    loss, correct = chunked_lm_head_loss(predicting(hidden), head.lm_head_weight, predicting(labels), predicting(weights),
-                                         chunk_size, kernels.loss)
+    loss, correct = chunked_lm_head_loss(
+        predicting(hidden), head.lm_head_weight, predicting(labels), predicting(weights), chunk_size, kernels.loss
+    )
     correct = torch.cat([torch.zeros(n, 1, dtype=torch.bool, device=correct.device), correct.view(n, b - 1)], dim=1)
     return MicroStepResult(loss, correct, weights.view(n, b))
 

@@ -5,6 +5,7 @@ warms). A job the store still marks RUNNING at start belonged to a process that 
 down: it resumes from its newest checkpoint, its step events beyond that checkpoint are discarded
 first (they are recomputed identically), and a `resumed` event records it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,7 @@ class Unavailable(Exception):
 class _RunCallbacks:
     """Engine callbacks of one run: persist progress, feed metrics, answer cancellation."""
 
-    def __init__(self, manager: "JobManager", job_id: str):
+    def __init__(self, manager: JobManager, job_id: str):
         self.manager = manager
         self.job_id = job_id
         self.cancel = threading.Event()
@@ -56,9 +57,15 @@ class _RunCallbacks:
     def on_step(self, stats) -> None:
         payload = dataclasses.asdict(stats)
         self.manager.store.update_progress(
-            self.job_id, step=stats.step, total_steps=stats.total_steps, loss=stats.loss,
-            tokens_per_second=stats.tokens_per_second, expected_acceptance_length=stats.expected_acceptance_length,
-            learning_rate=stats.learning_rate, epoch=stats.epoch, event_payload=payload,
+            self.job_id,
+            step=stats.step,
+            total_steps=stats.total_steps,
+            loss=stats.loss,
+            tokens_per_second=stats.tokens_per_second,
+            expected_acceptance_length=stats.expected_acceptance_length,
+            learning_rate=stats.learning_rate,
+            epoch=stats.epoch,
+            event_payload=payload,
         )
         if self.manager.metrics is not None:
             self.manager.metrics.observe_step(stats)
@@ -92,11 +99,11 @@ class _RunCallbacks:
 
 
 class JobManager:
-    def __init__(self, config: "ServiceConfig", store: JobStore, host: "EngineHost"):
+    def __init__(self, config: ServiceConfig, store: JobStore, host: EngineHost):
         self.config = config
         self.store = store
         self.host = host
-        self.metrics: "ServiceMetrics | None" = None  # set by the app once the metrics exist
+        self.metrics: ServiceMetrics | None = None  # set by the app once the metrics exist
         self._wake = threading.Condition()
         self._shutdown = threading.Event()
         self._current: _RunCallbacks | None = None
@@ -109,8 +116,10 @@ class JobManager:
     def start(self) -> None:
         orphans = self.store.list_jobs(state=RUNNING, limit=100)
         for job in orphans:
-            log.info("job was running when the daemon stopped; it resumes once the engine is ready",
-                     extra={"fields": {"job": job.id, "step": job.step, "checkpoint": job.last_checkpoint}})
+            log.info(
+                "job was running when the daemon stopped; it resumes once the engine is ready",
+                extra={"fields": {"job": job.id, "step": job.step, "checkpoint": job.last_checkpoint}},
+            )
         self._thread = threading.Thread(target=self._work, name="job-worker", daemon=True)
         self._thread.start()
 
@@ -136,7 +145,9 @@ class JobManager:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.error("the running job did not stop within the shutdown timeout", extra={"fields": {"seconds": timeout}})
+                log.error(
+                    "the running job did not stop within the shutdown timeout", extra={"fields": {"seconds": timeout}}
+                )
 
     # ------------------------------------------------------------------ requests
     def submit(self, spec: JobSpec) -> tuple[JobRecord, bool]:
@@ -155,21 +166,35 @@ class JobManager:
             raise Unavailable(f"the engine failed to start ({self.host.error}); fix the daemon's config and restart it")
         engine = self.host.wait_engine(ENGINE_CREATE_TIMEOUT)
         if engine is None:
-            raise Unavailable(self.host.error and f"the engine failed to start ({self.host.error})"
-                              or "the engine is still starting; try again in a moment")
+            raise Unavailable(
+                (self.host.error and f"the engine failed to start ({self.host.error})")
+                or "the engine is still starting; try again in a moment"
+            )
         job_id = f"job-{uuid.uuid4().hex[:12]}"
-        train_job = to_train_job(spec, job_id=job_id, data_dir=self.config.data_dir,
-                                 dataset_roots=self._dataset_roots, output_roots=self._output_roots)
+        train_job = to_train_job(
+            spec,
+            job_id=job_id,
+            data_dir=self.config.data_dir,
+            dataset_roots=self._dataset_roots,
+            output_roots=self._output_roots,
+        )
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
         if (other := self.store.any_job_using(out)) is not None:
-            raise JobConflict(f"output_dir {out} belongs to job {other.id} ({other.state}); its checkpoints live "
-                              "there: choose another output_dir")
+            raise JobConflict(
+                f"output_dir {out} belongs to job {other.id} ({other.state}); its checkpoints live "
+                "there: choose another output_dir"
+            )
         if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").iterdir()):
             raise JobConflict(f"output_dir {out} already holds checkpoints; choose another output_dir")
         job, created = self.store.create_job(
-            job_id=job_id, name=spec.name, submission_id=spec.submission_id, spec=spec.model_dump(mode="json"),
-            fingerprint=fingerprint, train_job_json=train_job_to_json(train_job), output_dir=out,
+            job_id=job_id,
+            name=spec.name,
+            submission_id=spec.submission_id,
+            spec=spec.model_dump(mode="json"),
+            fingerprint=fingerprint,
+            train_job_json=train_job_to_json(train_job),
+            output_dir=out,
         )
         if created:
             log.info("job queued", extra={"fields": {"job": job.id, "name": job.name, "output_dir": out}})
@@ -193,21 +218,29 @@ class JobManager:
             raise JobConflict(f"job {job_id} already ended ({job.state}); nothing to cancel")
         if job.state == PENDING and self.store.stop_if_pending(job_id):
             log.info("queued job cancelled", extra={"fields": {"job": job_id}})
-            return self.store.get_job(job_id)
+            return self._job(job_id)
         # RUNNING (or it started a moment ago): the engine stops it between two steps, after a checkpoint
         if not self.store.request_cancel(job_id):  # it ended in the meantime
-            job = self.store.get_job(job_id, with_checkpoints=False)
+            job = self._job(job_id, with_checkpoints=False)
             raise JobConflict(f"job {job_id} already ended ({job.state}); nothing to cancel")
         with self._current_lock:
-            held = self._current is not None and self._current.job_id == job_id
-            if held:
-                self._current.cancel.set()
+            current = self._current
+            held = current is not None and current.job_id == job_id
+            if current is not None and held:
+                current.cancel.set()
         if not held and self.host.failed and self.store.stop_running(job_id):
             # left RUNNING by an earlier process and no engine will ever pick it up in this one
             log.info("cancelled a running job no engine holds", extra={"fields": {"job": job_id}})
-            return self.store.get_job(job_id)
+            return self._job(job_id)
         log.info("cancel requested for running job", extra={"fields": {"job": job_id}})
-        return self.store.get_job(job_id)
+        return self._job(job_id)
+
+    def _job(self, job_id: str, with_checkpoints: bool = True) -> JobRecord:
+        """A job known to exist (the store never deletes jobs)."""
+        job = self.store.get_job(job_id, with_checkpoints=with_checkpoints)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
 
     @property
     def job_running(self) -> bool:
@@ -241,13 +274,24 @@ class JobManager:
     def _prepare_orphan(self, job: JobRecord) -> tuple[bool, str | None]:
         """A job left RUNNING by an earlier process: returns (run it, resume_from)."""
         if job.cancel_requested:
-            self.store.finish(job.id, STOPPED, payload={"reason": "cancel was requested before the daemon stopped",
-                                                        "steps_done": job.step, "final_checkpoint": job.last_checkpoint})
+            self.store.finish(
+                job.id,
+                STOPPED,
+                payload={
+                    "reason": "cancel was requested before the daemon stopped",
+                    "steps_done": job.step,
+                    "final_checkpoint": job.last_checkpoint,
+                },
+            )
             return False, None
         after_crash = not job.interrupted_by_shutdown
         if after_crash and job.crash_resumes >= MAX_CRASH_RESUMES:
-            self.store.finish(job.id, FAILED, error=f"the daemon died {job.crash_resumes + 1} times while running this "
-                                                    "job; not resuming it again (see the daemon log)")
+            self.store.finish(
+                job.id,
+                FAILED,
+                error=f"the daemon died {job.crash_resumes + 1} times while running this "
+                "job; not resuming it again (see the daemon log)",
+            )
             return False, None
         # the newest checkpoint that still exists (the engine rotates old ones away)
         checkpoint_path, checkpoint_step = None, 0
@@ -257,12 +301,24 @@ class JobManager:
                 break
         removed = self.store.prepare_resume(job.id, checkpoint_path, checkpoint_step, after_crash=after_crash)
         reason = "the daemon was killed or crashed" if after_crash else "the daemon was shut down"
-        self.store.add_event(job.id, "resumed", {
-            "step": checkpoint_step, "checkpoint": checkpoint_path, "reason": reason, "discarded_events": removed,
-            "steps_lost": max(0, job.step - checkpoint_step),
-        }, step=checkpoint_step)
-        log.info("resuming job", extra={"fields": {"job": job.id, "from_step": checkpoint_step,
-                                                   "checkpoint": checkpoint_path, "reason": reason}})
+        self.store.add_event(
+            job.id,
+            "resumed",
+            {
+                "step": checkpoint_step,
+                "checkpoint": checkpoint_path,
+                "reason": reason,
+                "discarded_events": removed,
+                "steps_lost": max(0, job.step - checkpoint_step),
+            },
+            step=checkpoint_step,
+        )
+        log.info(
+            "resuming job",
+            extra={
+                "fields": {"job": job.id, "from_step": checkpoint_step, "checkpoint": checkpoint_path, "reason": reason}
+            },
+        )
         return True, checkpoint_path
 
     def _run(self, job: JobRecord) -> None:
@@ -286,10 +342,12 @@ class JobManager:
         with self._current_lock:
             self._current = callbacks
         # a cancel that arrived between the queue pick and now
-        if self.store.get_job(job.id, with_checkpoints=False).cancel_requested:
+        if self._job(job.id, with_checkpoints=False).cancel_requested:
             callbacks.cancel.set()
+        engine = self.host.engine
+        assert engine is not None  # the worker runs jobs only once the engine is ready
         try:
-            result = self.host.engine.run_job(train_job, callbacks, resume_from=resume_from)
+            result = engine.run_job(train_job, callbacks, resume_from=resume_from)
         except JobError as e:
             self.store.finish(job.id, FAILED, error=str(e))
             log.error("job failed", extra={"fields": {"job": job.id, "error": str(e)}})
@@ -297,10 +355,13 @@ class JobManager:
         finally:
             with self._current_lock:
                 self._current = None
-        summary = {"steps_done": result.steps_done, "total_steps": result.total_steps,
-                   "final_checkpoint": result.final_checkpoint,
-                   "eval_acceptance_length": (result.eval or {}).get("acceptance_length"),
-                   "skipped_lines": result.skipped_lines}
+        summary = {
+            "steps_done": result.steps_done,
+            "total_steps": result.total_steps,
+            "final_checkpoint": result.final_checkpoint,
+            "eval_acceptance_length": (result.eval or {}).get("acceptance_length"),
+            "skipped_lines": result.skipped_lines,
+        }
         if result.status == SUCCEEDED:
             self.store.finish(job.id, SUCCEEDED, payload=summary)
             log.info("job succeeded", extra={"fields": {"job": job.id, **summary}})
@@ -309,4 +370,7 @@ class JobManager:
             log.info("job stopped (cancelled)", extra={"fields": {"job": job.id, **summary}})
         else:  # stopped for shutdown: stays RUNNING in the store, resumes from this checkpoint next start
             self.store.mark_interrupted(job.id, result.steps_done)
-            log.info("job checkpointed for shutdown; it resumes at the next start", extra={"fields": {"job": job.id, **summary}})
+            log.info(
+                "job checkpointed for shutdown; it resumes at the next start",
+                extra={"fields": {"job": job.id, **summary}},
+            )

@@ -1,5 +1,6 @@
 """What a client may submit (JobSpec), and its translation into the engine's TrainJob with every
 path checked against the configured roots."""
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,12 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_strip_whitespace=True, strict=True)
 
     name: str | None = Field(None, max_length=200)
-    submission_id: str | None = Field(None, min_length=1, max_length=200,
-                                      description="idempotency key: resubmitting the same spec returns the same job")
+    submission_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="idempotency key: resubmitting the same spec returns the same job",
+    )
     datasets: list[str] = Field(min_length=1, description="JSONL conversation files, or builtin://train|heldout")
     steps: int | None = Field(None, ge=1, le=10**9)
     epochs: float | None = Field(None, gt=0, le=10**6)
@@ -148,7 +153,7 @@ def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path)
 
 def resolve_builtin(raw: str, field_name: str, data_dir: Path) -> Path:
     """builtin://train|heldout -> the embedded default's bundled dataset under data_dir."""
-    name = raw[len(BUILTIN_SCHEME):]
+    name = raw[len(BUILTIN_SCHEME) :]
     if name not in BUILTIN_DATASETS:
         raise SpecError(field_name, f"unknown builtin dataset {raw!r}; use builtin://train or builtin://heldout")
     from dflash_core.defaults import ensure_default_assets
@@ -199,8 +204,10 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
     """The engine's TrainJob for this spec: every path absolute and checked."""
     from dflash_core.engine import TrainJob
 
-    datasets = [str(resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir))
-                for i, d in enumerate(spec.datasets)]
+    datasets = [
+        str(resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir))
+        for i, d in enumerate(spec.datasets)
+    ]
     eval_prompts = None
     if spec.eval_prompts is not None:
         eval_prompts = str(resolve_dataset(spec.eval_prompts, "eval_prompts", roots=dataset_roots, data_dir=data_dir))
@@ -209,8 +216,13 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         init_from = str(resolve_checkpoint(spec.init_from, roots=dataset_roots + output_roots, data_dir=data_dir))
     output_dir = resolve_output_dir(spec.output_dir, roots=output_roots, data_dir=data_dir, job_id=job_id)
     values = spec.model_dump(exclude={"name", "submission_id"})
-    values.update(datasets=datasets, eval_prompts=eval_prompts, init_from=init_from, output_dir=str(output_dir),
-                  adam_betas=tuple(spec.adam_betas))
+    values.update(
+        datasets=datasets,
+        eval_prompts=eval_prompts,
+        init_from=init_from,
+        output_dir=str(output_dir),
+        adam_betas=tuple(spec.adam_betas),
+    )
     return TrainJob(**values)
 
 

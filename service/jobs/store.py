@@ -3,6 +3,7 @@
 Every write is its own committed transaction, so a SIGKILL loses at most the statement in flight;
 the job runner's resume logic relies on that (the last recorded checkpoint is always complete,
 step events beyond it are discarded before resuming)."""
+
 from __future__ import annotations
 
 import json
@@ -118,7 +119,9 @@ class EventRecord:
 class SubmissionConflict(Exception):
     def __init__(self, existing: JobRecord):
         self.existing = existing
-        super().__init__(f"submission_id {existing.submission_id!r} is already used by job {existing.id} with a different spec")
+        super().__init__(
+            f"submission_id {existing.submission_id!r} is already used by job {existing.id} with a different spec"
+        )
 
 
 _JOB_COLUMNS = (
@@ -159,8 +162,17 @@ class JobStore:
         return _Transaction(self._db, self._lock)
 
     # ------------------------------------------------------------------ jobs
-    def create_job(self, *, job_id: str, name: str | None, submission_id: str | None, spec: dict[str, Any],
-                   fingerprint: str, train_job_json: str, output_dir: str) -> tuple[JobRecord, bool]:
+    def create_job(
+        self,
+        *,
+        job_id: str,
+        name: str | None,
+        submission_id: str | None,
+        spec: dict[str, Any],
+        fingerprint: str,
+        train_job_json: str,
+        output_dir: str,
+    ) -> tuple[JobRecord, bool]:
         """Insert a PENDING job. Returns (job, created); an existing job with the same submission_id
         and fingerprint is returned with created=False; a different fingerprint raises SubmissionConflict."""
         now = time.time()
@@ -199,7 +211,8 @@ class JobStore:
                 job.checkpoints = self.checkpoints(job_id)
             if job.state == PENDING:
                 job.queue_position = self._db.execute(
-                    "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)).fetchone()[0]
+                    "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)
+                ).fetchone()[0]
             return job
 
     def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
@@ -208,8 +221,11 @@ class JobStore:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT * FROM (SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
-                (*args, limit)).fetchall()
-            pending = [seq for (seq,) in self._db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
+                (*args, limit),
+            ).fetchall()
+            pending = [
+                seq for (seq,) in self._db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))
+            ]
         jobs = [_job(r) for r in rows]
         position = {seq: i for i, seq in enumerate(pending)}
         for job in jobs:
@@ -219,8 +235,9 @@ class JobStore:
     def any_job_using(self, output_dir: str) -> JobRecord | None:
         """Any job, in any state, that owns this output directory (its checkpoints live there)."""
         with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? ORDER BY created_at DESC LIMIT 1",
-                                   (output_dir,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? ORDER BY created_at DESC LIMIT 1", (output_dir,)
+            ).fetchone()
         return _job(row) if row else None
 
     def count_by_state(self) -> dict[str, int]:
@@ -242,17 +259,24 @@ class JobStore:
     def mark_running(self, job_id: str) -> bool:
         """PENDING -> RUNNING; False if the job is no longer PENDING (cancelled a moment ago)."""
         with self._tx() as db:
-            cur = db.execute("UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), interrupted_by_shutdown = 0"
-                             " WHERE id = ? AND state = ?", (RUNNING, time.time(), job_id, PENDING))
+            cur = db.execute(
+                "UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), interrupted_by_shutdown = 0"
+                " WHERE id = ? AND state = ?",
+                (RUNNING, time.time(), job_id, PENDING),
+            )
             if cur.rowcount:
                 self._event(db, job_id, "state", None, {"state": RUNNING})
             return bool(cur.rowcount)
 
-    def finish(self, job_id: str, state: str, *, error: str | None = None, payload: dict[str, Any] | None = None) -> None:
+    def finish(
+        self, job_id: str, state: str, *, error: str | None = None, payload: dict[str, Any] | None = None
+    ) -> None:
         assert state in TERMINAL
         with self._tx() as db:
-            db.execute("UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error) WHERE id = ?",
-                       (state, time.time(), error, job_id))
+            db.execute(
+                "UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error) WHERE id = ?",
+                (state, time.time(), error, job_id),
+            )
             body = {"state": state, **(payload or {})}
             if error:
                 body["error"] = error
@@ -261,8 +285,10 @@ class JobStore:
     def _stop_if(self, job_id: str, state: str, reason: str) -> bool:
         """state -> STOPPED atomically, with its event; False if the job is no longer in `state`."""
         with self._tx() as db:
-            cur = db.execute("UPDATE jobs SET state = ?, finished_at = ?, cancel_requested = 1 WHERE id = ? AND state = ?",
-                             (STOPPED, time.time(), job_id, state))
+            cur = db.execute(
+                "UPDATE jobs SET state = ?, finished_at = ?, cancel_requested = 1 WHERE id = ? AND state = ?",
+                (STOPPED, time.time(), job_id, state),
+            )
             if cur.rowcount:
                 self._event(db, job_id, "state", None, {"state": STOPPED, "reason": reason})
             return cur.rowcount == 1
@@ -289,9 +315,19 @@ class JobStore:
             db.execute("UPDATE jobs SET interrupted_by_shutdown = 1 WHERE id = ?", (job_id,))
             self._event(db, job_id, "interrupted", step, {"reason": "daemon shutting down", "step": step})
 
-    def update_progress(self, job_id: str, *, step: int, total_steps: int, loss: float, tokens_per_second: float,
-                        expected_acceptance_length: float, learning_rate: float, epoch: float,
-                        event_payload: dict[str, Any]) -> None:
+    def update_progress(
+        self,
+        job_id: str,
+        *,
+        step: int,
+        total_steps: int,
+        loss: float,
+        tokens_per_second: float,
+        expected_acceptance_length: float,
+        learning_rate: float,
+        epoch: float,
+        event_payload: dict[str, Any],
+    ) -> None:
         with self._tx() as db:
             db.execute(
                 "UPDATE jobs SET step = ?, total_steps = ?, loss = ?, tokens_per_second = ?, expected_acceptance_length = ?,"
@@ -311,9 +347,13 @@ class JobStore:
 
     def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?, ?, ?, ?)",
-                       (job_id, step, path, time.time()))
-            db.execute("UPDATE jobs SET last_checkpoint = ?, last_checkpoint_step = ? WHERE id = ?", (path, step, job_id))
+            db.execute(
+                "INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?, ?, ?, ?)",
+                (job_id, step, path, time.time()),
+            )
+            db.execute(
+                "UPDATE jobs SET last_checkpoint = ?, last_checkpoint_step = ? WHERE id = ?", (path, step, job_id)
+            )
             self._event(db, job_id, "checkpoint", step, {"path": path, "step": step})
 
     def forget_checkpoints(self, job_id: str, paths: list[str]) -> None:
@@ -323,38 +363,57 @@ class JobStore:
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         with self._lock:
-            rows = self._db.execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
+            rows = self._db.execute(
+                "SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,)
+            )
             return [{"step": s, "path": p, "time": t} for s, p, t in rows.fetchall()]
 
-    def prepare_resume(self, job_id: str, checkpoint_path: str | None, checkpoint_step: int, *,
-                       after_crash: bool) -> int:
+    def prepare_resume(
+        self, job_id: str, checkpoint_path: str | None, checkpoint_step: int, *, after_crash: bool
+    ) -> int:
         """Roll the job back to `checkpoint_step`: delete its step/eval/checkpoint records beyond it (they are
         recomputed, identically, after the resume) and note the resume. Returns the number of events removed."""
         with self._tx() as db:
-            removed = db.execute("DELETE FROM events WHERE job_id = ? AND kind IN ('step', 'eval', 'checkpoint') AND step > ?",
-                                 (job_id, checkpoint_step)).rowcount
+            removed = db.execute(
+                "DELETE FROM events WHERE job_id = ? AND kind IN ('step', 'eval', 'checkpoint') AND step > ?",
+                (job_id, checkpoint_step),
+            ).rowcount
             db.execute("DELETE FROM checkpoints WHERE job_id = ? AND step > ?", (job_id, checkpoint_step))
-            row = db.execute("SELECT payload_json FROM events WHERE job_id = ? AND kind = 'step' AND step = ?"
-                             " ORDER BY id DESC LIMIT 1", (job_id, checkpoint_step)).fetchone()
+            row = db.execute(
+                "SELECT payload_json FROM events WHERE job_id = ? AND kind = 'step' AND step = ?"
+                " ORDER BY id DESC LIMIT 1",
+                (job_id, checkpoint_step),
+            ).fetchone()
             last = json.loads(row[0]) if row else {}
             db.execute(
                 "UPDATE jobs SET step = ?, loss = ?, tokens_per_second = ?, last_checkpoint = ?, last_checkpoint_step = ?,"
                 " resumes = resumes + 1, crash_resumes = crash_resumes + ?, interrupted_by_shutdown = 0 WHERE id = ?",
-                (checkpoint_step, last.get("loss"), last.get("tokens_per_second"), checkpoint_path,
-                 checkpoint_step if checkpoint_path else None, 1 if after_crash else 0, job_id),
+                (
+                    checkpoint_step,
+                    last.get("loss"),
+                    last.get("tokens_per_second"),
+                    checkpoint_path,
+                    checkpoint_step if checkpoint_path else None,
+                    1 if after_crash else 0,
+                    job_id,
+                ),
             )
         return removed
 
     # ------------------------------------------------------------------ events
     def _event(self, db, job_id: str, kind: str, step: int | None, payload: dict[str, Any]) -> None:
-        db.execute("INSERT INTO events (job_id, time, kind, step, payload_json) VALUES (?, ?, ?, ?, ?)",
-                   (job_id, time.time(), kind, step, json.dumps(payload, default=str)))
+        db.execute(
+            "INSERT INTO events (job_id, time, kind, step, payload_json) VALUES (?, ?, ?, ?, ?)",
+            (job_id, time.time(), kind, step, json.dumps(payload, default=str)),
+        )
 
     def add_event(self, job_id: str, kind: str, payload: dict[str, Any], step: int | None = None) -> None:
         with self._tx() as db:
             self._event(db, job_id, kind, step, payload)
 
-    def events(self, job_id: str, *, after: int = 0, kinds: Iterable[str] | None = None, limit: int = 1000) -> list[EventRecord]:
+    def events(
+        self, job_id: str, *, after: int = 0, kinds: Iterable[str] | None = None, limit: int = 1000
+    ) -> list[EventRecord]:
         kinds = list(kinds or [])
         sql = "SELECT id, job_id, time, kind, step, payload_json FROM events WHERE job_id = ? AND id > ?"
         args: list[Any] = [job_id, after]

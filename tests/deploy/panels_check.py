@@ -17,6 +17,7 @@ CUDA daemon), from the repository root:
 prints a table panel -> series count and exits 1 if a panel has no data. PROMETHEUS_BIN overrides the
 binary (default: `prometheus` on PATH).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import yaml
@@ -45,14 +47,27 @@ SHIPPED_PROMETHEUS_CONFIG = REPO_ROOT / "docker" / "prometheus" / "prometheus.ym
 
 # A short job on the embedded default that also evaluates (dflash_eval_acceptance_length gets a value).
 CHECK_JOB: dict[str, Any] = {
-    "name": "panels-check", "datasets": ["builtin://train"], "steps": 20, "checkpoint_interval": 20,
-    "eval_prompts": "builtin://heldout", "eval_interval": 10, "eval_max_prompts": 2, "eval_max_new_tokens": 16,
+    "name": "panels-check",
+    "datasets": ["builtin://train"],
+    "steps": 20,
+    "checkpoint_interval": 20,
+    "eval_prompts": "builtin://heldout",
+    "eval_interval": 10,
+    "eval_max_prompts": 2,
+    "eval_max_new_tokens": 16,
 }
 SCRAPE_INTERVAL = "1s"
 # What Grafana's built-in variables become. $__rate_interval is wide enough to hold samples from before
 # and after a short job, so rate() and histogram_quantile() see the job's steps.
-BUILTINS = {"__rate_interval": "30s", "__interval": "5s", "__interval_ms": "5000", "__range": "1h",
-            "__range_s": "3600", "__range_ms": "3600000", "__auto": "5s"}
+BUILTINS = {
+    "__rate_interval": "30s",
+    "__interval": "5s",
+    "__interval_ms": "5000",
+    "__range": "1h",
+    "__range_s": "3600",
+    "__range_ms": "3600000",
+    "__auto": "5s",
+}
 CUDA_METRIC_PREFIX = "dflash_cuda_"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -113,8 +128,14 @@ def dashboard_targets(dashboard: dict[str, Any]) -> list[Target]:
         for target in panel.get("targets") or []:
             if target.get("hide"):
                 continue
-            out.append(Target(panel.get("title", f"panel {panel.get('id')}"), panel.get("type", "?"),
-                              target.get("refId", "?"), target["expr"]))
+            out.append(
+                Target(
+                    panel.get("title", f"panel {panel.get('id')}"),
+                    panel.get("type", "?"),
+                    target.get("refId", "?"),
+                    target["expr"],
+                )
+            )
     return out
 
 
@@ -145,6 +166,7 @@ _VAR = re.compile(r"\$\{(\w+)(?::[\w]+)?\}|\[\[(\w+)\]\]|\$(\w+)")
 
 def substitute(expr: str, variables: dict[str, str]) -> str:
     """Replace $var, ${var}, ${var:format}, [[var]] and Grafana's $__ built-ins; unknown names raise."""
+
     def repl(m: re.Match) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
         if name in BUILTINS:
@@ -168,23 +190,40 @@ class Prometheus:
         self.config_path = workdir / "prometheus.yml"
         self.log_path = workdir / "prometheus.log"
         config = {
-            "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
-                       "evaluation_interval": scrape_interval},
-            "scrape_configs": [{"job_name": "dflash-trainer", "metrics_path": "/metrics",
-                                "static_configs": [{"targets": scrape_targets}]}],
+            "global": {
+                "scrape_interval": scrape_interval,
+                "scrape_timeout": scrape_interval,
+                "evaluation_interval": scrape_interval,
+            },
+            "scrape_configs": [
+                {
+                    "job_name": "dflash-trainer",
+                    "metrics_path": "/metrics",
+                    "static_configs": [{"targets": scrape_targets}],
+                }
+            ],
         }
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.proc: subprocess.Popen | None = None
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
-    def start(self, timeout: float = 60) -> "Prometheus":
+    def start(self, timeout: float = 60) -> Prometheus:
         storage = self.workdir / "tsdb"
         storage.mkdir(exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={storage}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d", "--log.level=warn"],
-                cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    self.binary,
+                    f"--config.file={self.config_path}",
+                    f"--storage.tsdb.path={storage}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1d",
+                    "--log.level=warn",
+                ],
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         deadline = time.monotonic() + timeout
         while True:
@@ -275,7 +314,9 @@ def resolve_variables(dashboard: dict[str, Any], prom: Prometheus) -> tuple[dict
         if kind == "query":
             m = _LABEL_VALUES.match(_variable_query(var))
             if not m:
-                raise ValueError(f"variable {name}: only label_values(...) queries are supported here, got {_variable_query(var)!r}")
+                raise ValueError(
+                    f"variable {name}: only label_values(...) queries are supported here, got {_variable_query(var)!r}"
+                )
             selector, label = m.group(1), m.group(2)
             values = prom.label_values(label, substitute(selector, text_of) if selector else None)
             if var.get("regex"):
@@ -344,15 +385,21 @@ class Report:
 
     def table(self) -> str:
         width = max(len(f"{r.target.panel} [{r.target.ref_id}]") for r in self.results)
-        lines = [f"daemon devices: {', '.join(self.devices) or '?'}; variables: "
-                 + "; ".join(f"${k} = {', '.join(v)}" for k, v in self.variables.items()),
-                 f"{'PANEL [TARGET]':<{width}}  {'SERIES':>6}  {'FINITE':>6}  STATUS"]
+        lines = [
+            f"daemon devices: {', '.join(self.devices) or '?'}; variables: "
+            + "; ".join(f"${k} = {', '.join(v)}" for k, v in self.variables.items()),
+            f"{'PANEL [TARGET]':<{width}}  {'SERIES':>6}  {'FINITE':>6}  STATUS",
+        ]
         for r in self.results:
             name = f"{r.target.panel} [{r.target.ref_id}]"
-            lines.append(f"{name:<{width}}  {r.series:>6}  {r.finite:>6}  {r.status}" + (f": {r.error}" if r.error else ""))
-        lines.append(f"{len(self.results)} targets in {len({r.target.panel for r in self.results})} panels: "
-                     f"{sum(r.finite > 0 for r in self.results)} with data, {len(self.allowed_empty)} CUDA-only empty "
-                     f"(allowed without CUDA), {len(self.failures)} failing")
+            lines.append(
+                f"{name:<{width}}  {r.series:>6}  {r.finite:>6}  {r.status}" + (f": {r.error}" if r.error else "")
+            )
+        lines.append(
+            f"{len(self.results)} targets in {len({r.target.panel for r in self.results})} panels: "
+            f"{sum(r.finite > 0 for r in self.results)} with data, {len(self.allowed_empty)} CUDA-only empty "
+            f"(allowed without CUDA), {len(self.failures)} failing"
+        )
         return "\n".join(lines)
 
 
@@ -383,6 +430,7 @@ def check_panels(dashboard: dict[str, Any], prom: Prometheus, at: float | None =
 @dataclass
 class Scraped:
     """A daemon that ran a job, and the Prometheus that scraped it."""
+
     prom: Prometheus
     http: httpx.Client  # the daemon's API
     daemon: Daemon | None  # None when checking a daemon started elsewhere
@@ -391,9 +439,18 @@ class Scraped:
 
 
 @contextmanager
-def scraped_daemon(*, prometheus_bin: str, config: Path | None = None, data_dir: Path | None = None,
-                   url: str | None = None, job: dict[str, Any] | None = CHECK_JOB, ready_timeout: float = 120,
-                   job_timeout: float = 300, workdir: Path | None = None, out=sys.stdout) -> Iterator[Scraped]:
+def scraped_daemon(
+    *,
+    prometheus_bin: str,
+    config: Path | None = None,
+    data_dir: Path | None = None,
+    url: str | None = None,
+    job: dict[str, Any] | None = CHECK_JOB,
+    ready_timeout: float = 120,
+    job_timeout: float = 300,
+    workdir: Path | None = None,
+    out=sys.stdout,
+) -> Iterator[Scraped]:
     """The daemon (started here unless `url` names a running one) with Prometheus scraping it every second,
     after `job` ran to SUCCEEDED and Prometheus scraped the end state."""
     with ExitStack() as stack:
@@ -429,8 +486,9 @@ def scraped_daemon(*, prometheus_bin: str, config: Path | None = None, data_dir:
         yield Scraped(prom, http, daemon, job_id, at=time.time())
 
 
-def start_daemon(workdir: Path, *, config: Path | None = None, data_dir: Path | None = None,
-                 warmup_pause: float = 0.0) -> Daemon:
+def start_daemon(
+    workdir: Path, *, config: Path | None = None, data_dir: Path | None = None, warmup_pause: float = 0.0
+) -> Daemon:
     """The service tests' daemon (tests/service/harness.py). With `config`, the user's file is used as it is
     except for data_dir (a fresh one under workdir unless `data_dir` is given)."""
     data_dir = data_dir or workdir / "data"
@@ -481,23 +539,43 @@ def _wait_terminal(http: httpx.Client, job_id: str, timeout: float, daemon: Daem
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.deploy.panels_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, help="daemon config file (default: the embedded default)")
-    parser.add_argument("--data-dir", type=Path, help="daemon data dir (default: a fresh temporary one; give the "
-                        "usual one to reuse its inductor cache)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="daemon data dir (default: a fresh temporary one; give the usual one to reuse its inductor cache)",
+    )
     parser.add_argument("--url", help="check a daemon that is already running at this URL instead of starting one")
-    parser.add_argument("--prometheus", default=find_prometheus(), help="Prometheus binary (default $PROMETHEUS_BIN "
-                        "or `prometheus` on PATH)")
-    parser.add_argument("--job", type=Path, help="job spec JSON to run (default: 20 steps of the embedded default "
-                        "with evaluation)")
+    parser.add_argument(
+        "--prometheus",
+        default=find_prometheus(),
+        help="Prometheus binary (default $PROMETHEUS_BIN or `prometheus` on PATH)",
+    )
+    parser.add_argument(
+        "--job", type=Path, help="job spec JSON to run (default: 20 steps of the embedded default with evaluation)"
+    )
     parser.add_argument("--no-job", action="store_true", help="submit no job (panels fed by training stay empty)")
-    parser.add_argument("--ready-timeout", type=float, default=1800, help="seconds to wait for warmup (default %(default)s)")
-    parser.add_argument("--job-timeout", type=float, default=1800, help="seconds to wait for the job (default %(default)s)")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=1800, help="seconds to wait for warmup (default %(default)s)"
+    )
+    parser.add_argument(
+        "--job-timeout", type=float, default=1800, help="seconds to wait for the job (default %(default)s)"
+    )
     parser.add_argument("--dashboard", type=Path, default=DASHBOARD)
     args = parser.parse_args(argv)
     if not args.prometheus:
-        parser.error("no Prometheus binary: set PROMETHEUS_BIN, pass --prometheus, or install it (apt-get install prometheus)")
+        parser.error(
+            "no Prometheus binary: set PROMETHEUS_BIN, pass --prometheus, or install it (apt-get install prometheus)"
+        )
     job = None if args.no_job else (json.loads(args.job.read_text()) if args.job else CHECK_JOB)
-    with scraped_daemon(prometheus_bin=args.prometheus, config=args.config, data_dir=args.data_dir, url=args.url,
-                        job=job, ready_timeout=args.ready_timeout, job_timeout=args.job_timeout) as scraped:
+    with scraped_daemon(
+        prometheus_bin=args.prometheus,
+        config=args.config,
+        data_dir=args.data_dir,
+        url=args.url,
+        job=job,
+        ready_timeout=args.ready_timeout,
+        job_timeout=args.job_timeout,
+    ) as scraped:
         report = check_panels(load_dashboard(args.dashboard), scraped.prom, at=scraped.at)
     print(report.table())
     return 0 if not report.failures else 1

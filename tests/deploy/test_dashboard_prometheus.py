@@ -6,6 +6,7 @@ machine: `python -m tests.deploy.panels_check --config DAEMON_CONFIG.toml` (see 
 
 Needs a `prometheus` binary (Debian package `prometheus`, which .ci/run installs, or $PROMETHEUS_BIN);
 without one the Prometheus tests skip and say so."""
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,17 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.panels_check import (CHECK_JOB, Target, check_panels, dashboard_targets, find_prometheus,
-                                       find_promtool, load_dashboard, scraped_daemon, start_daemon)
+from tests.deploy.panels_check import (
+    CHECK_JOB,
+    Target,
+    check_panels,
+    dashboard_targets,
+    find_prometheus,
+    find_promtool,
+    load_dashboard,
+    scraped_daemon,
+    start_daemon,
+)
 from tests.deploy.test_deploy_files import healthcheck
 
 pytestmark = pytest.mark.slow
@@ -37,10 +47,13 @@ def daemon(tmp_path_factory):
 def scraped(daemon, tmp_path_factory):
     binary = find_prometheus()
     if binary is None:
-        pytest.skip("no prometheus binary: install the Debian package `prometheus` (.ci/run does) or set PROMETHEUS_BIN")
+        pytest.skip(
+            "no prometheus binary: install the Debian package `prometheus` (.ci/run does) or set PROMETHEUS_BIN"
+        )
     log = io.StringIO()
-    with scraped_daemon(prometheus_bin=binary, url=daemon.url, job=CHECK_JOB,
-                        workdir=tmp_path_factory.mktemp("prometheus"), out=log) as s:
+    with scraped_daemon(
+        prometheus_bin=binary, url=daemon.url, job=CHECK_JOB, workdir=tmp_path_factory.mktemp("prometheus"), out=log
+    ) as s:
         yield s
 
 
@@ -70,8 +83,10 @@ def test_every_panel_target_returns_data(report, capsys):
     with capsys.disabled():
         if report.allowed_empty:
             names = sorted({r.target.panel for r in report.allowed_empty})
-            print(f"\n[dashboard] daemon devices {', '.join(report.devices)}: no CUDA device, so these CUDA-only "
-                  f"panels are empty: {'; '.join(names)}")
+            print(
+                f"\n[dashboard] daemon devices {', '.join(report.devices)}: no CUDA device, so these CUDA-only "
+                f"panels are empty: {'; '.join(names)}"
+            )
     print(report.table())  # in the captured output (shown with -rA or on failure)
     with_data = {r.target.panel for r in report.results if r.finite}
     assert len(with_data) >= 15
@@ -126,8 +141,9 @@ def test_promtool_accepts_the_test_prometheus_config(scraped):
     promtool = find_promtool()
     if promtool is None:
         pytest.skip("no promtool next to the prometheus binary or on PATH")
-    r = subprocess.run([promtool, "check", "config", str(scraped.prom.config_path)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [promtool, "check", "config", str(scraped.prom.config_path)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -2,6 +2,7 @@
 exist, ports and paths agree across Dockerfile, compose, Prometheus, Grafana and k8s, the probes hit the
 daemon's real endpoints, and the dashboard reads exactly the metric contract (docs/design.md).
 No Docker or cluster needed; the Prometheus-backed check is test_dashboard_prometheus.py."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.panels_check import (DASHBOARD, SHIPPED_PROMETHEUS_CONFIG, dashboard_targets, find_promtool,
-                                       iter_panels, metric_families)
+from tests.deploy.panels_check import (
+    DASHBOARD,
+    SHIPPED_PROMETHEUS_CONFIG,
+    dashboard_targets,
+    find_promtool,
+    iter_panels,
+    metric_families,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER = REPO_ROOT / "docker"
@@ -24,12 +31,27 @@ K8S = DOCKER / "k8s"
 
 # the metric contract (docs/design.md), the names as exported (counters with _total)
 CONTRACT_METRICS = {
-    "dflash_ready", "dflash_drafters_ready", "dflash_drafters_total", "dflash_warmup_seconds", "dflash_compiles_total",
-    "dflash_train_tokens_total", "dflash_train_tokens_per_second", "dflash_train_step_seconds", "dflash_train_loss",
-    "dflash_train_accuracy", "dflash_train_expected_acceptance_length", "dflash_eval_acceptance_length",
-    "dflash_queue_depth", "dflash_jobs", "dflash_cuda_allocated_bytes", "dflash_cuda_reserved_bytes",
-    "dflash_cuda_active_bytes", "dflash_cuda_inactive_split_bytes", "dflash_cuda_peak_reserved_bytes",
-    "dflash_cuda_alloc_retries_total", "dflash_cuda_ooms_total",
+    "dflash_ready",
+    "dflash_drafters_ready",
+    "dflash_drafters_total",
+    "dflash_warmup_seconds",
+    "dflash_compiles_total",
+    "dflash_train_tokens_total",
+    "dflash_train_tokens_per_second",
+    "dflash_train_step_seconds",
+    "dflash_train_loss",
+    "dflash_train_accuracy",
+    "dflash_train_expected_acceptance_length",
+    "dflash_eval_acceptance_length",
+    "dflash_queue_depth",
+    "dflash_jobs",
+    "dflash_cuda_allocated_bytes",
+    "dflash_cuda_reserved_bytes",
+    "dflash_cuda_active_bytes",
+    "dflash_cuda_inactive_split_bytes",
+    "dflash_cuda_peak_reserved_bytes",
+    "dflash_cuda_alloc_retries_total",
+    "dflash_cuda_ooms_total",
 }
 
 
@@ -111,8 +133,9 @@ def test_dockerfile_installs_dependencies_before_copying_the_sources():
     assert [a for w, a in steps[:deps] if w == "COPY"] == ["pyproject.toml ./"]
     script = steps[deps][1]
     extract = re.search(r'python -c "(import tomllib.*?)"\s*>', script).group(1)  # as the shell passes it
-    out = subprocess.run([sys.executable, "-c", extract], cwd=REPO_ROOT, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", extract], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert out == tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
 
 
@@ -177,8 +200,12 @@ def test_compose_parses_and_its_files_exist():
     for name, service in services.items():
         for target, source in bind_mounts(service).items():
             assert (DOCKER / source).exists(), f"{name}: {source} (mounted at {target}) does not exist"
-    named = {v.split(":")[0] for s in services.values() for v in s.get("volumes", []) if isinstance(v, str)
-             and not v.startswith((".", "/", "~"))}
+    named = {
+        v.split(":")[0]
+        for s in services.values()
+        for v in s.get("volumes", [])
+        if isinstance(v, str) and not v.startswith((".", "/", "~"))
+    }
     assert named <= set(compose().get("volumes") or {}), "named volumes must be declared"
 
 
@@ -304,7 +331,9 @@ def test_k8s_volumes_pvc_and_config(tmp_path):
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     data = volumes[mounts[dockerfile_env()["DFLASH_DATA_DIR"]]]
-    assert data["persistentVolumeClaim"]["claimName"] in {p["metadata"]["name"] for p in k8s_kind("PersistentVolumeClaim")}
+    assert data["persistentVolumeClaim"]["claimName"] in {
+        p["metadata"]["name"] for p in k8s_kind("PersistentVolumeClaim")
+    }
     args = container["args"]
     config_file = Path(args[args.index("--config") + 1])
     config_volume = volumes[mounts[str(config_file.parent)]]
@@ -336,7 +365,10 @@ def test_dashboard_structure():
     for target in dashboard_targets(dashboard):
         if "(total)" in target.panel:
             continue
-        if target.metrics & {"dflash_train_tokens_total", "dflash_train_step_seconds", "dflash_warmup_seconds"} or target.cuda_only:
+        if (
+            target.metrics & {"dflash_train_tokens_total", "dflash_train_step_seconds", "dflash_warmup_seconds"}
+            or target.cuda_only
+        ):
             assert 'device=~"$device"' in target.expr, f"{target.panel}: not filtered by $device"
 
 
@@ -349,8 +381,9 @@ def test_dashboard_reads_exactly_the_metric_contract():
 def test_runtime_compiles_alert_threshold():
     """Runtime compiles should be flat zero; any value >= 1 turns the panels red."""
     dashboard = json.loads(DASHBOARD.read_text())
-    compile_panels = [p for p in iter_panels(dashboard["panels"])
-                      if any('phase="runtime"' in t["expr"] for t in p.get("targets", []))]
+    compile_panels = [
+        p for p in iter_panels(dashboard["panels"]) if any('phase="runtime"' in t["expr"] for t in p.get("targets", []))
+    ]
     assert len(compile_panels) >= 2  # the stat and the time series
     for panel in compile_panels:
         steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
@@ -361,7 +394,9 @@ def test_runtime_compiles_alert_threshold():
 
 def test_metric_families_maps_histogram_series():
     assert metric_families('rate(dflash_train_step_seconds_bucket{a="b"}[1m]) / dflash_train_tokens_total') == {
-        "dflash_train_step_seconds", "dflash_train_tokens_total"}
+        "dflash_train_step_seconds",
+        "dflash_train_tokens_total",
+    }
 
 
 # --------------------------------------------------------------------------- promtool
@@ -369,6 +404,7 @@ def test_promtool_accepts_the_shipped_prometheus_config():
     promtool = find_promtool()
     if promtool is None:
         pytest.skip("no promtool (Debian package `prometheus`, which .ci/run installs; or set PROMTOOL_BIN)")
-    r = subprocess.run([promtool, "check", "config", str(SHIPPED_PROMETHEUS_CONFIG)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [promtool, "check", "config", str(SHIPPED_PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,6 +1,7 @@
 """GPU checks (marker gpu; skipped without CUDA): flex == dense forward and backward at the
 reference widths, replicas identical across GPUs, no runtime compile over 50 steps, the engine's
 Triton AdamW against torch's."""
+
 import pytest
 import torch
 
@@ -25,18 +26,33 @@ def test_flex_matches_dense_reference_widths():
 
 def test_replicas_identical_and_no_runtime_compile(tmp_path):
     from bench.common import write_target_dir
-    from dflash_core.config import ShapeConfig
     from dflash_core.defaults import ensure_default_assets
     from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
 
     gpus = torch.cuda.device_count()
     devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cuda:0", "cuda:0"]
     assets = ensure_default_assets(tmp_path / "data")
-    target = write_target_dir(tmp_path / "target", hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=151936)
-    cfg = EngineConfig(target_path=str(target), target_random_init=True, target_devices=["cuda:0"], drafter_devices=devices,
-                       seq_len=1024, num_anchors=128, block_size=16, drafter_layers=2,
-                       inductor_cache_dir=str(tmp_path / "inductor"))
+    target = write_target_dir(
+        tmp_path / "target",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=151936,
+    )
+    cfg = EngineConfig(
+        target_path=str(target),
+        target_random_init=True,
+        target_devices=["cuda:0"],
+        drafter_devices=devices,
+        seq_len=1024,
+        num_anchors=128,
+        block_size=16,
+        drafter_layers=2,
+        inductor_cache_dir=str(tmp_path / "inductor"),
+    )
     engine = Engine(cfg, tmp_path / "data").build()
     warm = engine.status().compiles["warmup"]
     assert warm > 0  # flex was really compiled
@@ -46,8 +62,16 @@ def test_replicas_identical_and_no_runtime_compile(tmp_path):
         def on_step(self, s):
             steps.append(s)
 
-    res = engine.run_job(TrainJob(datasets=[str(assets.train)], output_dir=str(tmp_path / "out"), steps=50,
-                                  learning_rate=1e-3, checkpoint_interval=50), CB())
+    res = engine.run_job(
+        TrainJob(
+            datasets=[str(assets.train)],
+            output_dir=str(tmp_path / "out"),
+            steps=50,
+            learning_rate=1e-3,
+            checkpoint_interval=50,
+        ),
+        CB(),
+    )
     assert res.status == "SUCCEEDED" and len(steps) == 50
     assert engine.status().compiles["runtime"] == 0
     first = [p.detach().cpu() for p in engine.replicas[0].drafter.parameters()]
@@ -92,26 +116,27 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     the same bf16 products, so two clipped steps (one or two micro-batches each, or two replicas
     averaged by GradSync; sums and means in fp32) leave the same masters; every copy is its
     master rounded to bf16."""
-    from dflash_core.engine.grad_sync import GradSync
     from dflash_core.config import ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
-    from dflash_core.engine.config import StepPlan
-    from dflash_core.engine.replica import DrafterReplica
     from dflash_core.drafter import FrozenHead
+    from dflash_core.engine.config import StepPlan
+    from dflash_core.engine.grad_sync import GradSync
+    from dflash_core.engine.replica import DrafterReplica
     from tests.helpers import tiny_drafter_config
 
     cfg = tiny_drafter_config(vocab_size=512, block_size=8, hidden=256, heads=4, kv_heads=2, layers=2)
     shape = ShapeConfig(seq_len=256, num_anchors=16, block_size=8)
     g = torch.Generator(device="cuda").manual_seed(0)
-    head = FrozenHead(torch.randn(512, 256, device="cuda", generator=g), torch.randn(512, 256, device="cuda", generator=g) * 0.05)
+    head = FrozenHead(
+        torch.randn(512, 256, device="cuda", generator=g), torch.randn(512, 256, device="cuda", generator=g) * 0.05
+    )
     n = micro_batches * replicas
     feats = [torch.randn(256, 2 * 256, device="cuda", generator=g) for _ in range(n)]
     batches = [synthetic_micro_batch(shape, 512, 0, seed=i).to("cuda") for i in range(n)]
     reps, losses = {}, {}
     for mode in ("fp32", "bf16"):
         plan = StepPlan(attention="dense", compiled=False, loss="triton", working_weights=mode)
-        group = [DrafterReplica(i, cfg, "cuda:0", head, plan, gamma=4.0, chunk_size=64)
-                 for i in range(replicas)]
+        group = [DrafterReplica(i, cfg, "cuda:0", head, plan, gamma=4.0, chunk_size=64) for i in range(replicas)]
         for rep in group:
             rep.init_weights(3)
             rep.new_optimizer(1e-3, 0.1, (0.9, 0.95))

@@ -1,4 +1,5 @@
 """Fixtures of the service tests: real daemons (see harness.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ def make_daemon(tmp_path_factory):
     """Factory: make_daemon(auth_token=, warmup_pause=, engine={...}) -> a started Daemon (not yet ready)."""
     started: list[Daemon] = []
 
-    def make(*, auth_token: str | None = None, warmup_pause: float = 0.0, engine: dict | None = None,
-             start: bool = True) -> Daemon:
+    def make(
+        *, auth_token: str | None = None, warmup_pause: float = 0.0, engine: dict | None = None, start: bool = True
+    ) -> Daemon:
         root = tmp_path_factory.mktemp("daemon")
         data_dir = root / "data"
         workdir = root / "cwd"

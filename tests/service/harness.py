@@ -1,6 +1,7 @@
 """A real daemon for the service tests: `python -m service.cli serve --config FILE` as a subprocess
 on a free 127.0.0.1 port, with a temporary data dir, the real engine on CPU and the embedded
 default target. Nothing of ours is mocked."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -20,9 +22,9 @@ from service.jobs.store import TERMINAL
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-
-def write_config(path: Path, data_dir: Path, *, auth_token: str | None = None,
-                 engine: dict[str, Any] | None = None) -> Path:
+def write_config(
+    path: Path, data_dir: Path, *, auth_token: str | None = None, engine: dict[str, Any] | None = None
+) -> Path:
     lines = [f'data_dir = "{data_dir}"']
     if auth_token:
         lines.append(f'auth_token = "{auth_token}"')
@@ -48,7 +50,7 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
-    def start(self) -> "Daemon":
+    def start(self) -> Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
         if self.warmup_pause:
             env["DFLASH_TEST_WARMUP_PAUSE_SECONDS"] = str(self.warmup_pause)
@@ -56,8 +58,20 @@ class Daemon:
         with self.log_path.open("ab") as log:
             # cwd is an empty directory: the daemon must not write to the current directory
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config_path), "--port", str(self.port)],
-                cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "service.cli",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                    "--port",
+                    str(self.port),
+                ],
+                cwd=self.workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 60
         while True:  # until uvicorn answers at all
@@ -67,7 +81,7 @@ class Daemon:
                 return self
             except httpx.TransportError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"daemon did not bind {self.url}; log:\n{self.log()}")
+                    raise TimeoutError(f"daemon did not bind {self.url}; log:\n{self.log()}") from None
                 time.sleep(0.05)
 
     def _check_alive(self) -> None:
@@ -128,7 +142,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"daemon ignored SIGTERM for {timeout} s; log:\n{self.log()}")
+            raise AssertionError(f"daemon ignored SIGTERM for {timeout} s; log:\n{self.log()}") from None
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -1,5 +1,6 @@
 """The HTTP contract (docs/design.md) against one real daemon: jobs, validation, cancel,
 idempotency, events and /metrics after a job."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,21 @@ import os
 from pathlib import Path
 
 import pytest
-
-from dflash_core.defaults import ASSETS_VERSION
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflash_core.defaults import ASSETS_VERSION
 from tests.service.harness import step_numbers
 
-SHORT_JOB = {"datasets": ["builtin://train"], "steps": 20, "checkpoint_interval": 10, "name": "short",
-             "eval_prompts": "builtin://heldout", "eval_interval": 10, "eval_max_prompts": 2, "eval_max_new_tokens": 16}
+SHORT_JOB = {
+    "datasets": ["builtin://train"],
+    "steps": 20,
+    "checkpoint_interval": 10,
+    "name": "short",
+    "eval_prompts": "builtin://heldout",
+    "eval_interval": 10,
+    "eval_max_prompts": 2,
+    "eval_max_new_tokens": 16,
+}
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +107,37 @@ def test_list_jobs(finished_job, daemon):
 
 def _outside_file(daemon) -> Path:
     outside = daemon.data_dir.parent / "outside.jsonl"
-    outside.write_text(Path(daemon.data_dir / "defaults" / ASSETS_VERSION / "train.jsonl").read_text().splitlines()[0] + "\n")
+    outside.write_text(
+        Path(daemon.data_dir / "defaults" / ASSETS_VERSION / "train.jsonl").read_text().splitlines()[0] + "\n"
+    )
     return outside
 
 
-@pytest.mark.parametrize("case, spec, field", [
-    ("missing dataset", {"datasets": ["no-such-file.jsonl"], "steps": 5}, "datasets[0]"),
-    ("path outside root", {"datasets": ["/etc/hostname"], "steps": 5}, "datasets[0]"),
-    ("dotdot escape", {"datasets": ["defaults/../../outside.jsonl"], "steps": 5}, "datasets[0]"),
-    ("wrong block size", {"datasets": ["builtin://train"], "steps": 5, "block_size": 16}, "block_size"),
-    ("wrong seq_len", {"datasets": ["builtin://train"], "steps": 5, "seq_len": 1024}, "seq_len"),
-    ("negative lr", {"datasets": ["builtin://train"], "steps": 5, "learning_rate": -0.001}, "learning_rate"),
-    ("unknown field", {"datasets": ["builtin://train"], "steps": 5, "learnin_rate": 0.001}, "learnin_rate"),
-    ("no steps or epochs", {"datasets": ["builtin://train"]}, "steps"),
-    ("no datasets", {"steps": 5}, "datasets"),
-    ("unknown builtin", {"datasets": ["builtin://nope"], "steps": 5}, "datasets[0]"),
-    ("output outside root", {"datasets": ["builtin://train"], "steps": 5, "output_dir": "/tmp/dflash-elsewhere"}, "output_dir"),
-    ("init_from not a checkpoint", {"datasets": ["builtin://train"], "steps": 5, "init_from": "defaults"}, "init_from"),
-])
+@pytest.mark.parametrize(
+    "case, spec, field",
+    [
+        ("missing dataset", {"datasets": ["no-such-file.jsonl"], "steps": 5}, "datasets[0]"),
+        ("path outside root", {"datasets": ["/etc/hostname"], "steps": 5}, "datasets[0]"),
+        ("dotdot escape", {"datasets": ["defaults/../../outside.jsonl"], "steps": 5}, "datasets[0]"),
+        ("wrong block size", {"datasets": ["builtin://train"], "steps": 5, "block_size": 16}, "block_size"),
+        ("wrong seq_len", {"datasets": ["builtin://train"], "steps": 5, "seq_len": 1024}, "seq_len"),
+        ("negative lr", {"datasets": ["builtin://train"], "steps": 5, "learning_rate": -0.001}, "learning_rate"),
+        ("unknown field", {"datasets": ["builtin://train"], "steps": 5, "learnin_rate": 0.001}, "learnin_rate"),
+        ("no steps or epochs", {"datasets": ["builtin://train"]}, "steps"),
+        ("no datasets", {"steps": 5}, "datasets"),
+        ("unknown builtin", {"datasets": ["builtin://nope"], "steps": 5}, "datasets[0]"),
+        (
+            "output outside root",
+            {"datasets": ["builtin://train"], "steps": 5, "output_dir": "/tmp/dflash-elsewhere"},
+            "output_dir",
+        ),
+        (
+            "init_from not a checkpoint",
+            {"datasets": ["builtin://train"], "steps": 5, "init_from": "defaults"},
+            "init_from",
+        ),
+    ],
+)
 def test_invalid_spec_is_422_naming_the_field(daemon, case, spec, field):
     r = daemon.http.post("/jobs", json=spec)
     assert r.status_code == 422, (case, r.text)
@@ -222,8 +243,12 @@ def _metrics(daemon) -> tuple[dict, str]:
 
 def _value(families, name, **labels) -> float:
     """The value of sample `name` (e.g. dflash_compiles_total, a histogram's _count) with these labels."""
-    matches = [s.value for family in families.values() for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    matches = [
+        s.value
+        for family in families.values()
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert matches, (name, labels)
     return matches[0]
 
@@ -231,16 +256,36 @@ def _value(families, name, **labels) -> float:
 def test_metrics_after_a_job(finished_job, daemon):
     families, text = _metrics(daemon)
     # every contract name (docs/design.md) is exported; the parser strips _total from counter names
-    for name in ("dflash_ready", "dflash_drafters_ready", "dflash_drafters_total", "dflash_warmup_seconds",
-                 "dflash_compiles", "dflash_train_tokens", "dflash_train_tokens_per_second", "dflash_train_step_seconds",
-                 "dflash_train_loss", "dflash_train_accuracy", "dflash_train_expected_acceptance_length",
-                 "dflash_eval_acceptance_length", "dflash_queue_depth", "dflash_jobs",
-                 "dflash_cuda_allocated_bytes", "dflash_cuda_reserved_bytes", "dflash_cuda_active_bytes",
-                 "dflash_cuda_inactive_split_bytes", "dflash_cuda_peak_reserved_bytes", "dflash_cuda_alloc_retries",
-                 "dflash_cuda_ooms"):
+    for name in (
+        "dflash_ready",
+        "dflash_drafters_ready",
+        "dflash_drafters_total",
+        "dflash_warmup_seconds",
+        "dflash_compiles",
+        "dflash_train_tokens",
+        "dflash_train_tokens_per_second",
+        "dflash_train_step_seconds",
+        "dflash_train_loss",
+        "dflash_train_accuracy",
+        "dflash_train_expected_acceptance_length",
+        "dflash_eval_acceptance_length",
+        "dflash_queue_depth",
+        "dflash_jobs",
+        "dflash_cuda_allocated_bytes",
+        "dflash_cuda_reserved_bytes",
+        "dflash_cuda_active_bytes",
+        "dflash_cuda_inactive_split_bytes",
+        "dflash_cuda_peak_reserved_bytes",
+        "dflash_cuda_alloc_retries",
+        "dflash_cuda_ooms",
+    ):
         assert name in families, name
-    for counter in ("dflash_compiles_total", "dflash_train_tokens_total", "dflash_cuda_alloc_retries_total",
-                    "dflash_cuda_ooms_total"):
+    for counter in (
+        "dflash_compiles_total",
+        "dflash_train_tokens_total",
+        "dflash_cuda_alloc_retries_total",
+        "dflash_cuda_ooms_total",
+    ):
         assert f"# TYPE {counter.removesuffix('_total')} counter" in text or f"# TYPE {counter} counter" in text
 
     assert _value(families, "dflash_ready") == 1
@@ -291,17 +336,20 @@ def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
     assert skipped and skipped[0]["count"] == 1
 
 
-@pytest.mark.parametrize("patch, field", [
-    ({"steps": "7"}, "steps"),
-    ({"steps": True}, "steps"),
-    ({"steps": 10**23}, "steps"),
-    ({"seed": 10**23}, "seed"),
-    ({"grad_accum": 10**6}, "grad_accum"),
-    ({"skip_bad_lines": "yes"}, "skip_bad_lines"),
-    ({"datasets": ["~nosuchuserxyz/a.jsonl"]}, "datasets[0]"),
-    ({"datasets": ["x" * 5000]}, "datasets[0]"),
-    ({"output_dir": "y" * 300}, "output_dir"),
-])
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"steps": "7"}, "steps"),
+        ({"steps": True}, "steps"),
+        ({"steps": 10**23}, "steps"),
+        ({"seed": 10**23}, "seed"),
+        ({"grad_accum": 10**6}, "grad_accum"),
+        ({"skip_bad_lines": "yes"}, "skip_bad_lines"),
+        ({"datasets": ["~nosuchuserxyz/a.jsonl"]}, "datasets[0]"),
+        ({"datasets": ["x" * 5000]}, "datasets[0]"),
+        ({"output_dir": "y" * 300}, "output_dir"),
+    ],
+)
 def test_hostile_values_are_422_naming_the_field(daemon, patch, field):
     r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 2, **patch})
     assert r.status_code == 422, r.text
@@ -312,7 +360,9 @@ def test_hostile_bodies_and_queries(daemon, finished_job):
     nested = b"[" * 100_000 + b"]" * 100_000
     r = daemon.http.post("/jobs", content=nested, headers={"content-type": "application/json"})
     assert r.status_code in (413, 422), r.text
-    r = daemon.http.post("/jobs", content=b'{"datasets": ["' + b"a" * (2 << 20) + b'"]}', headers={"content-type": "application/json"})
+    r = daemon.http.post(
+        "/jobs", content=b'{"datasets": ["' + b"a" * (2 << 20) + b'"]}', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
     job, _ = finished_job
     r = daemon.http.get(f"/jobs/{job['id']}/events", params={"after": 10**23})
@@ -320,7 +370,6 @@ def test_hostile_bodies_and_queries(daemon, finished_job):
 
 
 def test_output_dir_of_another_job_is_refused(daemon, finished_job):
-    job, _ = finished_job
     first = daemon.submit({"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/shared-out"})
     assert daemon.wait_terminal(first["id"])["state"] == "SUCCEEDED"
     r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/shared-out"})

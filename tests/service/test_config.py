@@ -1,4 +1,5 @@
 """ServiceConfig: defaults, TOML/YAML files, DFLASH_* environment, flags; and the CLI parser."""
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,22 @@ def test_defaults_need_no_file_and_never_use_cwd(tmp_path, monkeypatch):
 def test_toml_file_env_and_flags_override_in_order(tmp_path):
     path = tmp_path / "conf" / "dflash.toml"
     path.parent.mkdir()
-    path.write_text('port = 9000\ndata_dir = "state"\nauth_token = "from-file"\n\n[engine]\n'
-                    'seq_len = 256\nnum_anchors = 16\ndrafter_devices = ["cpu"]\n')
+    path.write_text(
+        'port = 9000\ndata_dir = "state"\nauth_token = "from-file"\n\n[engine]\n'
+        'seq_len = 256\nnum_anchors = 16\ndrafter_devices = ["cpu"]\n'
+    )
     cfg = load_config(path, env={})
     assert cfg.port == 9000
     assert cfg.data_dir == tmp_path / "conf" / "state"  # relative to the file, not the cwd
     assert cfg.engine.shape.seq_len == 256
 
-    env = {"DFLASH_PORT": "9100", "DFLASH_AUTH_TOKEN": "from-env", "DFLASH_ENGINE__NUM_ANCHORS": "32",
-           "DFLASH_ENGINE__TARGET_DEVICES": "cpu,cpu", "DFLASH_URL": "http://not-a-config-field"}
+    env = {
+        "DFLASH_PORT": "9100",
+        "DFLASH_AUTH_TOKEN": "from-env",
+        "DFLASH_ENGINE__NUM_ANCHORS": "32",
+        "DFLASH_ENGINE__TARGET_DEVICES": "cpu,cpu",
+        "DFLASH_URL": "http://not-a-config-field",
+    }
     cfg = load_config(path, env=env)
     assert (cfg.port, cfg.auth_token, cfg.engine.num_anchors) == (9100, "from-env", 32)
     assert cfg.engine.target_devices == ["cpu", "cpu"]
@@ -50,19 +58,33 @@ def test_yaml_file(tmp_path):
     assert cfg.engine.shape.block_size == 16 and cfg.engine.debug_eager
 
 
-@pytest.mark.parametrize("text, words", [
-    ("port = 'eighty'", ["port"]),
-    ("[engine]\nseq_len = 1", ["engine.seq_len"]),
-    ("[engine]\ndrafter_devices = ['gpu0']", ["engine.drafter_devices"]),
-    ("colour = 'blue'", ["colour"]),
-    ("port = ", ["dflash.toml"]),
-    ("[engine]\nnum_anchors = 0", ["engine.num_anchors"]),
-    # what the device decides is not a setting: the variants that used to be settings are refused
-    *[(f"[engine]\n{name} = {value}", [f"engine.{name}", "Extra inputs"]) for name, value in (
-        ("attention", "'dense'"), ("compile", "true"), ("compile_scope", "'layer'"), ("flex_q_splits", "1"),
-        ("loss_kernel", "'triton'"), ("working_weights", "'bf16'"), ("compile_workers", "'early'"),
-        ("init_seed", "0"), ("warmup_delay_seconds", "1.0"), ("queue_depth", "4"))],
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("port = 'eighty'", ["port"]),
+        ("[engine]\nseq_len = 1", ["engine.seq_len"]),
+        ("[engine]\ndrafter_devices = ['gpu0']", ["engine.drafter_devices"]),
+        ("colour = 'blue'", ["colour"]),
+        ("port = ", ["dflash.toml"]),
+        ("[engine]\nnum_anchors = 0", ["engine.num_anchors"]),
+        # what the device decides is not a setting: the variants that used to be settings are refused
+        *[
+            (f"[engine]\n{name} = {value}", [f"engine.{name}", "Extra inputs"])
+            for name, value in (
+                ("attention", "'dense'"),
+                ("compile", "true"),
+                ("compile_scope", "'layer'"),
+                ("flex_q_splits", "1"),
+                ("loss_kernel", "'triton'"),
+                ("working_weights", "'bf16'"),
+                ("compile_workers", "'early'"),
+                ("init_seed", "0"),
+                ("warmup_delay_seconds", "1.0"),
+                ("queue_depth", "4"),
+            )
+        ],
+    ],
+)
 def test_invalid_config_names_the_field(tmp_path, text, words):
     path = tmp_path / "dflash.toml"
     path.write_text(text + "\n")

@@ -1,6 +1,7 @@
 """Persistence across process deaths: SIGTERM checkpoints the running job and leaves it
 resumable; SIGKILL loses at most the steps since the last checkpoint. Either way the job resumes
 at the next start, its step count continues and no step event is duplicated or lost."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -22,7 +23,9 @@ def _db_state(daemon, job_id: str) -> tuple[str, int, int | None]:
 def test_job_survives_sigterm_and_sigkill(make_daemon):
     d = make_daemon()
     d.wait_ready()
-    job = d.submit({"datasets": ["builtin://train"], "steps": STEPS, "checkpoint_interval": INTERVAL, "name": "survivor"})
+    job = d.submit(
+        {"datasets": ["builtin://train"], "steps": STEPS, "checkpoint_interval": INTERVAL, "name": "survivor"}
+    )
     queued_behind = d.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 2, "name": "behind"})
 
     # 1. graceful stop: the job checkpoints at its current step and stays RUNNING (resumable)
@@ -42,8 +45,13 @@ def test_job_survives_sigterm_and_sigkill(make_daemon):
     assert first_resume[0]["reason"] == "the daemon was shut down" and first_resume[0]["steps_lost"] == 0
 
     # 2. SIGKILL between checkpoints: the steps after the last checkpoint are redone, once
-    killed_job = d.wait_job(job["id"], lambda j: (j["progress"]["last_checkpoint_step"] or 0) >= step + INTERVAL - step % INTERVAL
-                            and j["progress"]["step"] % INTERVAL >= 3)
+    killed_job = d.wait_job(
+        job["id"],
+        lambda j: (
+            (j["progress"]["last_checkpoint_step"] or 0) >= step + INTERVAL - step % INTERVAL
+            and j["progress"]["step"] % INTERVAL >= 3
+        ),
+    )
     d.kill()
     state, step_at_kill, ckpt_at_kill = _db_state(d, job["id"])
     assert state == "RUNNING" and step_at_kill > ckpt_at_kill >= killed_job["progress"]["last_checkpoint_step"]

@@ -1,5 +1,6 @@
 """Startup is observable (503 starting/warming, then 200) while /livez answers throughout; jobs
 submitted while warming wait and then run; the bearer token guards POST endpoints."""
+
 from __future__ import annotations
 
 import time
@@ -34,7 +35,9 @@ def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon)
         assert body["drafters_total"] == 1 and 0 <= body["drafters_ready"] <= 1
         assert isinstance(body["elapsed_seconds"], float)
         if queued is None and body["status"] == "warming":  # jobs may be submitted while warming
-            r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 3, "checkpoint_interval": 3}, headers=AUTH)
+            r = d.http.post(
+                "/jobs", json={"datasets": ["builtin://train"], "steps": 3, "checkpoint_interval": 3}, headers=AUTH
+            )
             assert r.status_code == 202, r.text
             queued = r.json()
             assert d.http.get(f"/jobs/{queued['id']}").json()["state"] == "PENDING"

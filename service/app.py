@@ -157,6 +157,8 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "finished_at": _iso(job.finished_at),
         "queue_position": job.queue_position,
         "progress": {
+            "phase": job.phase if job.state == "RUNNING" else None,
+            "data": job.data,
             "step": job.step,
             "total_steps": total,
             "fraction": round(job.step / total, 4) if total else None,

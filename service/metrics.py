@@ -161,6 +161,16 @@ class ServiceMetrics:
             "Mean accepted tokens per block in the last held-out evaluation",
             registry=self.registry,
         )
+        self.data_progress = Gauge(
+            "dflash_data_prepare_progress_ratio",
+            "Share of the running job's dataset bytes tokenized or found in the cache (1 once training runs)",
+            registry=self.registry,
+        )
+        self.data_tokens = Gauge(
+            "dflash_data_prepare_tokens",
+            "Tokens of the running job's datasets prepared so far (tokenized or read from the cache)",
+            registry=self.registry,
+        )
         # NaN = not measured yet; present from the first scrape so dashboards see every series
         for gauge in (self.loss, self.expected_acceptance, self.eval_acceptance):
             gauge.set(math.nan)
@@ -183,6 +193,14 @@ class ServiceMetrics:
 
     def observe_eval(self, acceptance_length: float) -> None:
         self.eval_acceptance.set(acceptance_length)
+
+    def observe_data_progress(self, progress: dict | None) -> None:
+        """A job's data preparation progress; None once it trains."""
+        if progress is None:
+            self.data_progress.set(1.0)
+            return
+        self.data_progress.set(float(progress.get("fraction", 0.0)))
+        self.data_tokens.set(float(progress.get("tokens", 0)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

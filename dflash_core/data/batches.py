@@ -15,7 +15,7 @@ import torch
 
 from ..config import ShapeConfig
 from .anchors import sample_anchors
-from .packing import PackedSequence, PackingReport, pack_documents
+from .packing import PackedSequence, PackingReport, build_sequence, pack_documents, plan_packing
 from .tokenize import Document
 
 
@@ -94,23 +94,48 @@ def synthetic_micro_batch(shape: ShapeConfig, vocab_size: int, pad_token_id: int
     return make_micro_batch(pack_documents(docs, shape.seq_len, pad_token_id)[0], shape, rng, 0)
 
 
+class DocumentList:
+    """A list of in-memory Documents with the interface of a Corpus (prepare.py)."""
+
+    def __init__(self, docs: list[Document]):
+        self.docs = docs
+        self.lengths = np.asarray([len(d.input_ids) for d in docs], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.docs[i].input_ids, self.docs[i].loss_mask
+
+    def trainable(self) -> np.ndarray:
+        return np.asarray([len(d.loss_mask) >= 2 and bool(d.loss_mask[1:].any()) for d in self.docs], dtype=bool)
+
+
 class MicroBatchStream:
     """Endless, deterministic sequence of micro-batches over the documents (epoch after epoch).
 
-    Documents are packed once (in a seeded order); each epoch visits the packed sequences in
-    its own seeded order, so every epoch has the same number of micro-batches.
+    Documents are packed once (in a seeded order) into a plan of document indices; each epoch
+    visits the packed sequences in its own seeded order, so every epoch has the same number of
+    micro-batches. Tokens are read only when a micro-batch is built: a memory-mapped corpus is
+    never loaded whole.
     """
 
-    def __init__(self, docs: list[Document], shape: ShapeConfig, pad_token_id: int, seed: int):
-        if not docs:
+    def __init__(self, docs, shape: ShapeConfig, pad_token_id: int, seed: int, exclude: np.ndarray | None = None):
+        """docs: a Corpus or a list of Documents; exclude: document indices not to train on."""
+        self.docs = DocumentList(docs) if isinstance(docs, list) else docs
+        if not len(self.docs):
             raise ValueError("no documents to train on")
-        self.shape, self.seed = shape, seed
+        self.shape, self.seed, self.pad = shape, seed, pad_token_id
         self.report = PackingReport()
-        order = np.random.default_rng([seed, 0]).permutation(len(docs))
-        self.sequences = pack_documents([docs[i] for i in order], shape.seq_len, pad_token_id, self.report)
-        if not self.sequences:
+        trainable = self.docs.trainable()
+        if exclude is not None and len(exclude):
+            trainable = trainable.copy()
+            trainable[exclude] = False
+        order = np.random.default_rng([seed, 0]).permutation(len(self.docs))
+        self.plan = plan_packing(order, self.docs.lengths, trainable, shape.seq_len, self.report)
+        if not len(self.plan):
             raise ValueError("no document has a trainable (assistant) token after packing")
-        self.per_epoch = len(self.sequences)
+        self.per_epoch = len(self.plan)
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -118,7 +143,11 @@ class MicroBatchStream:
             self._orders = {epoch: np.random.default_rng([self.seed, 1, epoch]).permutation(self.per_epoch)}
         return self._orders[epoch]
 
+    def sequence(self, k: int) -> PackedSequence:
+        docs = [self.docs.document(int(d)) for d in self.plan.sequence(k)]
+        return build_sequence(docs, self.shape.seq_len, self.pad)
+
     def get(self, index: int) -> MicroBatch:
         epoch, i = divmod(index, self.per_epoch)
-        seq = self.sequences[int(self._order(epoch)[i])]
+        seq = self.sequence(int(self._order(epoch)[i]))
         return make_micro_batch(seq, self.shape, np.random.default_rng([self.seed, 2, index]), index)

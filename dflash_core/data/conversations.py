@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,17 +20,27 @@ ROLE_ALIASES = {
 
 
 class DatasetError(ValueError):
-    """A dataset line that cannot be used; str() names file and line."""
+    """A dataset record that cannot be used; str() names the file and the line or row."""
 
-    def __init__(self, path: str | Path, line: int, reason: str):
-        self.path, self.line, self.reason = str(path), line, reason
-        super().__init__(f"{path}:{line}: {reason}")
+    def __init__(self, path: str | Path, line: int, reason: str, unit: str = "line"):
+        self.path, self.line, self.reason, self.unit = str(path), line, reason, unit
+        super().__init__(f"{self.where}: {reason}")
+
+    @property
+    def where(self) -> str:
+        if self.line <= 0:
+            return self.path
+        return f"{self.path}:{self.line}" if self.unit == "line" else f"{self.path} row {self.line}"
 
 
 @dataclass
 class Conversation:
     messages: list[dict[str, str]]
-    source: str  # "file:line"
+    source: str  # where it was read: "file:line" or "file row N"
+
+    def error(self, reason: str) -> DatasetError:
+        """A DatasetError at this conversation's place."""
+        return DatasetError(self.source, 0, reason)
 
 
 @dataclass
@@ -46,51 +55,50 @@ class ReadReport:
             self.first_errors.append(str(err))
 
 
-def parse_conversation(obj: object, path: str | Path, line: int) -> Conversation:
+def parse_conversation(obj: object, path: str | Path, line: int, unit: str = "line") -> Conversation:
+    def error(reason: str) -> DatasetError:
+        return DatasetError(path, line, reason, unit)
+
     if not isinstance(obj, dict):
-        raise DatasetError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+        raise error(f"expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
         raw, role_key, text_key = obj["messages"], "role", "content"
     elif "conversations" in obj:
         raw, role_key, text_key = obj["conversations"], "from", "value"
     else:
-        raise DatasetError(path, line, "no 'messages' (OpenAI) or 'conversations' (ShareGPT) field")
+        raise error("no 'messages' (OpenAI) or 'conversations' (ShareGPT) field")
     if not isinstance(raw, list) or not raw:
-        raise DatasetError(path, line, "the message list is empty or not a list")
+        raise error("the message list is empty or not a list")
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise DatasetError(path, line, f"message {i} is not an object")
+            raise error(f"message {i} is not an object")
         role = ROLE_ALIASES.get(str(m.get(role_key, "")).lower())
         if role is None:
-            raise DatasetError(path, line, f"message {i} has unknown {role_key!r} {m.get(role_key)!r}")
+            raise error(f"message {i} has unknown {role_key!r} {m.get(role_key)!r}")
         text = m.get(text_key)
         if not isinstance(text, str):
-            raise DatasetError(path, line, f"message {i} has no string {text_key!r}")
+            raise error(f"message {i} has no string {text_key!r}")
         messages.append({"role": role, "content": text})
     if not any(m["role"] == "assistant" for m in messages):
-        raise DatasetError(path, line, "no assistant message: nothing to train on")
-    return Conversation(messages, f"{path}:{line}")
+        raise error("no assistant message: nothing to train on")
+    return Conversation(messages, DatasetError(path, line, "", unit).where)
 
 
 def read_conversations(
     path: str | Path, *, skip_bad_lines: bool = False, report: ReadReport | None = None
 ) -> Iterator[Conversation]:
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(path, 0, "file does not exist")
+    """The conversations of one dataset entry (any layout sources.py reads), in order."""
+    from .sources import dataset_files, iter_records
+
     report = report if report is not None else ReadReport()
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
+    for src in dataset_files(path):
+        for position, record in iter_records(src):
             report.lines_read += 1
             try:
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(path, line_no, f"invalid JSON: {e.msg} (column {e.colno})") from None
-                yield parse_conversation(obj, path, line_no)
+                if isinstance(record, DatasetError):
+                    raise record
+                yield parse_conversation(record, src.path, position, src.unit)
             except DatasetError as err:
                 if not skip_bad_lines:
                     raise

@@ -1,47 +1,66 @@
-"""A job's datasets -> tokenized documents (train and held-out), with readable failures."""
+"""A job's datasets -> a tokenized corpus (cached on disk) and held-out prompts, with readable
+failures."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from .conversations import Conversation, DatasetError, ReadReport, read_conversations
-from .tokenize import Document, encode_conversation
+from .prepare import Corpus, PrepareProgress, Tokenization, prepare_corpus
 
 
 @dataclass
 class JobData:
-    train: list[Document]
-    heldout: list[Conversation]
+    corpus: Corpus
+    heldout: list[Conversation]  # evaluation prompts (at most the job's eval_max_prompts)
+    exclude: np.ndarray  # documents held out of training (eval_fraction)
     skipped_lines: int = 0
     skip_messages: list[str] = field(default_factory=list)
+    progress: PrepareProgress | None = None
 
 
 def load_job_data(
-    paths: list[str], tokenizer, *, skip_bad_lines: bool, eval_prompts: str | None, eval_fraction: float, seed: int
+    paths: list[str],
+    tokenization: Tokenization,
+    cache_root: Path,
+    *,
+    skip_bad_lines: bool,
+    eval_prompts: str | None,
+    eval_fraction: float,
+    eval_max_prompts: int,
+    seed: int,
+    progress: Callable[[PrepareProgress], None] = lambda p: None,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> JobData:
-    report = ReadReport()
-    convs: list[Conversation] = []
-    for path in paths:
-        convs.extend(read_conversations(path, skip_bad_lines=skip_bad_lines, report=report))
-    if not convs:
+    last: list[PrepareProgress] = []
+
+    def seen(p: PrepareProgress) -> None:
+        last[:] = [p]
+        progress(p)
+
+    corpus = prepare_corpus(paths, tokenization, cache_root, progress=seen, should_stop=should_stop)
+    errors = corpus.errors()
+    if errors and not skip_bad_lines:
+        first = errors[0]
+        raise DatasetError(
+            first.path, first.line, f"{first.reason} (set skip_bad_lines to skip such records)", first.unit
+        )
+    if not len(corpus):
         raise DatasetError(paths[0] if paths else "?", 0, "no usable conversation in the datasets")
+    report = ReadReport(skipped=corpus.bad_records, first_errors=[str(e) for e in errors])
     heldout: list[Conversation] = []
+    exclude = np.zeros(0, dtype=np.int64)
     if eval_prompts:
-        heldout = list(read_conversations(eval_prompts, skip_bad_lines=skip_bad_lines, report=report))
+        for conv in read_conversations(eval_prompts, skip_bad_lines=skip_bad_lines, report=report):
+            heldout.append(conv)
+            if len(heldout) >= eval_max_prompts:
+                break
     elif eval_fraction > 0:
-        order = np.random.default_rng([seed, 7]).permutation(len(convs))
-        n = max(1, int(len(convs) * eval_fraction))
-        held = set(order[:n].tolist())
-        heldout = [c for i, c in enumerate(convs) if i in held]
-        convs = [c for i, c in enumerate(convs) if i not in held]
-    docs = []
-    for c in convs:
-        try:
-            docs.append(encode_conversation(tokenizer, c))
-        except DatasetError as err:
-            if not skip_bad_lines:
-                raise
-            report.note_skip(err)
-    return JobData(docs, heldout, report.skipped, report.first_errors)
+        order = np.random.default_rng([seed, 7]).permutation(len(corpus))
+        exclude = np.sort(order[: max(1, int(len(corpus) * eval_fraction))])
+        heldout = corpus.conversations(exclude[:eval_max_prompts].tolist())
+    return JobData(corpus, heldout, exclude, report.skipped, report.first_errors, last[0] if last else None)

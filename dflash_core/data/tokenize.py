@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .conversations import Conversation, DatasetError
+from .conversations import Conversation
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
@@ -19,11 +19,34 @@ class Document:
     source: str
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How conversations are rendered: the tokenizer's own template or a given one, and the
+    options the template reads (e.g. Qwen3's `enable_thinking`)."""
+
+    template: str | None = None  # None: the tokenizer's chat template
+    kwargs: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, template: str | None = None, kwargs: dict[str, object] | None = None) -> ChatTemplate:
+        return cls(template, tuple(sorted((kwargs or {}).items())))
+
+    def render(self, tokenizer, messages, add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.template,
+            **dict(self.kwargs),
+        )
 
 
-def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+DEFAULT_TEMPLATE = ChatTemplate()
+
+
+def assistant_char_spans(
+    tokenizer, messages: list[dict[str, str]], template: ChatTemplate = DEFAULT_TEMPLATE
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans produced by assistant turns.
 
     A turn's span runs from the end of the generation prompt to the end of the turn (its
@@ -31,6 +54,10 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str
     differently from the last turn (e.g. Qwen3's empty think block) break prefix stability; then
     the span is found by searching the turn's content and the end marker in the full text.
     """
+
+    def _render(tok, msgs, add_generation_prompt: bool) -> str:
+        return template.render(tok, msgs, add_generation_prompt)
+
     full = _render(tokenizer, messages, add_generation_prompt=False)
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -61,13 +88,12 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str
     return full, spans
 
 
-def encode_conversation(tokenizer, conv: Conversation) -> Document:
+def encode_conversation(tokenizer, conv: Conversation, template: ChatTemplate = DEFAULT_TEMPLATE) -> Document:
     """Full conversation; packing truncates to the micro-batch budget (and counts what it cut)."""
     try:
-        text, spans = assistant_char_spans(tokenizer, conv.messages)
+        text, spans = assistant_char_spans(tokenizer, conv.messages, template)
     except Exception as e:  # noqa: BLE001 - template errors carry no location: add it
-        path, _, line = conv.source.rpartition(":")
-        raise DatasetError(path, int(line or 0), f"chat template failed: {e}") from None
+        raise conv.error(f"chat template failed: {e}") from None
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offsets = enc["offset_mapping"]

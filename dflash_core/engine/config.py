@@ -12,13 +12,14 @@ before it pays for those imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import ShapeConfig
+from ..data.tokenize import ChatTemplate
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
 
@@ -124,6 +125,8 @@ class TrainJob:
     keep_checkpoints: int = 3
     init_from: str | None = None
     skip_bad_lines: bool = False
+    chat_template: str | None = None  # a Jinja template file; None: the tokenizer's template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # options the template reads
     # acceptance-length evaluation (held-out prompts)
     eval_prompts: str | None = None
     eval_fraction: float = 0.0
@@ -137,3 +140,8 @@ class TrainJob:
 
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+
+def job_template(job: TrainJob) -> ChatTemplate:
+    text = Path(job.chat_template).read_text(encoding="utf-8") if job.chat_template else None
+    return ChatTemplate.of(text, job.chat_template_kwargs)

@@ -25,6 +25,7 @@ from ..checkpoint import load_training_state, load_weights, read_config
 from ..config import DrafterConfig, LossConfig
 from ..data.batches import MicroBatchStream
 from ..data.job import JobData, load_job_data
+from ..data.prepare import PrepareCancelled, PrepareProgress, Tokenization, save_tokenizer
 from ..devices import CudaContexts
 from ..step.blocks import expected_acceptance_length
 from ..target import TargetModel
@@ -32,12 +33,14 @@ from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
 from .checkpointing import Checkpointer
 from .compile import CompileGuard, log_compile_times, use_cache_dir
-from .config import EngineConfig, TrainJob
+from .config import EngineConfig, TrainJob, job_template
 from .grad_sync import GradSync
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
 from .warmup import Parts, Timeline, build, reset_weights, resolve_devices
+
+DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
 
 
 class Engine:
@@ -60,6 +63,7 @@ class Engine:
         self.ready = False
         self._tokens_per_device: dict[str, int] = {}
         self._pipeline: FeaturePipeline | None = None
+        self._saved_tokenizer: tuple[Path, str] | None = None
         self._drafter_pools: list[cf.ThreadPoolExecutor] = []
         self._worker_threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -174,6 +178,25 @@ class Engine:
             if other != mine:
                 diff = [k for k, v in other.to_dict().items() if mine.to_dict()[k] != v]
                 raise JobError(f"checkpoint architecture differs from the engine's drafter in {diff}", "init_from")
+        if self.parts is not None:
+            self._check_template(job)
+
+    def _check_template(self, job: TrainJob) -> None:
+        """Render a small conversation with the job's template and options, so that a template
+        that cannot render (or an option it rejects) is refused before the job is queued."""
+        assert self.parts is not None
+        field = "chat_template" if job.chat_template else "chat_template_kwargs"
+        try:
+            template = job_template(job)
+        except (OSError, UnicodeDecodeError) as e:
+            raise JobError(f"cannot read the template: {e}", "chat_template") from None
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        try:
+            text = template.render(self.parts.tokenizer, probe, add_generation_prompt=False)
+        except Exception as e:  # noqa: BLE001 - any template failure is the user's to fix
+            raise JobError(f"the chat template cannot render a conversation: {type(e).__name__}: {e}", field) from None
+        if "pong" not in text:
+            raise JobError("the chat template does not render the assistant's message", field)
 
     # ------------------------------------------------------------------ running jobs
     def run_job(
@@ -202,17 +225,24 @@ class Engine:
 
     def _run(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
         assert self.parts is not None
-        data = self._load_data(job, cb)
-        stream = MicroBatchStream(data.train, self.config.shape, self.parts.pad_token_id, seed=job.seed)
+        try:
+            data = self._load_data(job, cb)
+        except PrepareCancelled:
+            return JobResult("STOPPED", 0, 0, resume_from)
+        stream = MicroBatchStream(
+            data.corpus, self.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
+        )
         per_step = len(self.replicas) * job.grad_accum
         total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
         cb.on_event(
             "data",
             {
-                "documents": len(data.train),
+                "documents": len(data.corpus) - len(data.exclude),
+                "tokens": int(data.corpus.lengths.sum()),
                 "micro_batches_per_epoch": stream.per_epoch,
-                "truncated_documents": stream.report.truncated_documents,
-                "heldout": len(data.heldout),
+                "truncated_documents": data.corpus.truncated_documents,
+                "dropped_documents": stream.report.dropped_documents,
+                "heldout": len(data.exclude) or len(data.heldout),
                 "total_steps": total,
             },
         )
@@ -267,18 +297,53 @@ class Engine:
         return JobResult(status, step, total, last, stats, eval_result, data.skipped_lines)
 
     def _load_data(self, job: TrainJob, cb: JobCallbacks) -> JobData:
-        assert self.parts is not None
+        """Tokenize what the cache lacks (reported as the job's preparing_data phase) and open it."""
+        reported = [0.0]
+
+        def progress(p: PrepareProgress) -> None:
+            now = time.monotonic()
+            done = p.files_done == p.files_total
+            if done or now - reported[0] >= DATA_PROGRESS_SECONDS:
+                reported[0] = now
+                cb.on_data_progress(
+                    {
+                        "files_total": p.files_total,
+                        "files_done": p.files_done,
+                        "files_cached": p.files_cached,
+                        "bytes_total": p.bytes_total,
+                        "bytes_done": p.bytes_done,
+                        "fraction": round(p.fraction, 4),
+                        "documents": p.documents,
+                        "tokens": p.tokens,
+                        "seconds": round(p.seconds, 3),
+                        "done": done,
+                    }
+                )
+
         data = load_job_data(
             job.datasets,
-            self.parts.tokenizer,
+            self._tokenization(job),
+            self.data_dir / "cache" / "tokens",
             skip_bad_lines=job.skip_bad_lines,
             eval_prompts=job.eval_prompts,
             eval_fraction=job.eval_fraction,
+            eval_max_prompts=job.eval_max_prompts,
             seed=job.seed,
+            progress=progress,
+            should_stop=cb.should_cancel,
         )
         if data.skipped_lines:
             cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
         return data
+
+    def _tokenization(self, job: TrainJob) -> Tokenization:
+        """What the job's tokenized cache entries depend on: the engine's tokenizer (saved once
+        per engine, with the mask token it may have added), the chat template and the length."""
+        assert self.parts is not None
+        if self._saved_tokenizer is None:
+            self._saved_tokenizer = save_tokenizer(self.parts.tokenizer, self.data_dir / "cache" / "tokens")
+        directory, digest = self._saved_tokenizer
+        return Tokenization(str(directory), digest, job_template(job), self.config.seq_len)
 
     def _start_state(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None, per_step: int) -> int:
         """Weights, optimizer, RNG and loss weights for the job's first step; the step it starts at."""

@@ -81,8 +81,12 @@ class _RunCallbacks:
     def on_event(self, kind: str, payload: dict) -> None:
         if kind == "resumed":  # the manager already recorded the resume, with why and from where
             return
-        if kind == "data" and payload.get("total_steps"):
-            self.manager.store.set_total_steps(self.job_id, int(payload["total_steps"]))
+        if kind == "data":
+            self.manager.store.set_phase(self.job_id, "training")
+            if self.manager.metrics is not None:
+                self.manager.metrics.observe_data_progress(None)
+            if payload.get("total_steps"):
+                self.manager.store.set_total_steps(self.job_id, int(payload["total_steps"]))
         if kind in ("data", "skipped_lines") and self.manager.store.events(self.job_id, kinds=[kind], limit=1):
             return  # a resumed run reads the same data again: the first record stands
         self.manager.store.add_event(self.job_id, kind, payload)
@@ -93,6 +97,12 @@ class _RunCallbacks:
         if self.manager.metrics is not None and tau is not None:
             self.manager.metrics.observe_eval(tau)
         log.info("evaluation", extra={"fields": {"job": self.job_id, "step": step, "acceptance_length": tau}})
+
+    def on_data_progress(self, progress: dict) -> None:
+        self.manager.store.set_phase(self.job_id, "preparing_data", progress)
+        self.manager.store.add_event(self.job_id, "preparing_data", progress)
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_data_progress(progress)
 
     def should_cancel(self) -> bool:
         return self.cancel.is_set() or self.manager.shutting_down

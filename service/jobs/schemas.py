@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 BUILTIN_SCHEME = "builtin://"
 BUILTIN_DATASETS = ("train", "heldout")
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+MAX_TEMPLATE_BYTES = 1024 * 1024
 
 
 class SpecError(ValueError):
@@ -46,7 +48,12 @@ class JobSpec(BaseModel):
         max_length=200,
         description="idempotency key: resubmitting the same spec returns the same job",
     )
-    datasets: list[str] = Field(min_length=1, description="JSONL conversation files, or builtin://train|heldout")
+    datasets: list[str] = Field(
+        min_length=1,
+        max_length=1024,
+        description="conversation datasets: JSONL, JSON array or parquet files, directories of such shards, "
+        "datasets.save_to_disk directories, or builtin://train|heldout",
+    )
     steps: int | None = Field(None, ge=1, le=10**9)
     epochs: float | None = Field(None, gt=0, le=10**6)
     learning_rate: float = Field(6e-4, gt=0, le=10)
@@ -63,6 +70,10 @@ class JobSpec(BaseModel):
     keep_checkpoints: int = Field(3, ge=1, le=10**6)
     init_from: str | None = Field(None, description="drafter checkpoint to start from")
     skip_bad_lines: bool = False
+    chat_template: str | None = Field(None, description="a Jinja chat template file; default: the tokenizer's")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description='options the chat template reads, e.g. {"enable_thinking": false}'
+    )
     eval_prompts: str | None = Field(None, description="JSONL of held-out prompts for acceptance length")
     eval_fraction: float = Field(0.0, ge=0, lt=1)
     eval_interval: int = Field(0, ge=0, le=10**9)
@@ -74,6 +85,11 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> JobSpec:
+        if len(canonical_json(self.chat_template_kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise SpecError("chat_template_kwargs", f"larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        duplicates = sorted({d for d in self.datasets if self.datasets.count(d) > 1})
+        if duplicates:
+            raise SpecError("datasets", f"listed more than once: {', '.join(duplicates)}")
         if self.steps is None and self.epochs is None:
             raise SpecError("steps", "give steps or epochs")
         if self.steps is not None and self.epochs is not None:
@@ -166,13 +182,40 @@ def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: P
         return resolve_builtin(raw, field_name, data_dir)
     path = _check_under_roots(raw, field_name, roots, data_dir)
     try:
-        exists, is_file = path.exists(), path.is_file()
+        exists = path.exists()
     except OSError as e:
         raise SpecError(field_name, f"dataset {raw[:200]!r} cannot be read ({e})") from None
     if not exists:
         raise SpecError(field_name, f"dataset {raw!r} does not exist ({path})")
-    if not is_file:
-        raise SpecError(field_name, f"dataset {raw!r} is not a file ({path})")
+    return path
+
+
+def check_dataset_readable(path: Path, field_name: str, *, skip_bad_lines: bool) -> None:
+    """The dataset's layout, schema and first records, read now: what cannot be read is refused
+    at submission rather than failing the job later."""
+    from dflash_core.data.conversations import DatasetError
+    from dflash_core.data.inspect import check_dataset
+
+    try:
+        check_dataset(path, skip_bad_lines=skip_bad_lines)
+    except DatasetError as e:
+        raise SpecError(field_name, str(e)) from None
+    except OSError as e:
+        raise SpecError(field_name, f"{path} cannot be read ({e.strerror or e})") from None
+
+
+def resolve_template(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
+    path = _check_under_roots(raw, "chat_template", roots, data_dir)
+    try:
+        if not path.is_file():
+            raise SpecError("chat_template", f"{raw!r} is not a file")
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise SpecError("chat_template", f"{raw!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
+    except OSError as e:
+        raise SpecError("chat_template", f"{raw!r} cannot be read ({e.strerror or e})") from None
     return path
 
 
@@ -204,13 +247,25 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
     """The engine's TrainJob for this spec: every path absolute and checked."""
     from dflash_core.engine import TrainJob
 
-    datasets = [
-        str(resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir))
+    resolved = [
+        resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir)
         for i, d in enumerate(spec.datasets)
     ]
+    seen: dict[Path, int] = {}
+    for i, path in enumerate(resolved):
+        if path in seen:  # two names for one dataset would train on it twice
+            raise SpecError(f"datasets[{i}]", f"the same dataset as datasets[{seen[path]}]")
+        seen[path] = i
+        check_dataset_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines)
+    datasets = [str(p) for p in resolved]
     eval_prompts = None
     if spec.eval_prompts is not None:
-        eval_prompts = str(resolve_dataset(spec.eval_prompts, "eval_prompts", roots=dataset_roots, data_dir=data_dir))
+        prompts = resolve_dataset(spec.eval_prompts, "eval_prompts", roots=dataset_roots, data_dir=data_dir)
+        check_dataset_readable(prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines)
+        eval_prompts = str(prompts)
+    chat_template = None
+    if spec.chat_template is not None:
+        chat_template = str(resolve_template(spec.chat_template, roots=dataset_roots, data_dir=data_dir))
     init_from = None
     if spec.init_from is not None:
         init_from = str(resolve_checkpoint(spec.init_from, roots=dataset_roots + output_roots, data_dir=data_dir))
@@ -220,6 +275,7 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         datasets=datasets,
         eval_prompts=eval_prompts,
         init_from=init_from,
+        chat_template=chat_template,
         output_dir=str(output_dir),
         adam_betas=tuple(spec.adam_betas),
     )

@@ -47,7 +47,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     interrupted_by_shutdown INTEGER NOT NULL DEFAULT 0,
     resumes INTEGER NOT NULL DEFAULT 0,
-    crash_resumes INTEGER NOT NULL DEFAULT 0
+    crash_resumes INTEGER NOT NULL DEFAULT 0,
+    phase TEXT,
+    data_json TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -98,6 +100,8 @@ class JobRecord:
     interrupted_by_shutdown: bool
     resumes: int
     crash_resumes: int
+    phase: str | None  # preparing_data | training while RUNNING
+    data: dict[str, Any] | None  # the last data preparation progress
     checkpoints: list[dict[str, Any]] | None = None  # loaded by get_job(with_checkpoints=True)
     queue_position: int | None = None
 
@@ -128,13 +132,16 @@ _JOB_COLUMNS = (
     "seq, id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at, "
     "started_at, finished_at, step, total_steps, loss, tokens_per_second, expected_acceptance_length, "
     "eval_acceptance_length, learning_rate, epoch, last_checkpoint, last_checkpoint_step, error, cancel_requested, "
-    "interrupted_by_shutdown, resumes, crash_resumes"
+    "interrupted_by_shutdown, resumes, crash_resumes, phase, data_json"
 )
+# columns added after the first release: (name, declaration), added to an older database at open
+_ADDED_COLUMNS = (("phase", "TEXT"), ("data_json", "TEXT"))
 
 
 def _job(row: tuple) -> JobRecord:
     values = list(row)
     values[4] = json.loads(values[4])
+    values[-1] = json.loads(values[-1]) if values[-1] else None
     rec = JobRecord(*values)
     rec.cancel_requested = bool(rec.cancel_requested)
     rec.interrupted_by_shutdown = bool(rec.interrupted_by_shutdown)
@@ -153,6 +160,10 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a process crash loses no committed write
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, decl in _ADDED_COLUMNS:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -335,6 +346,14 @@ class JobStore:
                 (step, total_steps, loss, tokens_per_second, expected_acceptance_length, learning_rate, epoch, job_id),
             )
             self._event(db, job_id, "step", step, event_payload)
+
+    def set_phase(self, job_id: str, phase: str, data: dict[str, Any] | None = None) -> None:
+        """The running job's phase, with the data preparation's progress while it prepares."""
+        with self._tx() as db:
+            if data is None:
+                db.execute("UPDATE jobs SET phase = ? WHERE id = ?", (phase, job_id))
+            else:
+                db.execute("UPDATE jobs SET phase = ?, data_json = ? WHERE id = ?", (phase, json.dumps(data), job_id))
 
     def set_total_steps(self, job_id: str, total_steps: int) -> None:
         with self._tx() as db:

@@ -321,19 +321,29 @@ def test_livez_and_no_files_in_cwd(daemon):
 
 
 def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
-    bad = daemon.data_dir / "broken.jsonl"
     good_line = (daemon.data_dir / "defaults" / ASSETS_VERSION / "train.jsonl").read_text().splitlines()[0]
-    bad.write_text(good_line + "\n{this is not json\n")
+    # among the first records: refused at submission, naming the file and the line
+    early = daemon.data_dir / "broken-early.jsonl"
+    early.write_text(good_line + "\n{this is not json\n")
+    r = daemon.http.post("/jobs", json={"datasets": ["broken-early.jsonl"], "steps": 2})
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "datasets[0]", r.text
+    assert "broken-early.jsonl:2" in r.text and "JSON" in r.text
+    # deeper in the file: the job fails when it prepares its data, naming the file and the line
+    bad = daemon.data_dir / "broken.jsonl"
+    bad.write_text((good_line + "\n") * 40 + "{this is not json\n")
     job = daemon.submit({"datasets": ["broken.jsonl"], "steps": 2})
     failed = daemon.wait_terminal(job["id"])
     assert failed["state"] == "FAILED"
-    assert "broken.jsonl:2" in failed["error"] and "JSON" in failed["error"]
+    assert "broken.jsonl:41" in failed["error"] and "JSON" in failed["error"]
     assert daemon.events(job["id"])[-1]["error"] == failed["error"]
     # skip_bad_lines trains on what is readable and says how much it skipped
     job = daemon.submit({"datasets": ["broken.jsonl"], "steps": 2, "skip_bad_lines": True})
     assert daemon.wait_terminal(job["id"])["state"] == "SUCCEEDED"
     skipped = [e for e in daemon.events(job["id"]) if e["kind"] == "skipped_lines"]
     assert skipped and skipped[0]["count"] == 1
+    # the data preparation was a phase of its own, with progress in the events
+    prepared = [e for e in daemon.events(job["id"]) if e["kind"] == "preparing_data"]
+    assert prepared and prepared[-1]["done"] and prepared[-1]["fraction"] == 1.0 and prepared[-1]["documents"] == 40
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,505 @@
+"""Tokenization once, in parallel, on disk: a job's datasets -> a memory-mapped corpus.
+
+Every source file (sources.py) is tokenized into a cache entry under the data directory: the
+token ids, the loss mask and the length and position (line or row) of every document, as flat
+arrays that later jobs memory-map instead of reading into host memory. An entry's key is the
+file's identity (path, size, modification time), the tokenizer's files, the chat template and its
+options, and the sequence length (documents are truncated to it when tokenized); a changed file
+gets a new key, so an edited dataset is tokenized again and an unchanged one never is.
+
+Work is split into chunks (byte ranges of a JSONL file, row ranges of parquet and `save_to_disk`
+data, element batches of a JSON array) that worker processes read and tokenize themselves, so
+the parent only stitches results together. Workers are spawned, not forked (the daemon has
+threads, and a forked tokenizer can deadlock); each loads the engine's tokenizer from a copy saved
+in the cache, which also keys the entries. Small datasets are tokenized in this process: starting
+workers would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .conversations import Conversation, DatasetError, parse_conversation
+from .sources import (
+    SourceFile,
+    _jsonl_lines,
+    conversation_column,
+    dataset_files,
+    file_size,
+    identity,
+    iter_records,
+    load_arrow_dataset,
+)
+from .tokenize import ChatTemplate, encode_conversation
+
+log = logging.getLogger("dflash.data")
+
+CACHE_VERSION = 2  # bump when the entry layout or the tokenization changes
+CHUNK_BYTES = 4 << 20  # JSONL bytes per task
+CHUNK_ROWS = 4096  # parquet / save_to_disk rows per task
+ARRAY_BATCH = 1024  # JSON array elements per task
+IN_PROCESS_BYTES = 8 << 20  # below this much data, tokenize here
+MAX_REPORTED_ERRORS = 10
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """Everything a cache entry depends on besides the file."""
+
+    tokenizer_dir: str  # a saved copy of the engine's tokenizer
+    tokenizer_hash: str
+    template: ChatTemplate
+    seq_len: int
+
+    def key(self, src: SourceFile) -> str:
+        parts = {
+            "version": CACHE_VERSION,
+            "files": identity(src),
+            "kind": src.kind,
+            "tokenizer": self.tokenizer_hash,
+            "template": self.template.template,
+            "kwargs": [[k, v] for k, v in self.template.kwargs],
+            "seq_len": self.seq_len,
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def save_tokenizer(tokenizer, cache_root: Path) -> tuple[Path, str]:
+    """A copy of `tokenizer` (with any token the engine added) in the cache, and its content hash."""
+    tmp = cache_root / "tokenizers" / f".tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    tokenizer.save_pretrained(str(tmp))
+    digest = hashlib.sha256()
+    for p in sorted(tmp.iterdir()):
+        digest.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h = digest.hexdigest()[:32]
+    final = cache_root / "tokenizers" / h
+    if final.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process saved the same tokenizer first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, h
+
+
+# --------------------------------------------------------------------------- one file's entry
+@dataclass
+class Shard:
+    """One source file's documents, memory-mapped from its cache entry."""
+
+    source: SourceFile
+    directory: Path
+    tokens: np.ndarray  # int32 [total tokens]
+    mask: np.ndarray  # uint8 [total tokens]
+    lengths: np.ndarray  # int64 [documents]
+    starts: np.ndarray  # int64 [documents]: offset of each document in tokens
+    positions: np.ndarray  # int64 [documents]: line or row of each document's record
+    meta: dict
+
+    @property
+    def errors(self) -> list[DatasetError]:
+        return [DatasetError(e["path"], e["line"], e["reason"], e["unit"]) for e in self.meta["errors"]]
+
+
+def _open_shard(src: SourceFile, directory: Path) -> Shard:
+    meta = json.loads((directory / "meta.json").read_text())
+
+    def mapped(name: str, dtype) -> np.ndarray:
+        path = directory / name
+        if path.stat().st_size == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r")
+
+    lengths = np.fromfile(directory / "lengths.i64", dtype=np.int64)
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths):
+        starts[1:] = np.cumsum(lengths)[:-1]
+    return Shard(
+        src,
+        directory,
+        mapped("tokens.i32", np.int32),
+        mapped("mask.u8", np.uint8),
+        lengths,
+        starts,
+        np.fromfile(directory / "positions.i64", dtype=np.int64),
+        meta,
+    )
+
+
+# --------------------------------------------------------------------------- tasks (run in workers)
+@dataclass
+class ChunkResult:
+    tokens: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    positions: np.ndarray
+    errors: list[dict]
+    bad_records: int
+    truncated: int
+    records: int
+    size: int  # bytes of the source this chunk covered (progress)
+
+
+_STATE: dict = {}
+
+
+def _tokenizer(tokenizer_dir: str):
+    if _STATE.get("dir") != tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        _STATE["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_dir)
+        _STATE["dir"] = tokenizer_dir
+    return _STATE["tokenizer"]
+
+
+def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]:
+    kind = task[0]
+    if kind == "bytes":  # JSONL lines in [start, end), the first of them line `first_line`
+        _, start, end, first_line = task
+        with src.path.open("rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        yield from _jsonl_lines(src.path, data.splitlines(keepends=True), first_line)
+    elif kind == "rows":
+        _, start, stop = task
+        yield from _rows(src, start, stop)
+    else:  # "records": already read (JSON arrays)
+        yield from task[1]
+
+
+def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(src.path, columns=[_column(src)]).slice(start, stop - start)
+        column = table.column_names[0]
+        values = table.column(0).to_pylist()
+    else:
+        dataset = load_arrow_dataset(src.path)
+        column = _column(src)
+        values = dataset.select_columns([column]).select(range(start, stop))[column]
+    for i, value in enumerate(values):
+        yield start + i + 1, {column: value}
+
+
+def _column(src: SourceFile) -> str:
+    """The conversation column of a parquet or save_to_disk source, looked up once per process."""
+    key = ("column", str(src.path))
+    if key not in _STATE:
+        _STATE[key] = conversation_column(src)
+    return _STATE[key]
+
+
+def tokenize_chunk(src: SourceFile, task: tuple, tok: Tokenization, size: int) -> ChunkResult:
+    """Read one chunk's records and tokenize them (in a worker process, or here)."""
+    tokenizer = _tokenizer(tok.tokenizer_dir)
+    ids_parts: list[np.ndarray] = []
+    mask_parts: list[np.ndarray] = []
+    lengths: list[int] = []
+    positions: list[int] = []
+    errors: list[dict] = []
+    bad = truncated = records = 0
+    for position, record in _chunk_records(src, task):
+        records += 1
+        try:
+            if isinstance(record, DatasetError):
+                raise record
+            conv = parse_conversation(record, src.path, position, src.unit)
+            doc = encode_conversation(tokenizer, conv, tok.template)
+        except DatasetError as err:
+            bad += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append({"path": err.path, "line": err.line, "reason": err.reason, "unit": err.unit})
+            continue
+        ids, mask = doc.input_ids, doc.loss_mask
+        if len(ids) > tok.seq_len:
+            truncated += 1
+            ids, mask = ids[: tok.seq_len], mask[: tok.seq_len]
+        ids_parts.append(ids.astype(np.int32))
+        mask_parts.append(mask.astype(np.uint8))
+        lengths.append(len(ids))
+        positions.append(position)
+    cat = np.concatenate
+    return ChunkResult(
+        cat(ids_parts) if ids_parts else np.zeros(0, np.int32),
+        cat(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(positions, dtype=np.int64),
+        errors,
+        bad,
+        truncated,
+        records,
+        size,
+    )
+
+
+def _tasks(src: SourceFile) -> Iterator[tuple[tuple, int]]:
+    """(task, bytes of progress it stands for) covering the whole file, in order."""
+    if src.kind == "jsonl":
+        size = src.path.stat().st_size
+        with src.path.open("rb") as f:
+            start, line = 0, 1
+            while start < size:
+                f.seek(min(size, start + CHUNK_BYTES))
+                f.readline()  # to the end of the line the boundary falls in
+                end = min(size, f.tell()) if start + CHUNK_BYTES < size else size
+                f.seek(start)
+                lines = f.read(end - start).count(b"\n")
+                yield ("bytes", start, end, line), end - start
+                start, line = end, line + lines
+    elif src.kind in ("parquet", "arrow"):
+        total = _row_count(src)
+        size = max(1, file_size(src))
+        for start in range(0, total, CHUNK_ROWS):
+            stop = min(total, start + CHUNK_ROWS)
+            yield ("rows", start, stop), size * (stop - start) // max(1, total)
+    else:
+        size = max(1, src.path.stat().st_size)
+        batch: list[tuple[int, object]] = []
+        for item in iter_records(src):
+            batch.append(item)
+            if len(batch) >= ARRAY_BATCH:
+                yield ("records", batch), 0
+                batch = []
+        yield ("records", batch), size
+
+
+def _row_count(src: SourceFile) -> int:
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(src.path).metadata.num_rows)
+    return len(load_arrow_dataset(src.path))
+
+
+# --------------------------------------------------------------------------- the corpus
+@dataclass
+class PrepareProgress:
+    files_total: int
+    files_done: int = 0
+    files_cached: int = 0
+    bytes_total: int = 0
+    bytes_done: int = 0
+    documents: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes_done / self.bytes_total if self.bytes_total else 1.0
+
+
+@dataclass
+class Corpus:
+    """The documents of a job's datasets: memory-mapped shards behind one document index."""
+
+    shards: list[Shard]
+    lengths: np.ndarray = field(init=False)  # int64 [documents]
+    _shard_of: np.ndarray = field(init=False)
+    _first: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        counts = [len(s.lengths) for s in self.shards]
+        self.lengths = np.concatenate([s.lengths for s in self.shards]) if self.shards else np.zeros(0, np.int64)
+        self._shard_of = np.repeat(np.arange(len(self.shards)), counts)
+        self._first = np.concatenate(([0], np.cumsum(counts)))[:-1].astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int64, loss mask bool) of document i."""
+        shard = self.shards[int(self._shard_of[i])]
+        local = int(i - self._first[self._shard_of[i]])
+        lo = int(shard.starts[local])
+        hi = lo + int(shard.lengths[local])
+        return shard.tokens[lo:hi].astype(np.int64), shard.mask[lo:hi].astype(bool)
+
+    def trainable(self) -> np.ndarray:
+        """bool [documents]: at least one loss-masked token after the first (a label exists).
+        Computed once per job from the memory-mapped masks, shard by shard."""
+        out = np.zeros(len(self), dtype=bool)
+        for k, shard in enumerate(self.shards):
+            if not len(shard.lengths):
+                continue
+            masked = np.concatenate(([0], np.cumsum(shard.mask, dtype=np.int64)))
+            first_masked = masked[shard.starts + 1]
+            total = masked[shard.starts + shard.lengths]
+            ok = (shard.lengths >= 2) & (total - first_masked > 0)
+            out[self._first[k] : self._first[k] + len(ok)] = ok
+        return out
+
+    def conversations(self, indices: list[int]) -> list[Conversation]:
+        """The conversations of documents `indices`, read again from their sources (evaluation
+        prompts), in the order given; one pass over each file involved."""
+        wanted: dict[int, dict[int, int]] = {}  # shard -> position -> document
+        for i in indices:
+            k = int(self._shard_of[i])
+            wanted.setdefault(k, {})[int(self.shards[k].positions[i - self._first[k]])] = i
+        found: dict[int, Conversation] = {}
+        for k, positions in wanted.items():
+            src = self.shards[k].source
+            for pos, record in iter_records(src):
+                if pos in positions and not isinstance(record, DatasetError):
+                    found[positions[pos]] = parse_conversation(record, src.path, pos, src.unit)
+                    if len(found) == len(indices):
+                        break
+        missing = [i for i in indices if i not in found]
+        if missing:
+            src = self.shards[int(self._shard_of[missing[0]])].source
+            raise DatasetError(src.path, 0, "a held-out record is gone: the file changed after it was tokenized")
+        return [found[i] for i in indices]
+
+    @property
+    def truncated_documents(self) -> int:
+        return sum(int(s.meta["truncated"]) for s in self.shards)
+
+    @property
+    def bad_records(self) -> int:
+        return sum(int(s.meta["bad_records"]) for s in self.shards)
+
+    def errors(self) -> list[DatasetError]:
+        return [e for s in self.shards for e in s.errors]
+
+
+def prepare_corpus(
+    entries: list[str],
+    tok: Tokenization,
+    cache_root: Path,
+    *,
+    workers: int | None = None,
+    progress: Callable[[PrepareProgress], None] = lambda p: None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Corpus:
+    """Tokenize what the cache lacks and open every shard. Raises DatasetError for an unusable
+    entry (a missing file, an empty directory, a parquet file without a conversation column);
+    bad records are kept in the entries' error lists for the caller to refuse or skip."""
+    sources = [src for entry in entries for src in dataset_files(entry)]
+    state = PrepareProgress(files_total=len(sources), bytes_total=sum(file_size(s) for s in sources))
+    t0 = time.monotonic()
+    todo: list[tuple[SourceFile, Path]] = []
+    shards: dict[int, Shard] = {}
+    for i, src in enumerate(sources):
+        directory = cache_root / tok.key(src)
+        if (directory / "meta.json").is_file():
+            shards[i] = _open_shard(src, directory)
+            state.files_done += 1
+            state.files_cached += 1
+            state.bytes_done += file_size(src)
+            state.documents += len(shards[i].lengths)
+            state.tokens += int(shards[i].lengths.sum())
+        else:
+            todo.append((src, directory))
+    progress(state)
+    missing = sum(file_size(src) for src, _ in todo)
+    workers = workers if workers is not None else (os.cpu_count() or 1)
+    pool = None
+    if todo and workers > 1 and missing > IN_PROCESS_BYTES:
+        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for src, directory in todo:
+            _write_entry(src, directory, tok, pool, workers, state, progress, should_stop, t0)
+            shards[sources.index(src)] = _open_shard(src, directory)
+            state.files_done += 1
+            progress(state)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    state.seconds = time.monotonic() - t0
+    progress(state)
+    return Corpus([shards[i] for i in range(len(sources))])
+
+
+class PrepareCancelled(Exception):
+    """The job was cancelled while its data was being prepared."""
+
+
+def _write_entry(
+    src: SourceFile,
+    directory: Path,
+    tok: Tokenization,
+    pool,
+    workers: int,
+    state: PrepareProgress,
+    progress: Callable[[PrepareProgress], None],
+    should_stop: Callable[[], bool],
+    t0: float,
+) -> None:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".tmp-{directory.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    meta: dict[str, Any] = {
+        "source": str(src.path),
+        "kind": src.kind,
+        "documents": 0,
+        "tokens": 0,
+        "records": 0,
+        "bad_records": 0,
+        "truncated": 0,
+        "errors": [],
+    }
+    try:
+        with (
+            (tmp / "tokens.i32").open("wb") as f_tok,
+            (tmp / "mask.u8").open("wb") as f_mask,
+            (tmp / "lengths.i64").open("wb") as f_len,
+            (tmp / "positions.i64").open("wb") as f_pos,
+        ):
+            for res in _results(src, tok, pool, workers):
+                if should_stop():
+                    raise PrepareCancelled
+                res.tokens.tofile(f_tok)
+                res.mask.tofile(f_mask)
+                res.lengths.tofile(f_len)
+                res.positions.tofile(f_pos)
+                meta["documents"] += len(res.lengths)
+                meta["tokens"] += int(res.lengths.sum())
+                meta["records"] += res.records
+                meta["bad_records"] += res.bad_records
+                meta["truncated"] += res.truncated
+                room = MAX_REPORTED_ERRORS - len(meta["errors"])
+                meta["errors"] += res.errors[: max(0, room)]
+                state.bytes_done += res.size
+                state.documents += len(res.lengths)
+                state.tokens += int(res.lengths.sum())
+                state.seconds = time.monotonic() - t0
+                progress(state)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, directory)
+        except OSError:  # the same entry was written meanwhile: keep that one
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _results(src: SourceFile, tok: Tokenization, pool, workers: int) -> Iterator[ChunkResult]:
+    """Chunk results in file order; at most 2 * workers chunks in flight."""
+    if pool is None:
+        for task, size in _tasks(src):
+            yield tokenize_chunk(src, task, tok, size)
+        return
+    pending: list[cf.Future[ChunkResult]] = []
+    for task, size in _tasks(src):
+        pending.append(pool.submit(tokenize_chunk, src, task, tok, size))
+        if len(pending) >= 2 * workers:
+            yield pending.pop(0).result()
+    for fut in pending:
+        yield fut.result()

@@ -1,0 +1,245 @@
+"""Datasets as users keep them: every layout reads the same conversations, tokenization is cached
+on disk and reused, workers give the same tokens as one process, bad input names its place, and
+the loss mask stays assistant-only for Qwen3-style (with and without thinking) and Llama-3.1-style
+templates, checked against the tokenizer's own assistant mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_core.data import prepare
+from dflash_core.data.conversations import Conversation, DatasetError, read_conversations
+from dflash_core.data.inspect import check_dataset
+from dflash_core.data.prepare import Tokenization, prepare_corpus, save_tokenizer
+from dflash_core.data.tokenize import ChatTemplate, encode_conversation
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+SEQ_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def records(default_assets) -> list[dict]:
+    lines = default_assets.train.read_text().splitlines()[:60]
+    return [json.loads(line) for line in lines]
+
+
+def as_sharegpt(record: dict) -> dict:
+    role = {"user": "human", "assistant": "gpt", "system": "system"}
+    return {"conversations": [{"from": role[m["role"]], "value": m["content"]} for m in record["messages"]]}
+
+
+def write_layouts(root: Path, records: list[dict]) -> dict[str, Path]:
+    """The same conversations in every layout the daemon reads."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    out["jsonl"] = root / "all.jsonl"
+    out["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records))
+    out["json_array"] = root / "all.json"
+    out["json_array"].write_text(json.dumps([as_sharegpt(r) for r in records], indent=2))
+    out["parquet"] = root / "all.parquet"
+    pq.write_table(pa.Table.from_pylist(records), out["parquet"])
+    shards = root / "shards"
+    shards.mkdir()
+    third = len(records) // 3
+    (shards / "part-000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:third]))
+    (shards / "part-001.json").write_text(json.dumps([as_sharegpt(r) for r in records[third : 2 * third]]))
+    pq.write_table(pa.Table.from_pylist(records[2 * third :]), shards / "part-002.parquet")
+    (shards / "README.txt").write_text("not a shard: ignored\n")
+    out["shards"] = shards
+    out["save_to_disk"] = root / "hf"
+    datasets.Dataset.from_list(records).save_to_disk(str(out["save_to_disk"]))
+    out["dataset_dict"] = root / "hf_dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(out["dataset_dict"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, records) -> dict[str, Path]:
+    return write_layouts(tmp_path_factory.mktemp("layouts"), records)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_assets):
+    return AutoTokenizer.from_pretrained(str(default_assets.target))
+
+
+@pytest.fixture()
+def tokenization(tokenizer, tmp_path) -> Tokenization:
+    directory, digest = save_tokenizer(tokenizer, tmp_path / "cache")
+    return Tokenization(str(directory), digest, ChatTemplate(), SEQ_LEN)
+
+
+def test_every_layout_reads_the_same_conversations(layouts, records):
+    want = [[m["content"] for m in r["messages"]] for r in records]
+    for name, path in layouts.items():
+        got = [[m["content"] for m in c.messages] for c in read_conversations(path)]
+        assert got == want, name
+        assert check_dataset(path) >= 1
+
+
+def test_corpus_equals_in_memory_tokenization_and_is_cached(layouts, records, tokenizer, tokenization, tmp_path):
+    expected = [encode_conversation(tokenizer, Conversation(r["messages"], "x")) for r in records]
+    cache = tmp_path / "cache"
+    for name in ("jsonl", "shards", "save_to_disk"):
+        seen = []
+        corpus = prepare_corpus([str(layouts[name])], tokenization, cache, progress=seen.append)
+        assert len(corpus) == len(records), name
+        for i, doc in enumerate(expected):
+            ids, mask = corpus.document(i)
+            assert np.array_equal(ids, doc.input_ids[:SEQ_LEN]) and np.array_equal(mask, doc.loss_mask[:SEQ_LEN])
+        assert seen[-1].fraction == 1.0 and seen[-1].files_cached == 0 and seen[-1].documents == len(records)
+        again = []
+        prepare_corpus([str(layouts[name])], tokenization, cache, progress=again.append)
+        assert again[-1].files_cached == again[-1].files_total  # nothing tokenized the second time
+
+
+def test_workers_give_the_same_tokens_as_one_process(layouts, tokenization, tmp_path, monkeypatch):
+    one = prepare_corpus([str(layouts["shards"])], tokenization, tmp_path / "one", workers=1)
+    monkeypatch.setattr(prepare, "IN_PROCESS_BYTES", 0)
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 2048)  # several byte ranges per JSONL file
+    monkeypatch.setattr(prepare, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(prepare, "ARRAY_BATCH", 5)
+    many = prepare_corpus([str(layouts["shards"])], tokenization, tmp_path / "many", workers=2)
+    assert len(one) == len(many)
+    for i in range(len(one)):
+        for a, b in zip(one.document(i), many.document(i), strict=True):
+            assert np.array_equal(a, b)
+    assert np.array_equal(one.shards[0].positions, many.shards[0].positions)  # line numbers survive chunking
+
+
+def test_a_changed_file_is_tokenized_again(records, tokenization, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:10]))
+    cache = tmp_path / "cache"
+    assert len(prepare_corpus([str(path)], tokenization, cache)) == 10
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:12]))
+    seen = []
+    assert len(prepare_corpus([str(path)], tokenization, cache, progress=seen.append)) == 12
+    assert seen[-1].files_cached == 0
+
+
+def test_template_options_key_the_cache(records, tokenizer, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:5]))
+    directory, digest = save_tokenizer(tokenizer, tmp_path / "cache")
+    template = (TEMPLATES / "qwen3_style.jinja").read_text()
+    keys = {
+        Tokenization(str(directory), digest, ChatTemplate.of(template, kw), SEQ_LEN).key(prepare.dataset_files(path)[0])
+        for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True})
+    }
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize(
+    "write, where, words",
+    [
+        (lambda p: p.write_text('{"messages": []}\n'), ":1", "empty"),
+        (lambda p: p.write_bytes(b'{"messages": [{"role": "user", "content": "\xff"}]}\n'), ":1", "UTF-8"),
+        (lambda p: p.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n'), ":1", "no assistant"),
+        (lambda p: p.write_text('{"text": "hi"}\n'), ":1", "no 'messages'"),
+    ],
+)
+def test_bad_records_name_file_and_line(tmp_path, write, where, words):
+    path = tmp_path / "bad.jsonl"
+    write(path)
+    with pytest.raises(DatasetError) as err:
+        check_dataset(path)
+    assert f"bad.jsonl{where}" in str(err.value) and words in str(err.value)
+
+
+def test_structural_problems_are_refused(tmp_path, records):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DatasetError, match=r"no \.jsonl, \.json or \.parquet"):
+        check_dataset(empty)
+    pq.write_table(pa.Table.from_pylist([{"text": "a"}]), tmp_path / "wrong.parquet")
+    with pytest.raises(DatasetError, match=r"wrong.parquet: no 'messages' or 'conversations' column \(columns: text\)"):
+        check_dataset(tmp_path / "wrong.parquet")
+    broken = tmp_path / "broken.json"
+    broken.write_text(
+        '[\n  {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},\n  {"mess'
+    )
+    with pytest.raises(DatasetError, match=r"broken.json:3: invalid JSON"):
+        list(read_conversations(broken))
+    assert len(list(read_conversations(broken, skip_bad_lines=True))) == 1
+
+
+def test_bom_and_bad_lines_deep_in_a_shard(tmp_path, records, tokenization):
+    path = tmp_path / "bom.jsonl"
+    lines = [json.dumps(r) for r in records[:30]]
+    lines[25] = "{broken"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    assert check_dataset(path) == 1  # the first records, BOM included, read fine
+    corpus = prepare_corpus([str(path)], tokenization, tmp_path / "cache")
+    assert len(corpus) == 29 and corpus.bad_records == 1
+    assert [str(e) for e in corpus.errors()] == [
+        f"{path}:26: invalid JSON: Expecting property name enclosed in double quotes (column 2)"
+    ]
+
+
+def conversations_for_templates() -> list[list[dict[str, str]]]:
+    return [
+        [{"role": "user", "content": "count to three"}, {"role": "assistant", "content": "one two three"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "and again"},
+            {"role": "assistant", "content": "hello again\nbye"},
+        ],
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, reasoning",
+    [
+        ("qwen3_style", {"enable_thinking": False}, False),
+        ("qwen3_style", {"enable_thinking": True}, True),
+        ("llama31_style", {}, False),
+    ],
+)
+def test_loss_mask_equals_the_tokenizers_assistant_mask(default_assets, name, kwargs, reasoning):
+    tok = AutoTokenizer.from_pretrained(str(default_assets.target))
+    markers = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ]
+    tok.add_special_tokens({"additional_special_tokens": [*markers, "<think>", "</think>"]})
+    template = ChatTemplate.of((TEMPLATES / f"{name}.jinja").read_text(), kwargs)
+    convs = conversations_for_templates()
+    if reasoning:
+        convs.append(
+            [
+                {"role": "user", "content": "add 2 and 3"},
+                {"role": "assistant", "content": "<think>\n2 plus 3 is 5\n</think>\n\nfive"},
+            ]
+        )
+    for messages in convs:
+        doc = encode_conversation(tok, Conversation(messages, "x:1"), template)
+        ref = tok.apply_chat_template(
+            messages,
+            chat_template=template.template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **kwargs,
+        )
+        assert list(doc.input_ids) == list(ref["input_ids"])
+        assert np.array_equal(doc.loss_mask, np.asarray(ref["assistant_masks"], dtype=bool)), messages
+        assert doc.loss_mask.any() and not doc.loss_mask.all()

@@ -38,6 +38,15 @@ def expected_keys(num_layers: int) -> set[str]:
 
 
 def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The checkpoint's config.json. RoPE is written in both spellings transformers has used:
+    `rope_theta` + `rope_scaling` (null for default RoPE; what transformers 4.x and the runtimes
+    built on it read) and `rope_parameters` (transformers 5). Both say the same, so a Qwen3Config
+    loaded from the file by either gives the drafter's rotary embedding. LongRoPE's pretraining
+    length also goes at the top level, where transformers 4.x reads it (Phi-3's layout)."""
+    scaling = cfg.rope_scaling or {}
+    longrope = {}
+    if cfg.rope_type == "longrope" and "original_max_position_embeddings" in scaling:
+        longrope = {"original_max_position_embeddings": scaling["original_max_position_embeddings"]}
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -52,9 +61,11 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rope_parameters": cfg.rope_parameters,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
+        **longrope,
         "layer_types": ["full_attention"] * cfg.num_hidden_layers,
         "use_sliding_window": False,
         "sliding_window": None,
@@ -71,6 +82,12 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
     dflash = d.get("dflash_config") or {}
+    # rope_parameters where present (transformers 5); else the legacy keys, as checkpoints
+    # written before it carry them (a rope_scaling of default RoPE reads as none)
+    rope_theta, rope_scaling = d.get("rope_theta", 1_000_000.0), d.get("rope_scaling")
+    if isinstance(d.get("rope_parameters"), dict) and d["rope_parameters"]:
+        rope_scaling = dict(d["rope_parameters"])
+        rope_theta = rope_scaling.pop("rope_theta", rope_theta)
     return DrafterConfig(
         hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"],
@@ -84,8 +101,8 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         target_layer_ids=tuple(dflash["target_layer_ids"]),
         num_target_layers=d["num_target_layers"],
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=d.get("rope_theta", 1_000_000.0),
-        rope_scaling=d.get("rope_scaling"),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
         max_position_embeddings=d.get("max_position_embeddings", 40960),
     )
 

@@ -18,6 +18,55 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+# RoPE variants the drafter takes from its target. The drafter computes them with transformers'
+# own functions (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`), as the reference drafter does, and
+# runtimes that load the checkpoint (SGLang, vLLM, the z-lab reference) know each of them.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def drafter_rope(target_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a drafter for this target: the target's RoPE type and its
+    parameters (rope_scaling None for default RoPE).
+
+    Reads transformers' `rope_parameters` (the target's RoPE after transformers standardised it:
+    a legacy `rope_scaling` / `rope_theta` / `original_max_position_embeddings` of config.json
+    ends up there), else the legacy attributes. Per-layer-type RoPE (a dict per layer type) gives
+    the full-attention layers' parameters: every drafter layer attends fully. The drafter is a
+    Qwen3 model and rotates the whole head, so a target's `partial_rotary_factor` is left out (a
+    Qwen3 config with it would not load into the runtimes' Qwen3 attention)."""
+    params = getattr(target_config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        params = dict(getattr(target_config, "rope_scaling", None) or {})
+        if getattr(target_config, "rope_theta", None) is not None:
+            params.setdefault("rope_theta", target_config.rope_theta)
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
+    theta = params.pop("rope_theta", None)
+    theta = float(theta if theta is not None else getattr(target_config, "rope_theta", None) or 10000.0)
+    return theta, normalize_rope_scaling(params, theta)
+
+
+def normalize_rope_scaling(scaling: dict[str, Any] | None, rope_theta: float) -> dict[str, Any] | None:
+    """One spelling of a RoPE scaling dict: None for default RoPE, else `rope_type` (the legacy
+    `type` key renamed) and the type's parameters, without `rope_theta` (kept beside it)."""
+    if not scaling:
+        return None
+    d = dict(scaling)
+    legacy = d.pop("type", None)
+    rope_type = d.pop("rope_type", None) or legacy or "default"
+    theta = d.pop("rope_theta", None)
+    if theta is not None and float(theta) != float(rope_theta):
+        raise ValueError(f"rope_scaling carries rope_theta {theta}, the config {rope_theta}")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    if "partial_rotary_factor" in d:
+        raise ValueError("partial_rotary_factor is not supported: the drafter's Qwen3 layers rotate the whole head")
+    return {"rope_type": rope_type, **d}
+
+
 def default_loss_gamma(block_size: int) -> float:
     """Decay constant of the position weights: 7 for B=16, 5 for B=10, 4 for B=8 (the recipe)."""
     table = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -43,6 +92,8 @@ class DrafterConfig:
     num_target_layers: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    # the target's RoPE type and its parameters (`rope_type`, `factor`, ...; see
+    # normalize_rope_scaling); None: default RoPE
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 40960
 
@@ -53,14 +104,38 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2 (an anchor and one drafted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get(
-            "rope_type", self.rope_scaling.get("type")
-        ) not in (None, "default"):
-            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not supported; only default RoPE is")
+        object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling, self.rope_theta))
 
     @property
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers' `rope_parameters` of the drafter's Qwen3 config: theta, type, factors."""
+        return {"rope_theta": self.rope_theta, "rope_type": self.rope_type, **(self.rope_scaling or {})}
+
+    @property
+    def rope_position_limit(self) -> int | None:
+        """Positions (largest position id + 1) for which the drafter's fixed RoPE frequencies are
+        the reference's; None: all.
+
+        The drafter computes its frequencies once, for fixed shapes, as the reference's rotary
+        embedding computes them at init. "dynamic" and "longrope" recompute them in the forward
+        from the sequence's largest position: dynamic NTK raises the base once positions pass
+        max_position_embeddings; longrope switches from short_factor to long_factor once they
+        pass original_max_position_embeddings. Below those limits the init values are what the
+        reference uses, so training must keep its positions below them."""
+        if self.rope_type == "dynamic":
+            return self.max_position_embeddings
+        if self.rope_type == "longrope":
+            assert self.rope_scaling is not None
+            return int(self.rope_scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
+        return None
 
     @classmethod
     def from_target_config(
@@ -83,13 +158,7 @@ class DrafterConfig:
             raise ValueError(f"target_layer_ids {bad} outside the target's {num_target_layers} layers")
         heads = int(target_config.num_attention_heads)
         head_dim = int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads)
-        rope_theta = getattr(target_config, "rope_theta", None)
-        rope_params = getattr(target_config, "rope_parameters", None)
-        if rope_theta is None and isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta")
-        rope_scaling = getattr(target_config, "rope_scaling", None)
-        if isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
+        rope_theta, rope_scaling = drafter_rope(target_config)
         return cls(
             hidden_size=int(target_config.hidden_size),
             intermediate_size=int(intermediate_size or target_config.intermediate_size),
@@ -103,8 +172,8 @@ class DrafterConfig:
             target_layer_ids=tuple(ids),
             num_target_layers=num_target_layers,
             rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling or None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 40960)),
         )
 
@@ -156,6 +225,9 @@ __all__ = [
     "DrafterConfig",
     "LossConfig",
     "ShapeConfig",
+    "ROPE_TYPES",
     "build_target_layer_ids",
     "default_loss_gamma",
+    "drafter_rope",
+    "normalize_rope_scaling",
 ]

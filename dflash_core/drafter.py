@@ -39,18 +39,63 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
+    """The drafter's RoPE, computed as the reference drafter computes it: transformers'
+    `Qwen3RotaryEmbedding` over the drafter's Qwen3 config (the one its checkpoint's config.json
+    holds), so every RoPE type transformers implements (`ROPE_INIT_FUNCTIONS`: linear, dynamic,
+    yarn, longrope, llama3) is the runtimes' own, and cos/sin carry its attention_scaling.
+
+    inv_freq and the scaling are computed once, here, and stay fixed: the step's graph sees
+    constants, whatever the shapes. For "dynamic" and "longrope" these are the values the
+    reference uses for sequences within `DrafterConfig.rope_position_limit` (the engine keeps
+    its training shapes there); it recomputes them only past that limit."""
+
     inv_freq: torch.Tensor  # a buffer (register_buffer)
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        inv_freq, scaling = rope_frequencies(cfg)
+        # on the default device, like the module's parameters (the caller may build it under
+        # `with torch.device(...)`); computed on the CPU, so every device gets the same values
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+        self.attention_scaling = scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [1, 1, T, head_dim] for integer positions [T]."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # in fp32, before the cast, as the reference scales
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype)[None, None], sin.to(dtype)[None, None]
+
+
+def qwen3_rope_config(cfg: DrafterConfig):
+    """The transformers Qwen3Config fields that decide the drafter's RoPE (and nothing else)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope_parameters),
+    )
+
+
+def rope_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] fp32 on the CPU, attention_scaling) of the reference drafter's
+    rotary embedding at init."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    with torch.device("cpu"):
+        rotary = Qwen3RotaryEmbedding(qwen3_rope_config(cfg))
+    inv_freq = rotary.inv_freq.detach().float()
+    if inv_freq.shape != (cfg.head_dim // 2,):
+        raise ValueError(
+            f"RoPE {cfg.rope_parameters} gives {inv_freq.shape[0]} frequencies for head_dim {cfg.head_dim}"
+        )
+    return inv_freq, float(rotary.attention_scaling)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +182,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic init (normal linears, unit norms) drawn on the parameters' device (a

@@ -1,11 +1,12 @@
 """The frozen target LLM: loads an HF causal LM from a local path and captures the outputs of
 selected decoder layers with forward hooks (never all hidden states). Packed documents are kept
-apart with a block-diagonal causal mask and per-document position ids."""
+apart with per-document masks and position ids (`packed_masks`)."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,15 +19,77 @@ class _StopForward(Exception):
     """Raised by the hook of the deepest captured layer: the layers after it are not needed."""
 
 
-def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, S, S] mask: causal within a document (padding, one doc id, is one more
-    document: it never sees real tokens)."""
-    s = doc_ids.shape[0]
-    idx = torch.arange(s, device=doc_ids.device)
-    allowed = (doc_ids.unsqueeze(1) == doc_ids.unsqueeze(0)) & (idx.unsqueeze(1) >= idx.unsqueeze(0))
-    mask = torch.zeros(s, s, dtype=dtype, device=doc_ids.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.view(1, 1, s, s)
+def attention_implementation(config: Any) -> str:
+    """The target's attention: SDPA where its model class has it, else eager (gpt-oss: its
+    attention sinks enter the softmax, which SDPA has no input for). Never a flash / varlen
+    kernel: those drop the 4D masks that keep packed documents apart."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # not a causal LM transformers knows: loading says why
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def mask_layer_types(config: Any) -> list[str]:
+    """The attention pattern of each decoder layer, as the model's own forward chooses it:
+    `layer_types` where the config has them (Qwen3, Qwen2, gpt-oss, ...); otherwise one pattern
+    for every layer, sliding where the config sets a `sliding_window` (Mistral, Qwen3-MoE and
+    others that pick create_sliding_window_causal_mask by it), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    pattern = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    return [pattern] * int(config.num_hidden_layers)
+
+
+def packed_masks(
+    config: Any, doc_ids: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict[str, Any]:
+    """The attention masks of one packed sequence [S]: for each layer pattern, the model's own
+    mask (built by transformers' mask builders for its attention implementation: a boolean mask
+    for SDPA, an additive one for eager, ...) ANDed with "same document" (padding, one doc id, is
+    one more document: it never sees real tokens).
+
+    Why not one 4D mask: a 4D mask is used as given by every layer, so the sliding-window layers
+    of gpt-oss or Qwen3 (`layer_types`) would attend over the whole document. Why not transformers'
+    packed-sequence detection (no mask, position ids that restart): only some models pass position
+    ids to their mask builders (gpt-oss does not), and doc_ids, not position jumps, are what says
+    where a document ends. So: one mask per layer pattern, handed over as the dict
+    {layer type: mask} that models with mixed layer types take in place of attention_mask (what
+    `generate` passes them), or as the one mask where all layers share a pattern (what every model
+    takes). Sliding windows count packed indices, which within one document are its positions;
+    chunked attention (Llama 4) counts chunks from each document's start, so its overlay reads
+    the position ids."""
+    from transformers import masking_utils
+
+    doc = doc_ids.view(1, -1)
+    pos = position_ids.view(1, -1)
+
+    def same_doc(batch_idx, head_idx, q_idx, kv_idx):
+        return doc[batch_idx, q_idx] == doc[batch_idx, kv_idx]
+
+    # read by the builders for its batch size, length, dtype and device only
+    shape_of = torch.empty((1, doc_ids.shape[0], 0), dtype=dtype, device=doc_ids.device)
+    kw = dict(config=config, inputs_embeds=shape_of, attention_mask=None, past_key_values=None)
+    masks: dict[str, Any] = {}
+    for kind in dict.fromkeys(mask_layer_types(config)):
+        if kind == "full_attention":
+            masks[kind] = masking_utils.create_causal_mask(**kw, and_mask_function=same_doc)
+        elif kind == "sliding_attention":
+            masks[kind] = masking_utils.create_sliding_window_causal_mask(**kw, and_mask_function=same_doc)
+        elif kind == "chunked_attention":
+            chunk = int(config.attention_chunk_size)
+
+            def same_doc_and_chunk(batch_idx, head_idx, q_idx, kv_idx, chunk=chunk):
+                same_chunk = pos[batch_idx, q_idx] // chunk == pos[batch_idx, kv_idx] // chunk
+                return same_doc(batch_idx, head_idx, q_idx, kv_idx) & same_chunk
+
+            masks[kind] = masking_utils.create_causal_mask(**kw, and_mask_function=same_doc_and_chunk)
+        else:  # recurrent or linear-attention layers carry state across a packed sequence
+            raise ValueError(f"cannot keep packed documents apart in {kind!r} layers")
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 class TargetModel:
@@ -46,14 +109,14 @@ class TargetModel:
         self.path = Path(path)
         self.device = torch.device(device)
         self.dtype = dtype or compute_dtype(self.device)
+        config = AutoConfig.from_pretrained(str(self.path))
+        attn = attention_implementation(config)
         if random_init:
-            config = AutoConfig.from_pretrained(str(self.path))
-            config._attn_implementation = "sdpa"
             torch.manual_seed(seed)
             with torch.device(self.device):
-                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=attn)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation=attn)
         model.requires_grad_(False).eval().to(self.device)
         self.model = model
         self.config = model.config
@@ -67,8 +130,20 @@ class TargetModel:
         for i in sorted(set(self.layer_ids)):
             decoder_layers[i].register_forward_hook(self._make_hook(i, stop=(i == last)))
 
+    def decoder(self) -> nn.Module:
+        """The decoder stack (embeddings, layers, masks, RoPE) without the LM head."""
+        decoder = self.model.get_decoder()
+        if not hasattr(decoder, "layers") and hasattr(getattr(self.model, "model", None), "layers"):
+            # get_decoder follows base_model_prefix, which some causal LMs name after another
+            # attribute than the one holding their decoder (Llama 4's text model)
+            decoder = self.model.model
+        return decoder
+
     def decoder_layers(self) -> nn.ModuleList:
-        return self.model.get_decoder().layers
+        layers = getattr(self.decoder(), "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"{type(self.model).__name__}: no decoder layers at model.get_decoder().layers")
+        return layers
 
     def _make_hook(self, layer_id: int, stop: bool):
         def hook(_module, _inputs, output):
@@ -92,11 +167,11 @@ class TargetModel:
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """Features [S, n*H] of one packed sequence: concatenated outputs of the captured layers."""
-        mask = block_causal_mask(doc_ids, self.dtype)
+        mask = packed_masks(self.config, doc_ids, position_ids, self.dtype)
         self._local.captured = {}
         self._local.early_stop = True
         try:
-            self.model.get_decoder()(
+            self.decoder()(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=position_ids.unsqueeze(0),
                 attention_mask=mask,

@@ -112,6 +112,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         target_layer_ids=layer_ids,
         intermediate_size=config.drafter_intermediate_size,
     )
+    check_rope_positions(drafter_config, config.seq_len, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     cuda.wait()
     timeline.mark("build:cuda_contexts")
@@ -209,6 +210,19 @@ def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int]
     # the tiny target's own ids: the rule would pick the same layer twice for its depth
     ids = config.target_layer_ids or list(DEFAULT_TARGET_LAYER_IDS)
     return str(ensure_default_assets(data_dir).target), ids
+
+
+def check_rope_positions(cfg: DrafterConfig, seq_len: int, block_size: int) -> None:
+    """Refuse shapes whose positions pass the range in which the drafter's fixed RoPE is the
+    reference's ("dynamic", "longrope": DrafterConfig.rope_position_limit). A micro-batch holds
+    positions below seq_len (context) and block positions up to seq_len + block_size - 2."""
+    limit = cfg.rope_position_limit
+    if limit is not None and seq_len + block_size - 1 > limit:
+        raise ValueError(
+            f"the target's {cfg.rope_type!r} RoPE takes other frequencies from position {limit} on: seq_len "
+            f"{seq_len} with block_size {block_size} reaches position {seq_len + block_size - 2}; use seq_len "
+            f"<= {limit - block_size + 1}"
+        )
 
 
 def mask_token_id(tokenizer, vocab_size: int, name: str | None) -> int:

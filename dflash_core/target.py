@@ -92,32 +92,60 @@ def packed_masks(
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
+def _inputs_to(device: torch.device):
+    """A forward pre-hook that moves a module's tensor inputs (also inside tuples, lists and dicts,
+    as RoPE tables and per-layer-type masks come) to `device`."""
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device, non_blocking=True) if x.device != device else x
+        if isinstance(x, tuple | list):
+            return type(x)(move(v) for v in x)
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    def hook(_module, args, kwargs):
+        return move(args), move(kwargs)
+
+    return hook
+
+
 class TargetModel:
     def __init__(
         self,
         path: str | Path,
         layer_ids: list[int] | tuple[int, ...],
-        device: str | torch.device,
+        device: str | torch.device | list[str],
         dtype: torch.dtype | None = None,
         random_init: bool = False,
         seed: int = 0,
     ):
-        """random_init: build the architecture of `path`'s config.json with random weights,
-        directly on the device (benchmarks and dry runs of large targets without their weights)."""
+        """device: one device, or a list of devices over which the decoder layers are split in
+        equal consecutive stages (a target larger than one GPU); the embedding sits on the first,
+        the final norm and LM head on the last, and features come out on the first.
+        random_init: build the architecture of `path`'s config.json with random weights
+        (benchmarks and dry runs of large targets without their weights)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(path)
-        self.device = torch.device(device)
+        stages = [torch.device(d) for d in (device if isinstance(device, list) else [device])]
+        if not stages:
+            raise ValueError("a target needs at least one device")
+        self.stages = stages
+        self.device = stages[0]
         self.dtype = dtype or compute_dtype(self.device)
         config = AutoConfig.from_pretrained(str(self.path))
         attn = attention_implementation(config)
+        # a split target is assembled on the host, then each stage moves to its device
+        home = self.device if len(stages) == 1 else torch.device("cpu")
         if random_init:
             torch.manual_seed(seed)
-            with torch.device(self.device):
+            with torch.device(home):
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=attn)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation=attn)
-        model.requires_grad_(False).eval().to(self.device)
+        model.requires_grad_(False).eval().to(home)
         self.model = model
         self.config = model.config
         self.layer_ids = list(layer_ids)
@@ -125,10 +153,34 @@ class TargetModel:
         bad = [i for i in self.layer_ids if not 0 <= i < len(decoder_layers)]
         if bad:
             raise ValueError(f"target has {len(decoder_layers)} layers; cannot capture {bad}")
+        if len(stages) > 1:
+            self._place_stages(decoder_layers)
         self._local = threading.local()
         last = max(self.layer_ids)
         for i in sorted(set(self.layer_ids)):
             decoder_layers[i].register_forward_hook(self._make_hook(i, stop=(i == last)))
+
+    @property
+    def label(self) -> str:
+        """The device, or the stages joined by '+' (as metrics and logs name this copy)."""
+        return "+".join(str(d) for d in self.stages)
+
+    def _place_stages(self, layers: nn.ModuleList) -> None:
+        """Layer i goes to stage i * S // L; everything before the layers (embedding, RoPE) to the
+        first stage, the final norm and LM head to the last. A pre-hook on every module that runs
+        on another device than its input brings the input over (hidden states, RoPE tables,
+        masks), as a pipeline stage boundary does."""
+        first, last = self.stages[0], self.stages[-1]
+        self.model.to(first)
+        n = len(layers)
+        for i, layer in enumerate(layers):
+            stage = self.stages[i * len(self.stages) // n]
+            layer.to(stage)
+            layer.register_forward_pre_hook(_inputs_to(stage), with_kwargs=True)
+        for module in (getattr(self.decoder(), "norm", None), self.model.get_output_embeddings()):
+            if module is not None:
+                module.to(last)
+                module.register_forward_pre_hook(_inputs_to(last), with_kwargs=True)
 
     def decoder(self) -> nn.Module:
         """The decoder stack (embeddings, layers, masks, RoPE) without the LM head."""
@@ -181,7 +233,7 @@ class TargetModel:
             pass
         finally:
             captured, self._local.captured = self._local.captured, None
-        return torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
+        return torch.cat([captured[i][0].to(self.device) for i in self.layer_ids], dim=-1)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,4 +244,5 @@ class TargetModel:
             out = self.model(input_ids=input_ids.unsqueeze(0), use_cache=False)
         finally:
             captured, self._local.captured = self._local.captured, None
-        return out.logits[0], torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
+        features = torch.cat([captured[i][0].to(self.device) for i in self.layer_ids], dim=-1)
+        return out.logits[0].to(self.device), features

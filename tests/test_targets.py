@@ -313,3 +313,48 @@ def test_engine_trains_a_lossless_drafter(target_dir, default_assets, tmp_path, 
         assert math.isfinite(result.acceptance_length)
     finally:
         engine.close()
+
+
+def test_a_target_split_over_two_stages_gives_the_same_features(default_assets):
+    """One target copy split by layers over two devices ([["cpu", "cpu"]]: two CPU stages, each
+    boundary crossed by the stage pre-hooks) captures the same features and logits as one copy."""
+    from dflash_core.config import ShapeConfig
+    from dflash_core.data.batches import synthetic_micro_batch
+    from dflash_core.target import TargetModel
+
+    layer_ids = [1, 2]
+    whole = TargetModel(default_assets.target, layer_ids, "cpu")
+    split = TargetModel(default_assets.target, layer_ids, ["cpu", "cpu"])
+    assert split.label == "cpu+cpu" and len(split.stages) == 2
+    mb = synthetic_micro_batch(ShapeConfig(seq_len=128, num_anchors=8, block_size=8), 64, 0)
+    a = whole.capture(mb.input_ids, mb.position_ids, mb.doc_ids)
+    b = split.capture(mb.input_ids, mb.position_ids, mb.doc_ids)
+    assert torch.equal(a, b)
+    logits_a, feats_a = whole.forward_logits(mb.input_ids[:40])
+    logits_b, feats_b = split.forward_logits(mb.input_ids[:40])
+    assert torch.equal(logits_a, logits_b) and torch.equal(feats_a, feats_b)
+    hooked = [m for m in split.decoder_layers() if m._forward_pre_hooks]
+    assert len(hooked) == len(split.decoder_layers())  # every layer crosses to its stage's device
+
+
+def test_engine_trains_with_a_split_target(default_assets, tmp_path):
+    from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
+    from dflash_core.engine import Engine, EngineConfig, TrainJob
+
+    cfg = EngineConfig(
+        target_devices=[["cpu", "cpu"]],
+        drafter_devices=["cpu"],
+        seq_len=256,
+        num_anchors=32,
+        drafter_layers=DEFAULT_DRAFTER_LAYERS,
+        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
+    )
+    engine = Engine(cfg, default_assets.root.parent.parent).build()
+    try:
+        assert [w.device for w in engine.status().warmup if w.component == "target_load"] == ["cpu+cpu"]
+        res = engine.run_job(
+            TrainJob(datasets=[str(default_assets.train)], output_dir=str(tmp_path), steps=3, checkpoint_interval=3)
+        )
+        assert res.status == "SUCCEEDED"
+    finally:
+        engine.close()

@@ -38,7 +38,12 @@ class EngineConfig(BaseModel):
         description="build target_path's architecture with random weights: sizing and throughput dry runs "
         "without the weights",
     )
-    target_devices: list[Device] | None = Field(None, min_length=1, description="one target copy per entry")
+    target_devices: list[Device | list[Device]] | None = Field(
+        None,
+        min_length=1,
+        description="one target copy per entry; an entry that is a list splits that copy's layers over those "
+        "devices (a target larger than one GPU)",
+    )
     drafter_devices: list[Device] | None = Field(None, min_length=1, description="one drafter replica per entry")
     seq_len: int = Field(512, ge=2, description="packed context tokens per micro-batch")
     num_anchors: int = Field(64, ge=1, description="blocks per micro-batch")

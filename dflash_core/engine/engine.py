@@ -38,7 +38,7 @@ from .grad_sync import GradSync
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
-from .warmup import Parts, Timeline, build, reset_weights, resolve_devices
+from .warmup import Parts, Timeline, build, flat_devices, reset_weights, resolve_devices
 
 DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
 
@@ -54,7 +54,7 @@ class Engine:
         use_cache_dir(str(config.inductor_cache_dir or self.data_dir / "inductor-cache"))
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())
-        self._cuda_contexts = CudaContexts(target_devices + self.drafter_devices)
+        self._cuda_contexts = CudaContexts(flat_devices(target_devices) + self.drafter_devices)
         self.timeline = Timeline(len(self.drafter_devices), lambda *_: on_phase and on_phase(self.status()))
         self.guard = CompileGuard()
         self.grad_sync = GradSync()
@@ -120,7 +120,8 @@ class Engine:
     def status(self) -> EngineStatus:
         tl = self.timeline
         pipeline = self._pipeline
-        devices = {*self.drafter_devices, *(str(t.device) for t in (self.parts.targets if self.parts else []))}
+        targets = self.parts.targets if self.parts else []
+        devices = {*self.drafter_devices, *(str(d) for t in targets for d in t.stages)}
         return EngineStatus(
             phase=tl.phase,
             ready=self.ready,

@@ -83,10 +83,21 @@ class Parts:
     feature_spec: tuple[tuple[int, ...], torch.dtype]  # every micro-batch's target features
 
 
-def resolve_devices(config: EngineConfig) -> tuple[list[str], list[str]]:
-    """(target_devices, drafter_devices): the configured ones, else this host's default."""
+def resolve_devices(config: EngineConfig) -> tuple[list[str | list[str]], list[str]]:
+    """(target_devices, drafter_devices): the configured ones, else this host's default. A target
+    entry is one device, or the list of devices one target copy is split over."""
     auto_target, auto_drafter = default_devices()
-    return list(config.target_devices or auto_target), list(config.drafter_devices or auto_drafter)
+    targets: list[str | list[str]] = list(config.target_devices or auto_target)
+    return targets, list(config.drafter_devices or auto_drafter)
+
+
+def flat_devices(entries: list[str | list[str]]) -> list[str]:
+    return [d for e in entries for d in (e if isinstance(e, list) else [e])]
+
+
+def device_label(entry: str | list[str]) -> str:
+    """How a target copy is named in metrics and logs: its device, or its stages joined by '+'."""
+    return "+".join(entry) if isinstance(entry, list) else entry
 
 
 def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts, grad_sync: GradSync) -> Parts:
@@ -128,8 +139,8 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 seed=WARMUP_SEED,
             )
         )
-        timeline.record("target_load", dev, t)
-        timeline.mark(f"build:target_loaded:{dev}")
+        timeline.record("target_load", device_label(dev), t)
+        timeline.mark(f"build:target_loaded:{device_label(dev)}")
 
     timeline.enter("warming_target")
     batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
@@ -137,11 +148,12 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     for target in targets:
         t = time.monotonic()
         feats = capture(target, batch)
-        _sync(target.device)
+        for stage in target.stages:
+            _sync(stage)
         if features is None:  # reused by the drafters
             features = feats
-        timeline.record("target", target.device, t)
-        timeline.mark(f"build:target_warm:{target.device}")
+        timeline.record("target", target.label, t)
+        timeline.mark(f"build:target_warm:{target.label}")
     assert features is not None
 
     head = targets[0].frozen_head()

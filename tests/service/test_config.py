@@ -147,3 +147,14 @@ def test_step_plan_follows_the_devices():
         assert (cuda.loss, cuda.working_weights) == ("compiled", "fp32")
     else:
         assert (cuda.loss, cuda.working_weights) == ("triton", "bf16")
+
+
+def test_a_target_split_over_devices_is_a_nested_list(tmp_path):
+    path = tmp_path / "dflash.toml"
+    path.write_text('[engine]\ntarget_devices = [["cuda:0", "cuda:1"], "cuda:2"]\ndrafter_devices = ["cuda:3"]\n')
+    assert load_config(path, env={}).engine.target_devices == [["cuda:0", "cuda:1"], "cuda:2"]
+    env = {"DFLASH_ENGINE__TARGET_DEVICES": '[["cuda:0", "cuda:1"]]'}
+    assert load_config(None, env=env).engine.target_devices == [["cuda:0", "cuda:1"]]
+    path.write_text('[engine]\ntarget_devices = [["cuda:0", "gpu1"]]\n')
+    with pytest.raises(ConfigError, match=r"engine\.target_devices"):
+        load_config(path, env={})

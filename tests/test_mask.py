@@ -13,7 +13,7 @@ from dflash_core.drafter import FrozenHead
 from dflash_core.step.attention import dense_mask, dflash_mask_mod, training_attention
 from dflash_core.step.blocks import block_labels
 from dflash_core.step.micro_step import drafter_forward
-from tests.helpers import random_documents, random_drafter, tiny_drafter_config
+from tests.helpers import random_documents, random_drafter, random_micro_batch, tiny_drafter_config
 
 
 def brute_force_mask(doc_ids, anchors, valid, seq_len, block_size):
@@ -103,3 +103,26 @@ def test_micro_batch_refuses_a_document_split_into_two_runs():
         make_micro_batch(seq, shape, np.random.default_rng(0), 0)
     doc[5:8] = 2  # three contiguous documents then padding: accepted
     assert make_micro_batch(seq, shape, np.random.default_rng(0), 0).anchor_valid.any()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_closed_form_block_mask_equals_create_block_mask(seed):
+    """The engine's BlockMask (dflash_block_mask: tiles from the intervals) against flex's own
+    create_block_mask evaluating the mask_mod on every element: the same needed tiles, the same
+    full tiles, the same dense mask, for block sizes that do and do not divide the tile, contexts
+    that end mid-tile, and padding blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_core.step.attention import dflash_block_mask
+
+    rng = np.random.default_rng(seed)
+    block, seq_len, anchors = [4, 8, 16, 10][seed % 4], [96, 200, 256, 384, 130][seed % 5], [8, 16, 24, 40][seed % 4]
+    mb = random_micro_batch(
+        rng, ShapeConfig(seq_len=seq_len, num_anchors=anchors, block_size=block), n_docs=1 + seed % 4
+    )
+    mod = dflash_mask_mod(mb.doc_ids, mb.anchors, mb.anchor_valid, seq_len, block)
+    ours = dflash_block_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, seq_len, block, mod, tile=32)
+    ref = create_block_mask(mod, None, None, anchors * block, seq_len + anchors * block, device="cpu", BLOCK_SIZE=32)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.to_dense(), ref.to_dense())

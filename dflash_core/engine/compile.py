@@ -20,16 +20,33 @@ import threading
 import torch
 
 log = logging.getLogger("dflash.engine")
+_SET_HERE: dict[str, str] = {}  # cache variables this process set itself (not exported by the user)
 
 
-def use_cache_dir(directory: str) -> str:
-    """Point inductor's cache at `directory` unless TORCHINDUCTOR_CACHE_DIR is exported; the
-    directory in effect. Say which one: a warm start depends on it."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", directory)
-    used = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    if used != directory:
-        log.info("inductor cache: %s (TORCHINDUCTOR_CACHE_DIR overrides %s)", used, directory)
-    return used
+def use_cache_dir(directory: str, why: str) -> tuple[str, str]:
+    """Point the compile caches under `directory` unless the user exported their variables:
+    inductor's (TORCHINDUCTOR_CACHE_DIR: compiled graphs and their Triton kernels) and Triton's own
+    (TRITON_CACHE_DIR: the engine's hand-written Triton kernels). The directories in effect; the
+    log says which and why, since a warm start depends on them.
+
+    Must run before anything imports torch._dynamo, which fixes TORCHINDUCTOR_CACHE_DIR to a
+    per-user temporary directory when it is unset."""
+    out = []
+    for var, path in (
+        ("TORCHINDUCTOR_CACHE_DIR", directory),
+        ("TRITON_CACHE_DIR", os.path.join(directory, "triton-kernels")),
+    ):
+        if var not in os.environ:
+            os.environ[var] = _SET_HERE[var] = path
+            reason = why
+        elif _SET_HERE.get(var) == os.environ[var]:
+            reason = "set by an earlier engine of this process"
+        else:
+            reason = f"{var} is exported"
+        used = os.environ[var]
+        log.info("compile cache %s: %s (%s)", var, used, reason, extra={"fields": {"variable": var, "directory": used}})
+        out.append(used)
+    return out[0], out[1]
 
 
 def start_compile_workers() -> bool:

@@ -51,7 +51,10 @@ class Engine:
         self.config = config
         self.data_dir = Path(data_dir)
         # before anything imports dynamo: it fixes inductor's cache directory at import
-        use_cache_dir(str(config.inductor_cache_dir or self.data_dir / "inductor-cache"))
+        if config.inductor_cache_dir is not None:
+            use_cache_dir(str(config.inductor_cache_dir), "engine.inductor_cache_dir")
+        else:
+            use_cache_dir(str(self.data_dir / "inductor-cache"), "the data directory's default")
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())
         self._cuda_contexts = CudaContexts(flat_devices(target_devices) + self.drafter_devices)

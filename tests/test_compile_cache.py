@@ -1,0 +1,52 @@
+"""The configured compile cache is the one used: an engine created with a data directory (and no
+exported variable) points inductor at <data_dir>/inductor-cache before anything imports dynamo,
+so what the process compiles lands there and a second process loads it from there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json, sys
+from dflash_core.engine import Engine, EngineConfig
+Engine(EngineConfig(drafter_devices=["cpu"], target_devices=["cpu"]), sys.argv[1])  # no build: the cache is set here
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+fn = torch.compile(lambda x: torch.sin(x) * 3 + x.cos(), dynamic=False)
+fn(torch.randn(16))
+print(json.dumps({"cache_dir": cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def run_probe(data_dir: Path, env: dict[str, str]) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(data_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env["PYTHONPATH"] = str(REPO)
+    cold = run_probe(tmp_path / "data", env)
+    cache = tmp_path / "data" / "inductor-cache"
+    assert Path(cold["cache_dir"]) == cache and cold["misses"] >= 1 and cold["hits"] == 0
+    assert any(cache.rglob("*")), "nothing was written to the data directory's cache"
+    warm = run_probe(tmp_path / "data", env)  # a restart with the same data volume
+    assert warm["hits"] >= 1 and warm["misses"] == 0
+
+
+def test_an_exported_variable_wins(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env.update(PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
+    assert Path(run_probe(tmp_path / "data", env)["cache_dir"]) == tmp_path / "mine"
+    assert not (tmp_path / "data" / "inductor-cache").exists()

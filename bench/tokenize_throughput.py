@@ -134,8 +134,10 @@ def main(argv=None) -> None:
     record["rows"] = rows
     out = out_dir()
     (out / "tokenize_throughput.json").write_text(json.dumps(record, indent=1))
-    print(f"\nDataset preparation, {size >> 20} MiB JSONL, BPE vocabulary {len(tokenizer)}, {os.cpu_count()} cores here; "
-          f"1 B-token figures extrapolate per-core throughput to {TARGET_CORES} cores")
+    print(
+        f"\nDataset preparation, {size >> 20} MiB JSONL, BPE vocabulary {len(tokenizer)}, {os.cpu_count()} cores here; "
+        f"1 B-token figures extrapolate per-core throughput to {TARGET_CORES} cores"
+    )
     print_table(rows, list(rows[0]))
 
 

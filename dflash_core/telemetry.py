@@ -11,25 +11,26 @@ import torch
 
 
 class RateMeter:
-    """Tokens per second over a sliding window of recent steps."""
+    """Tokens per second of training over the steps of a sliding window: tokens over the steps'
+    own durations, so a pause between steps (a checkpoint, an evaluation) does not lower it;
+    pauses are measured on their own."""
 
     def __init__(self, window_seconds: float = 30.0, max_points: int = 256):
         self.window = window_seconds
-        self._points: collections.deque[tuple[float, int]] = collections.deque(maxlen=max_points)
+        self._points: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=max_points)
         self._lock = threading.Lock()
 
-    def add(self, tokens: int, now: float | None = None) -> None:
+    def add(self, tokens: int, seconds: float, now: float | None = None) -> None:
+        """One step of `tokens` that took `seconds`."""
         with self._lock:
-            self._points.append((now if now is not None else time.monotonic(), tokens))
+            self._points.append((now if now is not None else time.monotonic(), tokens, seconds))
 
     def rate(self, now: float | None = None) -> float:
         now = now if now is not None else time.monotonic()
         with self._lock:
-            pts = [(t, n) for t, n in self._points if now - t <= self.window]
-        if len(pts) < 2:
-            return 0.0
-        span = pts[-1][0] - pts[0][0]
-        return sum(n for _, n in pts[1:]) / span if span > 0 else 0.0
+            pts = [(n, s) for t, n, s in self._points if now - t <= self.window]
+        busy = sum(s for _, s in pts)
+        return sum(n for n, _ in pts) / busy if busy > 0 else 0.0
 
     def reset(self) -> None:
         with self._lock:

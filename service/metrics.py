@@ -46,6 +46,9 @@ STEP_SECONDS_BUCKETS = (
     300.0,
 )
 
+# from a launch of asynchronous copies (milliseconds) to waiting for a slow disk (minutes)
+CHECKPOINT_PAUSE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
 # engine.allocator_stats() field -> (metric name, help, counter?)
 ALLOCATOR_METRICS = {
     "allocated_bytes": ("dflash_cuda_allocated_bytes", "Bytes held by live tensors (caching allocator)", False),
@@ -161,6 +164,12 @@ class ServiceMetrics:
             "Mean accepted tokens per block in the last held-out evaluation",
             registry=self.registry,
         )
+        self.checkpoint_pause = Histogram(
+            "dflash_checkpoint_pause_seconds",
+            "Training time lost to each checkpoint (the snapshot, and any wait for the previous write)",
+            buckets=CHECKPOINT_PAUSE_BUCKETS,
+            registry=self.registry,
+        )
         self.data_progress = Gauge(
             "dflash_data_prepare_progress_ratio",
             "Share of the running job's dataset bytes tokenized or found in the cache (1 once training runs)",
@@ -193,6 +202,9 @@ class ServiceMetrics:
 
     def observe_eval(self, acceptance_length: float) -> None:
         self.eval_acceptance.set(acceptance_length)
+
+    def observe_checkpoint_pause(self, seconds: float) -> None:
+        self.checkpoint_pause.observe(seconds)
 
     def observe_data_progress(self, progress: dict | None) -> None:
         """A job's data preparation progress; None once it trains."""

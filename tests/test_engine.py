@@ -253,10 +253,11 @@ def test_a_failing_target_worker_fails_the_job_without_hanging(data_dir, default
 class CheckpointRecorder(Recorder):
     def __init__(self):
         super().__init__()
-        self.checkpoints, self.removed = [], []
+        self.checkpoints, self.removed, self.pauses = [], [], []
 
-    def on_checkpoint(self, path, step):
+    def on_checkpoint(self, path, step, pause_seconds=0.0):
         self.checkpoints.append((path, step, len(self.steps)))
+        self.pauses.append(pause_seconds)
 
     def on_checkpoints_removed(self, paths):
         self.removed += paths

@@ -5,8 +5,12 @@ The loop calls `Checkpointer.save(step, last=...)` after every step and `finish(
 leaves; everything else is decided here:
 - cadence: every `checkpoint_interval` steps and at the last step; `finish` also writes the
   current step when the job stops early (cancel, shutdown) so that it resumes from there;
-- snapshot: a host copy of the fp32 master weights and the optimizer state taken between two
-  steps, when nothing runs on the drafters (a consistent state of exactly one step);
+- snapshot: a copy of the fp32 master weights and the optimizer state of exactly one step into
+  host buffers allocated when the job starts and reused by every checkpoint (pinned when the
+  state lives on a GPU). The copies are launched on a side stream and training goes on at once:
+  the next step's forward and backward only read the weights, and the replica's next optimizer
+  step, the first write, waits on the GPU for the copies to finish (`DrafterReplica.write_guard`).
+  The loop's pause is the launch, not the copy;
 - background write: training goes on while the files are written, one write in flight at a time
   (the next snapshot first waits for the previous write, which bounds host memory to one
   snapshot);
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import cpu_copy, write_checkpoint
+from ..checkpoint import write_checkpoint
 from .api import JobCallbacks, JobError, StepStats
 from .config import TrainJob
 from .replica import DrafterReplica
@@ -88,6 +92,99 @@ def rotate_checkpoints(directory: Path, keep: int) -> list[str]:
     return [str(p) for p in old]
 
 
+class HostSnapshot:
+    """Host buffers for a replica's checkpoint state, reused from one checkpoint to the next, and
+    the copy of the state into them.
+
+    Device tensors are copied into pinned buffers matched by shape and dtype, in the order the
+    state lists them, so a checkpoint copies into the buffers of the one before. They can be
+    prepared ahead, in a background thread, from the shapes the state will have (pinned
+    allocation takes seconds for a large drafter); a tensor with no buffer of its shape gets one
+    when it is first copied. Host tensors (step counters, small) are cloned."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._preparing: threading.Thread | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def prepare(self, likes: list[tuple[torch.Size, torch.dtype, torch.device]]) -> None:
+        """Allocate buffers for the device tensors of these shapes in a background thread."""
+
+        def run() -> None:
+            for shape, dtype, device in likes:
+                if torch.device(device).type == "cuda":
+                    key = (tuple(shape), dtype)
+                    self._buffers.setdefault(key, []).append(_host_buffer(shape, dtype, device))
+
+        self._preparing = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
+        self._preparing.start()
+
+    def copy(self, state: Any) -> tuple[Any, torch.cuda.Event | None]:
+        """(the state with every tensor replaced by its host copy, an event the copies of device
+        tensors complete at, or None when everything was copied synchronously)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        tensors: list[torch.Tensor] = []
+        _collect(state, tensors)
+        event = None
+        copies: list[torch.Tensor] = []
+        used: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for t in tensors:
+            if t.device.type != "cuda":
+                copies.append(t.detach().clone())
+                continue
+            key = (tuple(t.shape), t.dtype)
+            pool = self._buffers.setdefault(key, [])
+            n = used[key] = used.get(key, 0) + 1
+            if len(pool) < n:
+                pool.append(_host_buffer(t.shape, t.dtype, t.device))
+            buf = pool[n - 1]
+            copies.append(buf)
+            by_device.setdefault(t.device, []).append((buf, t))
+        for device, pairs in by_device.items():
+            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for buf, t in pairs:
+                    buf.copy_(t.detach(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        return _rebuild(state, iter(copies)), event
+
+    def clear(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        self._buffers = {}
+
+
+def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, out)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _collect(v, out)
+
+
+def _rebuild(obj: Any, buffers) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return next(buffers)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, buffers) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_rebuild(v, buffers) for v in obj)
+    return obj
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -112,6 +209,9 @@ class Checkpointer:
         self.last_path: str | None = resumed_from
         self._last_step: int | None = None
         self._writer = CheckpointWriter()
+        self._snapshot_buffers = HostSnapshot()
+        self._pauses: dict[int, float] = {}
+        self._snapshot_buffers.prepare(_expected_layout(replica))  # the last step always checkpoints
 
     def due(self, step: int) -> bool:
         return step % self.job.checkpoint_interval == 0 or step == self.total
@@ -123,9 +223,11 @@ class Checkpointer:
         self._report(self._writer.poll())
         if not (force or self.due(step)) or self._last_step == step:
             return
+        t = time.monotonic()
         self._report(self._writer.wait())  # the previous write first: one snapshot in memory
         self._writer.submit(self._snapshot(step, stats, eval_result), step)
         self._last_step = step
+        self._pauses[step] = time.monotonic() - t  # training was stopped this long
 
     def finish(
         self,
@@ -141,6 +243,7 @@ class Checkpointer:
         if stopped_early and step > first_step:
             self.save(step, stats, eval_result, force=True)
         self._report(self._writer.wait())
+        self._snapshot_buffers.clear()
         return self.last_path
 
     def abandon(self) -> None:
@@ -149,12 +252,13 @@ class Checkpointer:
             self._writer.wait()
         except Exception:  # noqa: BLE001 - the failure already propagating is the job's error
             log.exception("checkpoint write failed while the job was failing")
+        self._snapshot_buffers.clear()
 
     def _report(self, done: list[tuple[str, int]]) -> None:
         """Report finished checkpoints, then rotate old ones away: never before the newer one is
         recorded (a resume picks the newest recorded one on disk)."""
         for path, at_step in done:
-            self.callbacks.on_checkpoint(path, at_step)
+            self.callbacks.on_checkpoint(path, at_step, self._pauses.pop(at_step, 0.0))
         if not done:
             return
         self.last_path = done[-1][0]
@@ -167,18 +271,19 @@ class Checkpointer:
         write of it, for the writer's thread."""
         rep = self.replica
         assert rep.optimizer is not None
-        weights = cpu_copy(rep.weights_state())  # the fp32 masters, not the bf16 working copies
-        state = cpu_copy(
-            {
-                "step": step,
-                "total_steps": self.total,
-                "micro_batch_index": step * self.per_step,
-                "optimizer": rep.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "replicas": self.replicas,
-                "grad_accum": self.job.grad_accum,
-            }
-        )
+        # the fp32 masters, not the bf16 working copies
+        (weights, optimizer), copied = self._snapshot_buffers.copy((rep.weights_state(), rep.optimizer.state_dict()))
+        if copied is not None:
+            rep.write_guard = copied  # the replica's next optimizer step waits for the copies
+        state = {
+            "step": step,
+            "total_steps": self.total,
+            "micro_batch_index": step * self.per_step,
+            "optimizer": optimizer,
+            "torch_rng": torch.get_rng_state(),
+            "replicas": self.replicas,
+            "grad_accum": self.job.grad_accum,
+        }
         meta = {
             "step": step,
             "total_steps": self.total,
@@ -193,8 +298,21 @@ class Checkpointer:
 
         def write() -> str:
             try:
+                if copied is not None:
+                    copied.synchronize()
                 return str(write_checkpoint(path, config, weights, training_state=state, metadata=meta))
             except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
                 raise JobError(f"checkpoint {path} could not be written: {type(e).__name__}: {e}") from e
 
         return write
+
+
+def _expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+    """The tensors a checkpoint of this replica copies, in HostSnapshot's order, before the
+    optimizer has created its state: the masters, then AdamW's two moments per master (its
+    step counters live on the host and need no buffer)."""
+    masters = [m for _, m in rep.named_masters()]
+    likes = [(m.shape, m.dtype, m.device) for m in masters]
+    for m in masters:
+        likes += [(m.shape, torch.float32, m.device)] * 2
+    return likes

@@ -224,6 +224,7 @@ class Engine:
                     rep.zero_grad()
                     rep.optimizer = None
                     rep.sum_grads_in_fp32 = False
+                    rep.write_guard = None
                 if any(r.device.type == "cuda" for r in self.replicas):
                     torch.cuda.empty_cache()
 
@@ -446,7 +447,7 @@ class Engine:
             per_dev[dev] = per_dev.get(dev, 0) + a.context_tokens
             secs[dev] = a.extra.get("seconds", seconds)
             self._tokens_per_device[dev] = self._tokens_per_device.get(dev, 0) + a.context_tokens
-        self.rate.add(tokens)
+        self.rate.add(tokens, seconds)
         return StepStats(
             step,
             total,

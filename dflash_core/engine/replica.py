@@ -88,6 +88,9 @@ class DrafterReplica:
         # the working copies' bf16 gradients then move to fp32 on the masters after every
         # backward, so the sum and the mean are not rounded to bf16 again
         self.sum_grads_in_fp32 = False
+        # an event the next optimizer step waits for on the device before it writes the weights
+        # and optimizer state in place (set by a checkpoint that is still copying them)
+        self.write_guard: torch.cuda.Event | None = None
 
     def working_copies(self) -> list[torch.Tensor | None]:
         """Per master, its bf16 working copy (None where the master is the parameter itself)."""
@@ -190,6 +193,9 @@ class DrafterReplica:
 
     def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
         assert self.optimizer is not None, "new_optimizer() first"
+        if self.write_guard is not None:  # a checkpoint's copies still read the weights and moments
+            torch.cuda.current_stream(self.device).wait_event(self.write_guard)
+            self.write_guard = None
         set_lr(self.optimizer, lr)
         norm = clipped_step(self.optimizer, self.grads(), max_norm)
         self.zero_grad()

@@ -71,8 +71,10 @@ class _RunCallbacks:
             self.manager.metrics.observe_step(stats)
         log.debug("step", extra={"fields": {"job": self.job_id, "step": stats.step, "loss": round(stats.loss, 4)}})
 
-    def on_checkpoint(self, path: str, step: int) -> None:
-        self.manager.store.add_checkpoint(self.job_id, step, path)
+    def on_checkpoint(self, path: str, step: int, pause_seconds: float = 0.0) -> None:
+        self.manager.store.add_checkpoint(self.job_id, step, path, pause_seconds=pause_seconds)
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_checkpoint_pause(pause_seconds)
         log.info("checkpoint written", extra={"fields": {"job": self.job_id, "step": step, "path": path}})
 
     def on_checkpoints_removed(self, paths: list[str]) -> None:

@@ -364,7 +364,7 @@ class JobStore:
             db.execute("UPDATE jobs SET eval_acceptance_length = ? WHERE id = ?", (acceptance_length, job_id))
             self._event(db, job_id, "eval", step, payload)
 
-    def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
+    def add_checkpoint(self, job_id: str, step: int, path: str, *, pause_seconds: float | None = None) -> None:
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?, ?, ?, ?)",
@@ -373,7 +373,10 @@ class JobStore:
             db.execute(
                 "UPDATE jobs SET last_checkpoint = ?, last_checkpoint_step = ? WHERE id = ?", (path, step, job_id)
             )
-            self._event(db, job_id, "checkpoint", step, {"path": path, "step": step})
+            payload: dict[str, Any] = {"path": path, "step": step}
+            if pause_seconds is not None:
+                payload["pause_seconds"] = round(pause_seconds, 4)
+            self._event(db, job_id, "checkpoint", step, payload)
 
     def forget_checkpoints(self, job_id: str, paths: list[str]) -> None:
         """The engine rotated these checkpoint directories away."""

@@ -162,3 +162,25 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     for m, p in zip(bf16.masters, bf16.params):
         assert torch.equal(p.detach(), m.detach().to(p.dtype)), "working copy is not its master rounded"
     assert losses["fp32"] == pytest.approx(losses["bf16"], rel=1e-5)
+
+
+def test_checkpoint_snapshot_is_one_steps_state_and_reuses_its_buffers():
+    """HostSnapshot: device tensors copied asynchronously into pinned buffers that the next
+    snapshot reuses; an in-place write ordered after the copy event (as the replica's next
+    optimizer step is, by its write guard) does not reach the snapshot."""
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    snap = HostSnapshot()
+    snap.prepare([(torch.Size([4096, 4096]), torch.float32, torch.device("cuda:0"))])
+    w = torch.randn(4096, 4096, device="cuda")
+    state = {"w": w, "step": torch.tensor(3.0)}
+    before = w.clone()
+    (copy, event) = snap.copy(state)
+    torch.cuda.current_stream().wait_event(event)  # the write guard
+    w.mul_(2)  # the next optimizer step
+    event.synchronize()
+    assert torch.equal(copy["w"], before.cpu()) and copy["w"].is_pinned() and copy["step"].item() == 3.0
+    ptr = copy["w"].data_ptr()
+    (again, event) = snap.copy(state)
+    event.synchronize()
+    assert again["w"].data_ptr() == ptr and torch.equal(again["w"], w.cpu())

@@ -294,6 +294,11 @@ def test_metrics_after_a_job(finished_job, daemon):
     assert _value(families, "dflash_compiles_total", phase="warmup") >= 0
     assert _value(families, "dflash_train_tokens_total", device="cpu") > 0
     assert _value(families, "dflash_train_tokens_per_second") >= 0
+    # every checkpoint's pause is observed, and reported with its event
+    assert _value(families, "dflash_checkpoint_pause_seconds_count") >= 1
+    checkpoints = [e for e in daemon.events(finished_job[0]["id"]) if e["kind"] == "checkpoint"]
+    assert checkpoints and all(e["pause_seconds"] >= 0 for e in checkpoints)
+    assert _value(families, "dflash_data_prepare_progress_ratio") == 1.0
     assert _value(families, "dflash_train_step_seconds_count", device="cpu") >= 20
     assert _value(families, "dflash_train_step_seconds_sum", device="cpu") > 0
     assert 0 < _value(families, "dflash_train_loss") < 20

@@ -73,6 +73,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def cmd_precompile(args: argparse.Namespace) -> int:
+    """Build and warm the engine of a config without serving: fills the data directory's compile
+    cache (and writes torch's portable compile artifacts there) for an image build stage or an
+    init container, so that `serve` on that data directory starts warm."""
+    import time as _time
+
+    from .config import ConfigError, load_config
+    from .logs import configure_logging
+
+    try:
+        config = load_config(args.config, overrides={"data_dir": args.data_dir})
+    except ConfigError as e:
+        print(f"dflash-trainer: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    configure_logging(json_lines=config.log_json, level=config.log_level)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    from dflash_core.engine import Engine
+
+    t = _time.monotonic()
+    engine = Engine(config.engine, config.data_dir)
+    try:
+        engine.build()
+        saved = engine.save_compile_artifacts()
+        status = engine.status()
+    except Exception as e:  # noqa: BLE001 - the build's failure is the command's result
+        print(f"dflash-trainer: precompile failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        engine.close()
+    print(
+        json.dumps(
+            {
+                "ready_seconds": round(_time.monotonic() - t, 1),
+                "compiled_graphs": status.compiles["warmup"],
+                "artifacts_bytes": saved,
+                "data_dir": str(config.data_dir),
+                "drafters": list(status.drafter_devices),
+            }
+        )
+    )
+    return 0
+
+
 # --------------------------------------------------------------------------- client commands
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -310,6 +353,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-json", action="store_true", help="log JSON lines")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=cmd_serve)
+
+    pre = sub.add_parser(
+        "precompile",
+        help="compile a config's kernels into its data directory, then exit",
+        description="Build and warm up the engine of a config without serving: fills the data directory's "
+        "compile cache (and torch's portable compile artifacts), so that serve starts warm.",
+    )
+    pre.add_argument("--config", help="TOML or YAML config file")
+    pre.add_argument("--data-dir", help="data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)")
+    pre.set_defaults(handler=cmd_precompile)
 
     submit = register_client_command(sub, "submit", cmd_submit, "submit a job file (JSON job spec)")
     submit.add_argument("job_file", metavar="JOB.json")

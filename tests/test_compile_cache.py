@@ -50,3 +50,45 @@ def test_an_exported_variable_wins(tmp_path):
     env.update(PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
     assert Path(run_probe(tmp_path / "data", env)["cache_dir"]) == tmp_path / "mine"
     assert not (tmp_path / "data" / "inductor-cache").exists()
+
+
+def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_path):
+    """`dflash-trainer precompile` warms the engine of a config into its data directory and exits
+    (nothing is compiled on the CPU, so no artifacts); a later build that finds unreadable
+    artifacts there logs it and builds as usual."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))}
+    env["PYTHONPATH"] = str(REPO)
+    data = tmp_path / "data"
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "precompile", "--data-dir", str(data)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["data_dir"] == str(data) and summary["compiled_graphs"] == 0 and summary["drafters"] == ["cpu"]
+    assert (data / "inductor-cache").is_dir()
+    (data / "compile-artifacts.bin").write_bytes(b"not artifacts")
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "precompile", "--data-dir", str(data)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "not loaded" in out.stderr, out.stderr[-3000:]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\ncompile_scope = 'layer'\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "precompile", "--config", str(bad)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "engine.compile_scope" in out.stderr

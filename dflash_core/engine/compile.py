@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -47,6 +48,47 @@ def use_cache_dir(directory: str, why: str) -> tuple[str, str]:
         log.info("compile cache %s: %s (%s)", var, used, reason, extra={"fields": {"variable": var, "directory": used}})
         out.append(used)
     return out[0], out[1]
+
+
+ARTIFACTS_FILE = "compile-artifacts.bin"
+
+
+def save_artifacts(path: Path) -> int:
+    """torch's portable compile artifacts of everything this process compiled (cache entries that
+    another machine's caches can be filled with), written atomically to `path`; their size in
+    bytes, 0 where nothing was compiled or torch cannot save them."""
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    if save is None:
+        return 0
+    saved = save()
+    if saved is None:
+        return 0
+    data = saved[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+def load_artifacts(path: Path) -> bool:
+    """Fill the compile caches from artifacts saved by `precompile` (before anything compiles);
+    whether they were loaded. Unreadable artifacts (another torch version, say) are skipped with a
+    warning: the build then compiles as usual."""
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if load is None or not path.is_file():
+        return False
+    try:
+        info = load(path.read_bytes())
+    except Exception as e:  # noqa: BLE001 - a stale artifact file must not stop the daemon
+        info, why = None, str(e)
+    else:
+        why = "torch could not read them"
+    if info is None:
+        log.warning("compile artifacts %s not loaded (%s); compiling as usual", path, why)
+        return False
+    log.info("compile artifacts loaded from %s", path)
+    return True
 
 
 def start_compile_workers() -> bool:

@@ -32,7 +32,7 @@ from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
 from .checkpointing import Checkpointer
-from .compile import CompileGuard, log_compile_times, use_cache_dir
+from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_times, save_artifacts, use_cache_dir
 from .config import EngineConfig, TrainJob, job_template
 from .grad_sync import GradSync
 from .optim import load_optimizer_state, lr_factor
@@ -74,6 +74,8 @@ class Engine:
     # ------------------------------------------------------------------ build + warm-up
     def build(self) -> Engine:
         """Load everything and warm it, in the calling thread. Returns self when ready."""
+        if load_artifacts(self.data_dir / ARTIFACTS_FILE):
+            self.timeline.mark("build:compile_artifacts_loaded")
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.grad_sync)
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")
@@ -482,6 +484,11 @@ class Engine:
             head=rep.head,
         )
         return fut.result().summary()
+
+    def save_compile_artifacts(self) -> int:
+        """Write what warm-up compiled as portable artifacts to <data_dir>/compile-artifacts.bin,
+        which a later build loads first; their size (0: nothing to save)."""
+        return save_artifacts(self.data_dir / ARTIFACTS_FILE)
 
     def close(self) -> None:
         for pool in self._drafter_pools:

@@ -91,13 +91,14 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=150_000)
     p.add_argument("--seq-len", type=int, default=3072)
     p.add_argument("--work", default="/tmp/dflash-tokenize-bench")
+    p.add_argument("--tokenizer", help="a tokenizer directory made by an earlier run (skips training the BPE)")
     args = p.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     rng = random.Random(0)
     t = time.perf_counter()
-    tok_dir = make_tokenizer(work / "tokenizer", args.vocab, rng)
+    tok_dir = Path(args.tokenizer) if args.tokenizer else make_tokenizer(work / "tokenizer", args.vocab, rng)
     train_s = time.perf_counter() - t
     data = work / "data.jsonl"
     size = make_dataset(data, args.megabytes, rng)

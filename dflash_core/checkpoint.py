@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import pickle
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import DrafterConfig
+from .confine import ConfinedDir
 from .drafter import DFlashDrafter
 
 CONFIG_FILE = "config.json"
@@ -107,22 +108,6 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
     )
 
 
-def _atomic_dir(final: Path):
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def cpu_copy(obj: Any) -> Any:
     """A copy of a (nested) state on the CPU that later in-place updates cannot reach: CPU
     tensors are cloned too, since `.to("cpu")` would return them as they are."""
@@ -153,36 +138,56 @@ def write_checkpoint(
     *,
     training_state: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
+    parent: ConfinedDir | None = None,
 ) -> Path:
-    """Write CPU weights (and state) as a checkpoint directory, atomically (temp dir + rename)."""
+    """Write CPU weights (and state) as a checkpoint directory, atomically (temp dir + rename).
+    With `parent` (the directory `path` is in, held open by ConfinedDir), every step goes through
+    its descriptor: a path component swapped for a symlink cannot redirect the write."""
     final = Path(path)
-    tmp = _atomic_dir(final)
-    tmp.mkdir()
+    missing = expected_keys(config.num_hidden_layers) ^ set(weights)
+    if missing:
+        raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
+    if parent is None:
+        parent = ConfinedDir(final.parent, [], "checkpoint directory")
+        own_parent = True
+    else:
+        own_parent = False
+    tmp_name = f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
-        missing = expected_keys(config.num_hidden_layers) ^ set(weights)
-        if missing:
-            raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        dt = next(iter(weights.values())).dtype
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(config, dt), indent=2) + "\n")
-        if metadata is not None:
-            (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
-        if training_state is not None:
-            torch.save(training_state, tmp / TRAINING_STATE_FILE)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp = parent.mkdir_private(tmp_name)
+        try:
+            with tmp:
+                save_file(
+                    {k: v.contiguous() for k, v in weights.items()}, tmp.at(WEIGHTS_FILE), metadata={"format": "pt"}
+                )
+                dt = next(iter(weights.values())).dtype
+                Path(tmp.at(CONFIG_FILE)).write_text(json.dumps(hf_config(config, dt), indent=2) + "\n")
+                if metadata is not None:
+                    Path(tmp.at(METADATA_FILE)).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+                if training_state is not None:
+                    torch.save(training_state, tmp.at(TRAINING_STATE_FILE))
+                for entry in tmp.entries():
+                    fd = os.open(entry.name, os.O_RDONLY, dir_fd=tmp.fd)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                tmp.fsync()
+            if parent.exists(final.name):
+                old = f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+                parent.rename(final.name, old)
+                parent.rename(tmp_name, final.name)
+                parent.remove_tree(old)
+            else:
+                parent.rename(tmp_name, final.name)
+            parent.fsync()
+        except BaseException:
+            if parent.exists(tmp_name):
+                parent.remove_tree(tmp_name)
+            raise
+    finally:
+        if own_parent:
+            parent.close()
     return final
 
 
@@ -210,11 +215,29 @@ def load_drafter(
     return drafter.to(device=device, dtype=dtype) if dtype else drafter.to(device)
 
 
+class UnsafeTrainingState(ValueError):
+    """A training state file that holds more than tensors and plain values (a pickle that would run
+    code when loaded): refused, never executed."""
+
+
 def load_training_state(path: str | Path) -> dict[str, Any] | None:
+    """The training state beside a checkpoint (step, optimizer state, RNG), loaded with
+    `weights_only=True`: tensors, numbers, strings and containers only. A file that needs anything
+    else to load is a planted or foreign pickle and is refused with UnsafeTrainingState."""
     p = Path(path) / TRAINING_STATE_FILE
     if not p.is_file():
         return None
-    return torch.load(p, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsafeTrainingState(
+            f"{p}: not loaded: it holds objects other than tensors and plain values ({first[:300]}); "
+            "a training state written by this trainer never does"
+        ) from None
+    if not isinstance(state, dict):
+        raise UnsafeTrainingState(f"{p}: not a training state (a {type(state).__name__})")
+    return state
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

@@ -66,3 +66,32 @@ def test_failed_save_leaves_no_torn_checkpoint(tmp_path):
         save_checkpoint(tmp_path / "ckpt", drafter, training_state={"x": Unpicklable()})
     assert (good / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+class _Planted:
+    """A pickle payload that would create a file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_pickle_in_the_training_state_is_refused(tmp_path):
+    """Resume loads training_state.pt with weights_only: a pickle that would run code is refused
+    with a readable error and nothing of it runs."""
+    import pytest
+    import torch
+
+    from dflash_core.checkpoint import TRAINING_STATE_FILE, UnsafeTrainingState, load_training_state
+
+    marker = tmp_path / "pwned"
+    ckpt = tmp_path / "step-00000010"
+    ckpt.mkdir()
+    torch.save({"step": 10, "payload": _Planted(marker)}, ckpt / TRAINING_STATE_FILE)
+    with pytest.raises(UnsafeTrainingState, match="objects other than tensors"):
+        load_training_state(ckpt)
+    assert not marker.exists()
+    torch.save({"step": 10, "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}}, ckpt / TRAINING_STATE_FILE)
+    assert load_training_state(ckpt)["step"] == 10  # what the trainer writes still loads

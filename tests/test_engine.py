@@ -300,9 +300,88 @@ def test_checkpoint_that_cannot_be_written_fails_the_job(data_dir, default_asset
     out = tmp_path / "blocked"
     out.mkdir()
     (out / "checkpoints").write_text("a file where the checkpoint directory goes\n")
-    with pytest.raises(JobError, match=r"checkpoint .*step-00000002 could not be written: FileExistsError"):
-        engine.run_job(job(default_assets, out, steps=4, checkpoint_interval=2), Recorder())
+    rec = Recorder()
+    with pytest.raises(JobError, match=r"output_dir .*'checkpoints' is not a plain directory") as err:
+        engine.run_job(job(default_assets, out, steps=4, checkpoint_interval=2), rec)
+    assert err.value.field == "output_dir" and rec.steps == []  # refused before training, not at the first checkpoint
     # the engine is not left half-busy: the next job runs
     res = engine.run_job(job(default_assets, tmp_path / "next", steps=2), Recorder())
     assert res.status == "SUCCEEDED"
+    engine.close()
+
+
+def test_writes_and_deletions_stay_under_the_output_roots(data_dir, default_assets, tmp_path):
+    """A job's output directory swapped for symlinks after submission: a `checkpoints` symlink
+    pointing outside the roots is refused before training, and rotation deletes a symlink named
+    like an old checkpoint without following it."""
+    engine = make_engine(data_dir, ["cpu"])
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "out").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me\n")
+    (root / "out" / "checkpoints").symlink_to(outside)
+    spec = job(default_assets, root / "out", steps=2, checkpoint_interval=1, output_roots=[str(root)])
+    with pytest.raises(JobError, match="not a plain directory"):
+        engine.run_job(spec, Recorder())
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
+    (root / "out" / "checkpoints").unlink()
+    (root / "out" / "checkpoints").mkdir()
+    (root / "out" / "checkpoints" / "step-00000000").symlink_to(outside)  # sorts before the real ones
+    (root / "out" / "checkpoints" / ".tmp-step-00000007-deadbeef").mkdir()  # a crash mid-write
+    spec = job(
+        default_assets, root / "out", steps=3, checkpoint_interval=1, keep_checkpoints=2, output_roots=[str(root)]
+    )
+    assert engine.run_job(spec, Recorder()).status == "SUCCEEDED"
+    assert sorted(p.name for p in (root / "out" / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+    assert (outside / "precious.txt").read_text() == "keep me\n"
+    engine.close()
+
+
+def test_reads_stay_under_the_dataset_roots(data_dir, default_assets, tmp_path):
+    """A dataset swapped for a symlink to a file outside the roots after submission is not read;
+    the error names the path as given, not the file's content."""
+    engine = make_engine(data_dir, ["cpu"])
+    root, secret = tmp_path / "datasets", tmp_path / "secret.jsonl"
+    root.mkdir()
+    secret.write_text('{"messages": [{"role": "user", "content": "TOP-SECRET"}]}\n')
+    (root / "data.jsonl").symlink_to(secret)
+    spec = job(default_assets, tmp_path / "out", steps=2, dataset_roots=[str(root)])
+    spec.datasets = [str(root / "data.jsonl")]
+    with pytest.raises(JobError, match="outside the allowed roots") as err:
+        engine.run_job(spec, Recorder())
+    assert "TOP-SECRET" not in str(err.value) and str(secret) not in str(err.value)
+    engine.close()
+
+
+def _tmpfs(path, options):
+    """Mount a small tmpfs at `path` (root, Linux); skip the test where the machine cannot."""
+    import subprocess
+
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root on Linux")
+
+
+def test_read_only_and_full_output_dirs_are_refused_at_submission(data_dir, default_assets, tmp_path):
+    """validate_job (what the service runs at submission) names ENOSPC and read-only output
+    directories before anything trains; a checkpoint that would not fit is refused before writing."""
+    import subprocess
+
+    engine = make_engine(data_dir, ["cpu"])
+    ro, small = tmp_path / "ro", tmp_path / "small"
+    _tmpfs(ro, "size=1m,ro")
+    try:
+        _tmpfs(small, "size=64k")
+        try:
+            with pytest.raises(JobError, match="read-only") as err:
+                engine.validate_job(job(default_assets, ro / "out"))
+            assert err.value.field == "output_dir"
+            with pytest.raises(JobError, match="ENOSPC") as err:
+                engine.validate_job(job(default_assets, small / "out"))
+            assert err.value.field == "output_dir"
+        finally:
+            subprocess.run(["umount", str(small)], check=False)
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
     engine.close()

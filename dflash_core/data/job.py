@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..confine import resolved_under
 from .conversations import Conversation, DatasetError, ReadReport, read_conversations
 from .prepare import Corpus, PrepareProgress, Tokenization, prepare_corpus
 
@@ -35,14 +36,16 @@ def load_job_data(
     seed: int,
     progress: Callable[[PrepareProgress], None] = lambda p: None,
     should_stop: Callable[[], bool] = lambda: False,
+    roots: list[str] | None = None,
 ) -> JobData:
+    """roots: where the datasets must still resolve to when they are read (empty: anywhere)."""
     last: list[PrepareProgress] = []
 
     def seen(p: PrepareProgress) -> None:
         last[:] = [p]
         progress(p)
 
-    corpus = prepare_corpus(paths, tokenization, cache_root, progress=seen, should_stop=should_stop)
+    corpus = prepare_corpus(paths, tokenization, cache_root, progress=seen, should_stop=should_stop, roots=roots)
     errors = corpus.errors()
     if errors and not skip_bad_lines:
         first = errors[0]
@@ -55,7 +58,8 @@ def load_job_data(
     heldout: list[Conversation] = []
     exclude = np.zeros(0, dtype=np.int64)
     if eval_prompts:
-        for conv in read_conversations(eval_prompts, skip_bad_lines=skip_bad_lines, report=report):
+        prompts = resolved_under(eval_prompts, roots or [], "eval_prompts")
+        for conv in read_conversations(prompts, skip_bad_lines=skip_bad_lines, report=report):
             heldout.append(conv)
             if len(heldout) >= eval_max_prompts:
                 break

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ..confine import resolved_under
 from .conversations import Conversation, DatasetError, parse_conversation
 from .sources import (
     SourceFile,
@@ -386,11 +387,16 @@ def prepare_corpus(
     workers: int | None = None,
     progress: Callable[[PrepareProgress], None] = lambda p: None,
     should_stop: Callable[[], bool] = lambda: False,
+    roots: list[str] | None = None,
 ) -> Corpus:
     """Tokenize what the cache lacks and open every shard. Raises DatasetError for an unusable
     entry (a missing file, an empty directory, a parquet file without a conversation column);
     bad records are kept in the entries' error lists for the caller to refuse or skip."""
-    sources = [src for entry in entries for src in dataset_files(entry)]
+    sources = [
+        SourceFile(resolved_under(src.path, roots or [], "a dataset file"), src.kind)
+        for entry in entries
+        for src in dataset_files(resolved_under(entry, roots or [], "dataset"))
+    ]
     state = PrepareProgress(files_total=len(sources), bytes_total=sum(file_size(s) for s in sources))
     t0 = time.monotonic()
     todo: list[tuple[SourceFile, Path]] = []

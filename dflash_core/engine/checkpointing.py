@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..checkpoint import write_checkpoint
+from ..confine import ConfinedDir, OutsideRoots
 from .api import JobCallbacks, JobError, StepStats
 from .config import TrainJob
 from .replica import DrafterReplica
@@ -84,12 +83,30 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def rotate_checkpoints(directory: Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` step-* checkpoints of a job; the deleted paths."""
-    old = sorted(p for p in directory.iterdir() if p.name.startswith("step-"))[:-keep]
-    for path in old:
-        shutil.rmtree(path, ignore_errors=True)
-    return [str(p) for p in old]
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint directory's name (step-00000120 -> 120), None for other names."""
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def rotate_checkpoints(directory: ConfinedDir, keep: int) -> list[str]:
+    """Delete all but the newest `keep` step-* checkpoints of a job (by step number, not by name:
+    names stop sorting by step past 10^8); the deleted paths. Through the directory's descriptor,
+    and a symlink named like a checkpoint is removed itself, never followed."""
+    steps = sorted((s, e.name) for e in directory.entries() if (s := checkpoint_step(e.name)) is not None)
+    old = [name for _, name in steps[: max(0, len(steps) - keep)]]
+    for name in old:
+        directory.remove_tree(name)
+    return [str(directory.path / name) for name in old]
+
+
+def sweep_partial_writes(directory: ConfinedDir) -> list[str]:
+    """Remove what an interrupted write left (.tmp-step-* and .old-step-* directories)."""
+    names = [e.name for e in directory.entries() if e.name.startswith((".tmp-step-", ".old-step-"))]
+    for name in names:
+        directory.remove_tree(name)
+    return names
 
 
 class HostSnapshot:
@@ -206,6 +223,21 @@ class Checkpointer:
         self.replicas = replicas
         self.target_path = target_path
         self.directory = job.output_path() / "checkpoints"
+        try:  # checked now, not at the first checkpoint: an unusable output_dir fails the job before it trains
+            self._dir = ConfinedDir(self.directory, job.output_roots, "output_dir")
+        except OutsideRoots as e:
+            raise JobError(str(e), "output_dir") from None
+        except OSError as e:
+            raise JobError(
+                f"output_dir {job.output_dir!r} cannot be written: {e.strerror or e}", "output_dir"
+            ) from None
+        swept = sweep_partial_writes(self._dir)
+        if swept:
+            log.info(
+                "removed partial checkpoint writes",
+                extra={"fields": {"directory": str(self.directory), "names": swept}},
+            )
+        self.checkpoint_bytes = checkpoint_size(replica)
         self.last_path: str | None = resumed_from
         self._last_step: int | None = None
         self._writer = CheckpointWriter()
@@ -244,6 +276,7 @@ class Checkpointer:
             self.save(step, stats, eval_result, force=True)
         self._report(self._writer.wait())
         self._snapshot_buffers.clear()
+        self._dir.close()
         return self.last_path
 
     def abandon(self) -> None:
@@ -253,6 +286,7 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - the failure already propagating is the job's error
             log.exception("checkpoint write failed while the job was failing")
         self._snapshot_buffers.clear()
+        self._dir.close()
 
     def _report(self, done: list[tuple[str, int]]) -> None:
         """Report finished checkpoints, then rotate old ones away: never before the newer one is
@@ -262,7 +296,7 @@ class Checkpointer:
         if not done:
             return
         self.last_path = done[-1][0]
-        removed = rotate_checkpoints(self.directory, max(1, self.job.keep_checkpoints))
+        removed = rotate_checkpoints(self._dir, max(1, self.job.keep_checkpoints))
         if removed:
             self.callbacks.on_checkpoints_removed(removed)
 
@@ -295,12 +329,21 @@ class Checkpointer:
         }
         config = rep.drafter.config
         path = self.directory / step_dir_name(step)
+        free = self._dir.free_bytes()
+        if free < self.checkpoint_bytes:  # refuse before writing, rather than fail mid-file
+            raise JobError(
+                f"checkpoint {path} not written: {free / 2**30:.1f} GiB free on the output_dir's file system, "
+                f"a checkpoint needs about {self.checkpoint_bytes / 2**30:.1f} GiB (ENOSPC)"
+            )
+        directory = self._dir
 
         def write() -> str:
             try:
                 if copied is not None:
                     copied.synchronize()
-                return str(write_checkpoint(path, config, weights, training_state=state, metadata=meta))
+                return str(
+                    write_checkpoint(path, config, weights, training_state=state, metadata=meta, parent=directory)
+                )
             except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
                 raise JobError(f"checkpoint {path} could not be written: {type(e).__name__}: {e}") from e
 
@@ -316,3 +359,9 @@ def _expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype,
     for m in masters:
         likes += [(m.shape, torch.float32, m.device)] * 2
     return likes
+
+
+def checkpoint_size(rep: DrafterReplica) -> int:
+    """Bytes a checkpoint of this replica takes on disk: the fp32 masters, AdamW's two fp32
+    moments (12 bytes per parameter), plus a margin for the small files."""
+    return 12 * sum(m.numel() for _, m in rep.named_masters()) + (1 << 20)

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import ShapeConfig
+from ..confine import resolved_under
 from ..data.tokenize import ChatTemplate
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
@@ -132,6 +133,9 @@ class TrainJob:
     skip_bad_lines: bool = False
     chat_template: str | None = None  # a Jinja template file; None: the tokenizer's template
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # options the template reads
+    # where reads and writes must stay when they happen (the service's roots; empty: unconfined)
+    dataset_roots: list[str] = field(default_factory=list)
+    output_roots: list[str] = field(default_factory=list)
     # acceptance-length evaluation (held-out prompts)
     eval_prompts: str | None = None
     eval_fraction: float = 0.0
@@ -148,5 +152,6 @@ class TrainJob:
 
 
 def job_template(job: TrainJob) -> ChatTemplate:
-    text = Path(job.chat_template).read_text(encoding="utf-8") if job.chat_template else None
+    path = resolved_under(job.chat_template, job.dataset_roots, "chat_template") if job.chat_template else None
+    text = path.read_text(encoding="utf-8") if path else None
     return ChatTemplate.of(text, job.chat_template_kwargs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import torch
 
 from ..checkpoint import load_training_state, load_weights, read_config
 from ..config import DrafterConfig, LossConfig
+from ..confine import OutsideRoots, resolved_under
 from ..data.batches import MicroBatchStream
 from ..data.job import JobData, load_job_data
 from ..data.prepare import PrepareCancelled, PrepareProgress, Tokenization, save_tokenizer
@@ -31,7 +33,7 @@ from ..step.blocks import expected_acceptance_length
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
-from .checkpointing import Checkpointer
+from .checkpointing import Checkpointer, checkpoint_size
 from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_times, save_artifacts, use_cache_dir
 from .config import EngineConfig, TrainJob, job_template
 from .grad_sync import GradSync
@@ -186,6 +188,28 @@ class Engine:
                 raise JobError(f"checkpoint architecture differs from the engine's drafter in {diff}", "init_from")
         if self.parts is not None:
             self._check_template(job)
+            self._check_output(job)
+
+    def _check_output(self, job: TrainJob) -> None:
+        """The output directory can take a checkpoint: writable, and room for one on its file
+        system (checked again before each checkpoint), so that a read-only or full disk is a
+        refusal at submission rather than a failure after hours of training."""
+        path = Path(job.output_dir)
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is None:
+            return
+        if not os.access(existing, os.W_OK):
+            raise JobError(
+                f"{job.output_dir!r} cannot be written (read-only file system or no permission)", "output_dir"
+            )
+        st = os.statvfs(existing)
+        free, need = st.f_bavail * st.f_frsize, checkpoint_size(self.replicas[0])
+        if free < need:
+            raise JobError(
+                f"{job.output_dir!r}: {free / 2**30:.2f} GiB free on its file system, a checkpoint needs about "
+                f"{need / 2**30:.2f} GiB (ENOSPC)",
+                "output_dir",
+            )
 
     def _check_template(self, job: TrainJob) -> None:
         """Render a small conversation with the job's template and options, so that a template
@@ -194,6 +218,8 @@ class Engine:
         field = "chat_template" if job.chat_template else "chat_template_kwargs"
         try:
             template = job_template(job)
+        except OutsideRoots as e:
+            raise JobError(str(e), "chat_template") from None
         except (OSError, UnicodeDecodeError) as e:
             raise JobError(f"cannot read the template: {e}", "chat_template") from None
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
@@ -236,6 +262,8 @@ class Engine:
             data = self._load_data(job, cb)
         except PrepareCancelled:
             return JobResult("STOPPED", 0, 0, resume_from)
+        except OutsideRoots as e:
+            raise JobError(str(e), "datasets") from None
         stream = MicroBatchStream(
             data.corpus, self.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
         )
@@ -338,6 +366,7 @@ class Engine:
             seed=job.seed,
             progress=progress,
             should_stop=cb.should_cancel,
+            roots=job.dataset_roots,
         )
         if data.skipped_lines:
             cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
@@ -356,6 +385,11 @@ class Engine:
         """Weights, optimizer, RNG and loss weights for the job's first step; the step it starts at."""
         assert self.parts is not None
         source = resume_from or job.init_from  # a resume starts from its checkpoint's weights
+        if job.init_from and not resume_from:
+            try:
+                source = str(resolved_under(job.init_from, job.dataset_roots + job.output_roots, "init_from"))
+            except OutsideRoots as e:
+                raise JobError(str(e), "init_from") from None
         weights = load_weights(source, self.parts.drafter_config.num_hidden_layers) if source else None
         reset_weights(self.replicas, job.seed, weights)
         gamma = (

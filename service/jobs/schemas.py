@@ -277,6 +277,9 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         init_from=init_from,
         chat_template=chat_template,
         output_dir=str(output_dir),
+        # re-checked when the engine reads and writes: the builtin datasets live in the data dir
+        dataset_roots=[str(r) for r in [*dataset_roots, (data_dir / "defaults").resolve()]],
+        output_roots=[str(r) for r in output_roots],
         adam_betas=tuple(spec.adam_betas),
     )
     return TrainJob(**values)

@@ -8,11 +8,19 @@ a custom collector, so a scrape never waits on a training step and never syncs a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -65,6 +73,28 @@ ALLOCATOR_METRICS = {
 }
 
 
+def _build_info() -> GaugeMetricFamily:
+    """dflash_build_info{version,torch,triton,cuda} 1: versions read from the installed packages'
+    metadata, so a scrape never imports torch (the daemon answers before torch is loaded); the
+    CUDA version once torch is imported."""
+    import sys
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return ""
+
+    torch = sys.modules.get("torch")
+    cuda = str(getattr(getattr(torch, "version", None), "cuda", "") or "") if torch is not None else ""
+    info = GaugeMetricFamily(
+        "dflash_build_info", "Versions of dflash-trainer and its runtime", labels=["version", "torch", "triton", "cuda"]
+    )
+    info.add_metric([version("dflash-trainer"), version("torch"), version("triton"), cuda], 1)
+    return info
+
+
 class _EngineCollector(Collector):
     def __init__(self, host: EngineHost, store: JobStore):
         self.host = host
@@ -78,7 +108,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "dflash_drafters_ready", "Drafter replicas warmed", value=status.drafters_ready if status is not None else 0
         )
-        yield GaugeMetricFamily("dflash_drafters_total", "Drafter replicas configured", value=self.host.drafters_total)
+        # a gauge, so not named *_total (promtool reads that suffix as a counter's)
+        yield GaugeMetricFamily(
+            "dflash_drafters_expected", "Drafter replicas configured", value=self.host.drafters_total
+        )
+        yield _build_info()
 
         warm = GaugeMetricFamily(
             "dflash_warmup_seconds", "Seconds spent loading/warming each component", labels=["component", "device"]
@@ -154,6 +188,12 @@ class ServiceMetrics:
             ["position"],
             registry=self.registry,
         )
+        self.learning_rate = Gauge(
+            "dflash_train_learning_rate", "Learning rate of the last step", ["job"], registry=self.registry
+        )
+        self.grad_norm = Gauge(
+            "dflash_train_grad_norm", "Gradient norm of the last step, before clipping", ["job"], registry=self.registry
+        )
         self.expected_acceptance = Gauge(
             "dflash_train_expected_acceptance_length",
             "Acceptance length implied by the last step's per-position accuracy",
@@ -187,12 +227,25 @@ class ServiceMetrics:
             self.accuracy.labels(position=str(position)).set(math.nan)
         host.on_engine_created(self._engine_created)
         self.registry.register(_EngineCollector(host, store))
+        # host memory matters (a checkpoint needs 12 bytes per drafter parameter of it), and the
+        # process's CPU time and open files: the standard process_* series
+        ProcessCollector(registry=self.registry)
+        self._job: str | None = None
 
     def _engine_created(self, engine) -> None:
         for device in engine.status().drafter_devices:  # a series per device from the first scrape on
             self.step_seconds.labels(device=device)
 
-    def observe_step(self, stats) -> None:
+    def observe_step(self, stats, job: str | None = None) -> None:
+        if job is not None and job != self._job:  # a new job: the last one's series end
+            if self._job is not None:
+                for gauge in (self.learning_rate, self.grad_norm):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(self._job)
+            self._job = job
+        if job is not None:
+            self.learning_rate.labels(job=job).set(stats.learning_rate)
+            self.grad_norm.labels(job=job).set(stats.grad_norm)
         for device, seconds in stats.seconds_per_device.items():
             self.step_seconds.labels(device=device).observe(seconds)
         self.loss.set(stats.loss)

@@ -68,7 +68,7 @@ class _RunCallbacks:
             event_payload=payload,
         )
         if self.manager.metrics is not None:
-            self.manager.metrics.observe_step(stats)
+            self.manager.metrics.observe_step(stats, self.job_id)
         log.debug("step", extra={"fields": {"job": self.job_id, "step": stats.step, "loss": round(stats.loss, 4)}})
 
     def on_checkpoint(self, path: str, step: int, pause_seconds: float = 0.0) -> None:

@@ -33,7 +33,7 @@ K8S = DOCKER / "k8s"
 CONTRACT_METRICS = {
     "dflash_ready",
     "dflash_drafters_ready",
-    "dflash_drafters_total",
+    "dflash_drafters_expected",
     "dflash_warmup_seconds",
     "dflash_compiles_total",
     "dflash_train_tokens_total",

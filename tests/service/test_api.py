@@ -259,7 +259,7 @@ def test_metrics_after_a_job(finished_job, daemon):
     for name in (
         "dflash_ready",
         "dflash_drafters_ready",
-        "dflash_drafters_total",
+        "dflash_drafters_expected",
         "dflash_warmup_seconds",
         "dflash_compiles",
         "dflash_train_tokens",
@@ -289,11 +289,18 @@ def test_metrics_after_a_job(finished_job, daemon):
         assert f"# TYPE {counter.removesuffix('_total')} counter" in text or f"# TYPE {counter} counter" in text
 
     assert _value(families, "dflash_ready") == 1
-    assert _value(families, "dflash_drafters_ready") == _value(families, "dflash_drafters_total") == 1
+    assert _value(families, "dflash_drafters_ready") == _value(families, "dflash_drafters_expected") == 1
     assert _value(families, "dflash_compiles_total", phase="runtime") == 0
     assert _value(families, "dflash_compiles_total", phase="warmup") >= 0
     assert _value(families, "dflash_train_tokens_total", device="cpu") > 0
     assert _value(families, "dflash_train_tokens_per_second") >= 0
+    # the series added with the checkpoint pause: learning rate and gradient norm per job, versions,
+    # and the standard process collector
+    job_id = finished_job[0]["id"]
+    assert _value(families, "dflash_train_learning_rate", job=job_id) > 0
+    assert _value(families, "dflash_train_grad_norm", job=job_id) >= 0
+    assert _value(families, "dflash_build_info") == 1
+    assert _value(families, "process_resident_memory_bytes") > 0
     # every checkpoint's pause is observed, and reported with its event
     assert _value(families, "dflash_checkpoint_pause_seconds_count") >= 1
     checkpoints = [e for e in daemon.events(finished_job[0]["id"]) if e["kind"] == "checkpoint"]
@@ -389,3 +396,17 @@ def test_output_dir_of_another_job_is_refused(daemon, finished_job):
     assert daemon.wait_terminal(first["id"])["state"] == "SUCCEEDED"
     r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/shared-out"})
     assert r.status_code == 409 and "shared-out" in r.json()["detail"]
+
+
+def test_promtool_accepts_the_metrics_page(finished_job, daemon, tmp_path):
+    """`promtool check metrics` (Debian's prometheus package brings it; .ci/run installs it) finds
+    nothing to complain about: no gauge named like a counter, units and help texts in place."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool: install the Debian package `prometheus` (.ci/run does)")
+    page = daemon.http.get("/metrics").text
+    done = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -23,6 +23,12 @@ from .drafter import DFlashDrafter
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TRAINING_STATE_FILE = "training_state.pt"
+# what resume reads, beside the files a serving engine loads: the optimizer state, the step and
+# data position, the RNG, and the fp32 master weights when model.safetensors holds another dtype
+TRAINING_DIR = "training_state"
+MASTER_WEIGHTS_FILE = "master_weights.safetensors"
+MODELING_FILE = "modeling_dflash.py"
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METADATA_FILE = "dflash_metadata.json"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -50,6 +56,7 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         longrope = {"original_max_position_embeddings": scaling["original_max_position_embeddings"]}
     return {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.DFlashDraftModel"},
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -139,10 +146,19 @@ def write_checkpoint(
     training_state: dict[str, Any] | None = None,
     metadata: dict[str, Any] | None = None,
     parent: ConfinedDir | None = None,
+    export_dtype: str = "fp32",
 ) -> Path:
     """Write CPU weights (and state) as a checkpoint directory, atomically (temp dir + rename).
+
+    The directory is what a serving engine loads: config.json (with `auto_map` naming the
+    modeling file beside it), modeling_dflash.py, and model.safetensors in `export_dtype`. The
+    training state, which resume reads, sits in its `training_state/` subdirectory (with the fp32
+    master weights when the export dtype is not fp32). Files are 0644 and directories 0755, so a
+    serving process of another user can read them from a shared volume.
     With `parent` (the directory `path` is in, held open by ConfinedDir), every step goes through
     its descriptor: a path component swapped for a symlink cannot redirect the write."""
+    if export_dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {export_dtype!r}")
     final = Path(path)
     missing = expected_keys(config.num_hidden_layers) ^ set(weights)
     if missing:
@@ -157,22 +173,21 @@ def write_checkpoint(
         tmp = parent.mkdir_private(tmp_name)
         try:
             with tmp:
-                save_file(
-                    {k: v.contiguous() for k, v in weights.items()}, tmp.at(WEIGHTS_FILE), metadata={"format": "pt"}
-                )
-                dt = next(iter(weights.values())).dtype
+                dt = EXPORT_DTYPES[export_dtype]
+                exported = {k: v.to(dt).contiguous() for k, v in weights.items()}
+                save_file(exported, tmp.at(WEIGHTS_FILE), metadata={"format": "pt"})
                 Path(tmp.at(CONFIG_FILE)).write_text(json.dumps(hf_config(config, dt), indent=2) + "\n")
+                Path(tmp.at(MODELING_FILE)).write_bytes((Path(__file__).parent / MODELING_FILE).read_bytes())
                 if metadata is not None:
                     Path(tmp.at(METADATA_FILE)).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
                 if training_state is not None:
-                    torch.save(training_state, tmp.at(TRAINING_STATE_FILE))
-                for entry in tmp.entries():
-                    fd = os.open(entry.name, os.O_RDONLY, dir_fd=tmp.fd)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                tmp.fsync()
+                    os.mkdir(TRAINING_DIR, 0o755, dir_fd=tmp.fd)
+                    train_dir = f"{TRAINING_DIR}/"
+                    torch.save(training_state, tmp.at(train_dir + TRAINING_STATE_FILE))
+                    if dt != torch.float32:
+                        masters = {k: v.float().contiguous() for k, v in weights.items()}
+                        save_file(masters, tmp.at(train_dir + MASTER_WEIGHTS_FILE), metadata={"format": "pt"})
+                _publish(tmp)
             if parent.exists(final.name):
                 old = f".old-{final.name}-{uuid.uuid4().hex[:8]}"
                 parent.rename(final.name, old)
@@ -191,6 +206,45 @@ def write_checkpoint(
     return final
 
 
+def _publish(directory: ConfinedDir) -> None:
+    """fsync every file and directory of a checkpoint being written and give them the modes a
+    reader of another user needs (0644 files, 0755 directories)."""
+    os.chmod(directory.fd, 0o755)
+    stack = [(directory.fd, "")]
+    while stack:
+        fd, prefix = stack.pop()
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.chmod(sub, 0o755)
+                stack.append((sub, prefix + entry.name + "/"))
+                continue
+            f = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                os.fchmod(f, 0o644)
+                os.fsync(f)
+            finally:
+                os.close(f)
+        os.fsync(fd)
+        if fd != directory.fd:
+            os.close(fd)
+
+
+def export_checkpoint(src: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    """A serving directory (config.json with auto_map, modeling_dflash.py, model.safetensors in
+    `dtype`, no training state) from any drafter checkpoint, older layouts included; `out` must
+    not exist."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; export writes a new directory")
+    cfg = read_config(src)
+    weights = load_weights(src, cfg.num_hidden_layers, masters=True)
+    metadata = read_metadata(src) or None
+    return write_checkpoint(out, cfg, weights, metadata=metadata, export_dtype=dtype)
+
+
 def read_config(path: str | Path) -> DrafterConfig:
     p = Path(path) / CONFIG_FILE
     if not p.is_file():
@@ -198,8 +252,11 @@ def read_config(path: str | Path) -> DrafterConfig:
     return config_from_hf(json.loads(p.read_text()))
 
 
-def load_weights(path: str | Path, num_layers: int) -> dict[str, torch.Tensor]:
-    state = load_file(str(Path(path) / WEIGHTS_FILE))
+def load_weights(path: str | Path, num_layers: int, *, masters: bool = False) -> dict[str, torch.Tensor]:
+    """The drafter weights of a checkpoint; masters: the fp32 weights of record (what resume
+    continues from) where the exported model.safetensors holds another dtype."""
+    master_file = Path(path) / TRAINING_DIR / MASTER_WEIGHTS_FILE
+    state = load_file(str(master_file if masters and master_file.is_file() else Path(path) / WEIGHTS_FILE))
     diff = expected_keys(num_layers) ^ set(state)
     if diff:
         raise ValueError(f"{path}: checkpoint keys differ from the DFlash format: {sorted(diff)[:8]}")
@@ -221,10 +278,13 @@ class UnsafeTrainingState(ValueError):
 
 
 def load_training_state(path: str | Path) -> dict[str, Any] | None:
-    """The training state beside a checkpoint (step, optimizer state, RNG), loaded with
+    """The training state of a checkpoint (step, optimizer state, RNG), loaded with
     `weights_only=True`: tensors, numbers, strings and containers only. A file that needs anything
-    else to load is a planted or foreign pickle and is refused with UnsafeTrainingState."""
-    p = Path(path) / TRAINING_STATE_FILE
+    else to load is a planted or foreign pickle and is refused with UnsafeTrainingState.
+    Checkpoints written before the training_state/ subdirectory keep it at the top level."""
+    p = Path(path) / TRAINING_DIR / TRAINING_STATE_FILE
+    if not p.is_file():
+        p = Path(path) / TRAINING_STATE_FILE
     if not p.is_file():
         return None
     try:

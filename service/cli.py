@@ -116,6 +116,20 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A serving directory from a drafter checkpoint (also one written before checkpoints
+    carried their modeling file)."""
+    from dflash_core.checkpoint import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except (FileNotFoundError, FileExistsError, ValueError, OSError) as e:
+        print(f"dflash-trainer: export failed: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 # --------------------------------------------------------------------------- client commands
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -363,6 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--config", help="TOML or YAML config file")
     pre.add_argument("--data-dir", help="data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)")
     pre.set_defaults(handler=cmd_precompile)
+
+    export = sub.add_parser(
+        "export",
+        help="write a serving directory from a drafter checkpoint",
+        description="Write config.json (with auto_map), modeling_dflash.py and model.safetensors for SGLang, vLLM "
+        "or transformers' AutoModel(trust_remote_code=True), without the training state.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT")
+    export.add_argument("out", metavar="OUT", help="a directory that does not exist yet")
+    export.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights dtype (default fp32)")
+    export.set_defaults(handler=cmd_export)
 
     submit = register_client_command(sub, "submit", cmd_submit, "submit a job file (JSON job spec)")
     submit.add_argument("job_file", metavar="JOB.json")

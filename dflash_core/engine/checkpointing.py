@@ -336,13 +336,22 @@ class Checkpointer:
                 f"a checkpoint needs about {self.checkpoint_bytes / 2**30:.1f} GiB (ENOSPC)"
             )
         directory = self._dir
+        export_dtype = self.job.export_dtype
 
         def write() -> str:
             try:
                 if copied is not None:
                     copied.synchronize()
                 return str(
-                    write_checkpoint(path, config, weights, training_state=state, metadata=meta, parent=directory)
+                    write_checkpoint(
+                        path,
+                        config,
+                        weights,
+                        training_state=state,
+                        metadata=meta,
+                        parent=directory,
+                        export_dtype=export_dtype,
+                    )
                 )
             except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
                 raise JobError(f"checkpoint {path} could not be written: {type(e).__name__}: {e}") from e

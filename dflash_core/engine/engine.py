@@ -390,7 +390,8 @@ class Engine:
                 source = str(resolved_under(job.init_from, job.dataset_roots + job.output_roots, "init_from"))
             except OutsideRoots as e:
                 raise JobError(str(e), "init_from") from None
-        weights = load_weights(source, self.parts.drafter_config.num_hidden_layers) if source else None
+        layers = self.parts.drafter_config.num_hidden_layers
+        weights = load_weights(source, layers, masters=True) if source else None
         reset_weights(self.replicas, job.seed, weights)
         gamma = (
             job.loss_gamma

@@ -7,7 +7,7 @@ import hashlib
 import json
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -71,6 +71,9 @@ class JobSpec(BaseModel):
     init_from: str | None = Field(None, description="drafter checkpoint to start from")
     skip_bad_lines: bool = False
     chat_template: str | None = Field(None, description="a Jinja chat template file; default: the tokenizer's")
+    export_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of each checkpoint's model.safetensors (resume always has the fp32 masters)"
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description='options the chat template reads, e.g. {"enable_thinking": false}'
     )

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,7 +20,18 @@ from .client import DaemonClient, DaemonError, default_token, default_url
 from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
 from .jobs.store import TERMINAL
 
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+# Exit codes, distinct per outcome (scripts and CI branch on them; the README lists them)
+EXIT_OK = 0  # the command did what it was asked; a followed job SUCCEEDED
+EXIT_JOB_FAILED = 1
+EXIT_BAD_REQUEST = 2  # the daemon refused the request (4xx), or the arguments or files are wrong
+EXIT_JOB_STOPPED = 3
+EXIT_UNREACHABLE = 4  # no daemon answered at --url
+EXIT_DAEMON_ERROR = 5  # the daemon answered with a server error (5xx)
+EXIT_INTERRUPTED = 130
+EXIT_CODES = {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_JOB_FAILED, "STOPPED": EXIT_JOB_STOPPED}
+# how long a follower keeps reconnecting to a daemon that went away (a restart takes seconds to
+# minutes: warm-up); then it gives up with EXIT_UNREACHABLE
+RECONNECT_SECONDS = 900.0
 
 
 # --------------------------------------------------------------------------- serve
@@ -28,7 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
-    from .config import ConfigError, load_config
+    from .config import ConfigError, is_loopback_host, is_wildcard_host, load_config
+    from .http_guard import MAX_REQUEST_HEAD_BYTES, bounded_h11_protocol
     from .logs import configure_logging
 
     overrides: dict[str, Any] = {
@@ -43,10 +55,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"dflash-trainer: invalid configuration: {e}", file=sys.stderr)
         return 2
+    if (problem := config.exposure_problem()) is not None:
+        print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
+        return 2
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.auth_token:
-        logging.getLogger("dflash.service").warning(
-            "listening on %s without auth_token: anyone who reaches this port can submit and cancel jobs", config.host
+    log = logging.getLogger("dflash.service")
+    if not is_loopback_host(config.host) and config.auth_token is None:
+        log.warning(
+            "listening on %s without auth_token (allow_unauthenticated): anyone who reaches this port can "
+            "submit and cancel jobs",
+            config.host,
+        )
+    if is_wildcard_host(config.host) and not config.allowed_hosts:
+        log.warning(
+            "listening on %s with no allowed_hosts: only requests addressed to localhost names are answered "
+            "(421 otherwise); list the names clients use in allowed_hosts",
+            config.host,
         )
     app = create_app(config)
     daemon = app.state.daemon
@@ -67,6 +91,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level=config.log_level,
             timeout_graceful_shutdown=10,
             access_log=config.log_level == "debug",
+            # a request must arrive whole within request_timeout_seconds (uvicorn bounds only the idle
+            # time between requests), and its head is at most MAX_REQUEST_HEAD_BYTES (else 400)
+            http=bounded_h11_protocol(config.request_timeout_seconds),
+            timeout_keep_alive=config.keep_alive_timeout_seconds,
+            h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
+            server_header=False,
         )
     )
     server.run()
@@ -135,28 +165,94 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def progress_line(event: dict[str, Any]) -> str:
+def _duration(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+def progress_line(event: dict[str, Any], elapsed: float | None = None, eta: float | None = None) -> str:
     step, total = event.get("step") or 0, event.get("total_steps") or 0
     width = 24
     filled = int(width * step / total) if total else 0
     bar = "#" * filled + "-" * (width - filled)
+    timing = f"  {_duration(elapsed)} elapsed, ETA {_duration(eta)}" if elapsed is not None else ""
     return (
         f"step {step}/{total} [{bar}] {100 * step / total if total else 0:5.1f}%  loss {_fmt(event.get('loss'), '.4f')}"
-        f"  {_fmt(event.get('tokens_per_second'), ',.0f')} tok/s"
+        f"  {_fmt(event.get('tokens_per_second'), ',.0f')} tok/s{timing}"
     )
 
 
+class _Clock:
+    """Elapsed time of what this follower saw, and the ETA from the recent step rate."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.first: tuple[float, int] | None = None
+
+    def times(self, step: int, total: int) -> tuple[float, float | None]:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = (now, step)
+        t1, s1 = self.first
+        rate = (step - s1) / (now - t1) if now > t1 and step > s1 else None
+        return now - self.t0, (total - step) / rate if rate else None
+
+
+def _events_reconnecting(
+    client: DaemonClient, job_id: str, out: TextIO, reconnect_seconds: float
+) -> Iterator[dict[str, Any]]:
+    """The job's events until it ends, resuming after the last one seen (?after=) when the stream
+    breaks or the daemon restarts; gives up after `reconnect_seconds` without an answer."""
+    import httpx
+
+    after = 0
+    while True:
+        try:
+            for event in client.events(job_id, follow=True, after=after):
+                after = max(after, int(event.get("event_id") or 0))
+                yield event
+            if client.job(job_id)["state"] in TERMINAL:
+                return
+        except (httpx.TransportError, DaemonError) as e:
+            if isinstance(e, DaemonError) and e.status < 500:
+                raise
+        # the stream ended or broke while the job runs: the daemon went away (a restart)
+        out.write(("\r\033[K" if out.isatty() else "") + "daemon unreachable; reconnecting...\n")
+        out.flush()
+        deadline = time.monotonic() + reconnect_seconds
+        while True:
+            try:
+                client.job(job_id)
+                break
+            except (httpx.TransportError, DaemonError) as e:
+                if isinstance(e, DaemonError) and e.status < 500:
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+
 def follow_job(
-    client: DaemonClient, job_id: str, out: TextIO = sys.stdout, *, quiet_steps_seconds: float = 1.0
+    client: DaemonClient,
+    job_id: str,
+    out: TextIO = sys.stdout,
+    *,
+    quiet_steps_seconds: float = 1.0,
+    reconnect_seconds: float = RECONNECT_SECONDS,
 ) -> dict[str, Any]:
-    """Stream the job's events, drawing a progress line; returns the job when it ends."""
+    """Stream the job's events, drawing a progress line; returns the job when it ends. Survives a
+    daemon restart (the events resume where they stopped)."""
     tty = out.isatty()
     last_print = 0.0
     pending_line = ""
-    for event in client.events(job_id, follow=True):
+    clock = _Clock()
+    for event in _events_reconnecting(client, job_id, out, reconnect_seconds):
         kind = event["kind"]
         if kind == "step":
-            pending_line = progress_line(event)
+            elapsed, eta = clock.times(event.get("step") or 0, event.get("total_steps") or 0)
+            pending_line = progress_line(event, elapsed, eta)
             now = time.monotonic()
             if tty:
                 out.write("\r" + pending_line)
@@ -278,6 +374,48 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_logs(args: argparse.Namespace) -> int:
+    """A job's events as lines (like `ray job logs`); with --follow, until the job ends, across
+    daemon restarts. The exit code is the job's when it was followed to its end."""
+    with _client(args) as client:
+        if args.follow:
+            job = follow_job(client, args.job_id)
+            _print_outcome(job)
+            return EXIT_CODES.get(job["state"], EXIT_JOB_FAILED)
+        for event in client.events(args.job_id):
+            if args.json:
+                print(json.dumps(event))
+            elif event["kind"] == "step":
+                print(progress_line(event))
+            elif (message := _event_message(event)) is not None:
+                print(message)
+        return EXIT_OK
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """A shell completion script for the commands and options (bash and zsh via bashcompinit)."""
+    parser = build_parser()
+    commands: dict[str, list[str]] = {}
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        for name, sub in getattr(action, "choices", {}).items():
+            commands[name] = sorted(o for a in sub._actions for o in a.option_strings if o.startswith("--"))
+    cases = "\n".join(f'        {name}) opts="{" ".join(opts)}" ;;' for name, opts in commands.items())
+    print(f"""# dflash-trainer completion (bash); load with: eval "$(dflash-trainer completion bash)"
+_dflash_trainer() {{
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" cmd="${{COMP_WORDS[1]}}" opts
+    if [ "$COMP_CWORD" -eq 1 ]; then
+        COMPREPLY=($(compgen -W "{" ".join(commands)} --version --help" -- "$cur")); return
+    fi
+    case "$cmd" in
+{cases}
+        *) opts="" ;;
+    esac
+    if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "$opts" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi
+}}
+complete -F _dflash_trainer dflash-trainer""")
+    return EXIT_OK
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.cancel(args.job_id)
@@ -351,8 +489,23 @@ def register_client_command(subparsers, name: str, handler: Callable[[argparse.N
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("dflash-trainer")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-trainer", description="DFlash drafter training daemon")
+    parser = argparse.ArgumentParser(
+        prog="dflash-trainer",
+        description="DFlash drafter training daemon",
+        epilog="exit codes: 0 done (a followed job SUCCEEDED), 1 job FAILED, 2 bad request or arguments, "
+        "3 job STOPPED, 4 daemon unreachable, 5 daemon error, 130 interrupted",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -399,6 +552,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("job_id", nargs="?", metavar="JOB_ID")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
+    logs = register_client_command(sub, "logs", cmd_logs, "print a job's events; --follow re-attaches to a running job")
+    logs.add_argument("job_id", metavar="JOB_ID")
+    logs.add_argument("--follow", "-f", action="store_true", help="follow until the job ends (across daemon restarts)")
+    logs.add_argument("--json", action="store_true", help="one JSON event per line")
+
+    comp = sub.add_parser("completion", help="print a shell completion script", description=cmd_completion.__doc__)
+    comp.add_argument("shell", choices=["bash", "zsh"])
+    comp.set_defaults(handler=cmd_completion)
+
     cancel = register_client_command(sub, "cancel", cmd_cancel, "stop a queued or running job")
     cancel.add_argument("job_id", metavar="JOB_ID")
 
@@ -437,14 +599,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except DaemonError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if 400 <= e.status < 500 else 1
+        return EXIT_BAD_REQUEST if 400 <= e.status < 500 else EXIT_DAEMON_ERROR
     except httpx.TransportError as e:
         print(f"error: cannot reach the daemon at {getattr(args, 'url', '?')}: {e}", file=sys.stderr)
-        return 1
+        return EXIT_UNREACHABLE
     except KeyboardInterrupt:
-        if args.command == "submit":
+        if args.command in ("submit", "logs"):
             print("\nstopped following; the job keeps running (dflash-trainer status / cancel)", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

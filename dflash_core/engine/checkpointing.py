@@ -85,7 +85,8 @@ def step_dir_name(step: int) -> str:
 
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint directory's name (step-00000120 -> 120), None for other names."""
-    if not name.startswith("step-") or not name[5:].isdigit():
+    digits = name[5:]
+    if not name.startswith("step-") or not (digits.isascii() and digits.isdigit()):
         return None
     return int(name[5:])
 

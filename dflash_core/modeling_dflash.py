@@ -49,7 +49,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)

@@ -2,19 +2,22 @@
 
 `create_app(config)` returns the FastAPI app; its lifespan opens the store, starts the job worker
 and starts the engine build in a background thread without awaiting it, so uvicorn answers
-/healthz (503 while warming) from the first moment.
+/healthz (503 while warming) from the first moment. Every request passes service.http_guard first
+(Host, Origin, token, Content-Type, body size); the served /openapi.json describes the responses,
+those of the guard included (`_openapi`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
-import hmac
 import json
 import logging
 import math
 import os
+import re
 import threading
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,22 +25,36 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
+from . import api_models as models
 from .config import ServiceConfig
 from .engine_host import EngineHost
+from .event_feed import EVENT_PAGE, EventHub, TooManyStreams
+from .http_guard import MAX_BODY_BYTES, SAFE_METHODS, UNGUARDED_READS, RequestGuard, token_matches
 from .jobs.manager import JobConflict, JobManager, JobNotFound, Unavailable
-from .jobs.schemas import InvalidSpec, SpecError, field_path, parse_spec
+from .jobs.schemas import InvalidSpec, JobSpec, SpecError, field_path, parse_spec
 from .jobs.store import STATES, EventRecord, JobRecord, JobStore, SubmissionConflict
 from .metrics import CONTENT_TYPE, ServiceMetrics
 
 log = logging.getLogger("dflash.service")
 
-EVENT_PAGE = 500
-MAX_BODY_BYTES = 1 << 20  # a job spec is a few hundred bytes
-FOLLOW_POLL_SECONDS = 0.25
+NDJSON = "application/x-ndjson"
+# Characters refused in a job's name and submission_id: C0/C1 controls (NUL, escape sequences,
+# newlines) and the bidirectional controls that reorder what a terminal shows ("job-\u202egnp.exe"
+# reads as "job-exe.png"); `dflash-trainer status` prints names as they are.
+UNPRINTABLE = "\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029"
+_UNPRINTABLE_RE = re.compile(f"[{UNPRINTABLE}]")
+PRINTABLE_PATTERN = f"^[^{UNPRINTABLE}]*$"
+STREAM_RETRY_AFTER_SECONDS = 5
+# a job state in any letter case, as GET /jobs?state= takes it
+STATE_PATTERN = "^(" + "|".join("".join(f"[{c}{c.lower()}]" for c in state) for state in STATES) + ")$"
 
 
 class DataDirInUse(RuntimeError):
@@ -83,6 +100,7 @@ class Daemon:
         self.host: EngineHost | None = None
         self.manager: JobManager | None = None
         self.metrics: ServiceMetrics | None = None
+        self.hub: EventHub | None = None
         self._shutting_down = threading.Event()
 
     def start(self) -> None:
@@ -93,6 +111,10 @@ class Daemon:
         self.manager = JobManager(self.config, self.store, self.host)
         self.metrics = ServiceMetrics(self.host, self.store, block_size=self.config.engine.block_size)
         self.manager.metrics = self.metrics
+        self.hub = EventHub(
+            self.store, _event_line, max_streams=self.config.max_event_streams, stopping=lambda: self.shutting_down
+        )
+        self.metrics.registry.register(_StreamCollector(self.hub))
         self.manager.start()
         self.host.start()
         log.info(
@@ -182,6 +204,30 @@ def job_json(job: JobRecord) -> dict[str, Any]:
     return finite(out)
 
 
+class _StreamCollector(Collector):
+    """Followed event streams: how many are open, and what they cost the store."""
+
+    def __init__(self, hub: EventHub):
+        self.hub = hub
+
+    def collect(self):
+        yield GaugeMetricFamily(
+            "dflash_event_streams",
+            "Open followed event streams (GET /jobs/{id}/events?follow=true)",
+            value=self.hub.open_streams,
+        )
+        yield GaugeMetricFamily(
+            "dflash_event_streams_max",
+            "Followed event streams served at most (max_event_streams)",
+            value=self.hub.max_streams,
+        )
+        yield CounterMetricFamily(
+            "dflash_event_stream_store_reads",
+            "Store queries made for followed event streams (one poller per followed job, plus catch-ups)",
+            value=self.hub.store_reads,
+        )
+
+
 def event_json(event: EventRecord) -> dict[str, Any]:
     return finite(
         {
@@ -195,9 +241,15 @@ def event_json(event: EventRecord) -> dict[str, Any]:
     )
 
 
-def _error(status: int, detail: str, **extra: Any) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"detail": detail, **extra}, status_code=status, headers=headers)
+def _event_line(event: EventRecord) -> str:
+    return json.dumps(event_json(event)) + "\n"
+
+
+def _error(status: int, detail: str, headers: Mapping[str, str] | None = None, **extra: Any) -> JSONResponse:
+    headers = dict(headers or {})
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse({"detail": detail, **extra}, status_code=status, headers=headers or None)
 
 
 def _invalid_query(name: str, message: str) -> JSONResponse:
@@ -207,6 +259,60 @@ def _invalid_query(name: str, message: str) -> JSONResponse:
 def _invalid(errors: list[dict[str, str]]) -> JSONResponse:
     detail = "invalid job spec: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
     return _error(422, detail, errors=errors)
+
+
+def _unprintable_fields(body: Any) -> list[dict[str, str]]:
+    """name / submission_id holding characters a terminal would act on rather than show."""
+    errors = []
+    if isinstance(body, dict):
+        for name in ("name", "submission_id"):
+            value = body.get(name)
+            if isinstance(value, str) and (found := _UNPRINTABLE_RE.search(value)):
+                errors.append(
+                    {
+                        "field": name,
+                        "message": f"contains U+{ord(found.group()):04X}, a control or bidirectional-override "
+                        "character; use printable text",
+                    }
+                )
+    return errors
+
+
+class NDJSONStream(StreamingResponse):
+    """Newline-delimited JSON; `on_close` runs when the response ends, however it ends (a client
+    that disconnects included), so the stream's slot is always given back."""
+
+    media_type = NDJSON
+
+    def __init__(self, content, on_close=None):
+        super().__init__(content, media_type=NDJSON)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self._on_close is not None:
+                self._on_close()
+
+
+# --------------------------------------------------------------------------- documented responses
+def _doc(description: str, model: type = models.Error) -> dict[str, Any]:
+    return {"model": model, "description": description}
+
+
+NOT_FOUND = _doc("no job with this id")
+# actions on one job (cancel, resume): the job as it is after the action, or why not
+JOB_ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: _doc("the job, already ended by the action (e.g. a queued job cancelled)", models.Job),
+    202: _doc("the job; the action completes at its next step", models.Job),
+    404: NOT_FOUND,
+    409: _doc("the job's state does not allow the action"),
+    503: _doc("the daemon cannot take the action now (shutting down, engine failed, store unavailable)"),
+}
 
 
 # --------------------------------------------------------------------------- app
@@ -228,6 +334,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         description="Training daemon for DFlash speculative-decoding drafters",
     )
     app.state.daemon = daemon
+    app.add_middleware(RequestGuard, config=config)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -242,28 +349,49 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+        # the exception's headers carry meaning (405's Allow lists the methods the path serves)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route that matched the path only; a path served
+            # by several routes (GET and POST /jobs) serves the methods of all of them
+            methods = set()
+            for route in app.router.routes:
+                if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
+                    methods |= route.methods or set()
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
+        return _error(exc.status_code, str(exc.detail), headers=headers)
 
     def _unauthorized(request: Request) -> JSONResponse | None:
+        """The bearer token of a POST route (service.http_guard checks it before any route runs;
+        a route that checks it again stays guarded if it is ever served without the guard)."""
         token = config.auth_token
-        if token is None:
+        if token is None or token_matches(request.scope, [token]):
             return None
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            return _error(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')")
-        return None
+        return _error(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')")
 
     # ------------------------------------------------------------------ health
     # Probes are async: they read memory only and must answer even when every worker thread of
     # the pool is busy (e.g. submissions waiting for the engine during a cold start).
-    @app.get("/healthz")
+    @app.get(
+        "/healthz",
+        responses={
+            200: _doc("every drafter is warm: jobs run", models.Health),
+            503: _doc("starting, warming or failed (see status, phase and error)", models.Health),
+        },
+    )
     async def healthz() -> JSONResponse:
         assert daemon.host is not None  # set by daemon.start(), which the lifespan runs before any request
         body = daemon.host.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
 
-    @app.get("/livez")
+    @app.get(
+        "/livez",
+        responses={
+            200: _doc("the process, its job worker and its engine threads are alive", models.Liveness),
+            503: _doc("something died (see problems): restart the daemon", models.Liveness),
+        },
+    )
     async def livez() -> JSONResponse:
         assert daemon.manager is not None and daemon.host is not None  # set by daemon.start() (lifespan)
         problems = []
@@ -284,19 +412,35 @@ def create_app(config: ServiceConfig) -> FastAPI:
             body["problems"] = problems
         return JSONResponse(body, status_code=200 if not problems else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format (README, Metrics)"}},
+    )
     def metrics() -> Response:
         assert daemon.metrics is not None  # set by daemon.start(), which the lifespan runs before any request
         return Response(daemon.metrics.render(), media_type=CONTENT_TYPE)
 
     # ------------------------------------------------------------------ jobs
-    @app.post("/jobs")
+    @app.post(
+        "/jobs",
+        status_code=202,
+        responses={
+            200: _doc("the job already submitted with this submission_id and the same spec", models.Job),
+            202: _doc("queued", models.Job),
+            409: _doc(
+                "the submission_id belongs to a job with another spec (`job` is that job), or the "
+                "output_dir belongs to another job",
+                models.SubmissionConflict,
+            ),
+            422: _doc("an invalid job spec; `errors` names every offending field", models.InvalidRequest),
+            503: _doc("the engine failed to start, or the daemon is shutting down"),
+        },
+    )
     async def submit_job(request: Request) -> JSONResponse:
         if (denied := _unauthorized(request)) is not None:
             return denied
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _error(413, f"job spec of {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+        raw = await request.body()  # at most MAX_BODY_BYTES: the guard read it
         try:
             body = json.loads(raw) if raw.strip() else None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -306,11 +450,16 @@ def create_app(config: ServiceConfig) -> FastAPI:
         if body is None:
             return _invalid([{"field": "body", "message": "empty body; send the job spec as a JSON object"}])
         assert daemon.manager is not None  # set by daemon.start(), which the lifespan runs before any request
+        unprintable = _unprintable_fields(body)
         try:
             spec = parse_spec(body)
+            if unprintable:
+                return _invalid(unprintable)
             job, created = await run_in_threadpool(daemon.manager.submit, spec)
         except InvalidSpec as e:
-            return _invalid(e.errors)
+            return _invalid(
+                unprintable + [err for err in e.errors if err["field"] not in {u["field"] for u in unprintable}]
+            )
         except SpecError as e:
             return _invalid([{"field": e.field, "message": e.message}])
         except SubmissionConflict as e:
@@ -321,9 +470,13 @@ def create_app(config: ServiceConfig) -> FastAPI:
             return _error(503, str(e))
         return JSONResponse(job_json(job), status_code=202 if created else 200)
 
-    @app.get("/jobs")
+    @app.get("/jobs", responses={200: _doc("the jobs, oldest first", models.JobList)})
     def list_jobs(
-        state: str | None = Query(None, description="only jobs in this state"),
+        state: str | None = Query(
+            None,
+            description="only jobs in this state (any letter case)",
+            json_schema_extra={"pattern": STATE_PATTERN},
+        ),
         limit: int = Query(1000, ge=1, le=100_000, description="the newest this many jobs"),
     ) -> JSONResponse:
         if state is not None and state.upper() not in STATES:
@@ -332,7 +485,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         jobs = daemon.store.list_jobs(state=state.upper() if state else None, limit=limit)
         return JSONResponse({"jobs": [job_json(j) for j in jobs]})
 
-    @app.get("/jobs/{job_id}")
+    @app.get("/jobs/{job_id}", responses={200: _doc("the job, with its checkpoints", models.Job), 404: NOT_FOUND})
     def get_job(job_id: str) -> JSONResponse:
         assert daemon.store is not None  # set by daemon.start(), which the lifespan runs before any request
         job = daemon.store.get_job(job_id)
@@ -340,7 +493,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
             return _error(404, f"no job {job_id!r}")
         return JSONResponse(job_json(job))
 
-    @app.post("/jobs/{job_id}/cancel")
+    @app.post("/jobs/{job_id}/cancel", responses=JOB_ACTION_RESPONSES)
     def cancel_job(request: Request, job_id: str) -> JSONResponse:
         if (denied := _unauthorized(request)) is not None:
             return denied
@@ -351,38 +504,179 @@ def create_app(config: ServiceConfig) -> FastAPI:
             return _error(404, f"no job {job_id!r}")
         except JobConflict as e:
             return _error(409, str(e))
+        except Unavailable as e:  # the job store cannot write (a full disk): nothing was changed
+            return _error(503, str(e))
         # a queued job is STOPPED now (200); a running one stops at its next step (202)
         return JSONResponse(job_json(job), status_code=200 if job.terminal else 202)
 
-    @app.get("/jobs/{job_id}/events")
+    @app.post(
+        "/jobs/{job_id}/resume",
+        status_code=202,
+        responses={
+            202: _doc("the job, back in the queue: it resumes from its newest checkpoint", models.Job),
+            404: NOT_FOUND,
+            409: _doc("the job is not FAILED or STOPPED, or it has no checkpoint to resume from"),
+            503: _doc("the job store cannot write, the engine failed to start, or the daemon is shutting down"),
+        },
+    )
+    def resume_job(request: Request, job_id: str) -> JSONResponse:
+        if (denied := _unauthorized(request)) is not None:
+            return denied
+        assert daemon.manager is not None  # set by daemon.start(), which the lifespan runs before any request
+        try:
+            job = daemon.manager.resume(job_id)
+        except JobNotFound:
+            return _error(404, f"no job {job_id!r}")
+        except JobConflict as e:
+            return _error(409, str(e))
+        except Unavailable as e:
+            return _error(503, str(e))
+        # back in the queue (PENDING): it resumes from its newest checkpoint when its turn comes
+        return JSONResponse(job_json(job), status_code=202)
+
+    @app.get(
+        "/jobs/{job_id}/events",
+        status_code=200,
+        response_class=NDJSONStream,
+        responses={
+            200: {
+                "description": "the job's events, one JSON object (an Event) per line; with follow=true the "
+                "stream stays open until the job ends",
+                # a sequence of JSON documents: the schema of each (OpenAPI 3.2's itemSchema, as FastAPI
+                # writes for its own JSON Lines streams)
+                "content": {NDJSON: {"itemSchema": {"$ref": "#/components/schemas/Event"}}},
+            },
+            404: NOT_FOUND,
+            429: {
+                **_doc("max_event_streams followed streams are open already"),
+                "headers": {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}},
+            },
+        },
+    )
     async def job_events(
         job_id: str,
         follow: bool = Query(False, description="keep streaming until the job ends"),
         after: int = Query(0, ge=0, le=2**63 - 1, description="only events with event_id greater than this"),
         kind: list[str] | None = Query(None, description="only these kinds (repeatable), e.g. step"),
     ) -> Response:
-        store = daemon.store
-        assert store is not None  # set by daemon.start(), which the lifespan runs before any request
+        store, hub = daemon.store, daemon.hub
+        assert store is not None and hub is not None  # set by daemon.start(), which the lifespan runs first
         job = await run_in_threadpool(store.get_job, job_id, with_checkpoints=False)
         if job is None:
             return _error(404, f"no job {job_id!r}")
 
+        if follow:
+            # served by the job's shared feed (service.event_feed): a follower costs the store nothing
+            # after its catch-up, and their number is bounded
+            try:
+                hub.open()
+            except TooManyStreams as e:
+                return _error(429, f"{e}; retry later", headers={"Retry-After": str(STREAM_RETRY_AFTER_SECONDS)})
+            return NDJSONStream(hub.follow(job_id, after=after, kinds=kind), on_close=hub.close)
+
         async def lines():
             last = after
             while True:
-                current = await run_in_threadpool(store.get_job, job_id, with_checkpoints=False)
-                ended = current is None or current.terminal  # read before draining: no event is missed
-                while True:
-                    page = await run_in_threadpool(store.events, job_id, after=last, kinds=kind, limit=EVENT_PAGE)
-                    for event in page:
-                        last = event.id
-                        yield json.dumps(event_json(event)) + "\n"
-                    if len(page) < EVENT_PAGE:
-                        break
-                if not follow or ended or daemon.shutting_down:
+                page = await run_in_threadpool(store.events, job_id, after=last, kinds=kind, limit=EVENT_PAGE)
+                for event in page:
+                    last = event.id
+                    yield _event_line(event)
+                if len(page) < EVENT_PAGE:
                     return
-                await asyncio.sleep(FOLLOW_POLL_SECONDS)
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return NDJSONStream(lines())
 
+    app.openapi = lambda: _openapi(app, config)  # type: ignore[method-assign]
     return app
+
+
+# --------------------------------------------------------------------------- OpenAPI
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _error_response(description: str, schema: str = "Error") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
+
+
+def _openapi(app: FastAPI, config: ServiceConfig) -> dict[str, Any]:
+    """The served schema: the routes' own declarations, plus what FastAPI cannot see from them:
+    the job spec as POST /jobs's body (the route parses it itself, to answer 401/413/415 before
+    validating it), the responses of service.http_guard, which depend on the method and on this
+    daemon's tokens, and our 422 body in place of FastAPI's."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+
+    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(spec_schema.pop("$defs", {}))
+    for name in ("name", "submission_id"):  # what _unprintable_fields refuses
+        for variant in spec_schema["properties"][name].get("anyOf", [spec_schema["properties"][name]]):
+            if variant.get("type") == "string":
+                variant["pattern"] = PRINTABLE_PATTERN
+    # what JobSpec's own validator checks, where JSON Schema can say it: steps or epochs (one of
+    # them), no dataset twice, betas in [0, 1)
+    spec_schema["oneOf"] = [
+        {"required": ["steps"], "properties": {"steps": {"type": "integer"}}},
+        {"required": ["epochs"], "properties": {"epochs": {"type": "number"}}},
+    ]
+    spec_schema["properties"]["datasets"]["uniqueItems"] = True
+    spec_schema["properties"]["adam_betas"]["items"].update(minimum=0, exclusiveMaximum=1)
+    schemas["JobSpec"] = spec_schema
+    for name, model in (("Error", models.Error), ("InvalidRequest", models.InvalidRequest), ("Event", models.Event)):
+        if name not in schemas:
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(model_schema.pop("$defs", {}))
+            schemas[name] = model_schema
+
+    submit = schema["paths"]["/jobs"]["post"]
+    submit["requestBody"] = {
+        "required": True,
+        "description": 'the job spec (README, HTTP API), e.g. {"datasets": ["builtin://train"], "steps": 20}',
+        "content": {"application/json": {"schema": _ref("JobSpec")}},
+    }
+
+    guarded = False
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("default", None)
+            for status, response in responses.items():  # errors are JSON, whatever the route streams
+                content = response.get("content")
+                if int(status) >= 400 and content and "application/json" not in content:
+                    response["content"] = {"application/json": next(iter(content.values()))}
+            if "422" in responses or operation.get("parameters") or operation.get("requestBody"):
+                responses["422"] = _error_response(
+                    responses.get("422", {}).get("description") or "an invalid request; `errors` names each field",
+                    "InvalidRequest",
+                )
+            responses["400"] = _error_response("a malformed request (e.g. two Host headers)")
+            responses["421"] = _error_response("the Host header names a server this daemon is not (allowed_hosts)")
+            responses["431"] = _error_response("request line and headers over 16 KiB")
+            mutating = method.upper() not in SAFE_METHODS
+            if mutating:
+                responses["403"] = _error_response("a browser page of another origin (allowed_origins)")
+                responses["413"] = _error_response(f"a body of more than {MAX_BODY_BYTES} bytes")
+                responses["415"] = _error_response("a body not sent as Content-Type: application/json")
+                if path.startswith("/jobs/{job_id}/"):  # actions on a job
+                    responses.setdefault("404", _error_response("no job with this id"))
+                    responses.setdefault("409", _error_response("the job's state does not allow the action"))
+            if "{job_id}" in path:
+                responses.setdefault("404", _error_response("no job with this id"))
+            if (mutating and config.auth_token is not None) or (
+                not mutating and config.reads_protected and path not in UNGUARDED_READS
+            ):
+                guarded = True
+                operation["security"] = [{"bearer": []}]
+                responses["401"] = _error_response("no bearer token, or a wrong one")
+            operation["responses"] = dict(sorted(responses.items()))
+    if guarded:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body, replaced above
+        others = {key: value for key, value in schemas.items() if key != name}
+        if f'"#/components/schemas/{name}"' not in json.dumps([schema["paths"], others]):
+            schemas.pop(name, None)
+    app.openapi_schema = schema
+    return schema

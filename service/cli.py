@@ -39,7 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
-    from .config import ConfigError, load_config
+    from .config import ConfigError, is_loopback_host, is_wildcard_host, load_config
+    from .http_guard import MAX_REQUEST_HEAD_BYTES, bounded_h11_protocol
     from .logs import configure_logging
 
     overrides: dict[str, Any] = {
@@ -54,10 +55,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"dflash-trainer: invalid configuration: {e}", file=sys.stderr)
         return 2
+    if (problem := config.exposure_problem()) is not None:
+        print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
+        return 2
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.auth_token:
-        logging.getLogger("dflash.service").warning(
-            "listening on %s without auth_token: anyone who reaches this port can submit and cancel jobs", config.host
+    log = logging.getLogger("dflash.service")
+    if not is_loopback_host(config.host) and config.auth_token is None:
+        log.warning(
+            "listening on %s without auth_token (allow_unauthenticated): anyone who reaches this port can "
+            "submit and cancel jobs",
+            config.host,
+        )
+    if is_wildcard_host(config.host) and not config.allowed_hosts:
+        log.warning(
+            "listening on %s with no allowed_hosts: only requests addressed to localhost names are answered "
+            "(421 otherwise); list the names clients use in allowed_hosts",
+            config.host,
         )
     app = create_app(config)
     daemon = app.state.daemon
@@ -78,6 +91,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level=config.log_level,
             timeout_graceful_shutdown=10,
             access_log=config.log_level == "debug",
+            # a request must arrive whole within request_timeout_seconds (uvicorn bounds only the idle
+            # time between requests), and its head is at most MAX_REQUEST_HEAD_BYTES (else 400)
+            http=bounded_h11_protocol(config.request_timeout_seconds),
+            timeout_keep_alive=config.keep_alive_timeout_seconds,
+            h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
+            server_header=False,
         )
     )
     server.run()

@@ -33,7 +33,9 @@ def default_token() -> str | None:
 class DaemonClient:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 30.0):
         self.url = (url or default_url()).rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # as UTF-8 bytes: httpx encodes str header values as ASCII, and the daemon compares the token's
+        # UTF-8 bytes, so a non-ASCII token works end to end; surrounding whitespace is no part of it
+        headers = {b"Authorization": f"Bearer {token.strip()}".encode()} if token and token.strip() else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def close(self) -> None:

@@ -11,16 +11,19 @@ are JSON (`["cuda:0","cuda:1"]`) or comma-separated (`cuda:0,cuda:1`).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import tomllib
 import typing
+import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dflash_core.engine.config import EngineConfig
 
@@ -40,10 +43,79 @@ def default_data_dir(env: Mapping[str, str] = os.environ) -> Path:
     return Path(base).expanduser() / "dflash-trainer"
 
 
+def is_loopback_host(host: str) -> bool:
+    """A bind address (or Host name) that only this machine can reach."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard_host(host: str) -> bool:
+    """0.0.0.0 / :: (every address of the machine)."""
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _token(value: str | None, name: str) -> str | None:
+    """Surrounding whitespace is not part of a token (a secret file's trailing newline, an indented
+    value): stripped here as it is from the presented one. Control characters cannot travel in an
+    HTTP header, so such a token could never be presented."""
+    if value is None:
+        return None
+    value = value.strip()
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise ValueError(f"{name} contains a control character; it could never be sent in an HTTP header")
+    return value or None
+
+
+def _host_name(value: str) -> str:
+    host = value.strip().lower()
+    if host == "*":
+        return host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not host or any(c in host for c in "/:@?# ") or any(unicodedata.category(c)[0] in "CZ" for c in host):
+        raise ValueError(f"{value!r} is not a host name (give the name only: no scheme, port or path)")
+    return host.rstrip(".")
+
+
+def normalize_origin(value: str) -> str | None:
+    """scheme://host[:port] in lower case with the scheme's default port dropped, as browsers send
+    it in the Origin header; None when `value` is not such an origin."""
+    try:
+        parts = urlsplit(value.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query or parts.fragment:
+        return None
+    if parts.username is not None or parts.password is not None:
+        return None
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    default = 80 if parts.scheme == "http" else 443
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+
 def embedded_assets_dir() -> Path:
     from dflash_core.defaults import ASSETS
 
     return ASSETS
+
+
+Tracker = Literal["tensorboard", "wandb", "mlflow"]
+DEFAULT_TRACKER: Tracker = "tensorboard"
 
 
 class ServiceConfig(BaseModel):
@@ -52,11 +124,38 @@ class ServiceConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Field(default_factory=default_data_dir)
-    auth_token: str | None = Field(None, description="bearer token required on POST endpoints when set")
+    auth_token: str | None = Field(
+        None, description="bearer token required on POST endpoints when set (and on reads with protect_reads)"
+    )
+    read_token: str | None = Field(
+        None, description="bearer token required on GET endpoints except /healthz, /livez and /metrics when set"
+    )
+    protect_reads: bool = Field(False, description="auth_token (or read_token) also guards the GET endpoints")
+    allow_unauthenticated: bool = Field(
+        False, description="serve on a non-loopback address without auth_token (anyone who reaches it may submit)"
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header names accepted besides localhost names and the bind address; '*' accepts any",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="browser origins (scheme://host[:port]) allowed to POST besides the daemon's own",
+    )
+    max_event_streams: int = Field(64, ge=1, le=100_000, description="open ?follow=true event streams at most")
+    request_timeout_seconds: float = Field(
+        30.0, gt=0, le=3600, description="time a client has to deliver a whole request (head and body)"
+    )
+    keep_alive_timeout_seconds: int = Field(5, ge=1, le=3600, description="an idle keep-alive connection is closed")
     dataset_roots: list[Path] | None = Field(None, description="default: data_dir and the embedded assets")
     output_roots: list[Path] | None = Field(None, description="default: data_dir")
     log_json: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: [DEFAULT_TRACKER],
+        description="experiment trackers of every job unless its spec says otherwise (TensorBoard event files "
+        "under the job's output_dir/tensorboard; wandb or mlflow where installed); [] for none",
+    )
     shutdown_timeout_seconds: float = Field(120.0, gt=0, description="how long SIGTERM waits for the job's checkpoint")
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
@@ -70,10 +169,51 @@ class ServiceConfig(BaseModel):
     def _expand_roots(cls, v: list[Path] | None) -> list[Path] | None:
         return [p.expanduser().absolute() for p in v] if v is not None else None
 
-    @field_validator("auth_token")
+    @field_validator("auth_token", "read_token")
     @classmethod
-    def _blank_token_is_none(cls, v: str | None) -> str | None:
-        return v if v else None
+    def _clean_token(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _token(v, info.field_name or "token")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _clean_hosts(cls, v: list[str]) -> list[str]:
+        return [_host_name(h) for h in v]
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _clean_origins(cls, v: list[str]) -> list[str]:
+        out = []
+        for raw in v:
+            origin = normalize_origin(raw)
+            if origin is None:
+                raise ValueError(f"{raw!r} is not an origin: give scheme://host[:port], e.g. https://ui.example.com")
+            out.append(origin)
+        return out
+
+    @model_validator(mode="after")
+    def _reads_need_a_token(self) -> ServiceConfig:
+        if self.protect_reads and self.auth_token is None and self.read_token is None:
+            raise ValueError("protect_reads needs auth_token or read_token")
+        return self
+
+    @property
+    def reads_protected(self) -> bool:
+        return self.protect_reads or self.read_token is not None
+
+    def read_tokens(self) -> list[str]:
+        """Tokens accepted on guarded reads: the read token, and the auth token (who may write may read)."""
+        return [t for t in (self.read_token, self.auth_token) if t is not None]
+
+    def exposure_problem(self) -> str | None:
+        """Why this config must not serve, or None: a non-loopback bind without a token lets anyone
+        who reaches the port submit jobs that read and write under the configured roots."""
+        if is_loopback_host(self.host) or self.auth_token is not None or self.allow_unauthenticated:
+            return None
+        return (
+            f"host {self.host!r} is reachable from other machines, and no auth_token is set: anyone who "
+            "reaches the port could submit and cancel jobs. Set auth_token (or DFLASH_AUTH_TOKEN), bind "
+            "127.0.0.1, or set allow_unauthenticated = true to accept that"
+        )
 
     def resolved_dataset_roots(self) -> list[Path]:
         roots = self.dataset_roots if self.dataset_roots is not None else [self.data_dir, embedded_assets_dir()]

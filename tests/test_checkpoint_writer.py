@@ -60,3 +60,21 @@ def test_snapshot_is_not_reached_by_later_training():
     state = snap["optimizer"]["state"][0]
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(state[key], before[key]) and not torch.equal(opt.state[p][key], before[key])
+
+
+def test_rotation_keeps_the_newest_steps_past_10_to_the_8(tmp_path):
+    """Rotation orders checkpoints by step number: past step 10^8 the names grow a digit and no
+    longer sort by step, and the newest checkpoints must still be the ones kept."""
+    from pathlib import Path
+
+    from dflash_core.confine import ConfinedDir
+    from dflash_core.engine.checkpointing import rotate_checkpoints, step_dir_name
+
+    for step in (99_999_990, 99_999_999, 100_000_000, 100_000_010):
+        (tmp_path / step_dir_name(step)).mkdir()
+    partial = tmp_path / ".tmp-step-100000020-abcd1234"  # a write in flight is no checkpoint to rotate
+    partial.mkdir()
+    with ConfinedDir(tmp_path, [str(tmp_path)]) as directory:
+        removed = rotate_checkpoints(directory, keep=2)
+    assert sorted(Path(p).name for p in removed) == ["step-99999990", "step-99999999"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [partial.name, "step-100000000", "step-100000010"]

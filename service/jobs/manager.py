@@ -3,20 +3,47 @@
 A single worker thread takes the next job once the engine is warm (jobs may be submitted while it
 warms). A job the store still marks RUNNING at start belonged to a process that died or was shut
 down: it resumes from its newest checkpoint, its step events beyond that checkpoint are discarded
-first (they are recomputed identically), and a `resumed` event records it.
+first (they are recomputed identically), and a `resumed` event records it. A FAILED or STOPPED job
+put back in the queue through the API (`resume`) resumes the same way when its turn comes.
+
+The worker outlives a store that cannot write (a full or failing disk under the data directory):
+a job whose progress cannot be recorded stops, stays RUNNING and resumes from its last checkpoint
+once the store writes again; an outcome that cannot be recorded is retried until it is; the worker
+backs off meanwhile, and submissions are answered 503.
+
+Before it takes a job, the worker removes what interrupted checkpoint writes left in the output
+directories of the store's jobs (up to a whole checkpoint each), ended jobs' included; the engine
+does the same in a job's directory whenever it runs the job, a resumed one included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ..tracking import Tracker
 from .schemas import JobSpec, SpecError, to_train_job, train_job_from_json, train_job_to_json
-from .store import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, TERMINAL, JobRecord, JobStore, SubmissionConflict
+from .store import (
+    FAILED,
+    PENDING,
+    RUNNING,
+    STOPPED,
+    SUCCEEDED,
+    TERMINAL,
+    JobRecord,
+    JobStore,
+    OutputDirInUse,
+    StoreUnavailable,
+    SubmissionConflict,
+)
 
 if TYPE_CHECKING:
     from ..config import ServiceConfig
@@ -25,9 +52,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dflash.jobs")
 
-# A job during which the daemon died this many times is failed instead of resumed again (a job that
-# kills the process, e.g. through host OOM, would otherwise crash-loop the daemon forever).
+# A job during which the daemon died more than this many times in a row without the job reaching a
+# new checkpoint is failed instead of resumed again (a job that kills the process, e.g. through host
+# OOM, would otherwise crash-loop the daemon forever); a crash after a new checkpoint does not count,
+# since that job gets further each time.
 MAX_CRASH_RESUMES = 5
+# The worker's pauses while the store cannot write: doubling from the first to the last, and cut
+# short by a submission (which shows the store writes again) or a shutdown.
+STORE_RETRY_FIRST_SECONDS = 0.5
+STORE_RETRY_MAX_SECONDS = 5.0
+# What an interrupted checkpoint write leaves in <output_dir>/checkpoints (dflash_core.checkpoint
+# writes into a temporary directory and swaps it in by renames), the names the engine's own sweep
+# (dflash_core.engine.checkpointing.sweep_partial_writes) removes: never a checkpoint a resume reads
+PARTIAL_CHECKPOINT_PREFIXES = (".tmp-step-", ".old-step-")
+# the reason a job put back in the queue by resume() gives for its resume
+RESUME_REQUESTED = "resume requested"
 # A submission that arrives while torch is still being imported waits this long for the engine object
 # (it validates shapes against it); importing takes seconds, not minutes.
 ENGINE_CREATE_TIMEOUT = 120.0
@@ -48,15 +87,27 @@ class Unavailable(Exception):
 class _RunCallbacks:
     """Engine callbacks of one run: persist progress, feed metrics, answer cancellation."""
 
-    def __init__(self, manager: JobManager, job_id: str):
+    def __init__(self, manager: JobManager, job_id: str, tracker: Tracker | None = None):
         self.manager = manager
         self.job_id = job_id
+        self.tracker = tracker  # experiment tracking (report_to)
         self.cancel = threading.Event()
+        # the store's failure that ended the run (the engine reports any callback error as the job's)
+        self.store_error: StoreUnavailable | None = None
+
+    def _store(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A store call, whose failure is noted before it propagates through the engine."""
+        try:
+            return call(*args, **kwargs)
+        except StoreUnavailable as e:
+            self.store_error = e
+            raise
 
     # The engine calls these from the job's thread; see dflash_core.engine.JobCallbacks.
     def on_step(self, stats) -> None:
         payload = dataclasses.asdict(stats)
-        self.manager.store.update_progress(
+        self._store(
+            self.manager.store.update_progress,
             self.job_id,
             step=stats.step,
             total_steps=stats.total_steps,
@@ -69,40 +120,47 @@ class _RunCallbacks:
         )
         if self.manager.metrics is not None:
             self.manager.metrics.observe_step(stats, self.job_id)
+        if self.tracker is not None:
+            self.tracker.step(stats)
         log.debug("step", extra={"fields": {"job": self.job_id, "step": stats.step, "loss": round(stats.loss, 4)}})
 
     def on_checkpoint(self, path: str, step: int, pause_seconds: float = 0.0) -> None:
-        self.manager.store.add_checkpoint(self.job_id, step, path, pause_seconds=pause_seconds)
+        self._store(self.manager.store.add_checkpoint, self.job_id, step, path, pause_seconds=pause_seconds)
         if self.manager.metrics is not None:
             self.manager.metrics.observe_checkpoint_pause(pause_seconds)
+        if self.tracker is not None:
+            self.tracker.checkpoint(step, pause_seconds)
         log.info("checkpoint written", extra={"fields": {"job": self.job_id, "step": step, "path": path}})
 
     def on_checkpoints_removed(self, paths: list[str]) -> None:
-        self.manager.store.forget_checkpoints(self.job_id, paths)
+        self._store(self.manager.store.forget_checkpoints, self.job_id, paths)
 
     def on_event(self, kind: str, payload: dict) -> None:
         if kind == "resumed":  # the manager already recorded the resume, with why and from where
             return
+        store = self.manager.store
         if kind == "data":
-            self.manager.store.set_phase(self.job_id, "training")
+            self._store(store.set_phase, self.job_id, "training")
             if self.manager.metrics is not None:
                 self.manager.metrics.observe_data_progress(None)
             if payload.get("total_steps"):
-                self.manager.store.set_total_steps(self.job_id, int(payload["total_steps"]))
-        if kind in ("data", "skipped_lines") and self.manager.store.events(self.job_id, kinds=[kind], limit=1):
+                self._store(store.set_total_steps, self.job_id, int(payload["total_steps"]))
+        if kind in ("data", "skipped_lines") and self._store(store.events, self.job_id, kinds=[kind], limit=1):
             return  # a resumed run reads the same data again: the first record stands
-        self.manager.store.add_event(self.job_id, kind, payload)
+        self._store(store.add_event, self.job_id, kind, payload)
 
     def on_eval(self, step: int, result: dict) -> None:
         tau = result.get("acceptance_length")
-        self.manager.store.set_eval(self.job_id, step, tau, {"step": step, **result})
+        self._store(self.manager.store.set_eval, self.job_id, step, tau, {"step": step, **result})
         if self.manager.metrics is not None and tau is not None:
             self.manager.metrics.observe_eval(tau)
+        if self.tracker is not None:
+            self.tracker.eval(step, result)
         log.info("evaluation", extra={"fields": {"job": self.job_id, "step": step, "acceptance_length": tau}})
 
     def on_data_progress(self, progress: dict) -> None:
-        self.manager.store.set_phase(self.job_id, "preparing_data", progress)
-        self.manager.store.add_event(self.job_id, "preparing_data", progress)
+        self._store(self.manager.store.set_phase, self.job_id, "preparing_data", progress)
+        self._store(self.manager.store.add_event, self.job_id, "preparing_data", progress)
         if self.manager.metrics is not None:
             self.manager.metrics.observe_data_progress(progress)
 
@@ -123,6 +181,11 @@ class JobManager:
         self._thread: threading.Thread | None = None
         self._dataset_roots = config.resolved_dataset_roots()
         self._output_roots = config.resolved_output_roots()
+        # why a job this process stopped (the store could not write) or requeued resumes: it is not
+        # a crash. Worker thread only.
+        self._resume_notes: dict[str, str] = {}
+        self._store_error: str | None = None  # the store's last failure, until a write succeeds again
+        self._retry_seconds = STORE_RETRY_FIRST_SECONDS
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -165,6 +228,12 @@ class JobManager:
     def submit(self, spec: JobSpec) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (job, created). Raises SpecError (422), SubmissionConflict/JobConflict (409),
         Unavailable (503)."""
+        try:
+            return self._submit(spec)
+        except StoreUnavailable as e:
+            raise Unavailable(f"{e}; submit again once it can") from None
+
+    def _submit(self, spec: JobSpec) -> tuple[JobRecord, bool]:
         fingerprint = spec.fingerprint()
         if spec.submission_id is not None:
             existing = self.store.find_by_submission(spec.submission_id)
@@ -176,6 +245,9 @@ class JobManager:
             raise Unavailable("the daemon is shutting down; submit again after it restarted")
         if self.host.failed:
             raise Unavailable(f"the engine failed to start ({self.host.error}); fix the daemon's config and restart it")
+        # first: a store that cannot write is the answer whatever the spec says (a full data
+        # directory would otherwise also fail the output_dir checks below, as the client's error)
+        self.store.check_writable()
         engine = self.host.wait_engine(ENGINE_CREATE_TIMEOUT)
         if engine is None:
             raise Unavailable(
@@ -193,21 +265,21 @@ class JobManager:
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
         if (other := self.store.any_job_using(out)) is not None:
-            raise JobConflict(
-                f"output_dir {out} belongs to job {other.id} ({other.state}); its checkpoints live "
-                "there: choose another output_dir"
-            )
+            raise _output_dir_taken(out, other)
         if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").iterdir()):
             raise JobConflict(f"output_dir {out} already holds checkpoints; choose another output_dir")
-        job, created = self.store.create_job(
-            job_id=job_id,
-            name=spec.name,
-            submission_id=spec.submission_id,
-            spec=spec.model_dump(mode="json"),
-            fingerprint=fingerprint,
-            train_job_json=train_job_to_json(train_job),
-            output_dir=out,
-        )
+        try:  # the store decides: a submission for the same output_dir may have been accepted since the check
+            job, created = self.store.create_job(
+                job_id=job_id,
+                name=spec.name,
+                submission_id=spec.submission_id,
+                spec=spec.model_dump(mode="json"),
+                fingerprint=fingerprint,
+                train_job_json=train_job_to_json(train_job),
+                output_dir=out,
+            )
+        except OutputDirInUse as e:
+            raise _output_dir_taken(out, e.owner) from None
         if created:
             log.info("job queued", extra={"fields": {"job": job.id, "name": job.name, "output_dir": out}})
             with self._wake:
@@ -223,6 +295,13 @@ class JobManager:
             raise SpecError(e.field or "spec", e.message) from None
 
     def cancel(self, job_id: str) -> JobRecord:
+        """Raises JobNotFound (404), JobConflict (409), Unavailable (503)."""
+        try:
+            return self._cancel(job_id)
+        except StoreUnavailable as e:
+            raise Unavailable(f"{e}; cancel again once it can") from None
+
+    def _cancel(self, job_id: str) -> JobRecord:
         job = self.store.get_job(job_id, with_checkpoints=False)
         if job is None:
             raise JobNotFound(job_id)
@@ -247,6 +326,50 @@ class JobManager:
         log.info("cancel requested for running job", extra={"fields": {"job": job_id}})
         return self._job(job_id)
 
+    def resume(self, job_id: str) -> JobRecord:
+        """Put a FAILED or STOPPED job back in the queue; it resumes from its newest checkpoint, with
+        optimizer state and data order, as after a restart. Raises JobNotFound (404), JobConflict
+        (409: another state, no checkpoint), Unavailable (503)."""
+        try:
+            return self._resume(job_id)
+        except StoreUnavailable as e:
+            raise Unavailable(f"{e}; resume again once it can") from None
+
+    def _resume(self, job_id: str) -> JobRecord:
+        job = self._job(job_id, with_checkpoints=False)
+        if job.state not in (FAILED, STOPPED):
+            raise JobConflict(f"job {job_id} is {job.state}; only a FAILED or STOPPED job can be resumed")
+        if not job.owns_output_dir:
+            raise JobConflict(
+                f"job {job_id} shares output_dir {job.output_dir} with an earlier job, which keeps it; "
+                "submit it again with another output_dir"
+            )
+        checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
+        if checkpoint_path is None:
+            raise JobConflict(f"job {job_id} has no checkpoint to resume from; submit it again as a new job")
+        if self.shutting_down:
+            raise Unavailable("the daemon is shutting down; resume the job after it restarted")
+        if self.host.failed:
+            raise Unavailable(f"the engine failed to start ({self.host.error}); fix the daemon's config and restart it")
+        if not self.store.requeue(job_id, job.state, checkpoint_path, checkpoint_step):
+            state = self._job(job_id, with_checkpoints=False).state
+            raise JobConflict(f"job {job_id} changed to {state} meanwhile; only a FAILED or STOPPED job can be resumed")
+        log.info(
+            "job put back in the queue; it resumes from its checkpoint",
+            extra={"fields": {"job": job_id, "from_step": checkpoint_step, "checkpoint": checkpoint_path}},
+        )
+        with self._wake:
+            self._wake.notify_all()
+        return self._job(job_id)
+
+    def _newest_checkpoint(self, job_id: str) -> tuple[str | None, int]:
+        """The job's newest recorded checkpoint that still exists (the engine rotates old ones away),
+        else (None, 0)."""
+        for ckpt in sorted(self.store.checkpoints(job_id), key=lambda c: c["step"], reverse=True):
+            if Path(ckpt["path"]).is_dir():
+                return ckpt["path"], int(ckpt["step"])
+        return None, 0
+
     def _job(self, job_id: str, with_checkpoints: bool = True) -> JobRecord:
         """A job known to exist (the store never deletes jobs)."""
         job = self.store.get_job(job_id, with_checkpoints=with_checkpoints)
@@ -262,29 +385,139 @@ class JobManager:
 
     # ------------------------------------------------------------------ worker
     def _work(self) -> None:
+        self._sweep_all_partial_checkpoints()
         while not self.shutting_down:
-            if not self.host.ready:
-                if self.host.failed:  # jobs stay queued for the next start; nothing can run now
-                    self._shutdown.wait(1.0)
-                else:
-                    self.host.wait_finished(0.2)
-                continue
-            job = self.store.next_runnable()
-            if job is None:
-                with self._wake:
-                    if not self.shutting_down:
-                        self._wake.wait(1.0)
-                continue
             try:
-                self._run(job)
-            except Exception:  # noqa: BLE001 - the worker must survive anything a job does
-                log.exception("job runner error", extra={"fields": {"job": job.id}})
-                current = self.store.get_job(job.id, with_checkpoints=False)
-                if current is not None and current.state not in TERMINAL:
-                    self.store.finish(job.id, FAILED, error="internal error in the job runner; see the daemon log")
+                self._work_once()
+            except (StoreUnavailable, OSError) as e:  # a full or failing disk: the same work is tried again
+                self._wait_for_store(e)
+            except Exception:  # noqa: BLE001 - the worker must survive its own bugs too; logged, retried
+                log.exception("job worker error")
+                self._wait_for_store(None)
 
+    def _work_once(self) -> None:
+        if not self.host.ready:
+            if self.host.failed:  # jobs stay queued for the next start; nothing can run now
+                self._shutdown.wait(1.0)
+            else:
+                self.host.wait_finished(0.2)
+            return
+        job = self.store.next_runnable()
+        if job is None:
+            with self._wake:
+                if not self.shutting_down:
+                    self._wake.wait(1.0)
+            return
+        try:
+            self._run(job)
+        except (StoreUnavailable, OSError):
+            raise
+        except Exception:  # noqa: BLE001 - the worker must survive anything a job does
+            log.exception("job runner error", extra={"fields": {"job": job.id}})
+            self._record(
+                lambda: self._fail_unless_ended(job.id, "internal error in the job runner; see the daemon log")
+            )
+
+    def _fail_unless_ended(self, job_id: str, error: str) -> None:
+        current = self.store.get_job(job_id, with_checkpoints=False)
+        if current is not None and current.state not in TERMINAL:
+            self.store.finish(job_id, FAILED, error=error)
+
+    def _wait_for_store(self, error: BaseException | None) -> bool:
+        """Pause after a failed store call (which had no effect) before the worker tries again;
+        False once the daemon shuts down."""
+        if error is not None:
+            reason = str(error) if isinstance(error, StoreUnavailable) else f"{type(error).__name__}: {error}"
+            if self._store_error is None:
+                log.error(
+                    "the job store or the file system failed; jobs wait and the worker tries again",
+                    extra={"fields": {"error": reason}},
+                )
+            else:
+                log.debug("the job store still fails", extra={"fields": {"error": reason}})
+            self._store_error = reason
+        with self._wake:
+            if not self.shutting_down:
+                self._wake.wait(self._retry_seconds)
+        self._retry_seconds = min(2 * self._retry_seconds, STORE_RETRY_MAX_SECONDS)
+        return not self.shutting_down
+
+    def _store_works(self) -> None:
+        if self._store_error is not None:
+            log.info("the job store writes again", extra={"fields": {"after": self._store_error}})
+        self._store_error = None
+        self._retry_seconds = STORE_RETRY_FIRST_SECONDS
+
+    def _record(self, write: Callable[[], object]) -> bool:
+        """A write that records what already happened (a job's end), retried until the store takes
+        it. False if the daemon began shutting down first: the job then stays RUNNING in the store
+        and, resumed at the next start, ends again the same way."""
+        while True:
+            try:
+                write()
+            except StoreUnavailable as e:
+                if not self._wait_for_store(e):
+                    return False
+                continue
+            self._store_works()
+            return True
+
+    # ------------------------------------------------------------------ partial checkpoint writes
+    def _sweep_all_partial_checkpoints(self) -> None:
+        """Before any job runs (nothing writes a checkpoint yet): every output directory the store knows."""
+        try:
+            output_dirs = self.store.output_dirs()
+        except StoreUnavailable as e:
+            log.warning("could not list the jobs' output directories to sweep", extra={"fields": {"error": str(e)}})
+            return
+        for output_dir in output_dirs:
+            self._sweep_partial_checkpoints(output_dir)
+
+    def _sweep_partial_checkpoints(self, output_dir: str) -> list[str]:
+        """Remove what interrupted checkpoint writes left in <output_dir>/checkpoints; only where
+        that directory, symlinks resolved, lies under the configured output roots. Creates nothing
+        (most jobs' directories are gone or were never made)."""
+        directory = Path(output_dir) / "checkpoints"
+        try:
+            real = directory.resolve()
+            if not any(real == root or real.is_relative_to(root) for root in self._output_roots):
+                return []
+            with os.scandir(real) as it:
+                partial = [
+                    e for e in it if e.name.startswith(PARTIAL_CHECKPOINT_PREFIXES) and e.is_dir(follow_symlinks=False)
+                ]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            log.warning(
+                "could not sweep partial checkpoint writes",
+                extra={"fields": {"directory": str(directory), "error": str(e)}},
+            )
+            return []
+        removed, freed = [], 0
+        for entry in partial:
+            size = _tree_bytes(entry.path)
+            try:
+                shutil.rmtree(entry.path)
+            except OSError as e:
+                log.warning(
+                    "could not remove a partial checkpoint write",
+                    extra={"fields": {"path": entry.path, "error": str(e)}},
+                )
+                continue
+            removed.append(entry.path)
+            freed += size
+        if removed:
+            log.info(
+                "removed partial checkpoint writes",
+                extra={"fields": {"directory": str(real), "names": [Path(p).name for p in removed], "bytes": freed}},
+            )
+        return removed
+
+    # ------------------------------------------------------------------ running a job
     def _prepare_orphan(self, job: JobRecord) -> tuple[bool, str | None]:
-        """A job left RUNNING by an earlier process: returns (run it, resume_from)."""
+        """A RUNNING job no run holds (left by an earlier process, stopped by a store failure, or
+        requeued): returns (run it, resume_from)."""
         if job.cancel_requested:
             self.store.finish(
                 job.id,
@@ -295,36 +528,28 @@ class JobManager:
                     "final_checkpoint": job.last_checkpoint,
                 },
             )
+            self._resume_notes.pop(job.id, None)
             return False, None
-        after_crash = not job.interrupted_by_shutdown
-        if after_crash and job.crash_resumes >= MAX_CRASH_RESUMES:
+        note = self._resume_notes.get(job.id)
+        after_crash = note is None and not job.interrupted_by_shutdown
+        checkpoint_path, checkpoint_step = self._newest_checkpoint(job.id)
+        crashes = job.crashes_after(checkpoint_step, after_crash=after_crash)
+        if crashes > MAX_CRASH_RESUMES:
+            then = (
+                f"POST /jobs/{job.id}/resume continues it from its checkpoint at step {checkpoint_step}"
+                if checkpoint_path
+                else "it has no checkpoint: submit it again"
+            )
             self.store.finish(
                 job.id,
                 FAILED,
-                error=f"the daemon died {job.crash_resumes + 1} times while running this "
-                "job; not resuming it again (see the daemon log)",
+                error=f"the daemon died {crashes} times in a row while running this job, without the job "
+                f"reaching a new checkpoint; not resuming it again (see the daemon log); {then}",
             )
             return False, None
-        # the newest checkpoint that still exists (the engine rotates old ones away)
-        checkpoint_path, checkpoint_step = None, 0
-        for ckpt in sorted(self.store.checkpoints(job.id), key=lambda c: c["step"], reverse=True):
-            if Path(ckpt["path"]).is_dir():
-                checkpoint_path, checkpoint_step = ckpt["path"], int(ckpt["step"])
-                break
-        removed = self.store.prepare_resume(job.id, checkpoint_path, checkpoint_step, after_crash=after_crash)
-        reason = "the daemon was killed or crashed" if after_crash else "the daemon was shut down"
-        self.store.add_event(
-            job.id,
-            "resumed",
-            {
-                "step": checkpoint_step,
-                "checkpoint": checkpoint_path,
-                "reason": reason,
-                "discarded_events": removed,
-                "steps_lost": max(0, job.step - checkpoint_step),
-            },
-            step=checkpoint_step,
-        )
+        reason = note or ("the daemon was killed or crashed" if after_crash else "the daemon was shut down")
+        self.store.prepare_resume(job.id, checkpoint_path, checkpoint_step, after_crash=after_crash, reason=reason)
+        self._resume_notes.pop(job.id, None)
         log.info(
             "resuming job",
             extra={
@@ -334,37 +559,67 @@ class JobManager:
         return True, checkpoint_path
 
     def _run(self, job: JobRecord) -> None:
+        resume = running = job.state == RUNNING  # RUNNING when picked: no run of this process holds it
+        try:
+            if job.state == PENDING:
+                # a job put back in the queue by resume() has checkpoints; one that never ran has none
+                resume = bool(self.store.checkpoints(job.id))
+                if not self.store.mark_running(job.id):
+                    return
+                running = True
+                if resume:
+                    self._resume_notes[job.id] = RESUME_REQUESTED
+                    job = self._job(job.id, with_checkpoints=False)
+                else:
+                    log.info("job started", extra={"fields": {"job": job.id}})
+            self._run_running(job, resume=resume)
+        except (StoreUnavailable, OSError) as e:
+            if running:  # it stays RUNNING in the store: resumed, not counted as a crash, once it writes again
+                self._resume_notes.setdefault(job.id, f"the job store could not record its progress ({e})")
+            raise
+
+    def _run_running(self, job: JobRecord, *, resume: bool) -> None:
         from dflash_core.engine import JobError
 
         resume_from = None
-        if job.state == RUNNING:
+        if resume:
             run, resume_from = self._prepare_orphan(job)
             if not run:
                 return
-        else:
-            if not self.store.mark_running(job.id):
-                return
-            log.info("job started", extra={"fields": {"job": job.id}})
         try:
             train_job = train_job_from_json(job.train_job_json)
         except (TypeError, ValueError) as e:
-            self.store.finish(job.id, FAILED, error=f"stored job cannot be read by this version: {e}")
+            unreadable = f"stored job cannot be read by this version: {e}"
+            self._record(lambda: self.store.finish(job.id, FAILED, error=unreadable))
             return
-        callbacks = _RunCallbacks(self, job.id)
+        backends = job.spec.get("report_to")
+        tracker = Tracker(
+            list(self.config.report_to if backends is None else backends),
+            job_id=job.id,
+            name=job.name,
+            output_dir=job.output_dir,
+            spec=job.spec,
+        )
+        callbacks = _RunCallbacks(self, job.id, tracker)
         with self._current_lock:
             self._current = callbacks
-        # a cancel that arrived between the queue pick and now
-        if self._job(job.id, with_checkpoints=False).cancel_requested:
-            callbacks.cancel.set()
-        engine = self.host.engine
-        assert engine is not None  # the worker runs jobs only once the engine is ready
         try:
+            # a cancel that arrived between the queue pick and now
+            if self._job(job.id, with_checkpoints=False).cancel_requested:
+                callbacks.cancel.set()
+            engine = self.host.engine
+            assert engine is not None  # the worker runs jobs only once the engine is ready
+            self._store_works()  # the job's first writes went through
             result = engine.run_job(train_job, callbacks, resume_from=resume_from)
         except JobError as e:
-            self.store.finish(job.id, FAILED, error=str(e))
-            log.error("job failed", extra={"fields": {"job": job.id, "error": str(e)}})
+            if callbacks.store_error is not None:  # not the job's failure: its progress could not be recorded
+                raise callbacks.store_error from e
+            error = str(e)
+            if self._record(lambda: self.store.finish(job.id, FAILED, error=error)):
+                log.error("job failed", extra={"fields": {"job": job.id, "error": error}})
             return
         finally:
+            tracker.close()
             with self._current_lock:
                 self._current = None
         summary = {
@@ -375,14 +630,31 @@ class JobManager:
             "skipped_lines": result.skipped_lines,
         }
         if result.status == SUCCEEDED:
-            self.store.finish(job.id, SUCCEEDED, payload=summary)
-            log.info("job succeeded", extra={"fields": {"job": job.id, **summary}})
+            if self._record(lambda: self.store.finish(job.id, SUCCEEDED, payload=summary)):
+                log.info("job succeeded", extra={"fields": {"job": job.id, **summary}})
         elif callbacks.cancel.is_set():
-            self.store.finish(job.id, STOPPED, payload={"reason": "cancelled", **summary})
-            log.info("job stopped (cancelled)", extra={"fields": {"job": job.id, **summary}})
-        else:  # stopped for shutdown: stays RUNNING in the store, resumes from this checkpoint next start
-            self.store.mark_interrupted(job.id, result.steps_done)
+            if self._record(lambda: self.store.finish(job.id, STOPPED, payload={"reason": "cancelled", **summary})):
+                log.info("job stopped (cancelled)", extra={"fields": {"job": job.id, **summary}})
+        elif self._record(lambda: self.store.mark_interrupted(job.id, result.steps_done)):
+            # stopped for shutdown: stays RUNNING in the store, resumes from this checkpoint next start
             log.info(
                 "job checkpointed for shutdown; it resumes at the next start",
                 extra={"fields": {"job": job.id, **summary}},
             )
+
+
+def _output_dir_taken(output_dir: str, owner: JobRecord) -> JobConflict:
+    return JobConflict(
+        f"output_dir {output_dir} belongs to job {owner.id} ({owner.state}); its checkpoints live "
+        "there: choose another output_dir"
+    )
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes of the files under `path` (symlinks not followed)."""
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed meanwhile: nothing to count
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total

@@ -71,6 +71,11 @@ class JobSpec(BaseModel):
     init_from: str | None = Field(None, description="drafter checkpoint to start from")
     skip_bad_lines: bool = False
     chat_template: str | None = Field(None, description="a Jinja chat template file; default: the tokenizer's")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="experiment trackers for this job (TensorBoard event files under output_dir/tensorboard; "
+        "wandb or mlflow where installed); default: the daemon's report_to",
+    )
     export_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype of each checkpoint's model.safetensors (resume always has the fp32 masters)"
     )
@@ -163,10 +168,14 @@ def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path)
             candidate = base / candidate
         resolved = candidate.resolve(strict=False)  # follows every symlink that exists
     except (OSError, RuntimeError) as e:  # unknown ~user, symlink loop, name too long, no permission
-        raise SpecError(field_name, f"{raw[:200]!r}: not a usable path ({e})") from None
+        raise SpecError(
+            field_name, f"{raw[:200]!r}: not a usable path ({getattr(e, 'strerror', None) or type(e).__name__})"
+        ) from None
     if not any(resolved.is_relative_to(root) for root in roots):
-        allowed = ", ".join(str(r) for r in roots)
-        raise SpecError(field_name, f"{raw!r} resolves to {resolved}, outside the allowed roots ({allowed})")
+        raise SpecError(
+            field_name,
+            f"{raw!r} is outside the allowed roots (symlinks followed; the daemon's dataset_roots / output_roots)",
+        )
     return resolved
 
 
@@ -187,9 +196,11 @@ def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: P
     try:
         exists = path.exists()
     except OSError as e:
-        raise SpecError(field_name, f"dataset {raw[:200]!r} cannot be read ({e})") from None
+        raise SpecError(
+            field_name, f"dataset {raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})"
+        ) from None
     if not exists:
-        raise SpecError(field_name, f"dataset {raw!r} does not exist ({path})")
+        raise SpecError(field_name, f"dataset {raw!r} does not exist")
     return path
 
 
@@ -204,7 +215,7 @@ def check_dataset_readable(path: Path, field_name: str, *, skip_bad_lines: bool)
     except DatasetError as e:
         raise SpecError(field_name, str(e)) from None
     except OSError as e:
-        raise SpecError(field_name, f"{path} cannot be read ({e.strerror or e})") from None
+        raise SpecError(field_name, f"the dataset cannot be read ({e.strerror or type(e).__name__})") from None
 
 
 def resolve_template(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
@@ -218,7 +229,7 @@ def resolve_template(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
     except UnicodeDecodeError:
         raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
     except OSError as e:
-        raise SpecError("chat_template", f"{raw!r} cannot be read ({e.strerror or e})") from None
+        raise SpecError("chat_template", f"{raw!r} cannot be read ({e.strerror or type(e).__name__})") from None
     return path
 
 
@@ -229,7 +240,7 @@ def resolve_output_dir(raw: str | None, *, roots: list[Path], data_dir: Path, jo
     try:
         not_a_dir = path.exists() and not path.is_dir()
     except OSError as e:
-        raise SpecError("output_dir", f"{raw[:200]!r} cannot be used ({e})") from None
+        raise SpecError("output_dir", f"{raw[:200]!r} cannot be used ({e.strerror or type(e).__name__})") from None
     if not_a_dir:
         raise SpecError("output_dir", f"{raw!r} exists and is not a directory")
     return path
@@ -240,7 +251,7 @@ def resolve_checkpoint(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
     try:
         is_checkpoint = (path / "config.json").is_file()
     except OSError as e:
-        raise SpecError("init_from", f"{raw[:200]!r} cannot be read ({e})") from None
+        raise SpecError("init_from", f"{raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})") from None
     if not is_checkpoint:
         raise SpecError("init_from", f"{raw!r} is not a drafter checkpoint directory (no config.json)")
     return path
@@ -250,6 +261,12 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
     """The engine's TrainJob for this spec: every path absolute and checked."""
     from dflash_core.engine import TrainJob
 
+    if spec.report_to:
+        from ..tracking import unavailable
+
+        missing = unavailable(list(spec.report_to))
+        if missing:
+            raise SpecError("report_to", f"{', '.join(missing)}: not installed in the daemon's environment")
     resolved = [
         resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir)
         for i, d in enumerate(spec.datasets)
@@ -273,7 +290,7 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
     if spec.init_from is not None:
         init_from = str(resolve_checkpoint(spec.init_from, roots=dataset_roots + output_roots, data_dir=data_dir))
     output_dir = resolve_output_dir(spec.output_dir, roots=output_roots, data_dir=data_dir, job_id=job_id)
-    values = spec.model_dump(exclude={"name", "submission_id"})
+    values = spec.model_dump(exclude={"name", "submission_id", "report_to"})
     values.update(
         datasets=datasets,
         eval_prompts=eval_prompts,

@@ -2,15 +2,24 @@
 
 Every write is its own committed transaction, so a SIGKILL loses at most the statement in flight;
 the job runner's resume logic relies on that (the last recorded checkpoint is always complete,
-step events beyond it are discarded before resuming)."""
+step events beyond it are discarded before resuming).
+
+A statement that fails for a reason outside the daemon's code (a full disk, an I/O error, a lock)
+raises StoreUnavailable: it had no effect (its transaction is rolled back, the connection stays
+usable) and the same call may succeed later. Any other error is a bug and propagates as it is.
+
+One job owns each output directory, in any state (its checkpoints live there): a unique index over
+the owners enforces it, so that concurrent submissions cannot both be accepted."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +27,8 @@ from typing import Any
 PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 STATES = (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED})
+
+log = logging.getLogger("dflash.jobs")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -47,9 +58,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     interrupted_by_shutdown INTEGER NOT NULL DEFAULT 0,
     resumes INTEGER NOT NULL DEFAULT 0,
-    crash_resumes INTEGER NOT NULL DEFAULT 0,
+    crash_resumes INTEGER NOT NULL DEFAULT 0,      -- crashes in a row without a new checkpoint
     phase TEXT,
-    data_json TEXT
+    data_json TEXT,
+    resume_step INTEGER,                           -- the checkpoint step the current run started from
+    owns_output_dir INTEGER NOT NULL DEFAULT 1     -- 0: a duplicate from before output dirs were unique
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -68,7 +81,13 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     time REAL NOT NULL,
     PRIMARY KEY (job_id, step)
 );
+CREATE TABLE IF NOT EXISTS store_meta (
+    key TEXT PRIMARY KEY,
+    value TEXT
+);
 """
+# after the columns it names exist (an older database gets them at open)
+OUTPUT_DIR_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_output_dir ON jobs(output_dir) WHERE owns_output_dir = 1"
 
 
 @dataclass
@@ -102,12 +121,23 @@ class JobRecord:
     crash_resumes: int
     phase: str | None  # preparing_data | training while RUNNING
     data: dict[str, Any] | None  # the last data preparation progress
+    resume_step: int | None  # the checkpoint step the current run started from (None: step 0)
+    owns_output_dir: bool
     checkpoints: list[dict[str, Any]] | None = None  # loaded by get_job(with_checkpoints=True)
     queue_position: int | None = None
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    def crashes_after(self, checkpoint_step: int, *, after_crash: bool) -> int:
+        """The job's count of crashes in a row without progress once it resumes from
+        `checkpoint_step`. A checkpoint past the step its last run started from is progress and
+        resets the count; a crash without one adds one; a resume that follows no crash (a shutdown,
+        a store that could not write, a request) leaves it as it is."""
+        if checkpoint_step > (self.resume_step or 0):
+            return 0
+        return self.crash_resumes + (1 if after_crash else 0)
 
 
 @dataclass
@@ -118,6 +148,32 @@ class EventRecord:
     kind: str
     step: int | None
     payload: dict[str, Any]
+
+
+class StoreUnavailable(Exception):
+    """The store could not read or write for a reason outside the daemon (disk full, I/O error,
+    lock): the call had no effect and may succeed when tried again."""
+
+
+class OutputDirInUse(Exception):
+    """Another job owns the output directory."""
+
+    def __init__(self, owner: JobRecord):
+        self.owner = owner
+        super().__init__(f"output_dir {owner.output_dir} belongs to job {owner.id} ({owner.state})")
+
+
+# SQLite's primary result codes for conditions of the file system or of other connections, not of
+# the statement: SQLITE_BUSY, LOCKED, NOMEM, READONLY, IOERR, FULL, CANTOPEN, PROTOCOL
+_TRANSIENT_CODES = frozenset({5, 6, 7, 8, 10, 13, 14, 15})
+
+
+def _unavailable(error: sqlite3.Error, action: str) -> StoreUnavailable | None:
+    """StoreUnavailable for an error of the environment, None for one of the statement (a bug)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if isinstance(error, sqlite3.OperationalError) and code is not None and code & 0xFF in _TRANSIENT_CODES:
+        return StoreUnavailable(f"the job store cannot {action}: {error}")
+    return None
 
 
 class SubmissionConflict(Exception):
@@ -132,20 +188,26 @@ _JOB_COLUMNS = (
     "seq, id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at, "
     "started_at, finished_at, step, total_steps, loss, tokens_per_second, expected_acceptance_length, "
     "eval_acceptance_length, learning_rate, epoch, last_checkpoint, last_checkpoint_step, error, cancel_requested, "
-    "interrupted_by_shutdown, resumes, crash_resumes, phase, data_json"
+    "interrupted_by_shutdown, resumes, crash_resumes, phase, data_json, resume_step, owns_output_dir"
 )
+_JOB_FIELDS = tuple(name.strip() for name in _JOB_COLUMNS.split(","))
 # columns added after the first release: (name, declaration), added to an older database at open
-_ADDED_COLUMNS = (("phase", "TEXT"), ("data_json", "TEXT"))
+_ADDED_COLUMNS = (
+    ("phase", "TEXT"),
+    ("data_json", "TEXT"),
+    ("resume_step", "INTEGER"),
+    ("owns_output_dir", "INTEGER NOT NULL DEFAULT 1"),
+)
 
 
 def _job(row: tuple) -> JobRecord:
-    values = list(row)
-    values[4] = json.loads(values[4])
-    values[-1] = json.loads(values[-1]) if values[-1] else None
-    rec = JobRecord(*values)
-    rec.cancel_requested = bool(rec.cancel_requested)
-    rec.interrupted_by_shutdown = bool(rec.interrupted_by_shutdown)
-    return rec
+    values = dict(zip(_JOB_FIELDS, row, strict=True))
+    values["spec"] = json.loads(values.pop("spec_json"))
+    data = values.pop("data_json")
+    values["data"] = json.loads(data) if data else None
+    for flag in ("cancel_requested", "interrupted_by_shutdown", "owns_output_dir"):
+        values[flag] = bool(values[flag])
+    return JobRecord(**values)
 
 
 class JobStore:
@@ -160,17 +222,83 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a process crash loses no committed write
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
-        have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        for name, decl in _ADDED_COLUMNS:
-            if name not in have:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database of an earlier release to this schema, in one transaction. Writes
+        nothing when it is already there (a daemon restarted on a full disk still opens it)."""
+        with self._tx() as db:
+            have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+            for name, decl in _ADDED_COLUMNS:
+                if name not in have:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
+            if "resume_step" not in have:
+                # crash_resumes counted every crash of a job's life; it now counts crashes in a row
+                # without progress, which those numbers cannot tell: start them afresh
+                db.execute("UPDATE jobs SET crash_resumes = 0")
+            indexed = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'jobs_output_dir'")
+            if indexed.fetchone() is None:
+                self._disown_duplicate_output_dirs(db)
+                db.execute(OUTPUT_DIR_INDEX)
+
+    def _disown_duplicate_output_dirs(self, db: sqlite3.Connection) -> None:
+        """Concurrent submissions used to be able to share an output directory. Per directory the
+        job whose checkpoints are live keeps it (the RUNNING one, else the first submitted); the
+        others no longer own it, and those that have not ended fail: they would train into
+        another job's checkpoints."""
+        rows = db.execute(
+            "SELECT id, output_dir, state FROM jobs WHERE owns_output_dir = 1 ORDER BY output_dir, state = ? DESC, seq",
+            (RUNNING,),
+        ).fetchall()
+        owners: dict[str, str] = {}
+        for job_id, output_dir, state in rows:
+            owner = owners.setdefault(output_dir, job_id)
+            if owner == job_id:
+                continue
+            db.execute("UPDATE jobs SET owns_output_dir = 0 WHERE id = ?", (job_id,))
+            if state not in TERMINAL:
+                error = (
+                    f"output_dir {output_dir} belongs to job {owner}, accepted at the same time; "
+                    "submit this job again with another output_dir"
+                )
+                db.execute(
+                    "UPDATE jobs SET state = ?, finished_at = ?, error = ? WHERE id = ?",
+                    (FAILED, time.time(), error, job_id),
+                )
+                self._event(db, job_id, "state", None, {"state": FAILED, "error": error})
+            log.warning(
+                "job shares its output_dir with an earlier job; the earlier job keeps it",
+                extra={"fields": {"job": job_id, "owner": owner, "output_dir": output_dir, "state": state}},
+            )
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def _tx(self):
+    def _tx(self) -> _Transaction:
         return _Transaction(self._db, self._lock)
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """The connection for reads, under the store's lock."""
+        with self._lock:
+            try:
+                yield self._db
+            except sqlite3.Error as e:
+                if (unavailable := _unavailable(e, "read")) is not None:
+                    raise unavailable from e
+                raise
+
+    def check_writable(self) -> None:
+        """Raises StoreUnavailable when the store cannot commit a write now: a small committed
+        write, since only a real one tells (SQLite reuses space it already holds)."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO store_meta (key, value) VALUES ('write_check', ?)", (repr(time.time()),))
+
+    def output_dirs(self) -> list[str]:
+        """Every job's output directory."""
+        with self._read() as db:
+            return [d for (d,) in db.execute("SELECT DISTINCT output_dir FROM jobs ORDER BY output_dir")]
 
     # ------------------------------------------------------------------ jobs
     def create_job(
@@ -185,7 +313,8 @@ class JobStore:
         output_dir: str,
     ) -> tuple[JobRecord, bool]:
         """Insert a PENDING job. Returns (job, created); an existing job with the same submission_id
-        and fingerprint is returned with created=False; a different fingerprint raises SubmissionConflict."""
+        and fingerprint is returned with created=False; a different fingerprint raises SubmissionConflict;
+        an output_dir that another job owns raises OutputDirInUse."""
         now = time.time()
         with self._tx() as db:
             if submission_id is not None:
@@ -194,34 +323,50 @@ class JobStore:
                     if existing.spec_fingerprint != fingerprint:
                         raise SubmissionConflict(existing)
                     return existing, False
-            db.execute(
-                "INSERT INTO jobs (id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, name, submission_id, json.dumps(spec), fingerprint, train_job_json, output_dir, PENDING, now),
-            )
+            try:
+                db.execute(
+                    "INSERT INTO jobs (id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        job_id,
+                        name,
+                        submission_id,
+                        json.dumps(spec),
+                        fingerprint,
+                        train_job_json,
+                        output_dir,
+                        PENDING,
+                        now,
+                    ),
+                )
+            except sqlite3.IntegrityError:
+                owner = self._output_dir_owner(db, output_dir)
+                if owner is None:
+                    raise
+                raise OutputDirInUse(owner) from None
             self._event(db, job_id, "state", None, {"state": PENDING})
         job = self.get_job(job_id)
         assert job is not None  # inserted just above; jobs are never deleted
         return job, True
 
     def find_by_submission(self, submission_id: str) -> JobRecord | None:
-        with self._lock:
-            return self._by_submission(self._db, submission_id)
+        with self._read() as db:
+            return self._by_submission(db, submission_id)
 
     def _by_submission(self, db, submission_id: str) -> JobRecord | None:
         row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
         return _job(row) if row else None
 
     def get_job(self, job_id: str, *, with_checkpoints: bool = True) -> JobRecord | None:
-        with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        with self._read() as db:
+            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 return None
             job = _job(row)
             if with_checkpoints:
                 job.checkpoints = self.checkpoints(job_id)
             if job.state == PENDING:
-                job.queue_position = self._db.execute(
+                job.queue_position = db.execute(
                     "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)
                 ).fetchone()[0]
             return job
@@ -229,14 +374,12 @@ class JobStore:
     def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
         """The newest `limit` jobs (in that state), oldest first, with their queue positions."""
         where, args = ("WHERE state = ?", [state]) if state else ("", [])
-        with self._lock:
-            rows = self._db.execute(
+        with self._read() as db:
+            rows = db.execute(
                 f"SELECT * FROM (SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
                 (*args, limit),
             ).fetchall()
-            pending = [
-                seq for (seq,) in self._db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))
-            ]
+            pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
         jobs = [_job(r) for r in rows]
         position = {seq: i for i, seq in enumerate(pending)}
         for job in jobs:
@@ -244,24 +387,27 @@ class JobStore:
         return jobs
 
     def any_job_using(self, output_dir: str) -> JobRecord | None:
-        """Any job, in any state, that owns this output directory (its checkpoints live there)."""
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? ORDER BY created_at DESC LIMIT 1", (output_dir,)
-            ).fetchone()
+        """The job, in any state, that owns this output directory (its checkpoints live there)."""
+        with self._read() as db:
+            return self._output_dir_owner(db, output_dir)
+
+    def _output_dir_owner(self, db: sqlite3.Connection, output_dir: str) -> JobRecord | None:
+        row = db.execute(
+            f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND owns_output_dir = 1", (output_dir,)
+        ).fetchone()
         return _job(row) if row else None
 
     def count_by_state(self) -> dict[str, int]:
         counts = dict.fromkeys(STATES, 0)
-        with self._lock:
-            for state, n in self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+        with self._read() as db:
+            for state, n in db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
                 counts[state] = n
         return counts
 
     def next_runnable(self) -> JobRecord | None:
         """A job left RUNNING by an earlier process comes first (it was already running), then PENDING in FIFO order."""
-        with self._lock:
-            row = self._db.execute(
+        with self._read() as db:
+            row = db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, seq LIMIT 1",
                 (RUNNING, PENDING, RUNNING),
             ).fetchone()
@@ -384,18 +530,45 @@ class JobStore:
             db.executemany("DELETE FROM checkpoints WHERE job_id = ? AND path = ?", [(job_id, p) for p in paths])
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,)
-            )
+        with self._read() as db:
+            rows = db.execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
             return [{"step": s, "path": p, "time": t} for s, p, t in rows.fetchall()]
 
+    def requeue(self, job_id: str, from_state: str, checkpoint_path: str, checkpoint_step: int) -> bool:
+        """A FAILED or STOPPED job back to PENDING, asked for through the API: it keeps its id and its
+        place in the submission order, and when it runs it resumes from its newest checkpoint (the
+        worker tells it by its recorded checkpoints: a job that never ran has none). Clears the
+        crash count: the request is the operator's decision to try again. False if the job is no
+        longer in `from_state` or no longer owns its output_dir."""
+        assert from_state in (FAILED, STOPPED)
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE jobs SET state = ?, finished_at = NULL, error = NULL, cancel_requested = 0,"
+                " interrupted_by_shutdown = 0, crash_resumes = 0 WHERE id = ? AND state = ? AND owns_output_dir = 1",
+                (PENDING, job_id, from_state),
+            )
+            if cur.rowcount:
+                payload = {
+                    "state": PENDING,
+                    "reason": "resume requested",
+                    "previous_state": from_state,
+                    "checkpoint": checkpoint_path,
+                    "checkpoint_step": checkpoint_step,
+                }
+                self._event(db, job_id, "state", None, payload)
+            return bool(cur.rowcount)
+
     def prepare_resume(
-        self, job_id: str, checkpoint_path: str | None, checkpoint_step: int, *, after_crash: bool
+        self, job_id: str, checkpoint_path: str | None, checkpoint_step: int, *, after_crash: bool, reason: str
     ) -> int:
         """Roll the job back to `checkpoint_step`: delete its step/eval/checkpoint records beyond it (they are
-        recomputed, identically, after the resume) and note the resume. Returns the number of events removed."""
+        recomputed, identically, after the resume), count the crash (JobRecord.crashes_after) and record
+        the resume with its reason, in one transaction. Returns the number of events removed."""
         with self._tx() as db:
+            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            job = _job(row)
             removed = db.execute(
                 "DELETE FROM events WHERE job_id = ? AND kind IN ('step', 'eval', 'checkpoint') AND step > ?",
                 (job_id, checkpoint_step),
@@ -409,17 +582,26 @@ class JobStore:
             last = json.loads(row[0]) if row else {}
             db.execute(
                 "UPDATE jobs SET step = ?, loss = ?, tokens_per_second = ?, last_checkpoint = ?, last_checkpoint_step = ?,"
-                " resumes = resumes + 1, crash_resumes = crash_resumes + ?, interrupted_by_shutdown = 0 WHERE id = ?",
+                " resumes = resumes + 1, crash_resumes = ?, resume_step = ?, interrupted_by_shutdown = 0 WHERE id = ?",
                 (
                     checkpoint_step,
                     last.get("loss"),
                     last.get("tokens_per_second"),
                     checkpoint_path,
                     checkpoint_step if checkpoint_path else None,
-                    1 if after_crash else 0,
+                    job.crashes_after(checkpoint_step, after_crash=after_crash),
+                    checkpoint_step,
                     job_id,
                 ),
             )
+            payload = {
+                "step": checkpoint_step,
+                "checkpoint": checkpoint_path,
+                "reason": reason,
+                "discarded_events": removed,
+                "steps_lost": max(0, job.step - checkpoint_step),
+            }
+            self._event(db, job_id, "resumed", checkpoint_step, payload)
         return removed
 
     # ------------------------------------------------------------------ events
@@ -444,13 +626,15 @@ class JobStore:
             args += kinds
         sql += " ORDER BY id LIMIT ?"
         args.append(limit)
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
+        with self._read() as db:
+            rows = db.execute(sql, args).fetchall()
         return [EventRecord(i, j, t, k, s, json.loads(p)) for i, j, t, k, s, p in rows]
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE .. COMMIT under the store's lock (rollback on error)."""
+    """BEGIN IMMEDIATE .. COMMIT under the store's lock; on any error the transaction is rolled
+    back (the connection is shared: a transaction left open would fail every later one) and an
+    error of the environment becomes StoreUnavailable."""
 
     def __init__(self, db: sqlite3.Connection, lock: threading.RLock):
         self._db, self._lock = db, lock
@@ -459,6 +643,11 @@ class _Transaction:
         self._lock.acquire()
         try:
             self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            self._lock.release()
+            if (unavailable := _unavailable(e, "write")) is not None:
+                raise unavailable from e
+            raise
         except BaseException:
             self._lock.release()
             raise
@@ -466,6 +655,24 @@ class _Transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            if exc is None:
+                try:
+                    self._db.execute("COMMIT")
+                except sqlite3.Error as e:
+                    exc = e
+            if exc is not None:
+                self._rollback()
+                if isinstance(exc, sqlite3.Error) and (unavailable := _unavailable(exc, "write")) is not None:
+                    raise unavailable from exc
+                if exc_type is None:  # the COMMIT itself failed for a reason of the statement
+                    raise exc
         finally:
             self._lock.release()
+
+    def _rollback(self) -> None:
+        # SQLite may have rolled back already (it does on some SQLITE_FULL and I/O errors)
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                log.exception("the job store could not roll back a failed transaction")

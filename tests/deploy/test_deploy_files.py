@@ -165,10 +165,15 @@ def test_dockerfile_healthcheck_hits_the_probe_path_on_the_daemon_port():
     assert k8s_window >= start_period
 
 
-def test_the_probed_endpoints_exist_in_the_app():
-    source = (REPO_ROOT / "service" / "app.py").read_text()
+def test_the_probed_endpoints_exist_in_the_app(tmp_path):
+    from service.app import create_app
+    from service.http_guard import UNGUARDED_READS
+
+    app = create_app(load_daemon_config(None, tmp_path))  # the routes only: nothing starts before serving
+    served = {(method, route.path) for route in app.routes for method in getattr(route, "methods", None) or ()}
     for path in ("/healthz", "/livez", "/metrics"):
-        assert f'@app.get("{path}")' in source
+        assert ("GET", path) in served
+        assert path in UNGUARDED_READS  # probes and scrapes need no token, even with protect_reads
 
 
 # --------------------------------------------------------------------------- compose
@@ -223,10 +228,38 @@ def test_compose_daemon_gpu_volume_config():
     assert seconds(service["stop_grace_period"]) > 120  # the daemon's default shutdown_timeout_seconds
 
 
-def load_daemon_config(path: Path):
+def load_daemon_config(path: Path | None, home: Path | str = "/nonexistent", **env: str):
     from service.config import load_config
 
-    return load_config(path, env={"HOME": "/nonexistent"})
+    return load_config(path, env={"HOME": str(home), **env})
+
+
+def test_compose_requires_the_token_and_answers_its_service_name():
+    services = compose()["services"]
+    daemon = services["dflash"]
+    token = daemon["environment"]["DFLASH_AUTH_TOKEN"]
+    # ${VAR:?message}: compose refuses to start without it (${VAR:-} would start an unauthenticated daemon)
+    assert re.fullmatch(r"\$\{DFLASH_AUTH_TOKEN:\?[^}]+\}", token), token
+    args = daemon["command"]
+    config_path = DOCKER / bind_mounts(daemon)[args[args.index("--config") + 1]]
+    env = {"DFLASH_HOST": dockerfile_env()["DFLASH_HOST"]}
+    config = load_daemon_config(config_path, **env)
+    assert config.exposure_problem() is not None  # what the token requirement prevents
+    config = load_daemon_config(config_path, **env, DFLASH_AUTH_TOKEN="t")
+    assert config.exposure_problem() is None
+    # the names the daemon is reached by: Prometheus scrapes it by its service name
+    from service.http_guard import Policy
+
+    (target,) = [
+        t
+        for sc in yaml.safe_load(SHIPPED_PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+        for c in sc["static_configs"]
+        for t in c["targets"]
+    ]
+    assert target.split(":")[0] in services
+    policy = Policy(config)
+    assert policy.host_allowed(target) and policy.host_allowed(f"127.0.0.1:{instruction('EXPOSE')[0]}")
+    assert not policy.host_allowed("attacker.example") and "*" not in config.allowed_hosts
 
 
 def test_compose_prometheus_scrapes_the_daemon_every_5s():
@@ -323,6 +356,41 @@ def test_k8s_deployment_wiring():
     (service,) = k8s_kind("Service")
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert service["spec"]["ports"][0]["targetPort"] in (port["name"], port["containerPort"])
+
+
+def _k8s_env() -> dict[str, dict]:
+    return {e["name"]: e for e in k8s_container()["env"]}
+
+
+def test_k8s_requires_the_token_secret():
+    env = _k8s_env()
+    ref = env["DFLASH_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"]
+    assert ref.get("optional", False) is False  # no Secret, no pod: never an unauthenticated daemon
+
+
+def test_k8s_allowed_hosts_name_the_service_and_the_pod(tmp_path):
+    from service.http_guard import Policy
+
+    env = _k8s_env()
+    names = [e["name"] for e in k8s_container()["env"]]
+    value = env["DFLASH_ALLOWED_HOSTS"]["value"]
+    # $(VAR) expands only variables defined earlier in the list
+    for var in re.findall(r"\$\((\w+)\)", value):
+        assert names.index(var) < names.index("DFLASH_ALLOWED_HOSTS"), var
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    expanded = value.replace("$(POD_NAMESPACE)", "ml").replace("$(POD_IP)", "10.1.2.3")
+    config = load_daemon_config(
+        None, tmp_path, DFLASH_HOST="0.0.0.0", DFLASH_AUTH_TOKEN="t", DFLASH_ALLOWED_HOSTS=expanded
+    )
+    policy = Policy(config)
+    (service,) = k8s_kind("Service")
+    port = service["spec"]["ports"][0]["port"]
+    name = service["metadata"]["name"]
+    for host in (name, f"{name}.ml", f"{name}.ml.svc", f"{name}.ml.svc.cluster.local", "10.1.2.3"):
+        assert policy.host_allowed(f"{host}:{port}"), host  # the Service's names; probes and scrapes by pod IP
+    assert not policy.host_allowed("attacker.example")
 
 
 def test_k8s_volumes_pvc_and_config(tmp_path):

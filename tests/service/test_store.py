@@ -1,4 +1,14 @@
-"""The job store's checkpoint records follow what the engine reports (a real SQLite file)."""
+"""The job store on a real SQLite file: checkpoint records follow what the engine reports, the
+crash-loop count, one job per output_dir (and the migration that brings an older database there),
+putting an ended job back in the queue, and a full disk."""
+
+import errno
+import os
+import shutil
+import sqlite3
+import subprocess
+
+import pytest
 
 from service.jobs.store import JobStore
 
@@ -20,3 +30,223 @@ def test_rotated_checkpoints_are_forgotten_and_the_newest_stays(tmp_path):
     assert [c["step"] for c in store.checkpoints("job-1")] == [20, 30]
     job = store.get_job("job-1")
     assert job.last_checkpoint.endswith("step-00000030") and [c["step"] for c in job.checkpoints] == [20, 30]
+
+
+def _job(store: JobStore, job_id: str, output_dir: str) -> None:
+    store.create_job(
+        job_id=job_id,
+        name=None,
+        submission_id=None,
+        spec={},
+        fingerprint="f",
+        train_job_json="{}",
+        output_dir=output_dir,
+    )
+
+
+def _crash_resume(store: JobStore, job_id: str, step: int) -> int:
+    """What the job worker does after a crash: resume from the newest checkpoint; the crash count."""
+    store.prepare_resume(job_id, f"/ckpt/step-{step:08d}" if step else None, step, after_crash=True, reason="crash")
+    job = store.get_job(job_id)
+    assert job is not None
+    return job.crash_resumes
+
+
+def test_crashes_count_in_a_row_only_without_a_new_checkpoint(tmp_path):
+    """The crash-loop guard counts crashes after which the job resumes from the checkpoint its last
+    run started from; a crash after a new checkpoint resets the count, so a job that gets further
+    every time is resumed any number of times. The count lives in the file across reopenings."""
+    from service.jobs.manager import MAX_CRASH_RESUMES
+
+    path = tmp_path / "jobs.sqlite3"
+    store = JobStore(path)
+    _job(store, "job-1", str(tmp_path / "out"))
+    assert _crash_resume(store, "job-1", 0) == 1  # died before its first checkpoint
+    store.add_checkpoint("job-1", 10, "/ckpt/step-00000010")
+    assert _crash_resume(store, "job-1", 10) == 0  # it got further: progress resets
+    for crash in range(1, 2 * MAX_CRASH_RESUMES):  # died again and again before step 20
+        assert _crash_resume(store, "job-1", 10) == crash
+    store.add_checkpoint("job-1", 20, "/ckpt/step-00000020")
+    assert _crash_resume(store, "job-1", 20) == 0
+
+    # more crashes than the guard allows, each after a new checkpoint: never counted
+    for step in range(30, 30 + 10 * (MAX_CRASH_RESUMES + 2), 10):
+        store.add_checkpoint("job-1", step, f"/ckpt/step-{step:08d}")
+        job = store.get_job("job-1")
+        assert job is not None and job.crashes_after(step, after_crash=True) == 0 <= MAX_CRASH_RESUMES
+        assert _crash_resume(store, "job-1", step) == 0
+
+    # a resume that follows no crash (shutdown, store failure, request) neither counts nor resets
+    _crash_resume(store, "job-1", step)
+    store.prepare_resume("job-1", f"/ckpt/step-{step:08d}", step, after_crash=False, reason="the daemon was shut down")
+    store.close()
+    reopened = JobStore(path)
+    job = reopened.get_job("job-1")
+    assert job is not None and job.crash_resumes == 1 and job.resume_step == step
+    assert job.crashes_after(step, after_crash=True) == 2
+    resumed = reopened.events("job-1", kinds=["resumed"])
+    assert resumed[-1].payload["reason"] == "the daemon was shut down" and resumed[-1].step == step
+
+
+def test_one_job_owns_an_output_dir_in_any_state(tmp_path):
+    from service.jobs.store import FAILED, OutputDirInUse
+
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    out = str(tmp_path / "out")
+    _job(store, "job-1", out)
+    store.finish("job-1", FAILED, error="boom")  # an ended job keeps its checkpoints, so its directory
+    with pytest.raises(OutputDirInUse) as e:
+        _job(store, "job-2", out)
+    assert e.value.owner.id == "job-1"
+    assert store.get_job("job-2") is None and [j.id for j in store.list_jobs()] == ["job-1"]
+    _job(store, "job-3", str(tmp_path / "other"))  # the failed insert left the store usable
+
+
+def _old_database(path) -> None:
+    """A database as the release before unique output dirs wrote it: three jobs accepted
+    concurrently for one output_dir, one of them running."""
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE jobs (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, name TEXT, submission_id TEXT UNIQUE,
+            spec_json TEXT NOT NULL, spec_fingerprint TEXT NOT NULL, train_job_json TEXT NOT NULL,
+            output_dir TEXT NOT NULL, state TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL,
+            finished_at REAL, step INTEGER NOT NULL DEFAULT 0, total_steps INTEGER, loss REAL,
+            tokens_per_second REAL, expected_acceptance_length REAL, eval_acceptance_length REAL,
+            learning_rate REAL, epoch REAL, last_checkpoint TEXT, last_checkpoint_step INTEGER, error TEXT,
+            cancel_requested INTEGER NOT NULL DEFAULT 0, interrupted_by_shutdown INTEGER NOT NULL DEFAULT 0,
+            resumes INTEGER NOT NULL DEFAULT 0, crash_resumes INTEGER NOT NULL DEFAULT 0, phase TEXT, data_json TEXT
+        );
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL REFERENCES jobs(id), time REAL NOT NULL,
+            kind TEXT NOT NULL, step INTEGER, payload_json TEXT NOT NULL
+        );
+        CREATE TABLE checkpoints (
+            job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL, path TEXT NOT NULL, time REAL NOT NULL,
+            PRIMARY KEY (job_id, step)
+        );
+        """
+    )
+    rows = [
+        ("job-a", "/out/shared", "SUCCEEDED", 0),
+        ("job-b", "/out/shared", "RUNNING", 4),  # lifetime crash count of the old guard
+        ("job-c", "/out/shared", "PENDING", 0),
+        ("job-d", "/out/own", "PENDING", 0),
+    ]
+    for job_id, out, state, crashes in rows:
+        db.execute(
+            "INSERT INTO jobs (id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at,"
+            " crash_resumes) VALUES (?, '{}', 'f', '{}', ?, ?, 0, ?)",
+            (job_id, out, state, crashes),
+        )
+    db.commit()
+    db.close()
+
+
+def test_migration_makes_output_dirs_unique(tmp_path):
+    """An older database with jobs sharing an output_dir opens: the running job keeps the directory
+    (its checkpoints are the live ones), a queued duplicate fails with a readable error instead of
+    training into them, and the store refuses further duplicates."""
+    from service.jobs.store import OutputDirInUse
+
+    path = tmp_path / "jobs.sqlite3"
+    _old_database(path)
+    store = JobStore(path)
+    jobs = {j.id: j for j in store.list_jobs()}
+    assert {i: (j.state, j.owns_output_dir) for i, j in jobs.items()} == {
+        "job-a": ("SUCCEEDED", False),
+        "job-b": ("RUNNING", True),
+        "job-c": ("FAILED", False),
+        "job-d": ("PENDING", True),
+    }
+    assert "belongs to job job-b" in (jobs["job-c"].error or "")
+    assert jobs["job-b"].crash_resumes == 0  # the old lifetime count says nothing about crashes in a row
+    assert store.any_job_using("/out/shared").id == "job-b"
+    with pytest.raises(OutputDirInUse):
+        _job(store, "job-e", "/out/shared")
+    store.close()
+    JobStore(path).close()  # opening a migrated database again changes nothing
+
+
+def test_requeue_puts_an_ended_job_back_with_an_event(tmp_path):
+    from service.jobs.store import FAILED, PENDING, STOPPED
+
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    _job(store, "job-1", str(tmp_path / "out"))
+    assert not store.requeue("job-1", FAILED, "/ckpt/step-00000010", 10)  # PENDING: nothing to resume
+    store.mark_running("job-1")
+    store.request_cancel("job-1")
+    store.finish("job-1", STOPPED)
+    assert store.requeue("job-1", STOPPED, "/ckpt/step-00000010", 10)
+    job = store.get_job("job-1")
+    assert job is not None and job.state == PENDING and not job.cancel_requested and job.finished_at is None
+    event = store.events("job-1", kinds=["state"])[-1]
+    assert event.payload == {
+        "state": PENDING,
+        "reason": "resume requested",
+        "previous_state": STOPPED,
+        "checkpoint": "/ckpt/step-00000010",
+        "checkpoint_step": 10,
+    }
+    assert not store.requeue("job-1", STOPPED, "/ckpt/step-00000010", 10)  # already back in the queue
+
+
+def _mount_tmpfs(path, size: str) -> None:
+    """A small tmpfs at `path` (root on Linux); skips the test where the machine cannot mount one."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs to fill needs root and mount(8)")
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+
+
+def _unmount(path) -> None:
+    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(path) -> None:
+    """Write `path` until its file system has no space left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for chunk in (b"\0" * (1 << 20), b"\0" * 4096):
+            while True:
+                try:
+                    os.write(fd, chunk)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_fails_writes_without_breaking_the_store(tmp_path):
+    """On a full file system a write raises StoreUnavailable naming the cause, changes nothing,
+    leaves no transaction open on the shared connection, and writes succeed once space is back."""
+    from service.jobs.store import StoreUnavailable
+
+    mount = tmp_path / "small"
+    _mount_tmpfs(mount, "2m")
+    try:
+        store = JobStore(mount / "jobs.sqlite3")
+        _job(store, "job-1", "/out/1")
+        fill(mount / "filler")
+        with pytest.raises(StoreUnavailable, match="the job store cannot write: database or disk is full"):
+            for step in range(1, 200):  # until the space SQLite held already is used up
+                store.add_checkpoint("job-1", step, f"/ckpt/step-{step:08d}")
+        with pytest.raises(StoreUnavailable):
+            store.check_writable()
+        failed_at = len(store.checkpoints("job-1")) + 1
+        # reads work, and the failed write left nothing behind
+        assert [c["step"] for c in store.checkpoints("job-1")] == list(range(1, failed_at))
+        assert store.get_job("job-1").last_checkpoint_step == (failed_at - 1 or None)
+        (mount / "filler").unlink()
+        store.check_writable()
+        store.add_checkpoint("job-1", failed_at, "/ckpt/again")
+        assert store.get_job("job-1").last_checkpoint == "/ckpt/again"
+        store.close()
+    finally:
+        _unmount(mount)

@@ -1,0 +1,115 @@
+"""The shapes of the daemon's responses, for its OpenAPI document (GET /openapi.json).
+
+The routes build their JSON by hand (service.app.job_json and friends); these models describe that
+JSON so that the served schema says what the daemon returns. tests/service/test_openapi.py checks
+the two against each other with schemathesis on a real daemon. Extra keys are allowed, so a field
+added to a response does not make older clients' schemas wrong.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .jobs.store import STATES
+
+JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"]
+assert set(get_args(JobState)) == set(STATES)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Error(_Open):
+    detail: str = Field(description="what went wrong, for a person")
+
+
+class FieldError(_Open):
+    field: str = Field(description="the offending field, e.g. datasets[0], or body / a query parameter")
+    message: str
+
+
+class InvalidRequest(Error):
+    """422: every problem of the request, one per field."""
+
+    errors: list[FieldError]
+
+
+class Checkpoint(_Open):
+    step: int
+    path: str
+    time: datetime | None
+
+
+class Progress(_Open):
+    phase: str | None = Field(description="preparing_data or training while RUNNING")
+    data: dict[str, Any] | None = Field(description="the last data preparation progress")
+    step: int
+    total_steps: int | None
+    fraction: float | None
+    loss: float | None
+    tokens_per_second: float | None
+    expected_acceptance_length: float | None
+    eval_acceptance_length: float | None
+    learning_rate: float | None
+    epoch: float | None
+    last_checkpoint: str | None
+    last_checkpoint_step: int | None
+
+
+class Job(_Open):
+    id: str
+    name: str | None
+    submission_id: str | None
+    state: JobState
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    queue_position: int | None = Field(description="jobs ahead of this one while PENDING")
+    progress: Progress
+    error: str | None
+    cancel_requested: bool
+    resumes: int
+    output_dir: str
+    spec: dict[str, Any] = Field(description="the job spec as accepted, defaults filled in")
+    checkpoints: list[Checkpoint] | None = Field(None, description="GET /jobs/{job_id} only")
+
+
+class SubmissionConflict(Error):
+    job: Job | None = Field(None, description="the job that holds this submission_id")
+
+
+class JobList(_Open):
+    jobs: list[Job]
+
+
+class Health(_Open):
+    status: Literal["starting", "warming", "ready", "failed"]
+    phase: str
+    drafters_ready: int
+    drafters_total: int
+    elapsed_seconds: float
+    error: str | None = None
+    compiles: dict[str, Any] | None = None
+    warmup_seconds: list[dict[str, Any]] | None = None
+
+
+class Liveness(_Open):
+    status: Literal["alive", "dead"]
+    engine: str
+    job_worker_alive: bool
+    engine_build_running: bool
+    problems: list[str] | None = None
+
+
+class Event(_Open):
+    """One line of the NDJSON event stream; the other keys depend on `kind`."""
+
+    event_id: int
+    job_id: str
+    time: float
+    kind: str = Field(description="step, checkpoint, eval, state, resumed, preparing_data, data, ...")
+    step: int | None

@@ -1,0 +1,128 @@
+"""Experiment tracking of a job, as the trainers users know do it (`report_to`): TensorBoard event
+files under the job's output directory (no network), and Weights & Biases or MLflow where their
+package is installed (their own configuration applies: WANDB_MODE=offline, MLFLOW_TRACKING_URI,
+...). One Tracker per job run; every backend gets the same scalars.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dflash.tracking")
+
+BACKENDS = ("tensorboard", "wandb", "mlflow")
+_PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def unavailable(backends: list[str]) -> list[str]:
+    """The requested backends whose package is not installed."""
+    return [b for b in backends if importlib.util.find_spec(_PACKAGES[b]) is None]
+
+
+def step_scalars(stats: Any) -> dict[str, float]:
+    out = {
+        "train/loss": stats.loss,
+        "train/expected_acceptance_length": stats.expected_acceptance_length,
+        "train/learning_rate": stats.learning_rate,
+        "train/grad_norm": stats.grad_norm,
+        "train/tokens_per_second": stats.tokens_per_second,
+        "train/step_seconds": stats.step_seconds,
+        "train/epoch": stats.epoch,
+    }
+    for position, accuracy in enumerate(stats.position_accuracy, start=1):
+        out[f"train/accuracy/position_{position:02d}"] = accuracy
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+class Tracker:
+    def __init__(self, backends: list[str], *, job_id: str, name: str | None, output_dir: str, spec: dict[str, Any]):
+        self._writers: list[Any] = []
+        self.directory = Path(output_dir) / "tensorboard"
+        for backend in backends:
+            try:
+                self._writers.append(_open(backend, job_id, name, output_dir, spec, self.directory))
+            except Exception as e:  # noqa: BLE001 - tracking must never stop a job
+                log.warning("report_to %s: not started (%s)", backend, e, extra={"fields": {"job": job_id}})
+
+    def step(self, stats: Any) -> None:
+        self._log(step_scalars(stats), stats.step)
+
+    def eval(self, step: int, result: dict[str, Any]) -> None:
+        tau = result.get("acceptance_length")
+        if tau is not None:
+            self._log({"eval/acceptance_length": float(tau)}, step)
+
+    def checkpoint(self, step: int, pause_seconds: float) -> None:
+        self._log({"checkpoint/pause_seconds": float(pause_seconds)}, step)
+
+    def _log(self, scalars: dict[str, float], step: int) -> None:
+        for writer in self._writers:
+            try:
+                writer(scalars, step)
+            except Exception as e:  # noqa: BLE001 - tracking must never stop a job
+                log.warning("experiment tracking failed: %s", e)
+
+    def close(self) -> None:
+        for writer in self._writers:
+            close = getattr(writer, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001 - tracking must never stop a job
+                    log.warning("closing experiment tracking failed: %s", e)
+        self._writers = []
+
+
+class _TensorBoard:
+    def __init__(self, directory: Path):
+        from tensorboardX import SummaryWriter
+
+        self._w = SummaryWriter(logdir=str(directory), flush_secs=10)
+
+    def __call__(self, scalars: dict[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            self._w.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class _Wandb:
+    def __init__(self, job_id: str, name: str | None, output_dir: str, spec: dict[str, Any]):
+        import wandb
+
+        self._run = wandb.init(name=name or job_id, id=job_id, resume="allow", dir=output_dir, config=spec)
+
+    def __call__(self, scalars: dict[str, float], step: int) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow:
+    def __init__(self, job_id: str, name: str | None, spec: dict[str, Any]):
+        import mlflow
+
+        self._mlflow = mlflow
+        self._run = mlflow.start_run(run_name=name or job_id, tags={"dflash.job_id": job_id})
+        mlflow.log_params({k: str(v)[:500] for k, v in spec.items()})
+
+    def __call__(self, scalars: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics({k.replace("/", "."): v for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _open(backend: str, job_id: str, name: str | None, output_dir: str, spec: dict[str, Any], directory: Path):
+    if backend == "tensorboard":
+        return _TensorBoard(directory)
+    if backend == "wandb":
+        return _Wandb(job_id, name, output_dir, spec)
+    if backend == "mlflow":
+        return _MLflow(job_id, name, spec)
+    raise ValueError(f"unknown report_to backend {backend!r}")

@@ -70,7 +70,9 @@ class _DataDirLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # close-on-exec: a child process (inductor's compile workers, tokenizer workers) must not
+        # inherit the lock and hold it after this daemon has exited
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -141,7 +143,8 @@ class Daemon:
                 # the job is still inside a step: closing the engine or the database under it would
                 # turn a clean resume into a crash; the process exit ends it, and the next start resumes
                 log.error("job worker still busy at exit; leaving engine and database open")
-                self.lock.release()
+                # and the data dir locked: a new daemon must not open the store while this process
+                # still writes to it; the lock goes with the process
                 return
         if self.host is not None:
             self.host.close()

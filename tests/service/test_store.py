@@ -250,3 +250,24 @@ def test_a_full_disk_fails_writes_without_breaking_the_store(tmp_path):
         store.close()
     finally:
         _unmount(mount)
+
+
+def test_the_data_dir_lock_is_not_inherited_by_child_processes(tmp_path):
+    """The lock's descriptor is close-on-exec: compile and tokenizer workers the daemon starts do
+    not keep the data directory locked after the daemon has gone."""
+    import fcntl
+
+    from service.app import DataDirInUse, _DataDirLock
+
+    lock = _DataDirLock(tmp_path)
+    lock.acquire()
+    try:
+        assert lock._fd is not None and fcntl.fcntl(lock._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        other = _DataDirLock(tmp_path)
+        try:
+            other.acquire()
+            raise AssertionError("a second lock on the same data dir was granted")
+        except DataDirInUse:
+            pass
+    finally:
+        lock.release()

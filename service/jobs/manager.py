@@ -264,10 +264,12 @@ class JobManager:
         )
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
+        # messages name the output_dir as the client gave it, not where it resolves
+        given = repr(spec.output_dir) if spec.output_dir is not None else "(the default)"
         if (other := self.store.any_job_using(out)) is not None:
-            raise _output_dir_taken(out, other)
+            raise _output_dir_taken(given, other)
         if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").iterdir()):
-            raise JobConflict(f"output_dir {out} already holds checkpoints; choose another output_dir")
+            raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")
         try:  # the store decides: a submission for the same output_dir may have been accepted since the check
             job, created = self.store.create_job(
                 job_id=job_id,
@@ -279,7 +281,7 @@ class JobManager:
                 output_dir=out,
             )
         except OutputDirInUse as e:
-            raise _output_dir_taken(out, e.owner) from None
+            raise _output_dir_taken(given, e.owner) from None
         if created:
             log.info("job queued", extra={"fields": {"job": job.id, "name": job.name, "output_dir": out}})
             with self._wake:

@@ -125,12 +125,13 @@ def test_dockerfile_base_user_entrypoint_volume_port():
 
 def test_dockerfile_installs_dependencies_before_copying_the_sources():
     """A source edit must not re-run the dependency install (minutes, gigabytes): the layer that
-    installs pyproject.toml's dependencies comes before any source COPY, and sees only that file."""
+    installs pyproject.toml's dependencies comes before any source COPY, and sees only that file and
+    the image's pins."""
     steps = [(w, a) for w, a in dockerfile_instructions() if w in ("COPY", "RUN")]
     first_source = next(i for i, (w, a) in enumerate(steps) if w == "COPY" and "pyproject.toml" not in a)
     deps = next(i for i, (w, a) in enumerate(steps) if w == "RUN" and "-r /tmp/requirements.txt" in a)
     assert deps < first_source
-    assert [a for w, a in steps[:deps] if w == "COPY"] == ["pyproject.toml ./"]
+    assert [a for w, a in steps[:deps] if w == "COPY"] == ["pyproject.toml docker/constraints.txt ./"]
     script = steps[deps][1]
     extract = re.search(r'python -c "(import tomllib.*?)"\s*>', script).group(1)  # as the shell passes it
     out = subprocess.run(
@@ -476,3 +477,26 @@ def test_promtool_accepts_the_shipped_prometheus_config():
         [promtool, "check", "config", str(SHIPPED_PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_image_pins_what_ci_tests():
+    """docker/constraints.txt pins every runtime dependency (but torch, triton and numpy, which the
+    CUDA base image brings) at the version requirements-cpu.txt installs for the tests."""
+
+    def pins(path: Path) -> dict[str, str]:
+        out = {}
+        for line in path.read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if "==" in line:
+                name, version = line.split("==")
+                out[name.strip().lower()] = version.strip()
+        return out
+
+    image, tested = pins(DOCKER / "constraints.txt"), pins(REPO_ROOT / "requirements-cpu.txt")
+    runtime = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ ]", d, maxsplit=1)[0].lower() for d in runtime} - {"torch", "triton", "numpy"}
+    assert names <= set(image), sorted(names - set(image))
+    assert all(image[n] == tested[n] for n in image), {n: (image[n], tested.get(n)) for n in image}
+    assert any("constraints.txt" in args for args in instruction("RUN")) or any(
+        "constraints.txt" in a for a in instruction("COPY")
+    )

@@ -243,3 +243,31 @@ def test_loss_mask_equals_the_tokenizers_assistant_mask(default_assets, name, kw
         assert list(doc.input_ids) == list(ref["input_ids"])
         assert np.array_equal(doc.loss_mask, np.asarray(ref["assistant_masks"], dtype=bool)), messages
         assert doc.loss_mask.any() and not doc.loss_mask.all()
+
+
+def test_json_array_elements_on_one_line_are_told_apart(records, tokenization, tmp_path):
+    """json.dump writes an array on one line: elements are numbered by their place in the array,
+    so held-out prompts read back are the right ones."""
+    path = tmp_path / "one-line.json"
+    path.write_text(json.dumps(records[:6]))
+    corpus = prepare_corpus([str(path)], tokenization, tmp_path / "cache")
+    assert list(corpus.shards[0].positions) == [1, 2, 3, 4, 5, 6]
+    got = corpus.conversations([4, 1])
+    assert [c.messages for c in got] == [records[4]["messages"], records[1]["messages"]]
+    assert got[0].source.endswith("one-line.json element 5")
+
+
+def test_a_file_listed_twice_is_read_once_and_lone_carriage_returns_keep_line_numbers(
+    records, tokenization, tmp_path, monkeypatch
+):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    lines = [json.dumps(r) for r in records[:8]]
+    lines[2] = lines[2].replace(", ", ",\r ", 1)  # a bare CR is JSON whitespace inside the line
+    lines[5] = "{broken"
+    (shards / "a.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(prepare, "IN_PROCESS_BYTES", 0)
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 600)  # byte ranges through the chunked reader
+    corpus = prepare_corpus([str(shards), str(shards / "a.jsonl")], tokenization, tmp_path / "cache", workers=1)
+    assert len(corpus.shards) == 1 and len(corpus) == 7
+    assert [e.line for e in corpus.errors()] == [6]

@@ -385,3 +385,32 @@ def test_read_only_and_full_output_dirs_are_refused_at_submission(data_dir, defa
     finally:
         subprocess.run(["umount", str(ro)], check=False)
     engine.close()
+
+
+def test_a_failing_replica_with_gradient_accumulation_does_not_hang_the_job(
+    data_dir, default_assets, tmp_path, monkeypatch
+):
+    """One target worker feeding two replicas, a long accumulation: when one replica fails, the
+    other (waiting for micro-batches queued behind the failed one's) fails too, instead of hanging."""
+    engine = make_engine(data_dir, ["cpu", "cpu"])
+    victim = engine.replicas[0]
+
+    def broken(*a, **k):
+        raise RuntimeError("injected replica fault")
+
+    monkeypatch.setattr(victim, "forward_backward", broken)
+    result: list = []
+
+    def run():
+        try:
+            engine.run_job(job(default_assets, tmp_path / "hang", steps=3, grad_accum=8), Recorder())
+        except JobError as e:
+            result.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the job hung after a replica failed"
+    assert result and "injected replica fault" in str(result[0])
+    monkeypatch.undo()
+    engine.close()

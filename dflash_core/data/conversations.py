@@ -30,7 +30,7 @@ class DatasetError(ValueError):
     def where(self) -> str:
         if self.line <= 0:
             return self.path
-        return f"{self.path}:{self.line}" if self.unit == "line" else f"{self.path} row {self.line}"
+        return f"{self.path}:{self.line}" if self.unit == "line" else f"{self.path} {self.unit} {self.line}"
 
 
 @dataclass

@@ -176,7 +176,11 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
         with src.path.open("rb") as f:
             f.seek(start)
             data = f.read(end - start)
-        yield from _jsonl_lines(src.path, data.splitlines(keepends=True), first_line)
+        # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
+        # would also split on a bare carriage return and shift every later line number)
+        parts = data.split(b"\n")
+        lines = [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+        yield from _jsonl_lines(src.path, lines, first_line)
     elif kind == "rows":
         _, start, stop = task
         yield from _rows(src, start, stop)
@@ -392,11 +396,15 @@ def prepare_corpus(
     """Tokenize what the cache lacks and open every shard. Raises DatasetError for an unusable
     entry (a missing file, an empty directory, a parquet file without a conversation column);
     bad records are kept in the entries' error lists for the caller to refuse or skip."""
-    sources = [
+    listed = [
         SourceFile(resolved_under(src.path, roots or [], "a dataset file"), src.kind)
         for entry in entries
         for src in dataset_files(resolved_under(entry, roots or [], "dataset"))
     ]
+    # a file reached twice (a directory and a file in it) is read once
+    sources = list(dict.fromkeys(listed))
+    if len(sources) < len(listed):
+        log.info("dataset files listed more than once are read once", extra={"fields": {"files": len(listed)}})
     state = PrepareProgress(files_total=len(sources), bytes_total=sum(file_size(s) for s in sources))
     t0 = time.monotonic()
     todo: list[tuple[SourceFile, Path]] = []

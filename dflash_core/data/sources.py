@@ -12,8 +12,9 @@ Every record is a conversation in OpenAI `messages` or ShareGPT `conversations` 
 JSON text is read here, line by line or element by element, because a broken record must be
 reported by file and line, and a JSON reader that parses a whole file at once cannot say where.
 
-Records come out as (position, record) pairs, the position being the line (JSONL), the line
-where the element starts (JSON arrays) or the row (parquet, `save_to_disk`); a record that cannot
+Records come out as (position, record) pairs, the position being the line (JSONL), the element's
+ordinal (JSON arrays; a syntax error is reported by line) or the row (parquet, `save_to_disk`); a
+record that cannot
 be read comes out as a DatasetError in its place, so that the caller decides whether to skip it.
 """
 
@@ -42,8 +43,9 @@ class SourceFile:
 
     @property
     def unit(self) -> str:
-        """How positions in this file are counted in messages."""
-        return "line" if self.kind in ("jsonl", "json_array") else "row"
+        """How positions in this file are counted in messages: lines of JSONL, elements of a JSON
+        array (several can share a line), rows of tables."""
+        return {"jsonl": "line", "json_array": "element"}.get(self.kind, "row")
 
 
 def dataset_files(entry: str | Path) -> list[SourceFile]:
@@ -154,9 +156,11 @@ def _json_array(path: Path) -> Iterator[tuple[int, object]]:
             skip_space()
             if buf[pos : pos + 1] == "]":
                 return
+            ordinal = 0
             while True:
                 compact()
                 start_line = line
+                ordinal += 1
                 while True:
                     try:
                         obj, end = decoder.raw_decode(buf, pos)
@@ -170,7 +174,7 @@ def _json_array(path: Path) -> Iterator[tuple[int, object]]:
                             raise DatasetError(path, start_line + e.lineno - 1, f"invalid JSON: {e.msg}") from None
                 line += buf.count("\n", pos, end)
                 pos = end
-                yield start_line, obj
+                yield ordinal, obj
                 skip_space()
                 sep = buf[pos : pos + 1]
                 if sep == "]":

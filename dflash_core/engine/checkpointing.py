@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -232,19 +233,37 @@ class Checkpointer:
             raise JobError(
                 f"output_dir {job.output_dir!r} cannot be written: {e.strerror or e}", "output_dir"
             ) from None
-        swept = sweep_partial_writes(self._dir)
-        if swept:
-            log.info(
-                "removed partial checkpoint writes",
-                extra={"fields": {"directory": str(self.directory), "names": swept}},
-            )
-        self.checkpoint_bytes = checkpoint_size(replica)
+        try:
+            swept = sweep_partial_writes(self._dir)
+            if swept:
+                log.info(
+                    "removed partial checkpoint writes",
+                    extra={"fields": {"directory": str(self.directory), "names": swept}},
+                )
+            if resumed_from is not None:
+                self._drop_newer_than(checkpoint_step(Path(resumed_from).name))
+        except BaseException:
+            self._dir.close()
+            raise
+        self.checkpoint_bytes = checkpoint_size(replica, job.export_dtype)
         self.last_path: str | None = resumed_from
         self._last_step: int | None = None
         self._writer = CheckpointWriter()
         self._snapshot_buffers = HostSnapshot()
         self._pauses: dict[int, float] = {}
         self._snapshot_buffers.prepare(_expected_layout(replica))  # the last step always checkpoints
+
+    def _drop_newer_than(self, step: int | None) -> None:
+        """A resumed job recomputes the steps after its checkpoint: checkpoints of later steps on
+        disk (written, but not recorded before the daemon died) are stale, and rotation must not
+        keep them over the new ones."""
+        if step is None:
+            return
+        stale = [e.name for e in self._dir.entries() if (s := checkpoint_step(e.name)) is not None and s > step]
+        for name in stale:
+            self._dir.remove_tree(name)
+        if stale:
+            log.info("removed checkpoints newer than the resume point", extra={"fields": {"names": stale}})
 
     def due(self, step: int) -> bool:
         return step % self.job.checkpoint_interval == 0 or step == self.total
@@ -371,7 +390,9 @@ def _expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype,
     return likes
 
 
-def checkpoint_size(rep: DrafterReplica) -> int:
-    """Bytes a checkpoint of this replica takes on disk: the fp32 masters, AdamW's two fp32
-    moments (12 bytes per parameter), plus a margin for the small files."""
-    return 12 * sum(m.numel() for _, m in rep.named_masters()) + (1 << 20)
+def checkpoint_size(rep: DrafterReplica, export_dtype: str = "fp32") -> int:
+    """Bytes a checkpoint of this replica takes on disk: the fp32 masters and AdamW's two fp32
+    moments (12 bytes per parameter), plus the bf16 export beside the masters (2 more), plus a
+    margin for the small files."""
+    per_param = 12 + (2 if export_dtype == "bf16" else 0)
+    return per_param * sum(m.numel() for _, m in rep.named_masters()) + (1 << 20)

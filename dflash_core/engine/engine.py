@@ -203,7 +203,7 @@ class Engine:
                 f"{job.output_dir!r} cannot be written (read-only file system or no permission)", "output_dir"
             )
         st = os.statvfs(existing)
-        free, need = st.f_bavail * st.f_frsize, checkpoint_size(self.replicas[0])
+        free, need = st.f_bavail * st.f_frsize, checkpoint_size(self.replicas[0], job.export_dtype)
         if free < need:
             raise JobError(
                 f"{job.output_dir!r}: {free / 2**30:.2f} GiB free on its file system, a checkpoint needs about "
@@ -293,23 +293,24 @@ class Engine:
             target_path=self.parts.target_path,
             resumed_from=resume_from,
         )
-        pipeline = FeaturePipeline(
-            self.parts.targets,
-            [r.device for r in self.replicas],
-            stream,
-            first=start * per_step,
-            end=total * per_step,
-            grad_accum=job.grad_accum,
-            feature_spec=self.parts.feature_spec,
-            on_thread=lambda n: self.timeline.mark(f"thread:{n}"),
-        )
         wants_eval = bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
         status = "SUCCEEDED"
         self.rate.reset()
-        self._pipeline = pipeline.start()
-        try:
+        pipeline: FeaturePipeline | None = None
+        try:  # from here on, a failure releases the checkpointer's directory and buffers
+            pipeline = FeaturePipeline(
+                self.parts.targets,
+                [r.device for r in self.replicas],
+                stream,
+                first=start * per_step,
+                end=total * per_step,
+                grad_accum=job.grad_accum,
+                feature_spec=self.parts.feature_spec,
+                on_thread=lambda n: self.timeline.mark(f"thread:{n}"),
+            )
+            self._pipeline = pipeline.start()
             while step < total:
                 if cb.should_cancel():
                     status = "STOPPED"
@@ -328,7 +329,8 @@ class Engine:
             raise
         finally:
             self._pipeline = None
-            pipeline.close()
+            if pipeline is not None:
+                pipeline.close()
         return JobResult(status, step, total, last, stats, eval_result, data.skipped_lines)
 
     def _load_data(self, job: TrainJob, cb: JobCallbacks) -> JobData:
@@ -450,13 +452,23 @@ class Engine:
     def _micro_steps(self, r: int, rep: DrafterReplica, pipeline: FeaturePipeline, accum: int) -> StepAccumulator:
         acc = rep.new_accumulator()
         t = time.monotonic()
-        for _ in range(accum):
-            item = pipeline.get(r)
-            rep.forward_backward(item.batch, item.features, 1.0 / accum, acc)
-            item.release()  # forward and backward are queued: a copy into it waits for them
-            acc.context_tokens += item.context_tokens
-        if rep.device.type == "cuda":
-            torch.cuda.synchronize(rep.device)
+        try:
+            for _ in range(accum):
+                item = pipeline.get(r)
+                try:
+                    rep.forward_backward(item.batch, item.features, 1.0 / accum, acc)
+                finally:
+                    item.release()  # forward and backward are queued: a copy into it waits for them
+                acc.context_tokens += item.context_tokens
+            if rep.device.type == "cuda":
+                torch.cuda.synchronize(rep.device)
+        except BaseException as e:
+            # stop the pipeline: the other replicas' threads, waiting for micro-batches that a
+            # worker cannot deliver while this replica's queue is full, must fail too, not hang
+            if pipeline.error is None:
+                pipeline.error = e
+            pipeline.stop.set()
+            raise
         acc.extra["seconds"] = time.monotonic() - t
         return acc
 

@@ -107,8 +107,6 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     """Build and warm the engine of a config without serving: fills the data directory's compile
     cache (and writes torch's portable compile artifacts there) for an image build stage or an
     init container, so that `serve` on that data directory starts warm."""
-    import time as _time
-
     from .config import ConfigError, load_config
     from .logs import configure_logging
 
@@ -121,7 +119,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     from dflash_core.engine import Engine
 
-    t = _time.monotonic()
+    t = time.monotonic()
     engine = Engine(config.engine, config.data_dir)
     try:
         engine.build()
@@ -135,7 +133,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     print(
         json.dumps(
             {
-                "ready_seconds": round(_time.monotonic() - t, 1),
+                "ready_seconds": round(time.monotonic() - t, 1),
                 "compiled_graphs": status.compiles["warmup"],
                 "artifacts_bytes": saved,
                 "data_dir": str(config.data_dir),

@@ -154,17 +154,18 @@ class EngineHost:
         snapshot = self.engine_status()
         return snapshot.phase if snapshot is not None else "starting"
 
-    def status(self) -> str:
+    def status(self, phase: str | None = None) -> str:
+        """starting | warming | ready | failed; `phase`: the engine's, when the caller has it."""
         if self._error is not None:
             return FAILED
         if self._ready.is_set():
             return READY
-        return WARMING if self.phase().startswith("warming") else STARTING
+        return WARMING if (phase or self.phase()).startswith("warming") else STARTING
 
     def health(self) -> dict[str, Any]:
-        status = self.status()
-        snapshot = self.engine_status()
+        snapshot = self.engine_status()  # one reading of the engine for the whole body
         phase = snapshot.phase if snapshot is not None else "starting"
+        status = self.status(phase)
         body: dict[str, Any] = {
             "status": status,
             "phase": phase if status != FAILED else f"failed during {phase}",

@@ -9,6 +9,7 @@ a custom collector, so a scrape never waits on a training step and never syncs a
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -78,6 +79,20 @@ def _build_info() -> GaugeMetricFamily:
     metadata, so a scrape never imports torch (the daemon answers before torch is loaded); the
     CUDA version once torch is imported."""
     import sys
+
+    torch = sys.modules.get("torch")
+    cuda = str(getattr(getattr(torch, "version", None), "cuda", "") or "") if torch is not None else ""
+    info = GaugeMetricFamily(
+        "dflash_build_info", "Versions of dflash-trainer and its runtime", labels=["version", "torch", "triton", "cuda"]
+    )
+    info.add_metric([*_package_versions(), cuda], 1)
+    return info
+
+
+@functools.cache
+def _package_versions() -> tuple[str, str, str]:
+    """(dflash-trainer, torch, triton) versions from package metadata, read once: they do not
+    change while the process runs, and reading them costs file system lookups at every scrape."""
     from importlib import metadata
 
     def version(name: str) -> str:
@@ -86,13 +101,7 @@ def _build_info() -> GaugeMetricFamily:
         except metadata.PackageNotFoundError:
             return ""
 
-    torch = sys.modules.get("torch")
-    cuda = str(getattr(getattr(torch, "version", None), "cuda", "") or "") if torch is not None else ""
-    info = GaugeMetricFamily(
-        "dflash_build_info", "Versions of dflash-trainer and its runtime", labels=["version", "torch", "triton", "cuda"]
-    )
-    info.add_metric([version("dflash-trainer"), version("torch"), version("triton"), cuda], 1)
-    return info
+    return version("dflash-trainer"), version("torch"), version("triton")
 
 
 class _EngineCollector(Collector):

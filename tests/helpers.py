@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import numpy as np
+import pytest
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.data.batches import MicroBatch, make_micro_batch
@@ -50,3 +55,19 @@ def random_drafter(cfg: DrafterConfig, seed=0) -> DFlashDrafter:
     d = DFlashDrafter(cfg)
     d.init_weights(seed, std=0.2)
     return d.double()
+
+
+def mount_tmpfs(path, options: str) -> None:
+    """A small tmpfs at `path` (mount options such as "size=2m" or "size=1m,ro"): a real full or
+    read-only file system. Needs root on Linux; skips the test where the machine cannot mount one."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+
+
+def unmount(path) -> None:
+    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

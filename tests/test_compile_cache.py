@@ -52,43 +52,34 @@ def test_an_exported_variable_wins(tmp_path):
     assert not (tmp_path / "data" / "inductor-cache").exists()
 
 
-def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_path):
-    """`dflash-trainer precompile` warms the engine of a config into its data directory and exits
-    (nothing is compiled on the CPU, so no artifacts); a later build that finds unreadable
-    artifacts there logs it and builds as usual."""
+def precompile(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`dflash-trainer precompile ARGS` in a fresh interpreter, with no cache variable exported."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))}
     env["PYTHONPATH"] = str(REPO)
-    data = tmp_path / "data"
-    out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "precompile", "--data-dir", str(data)],
-        cwd=tmp_path,
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", "precompile", *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_path):
+    """`dflash-trainer precompile` warms the engine of a config into its data directory and exits
+    (nothing is compiled on the CPU, so no artifacts); a later build that finds unreadable
+    artifacts there logs it and builds as usual."""
+    data = tmp_path / "data"
+    out = precompile("--data-dir", str(data), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["data_dir"] == str(data) and summary["compiled_graphs"] == 0 and summary["drafters"] == ["cpu"]
     assert (data / "inductor-cache").is_dir()
     (data / "compile-artifacts.bin").write_bytes(b"not artifacts")
-    out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "precompile", "--data-dir", str(data)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = precompile("--data-dir", str(data), cwd=tmp_path)
     assert out.returncode == 0 and "not loaded" in out.stderr, out.stderr[-3000:]
     bad = tmp_path / "bad.toml"
     bad.write_text("[engine]\ncompile_scope = 'layer'\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "precompile", "--config", str(bad)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = precompile("--config", str(bad), cwd=tmp_path)
     assert out.returncode == 2 and "engine.compile_scope" in out.stderr

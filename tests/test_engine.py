@@ -353,26 +353,16 @@ def test_reads_stay_under_the_dataset_roots(data_dir, default_assets, tmp_path):
     engine.close()
 
 
-def _tmpfs(path, options):
-    """Mount a small tmpfs at `path` (root, Linux); skip the test where the machine cannot."""
-    import subprocess
-
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root on Linux")
-
-
 def test_read_only_and_full_output_dirs_are_refused_at_submission(data_dir, default_assets, tmp_path):
     """validate_job (what the service runs at submission) names ENOSPC and read-only output
     directories before anything trains; a checkpoint that would not fit is refused before writing."""
-    import subprocess
+    from tests.helpers import mount_tmpfs, unmount
 
     engine = make_engine(data_dir, ["cpu"])
     ro, small = tmp_path / "ro", tmp_path / "small"
-    _tmpfs(ro, "size=1m,ro")
+    mount_tmpfs(ro, "size=1m,ro")
     try:
-        _tmpfs(small, "size=64k")
+        mount_tmpfs(small, "size=64k")
         try:
             with pytest.raises(JobError, match="read-only") as err:
                 engine.validate_job(job(default_assets, ro / "out"))
@@ -381,9 +371,9 @@ def test_read_only_and_full_output_dirs_are_refused_at_submission(data_dir, defa
                 engine.validate_job(job(default_assets, small / "out"))
             assert err.value.field == "output_dir"
         finally:
-            subprocess.run(["umount", str(small)], check=False)
+            unmount(small)
     finally:
-        subprocess.run(["umount", str(ro)], check=False)
+        unmount(ro)
     engine.close()
 
 

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from service.jobs.manager import MAX_CRASH_RESUMES
+from tests.helpers import mount_tmpfs, unmount
 from tests.service.harness import Daemon, step_numbers, write_config
-from tests.service.test_store import _mount_tmpfs, _unmount, fill
+from tests.service.test_store import fill
 
 PARTIAL = ".tmp-step-00000010-abcd1234"  # what a crash in the middle of a checkpoint write leaves
 
@@ -45,13 +46,13 @@ def daemon_on_small_disk(tmp_path):
     """A daemon whose data directory is a 64 MiB tmpfs (job store, assets, checkpoints)."""
     data_dir, workdir = tmp_path / "data", tmp_path / "cwd"
     workdir.mkdir()
-    _mount_tmpfs(data_dir, "64m")
+    mount_tmpfs(data_dir, "size=64m")
     daemon = Daemon(write_config(tmp_path / "dflash.toml", data_dir), data_dir, workdir)
     try:
         yield daemon
     finally:
         daemon.close()
-        _unmount(data_dir)
+        unmount(data_dir)
 
 
 def test_a_full_data_dir_is_survived(daemon_on_small_disk):

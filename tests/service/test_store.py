@@ -4,13 +4,12 @@ putting an ended job back in the queue, and a full disk."""
 
 import errno
 import os
-import shutil
 import sqlite3
-import subprocess
 
 import pytest
 
 from service.jobs.store import JobStore
+from tests.helpers import mount_tmpfs, unmount
 
 
 def test_rotated_checkpoints_are_forgotten_and_the_newest_stays(tmp_path):
@@ -192,21 +191,6 @@ def test_requeue_puts_an_ended_job_back_with_an_event(tmp_path):
     assert not store.requeue("job-1", STOPPED, "/ckpt/step-00000010", 10)  # already back in the queue
 
 
-def _mount_tmpfs(path, size: str) -> None:
-    """A small tmpfs at `path` (root on Linux); skips the test where the machine cannot mount one."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs to fill needs root and mount(8)")
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
-
-
-def _unmount(path) -> None:
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def fill(path) -> None:
     """Write `path` until its file system has no space left."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -229,7 +213,7 @@ def test_a_full_disk_fails_writes_without_breaking_the_store(tmp_path):
     from service.jobs.store import StoreUnavailable
 
     mount = tmp_path / "small"
-    _mount_tmpfs(mount, "2m")
+    mount_tmpfs(mount, "size=2m")
     try:
         store = JobStore(mount / "jobs.sqlite3")
         _job(store, "job-1", "/out/1")
@@ -249,7 +233,7 @@ def test_a_full_disk_fails_writes_without_breaking_the_store(tmp_path):
         assert store.get_job("job-1").last_checkpoint == "/ckpt/again"
         store.close()
     finally:
-        _unmount(mount)
+        unmount(mount)
 
 
 def test_the_data_dir_lock_is_not_inherited_by_child_processes(tmp_path):

@@ -11,11 +11,14 @@ class JobError(Exception):
     """A job that cannot run or could not finish, with a message meant for the user.
 
     `field` names the job spec field at fault when the job was refused before it started (the
-    service answers 422); it is None for a failure while the job ran."""
+    service answers 422); it is None for a failure while the job ran. `resumable`: the job did
+    nothing wrong (a rank of a multi-host group was lost) and continues from its last checkpoint
+    once the group is whole again."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, resumable: bool = False):
         self.field = field
         self.message = message
+        self.resumable = resumable
         super().__init__(f"{field}: {message}" if field else message)
 
 
@@ -43,6 +46,12 @@ class EngineStatus:
     queue_depths: dict[str, int]  # micro-batches waiting per drafter (empty between jobs)
     threads_alive: bool  # every worker thread started after warm-up is running
     allocator: dict[str, dict[str, int]]  # CUDA caching-allocator gauges per device (none on CPU)
+    # multi-host (one process: rank 0 of 1): this process's rank, the group's size, the ranks rank 0
+    # sees warm and beating (other ranks: themselves), and why the group cannot train, if it cannot
+    rank: int = 0
+    ranks_total: int = 1
+    ranks_ready: int = 0
+    group_problem: str | None = None
 
 
 @dataclass

@@ -80,6 +80,11 @@ class CheckpointWriter:
         return [(future.result(), step)]
 
 
+def checkpoint_due(job: TrainJob, step: int, total: int) -> bool:
+    """Whether step `step` of `total` ends with a checkpoint (every rank of a group asks)."""
+    return step % job.checkpoint_interval == 0 or step == total
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -266,7 +271,7 @@ class Checkpointer:
             log.info("removed checkpoints newer than the resume point", extra={"fields": {"names": stale}})
 
     def due(self, step: int) -> bool:
-        return step % self.job.checkpoint_interval == 0 or step == self.total
+        return checkpoint_due(self.job, step, self.total)
 
     def save(
         self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None, *, force: bool = False

@@ -12,7 +12,7 @@ before it pays for those imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -150,6 +150,15 @@ class TrainJob:
 
     def output_path(self) -> Path:
         return Path(self.output_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (how rank 0 sends a job to the other ranks)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainJob:
+        fields: dict[str, Any] = {k: tuple(v) if k == "adam_betas" else v for k, v in values.items()}
+        return cls(**fields)
 
 
 def job_template(job: TrainJob) -> ChatTemplate:

@@ -6,11 +6,17 @@ Threads after warm-up:
   drafter-<dev>  one per replica: forward + backward of its micro-batches, optimizer step
   caller         the job's thread: this loop; averages gradients across replicas, checkpoints
 No worker thread exists before warm-up ends (warmup.py says why).
+
+In a multi-host group (distributed.py) every rank runs this loop on its share of each step's
+micro-batches: rank 0 takes jobs from its caller (`run_job`), the other ranks receive them from
+rank 0 (`follow`); per step the ranks exchange stop votes, failures and statistics, then average
+gradients; only rank 0 evaluates and writes checkpoints, after the ranks compared weight checksums.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import copy
 import math
 import os
@@ -33,9 +39,10 @@ from ..step.blocks import expected_acceptance_length
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
-from .checkpointing import Checkpointer, checkpoint_size
+from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size
 from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_times, save_artifacts, use_cache_dir
 from .config import EngineConfig, TrainJob, job_template
+from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .grad_sync import GradSync
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
@@ -45,12 +52,45 @@ from .warmup import Parts, Timeline, build, flat_devices, reset_weights, resolve
 DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
 
 
+class PeerFailed(JobError):
+    """Another rank reported a failure in a collective: this rank stops without voting again."""
+
+
+class _Control:
+    """The per-step control vector the ranks sum (float64, exact for the counts and the 52-bit
+    checksums it carries): stop votes, failures, the step's statistics, one checksum per rank."""
+
+    CANCEL, SHUTDOWN, FAILED, LOSS, MICRO, TOKENS = range(6)
+
+    def __init__(self, block_size: int, world: int):
+        self.block, self.world = block_size, world
+        self.size = 6 + 2 * block_size + world
+
+    def new(self) -> torch.Tensor:
+        return torch.zeros(self.size, dtype=torch.float64)
+
+    def correct(self, v: torch.Tensor) -> torch.Tensor:
+        return v[6 : 6 + self.block]
+
+    def counted(self, v: torch.Tensor) -> torch.Tensor:
+        return v[6 + self.block : 6 + 2 * self.block]
+
+    def checksums(self, v: torch.Tensor) -> torch.Tensor:
+        return v[6 + 2 * self.block :]
+
+
 class Engine:
     def __init__(
-        self, config: EngineConfig, data_dir: str | Path, on_phase: Callable[[EngineStatus], None] | None = None
+        self,
+        config: EngineConfig,
+        data_dir: str | Path,
+        on_phase: Callable[[EngineStatus], None] | None = None,
+        group: RankGroup | None = None,
     ):
-        """on_phase(status) is called from the building thread at every phase change."""
+        """on_phase(status) is called from the building thread at every phase change; group: this
+        process's place in a multi-host group (joined by build()), None for one process."""
         self.config = config
+        self.group = group
         self.data_dir = Path(data_dir)
         # before anything imports dynamo: it fixes inductor's cache directory at import
         if config.inductor_cache_dir is not None:
@@ -75,7 +115,23 @@ class Engine:
 
     # ------------------------------------------------------------------ build + warm-up
     def build(self) -> Engine:
-        """Load everything and warm it, in the calling thread. Returns self when ready."""
+        """Load everything and warm it, in the calling thread. Returns self when ready (in a
+        group: this rank is ready; rank 0's status says when every rank is)."""
+        try:
+            self._build()
+        except BaseException as e:
+            if self.group is not None and self.group.backend is not None:
+                self.group.announce_failed(f"{type(e).__name__}: {e}")
+            raise
+        return self
+
+    def _build(self) -> None:
+        if self.group is not None:
+            self.timeline.enter("joining_group")
+            backend = "nccl" if any(d.startswith("cuda") for d in self.drafter_devices) else "gloo"
+            self.group.join(backend)
+            self.grad_sync.process_group = self.group.grad_group
+            self.timeline.mark("build:group_joined")
         if load_artifacts(self.data_dir / ARTIFACTS_FILE):
             self.timeline.mark("build:compile_artifacts_loaded")
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.grad_sync)
@@ -96,8 +152,19 @@ class Engine:
         for pool in self._drafter_pools:  # start the threads now (executors start them lazily)
             pool.submit(lambda: None).result()
         self.ready = True
+        if self.group is not None:
+            self.group.announce_ready(self._rank_description())
         self.timeline.enter("ready", len(self.replicas))
-        return self
+
+    def _rank_description(self) -> dict[str, Any]:
+        """What every rank of a group must share to train together (compared by rank 0)."""
+        assert self.parts is not None
+        return {
+            "drafters": len(self.replicas),
+            "shape": dict(vars(self.config.shape)),
+            "drafter": self.parts.drafter_config.to_dict(),
+            "plan": str(self.parts.plan),
+        }
 
     @property
     def replicas(self) -> list[DrafterReplica]:
@@ -143,7 +210,19 @@ class Engine:
             queue_depths=self._queue_depths(pipeline),
             threads_alive=bool(self._worker_threads) and all(t.is_alive() for t in self._worker_threads),
             allocator={d: s for d in sorted(devices) if (s := allocator_stats(d))} if self.ready else {},
+            **self._group_status(),
         )
+
+    def _group_status(self) -> dict[str, Any]:
+        group = self.group
+        if group is None:
+            return {"rank": 0, "ranks_total": 1, "ranks_ready": int(self.ready), "group_problem": None}
+        return {
+            "rank": group.rank,
+            "ranks_total": group.world,
+            "ranks_ready": group.ranks_ready() if group.is_leader else int(self.ready),
+            "group_problem": group.problem(),
+        }
 
     def _queue_depths(self, pipeline: FeaturePipeline | None) -> dict[str, int]:
         """Every drafter queue, empty between jobs (a series per queue from the first reading on)."""
@@ -234,13 +313,48 @@ class Engine:
     def run_job(
         self, job: TrainJob, callbacks: JobCallbacks | None = None, resume_from: str | None = None
     ) -> JobResult:
-        """Train `job` to its end, a cancel or a shutdown (callbacks.should_cancel); raises JobError."""
+        """Train `job` to its end, a cancel or a shutdown (callbacks.should_cancel); raises JobError.
+        In a group, called on rank 0 only: the job goes to the other ranks from here."""
         if not self.ready:
             raise JobError("engine is not ready")
+        group = self.group
+        if group is not None:
+            if not group.is_leader:
+                raise JobError(f"rank {group.rank} runs the jobs rank 0 sends; submit jobs to rank 0")
+            if (problem := group.problem()) is not None:
+                raise JobError(f"the group cannot train: {problem}", resumable=group.broken is not None)
+            if group.ranks_ready() < group.world:
+                raise JobError(f"{group.ranks_ready()} of {group.world} ranks are ready", resumable=True)
         self.validate_job(job)
+        if group is not None:
+            group.post({"kind": "run", "job": job.to_dict(), "resume_from": resume_from})
+        return self._guarded_run(job, callbacks or JobCallbacks(), resume_from)
+
+    def follow(self, stop: threading.Event, callbacks: Callable[[], JobCallbacks] | None = None) -> str:
+        """Ranks other than 0: run the jobs rank 0 sends until it says shutdown, `stop` is set or
+        the group breaks; returns why it ended. A job's failure is reported to rank 0 by the
+        collectives and logged by the caller through callbacks().on_event("job_failed", ...)."""
+        group = self.group
+        assert group is not None and not group.is_leader and self.ready
+        while True:
+            command = group.next_command(stop)
+            if command is None:
+                return group.broken or "stopped"
+            if command.get("kind") == "shutdown":
+                return "rank 0 shut the group down"
+            cb = callbacks() if callbacks is not None else JobCallbacks()
+            try:
+                job = TrainJob.from_dict(command["job"])
+                self._guarded_run(job, cb, command.get("resume_from"))
+            except JobError as e:
+                cb.on_event("job_failed", {"error": e.message})
+            if group.broken is not None:
+                return group.broken
+
+    def _guarded_run(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
         with self._lock:
             try:
-                return self._run(job, callbacks or JobCallbacks(), resume_from)
+                return self._run(job, cb, resume_from)
             except JobError:
                 raise
             except torch.OutOfMemoryError as e:
@@ -258,45 +372,37 @@ class Engine:
 
     def _run(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
         assert self.parts is not None
-        try:
-            data = self._load_data(job, cb)
-        except PrepareCancelled:
+        group = self.group
+        leader = group is None or group.is_leader
+        ranks = group.world if group is not None else 1
+        per_step = len(self.replicas) * job.grad_accum * ranks
+        prepared = self._prepare(job, cb, resume_from, per_step)
+        if prepared is None:
             return JobResult("STOPPED", 0, 0, resume_from)
-        except OutsideRoots as e:
-            raise JobError(str(e), "datasets") from None
-        stream = MicroBatchStream(
-            data.corpus, self.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
-        )
-        per_step = len(self.replicas) * job.grad_accum
-        total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
-        cb.on_event(
-            "data",
-            {
-                "documents": len(data.corpus) - len(data.exclude),
-                "tokens": int(data.corpus.lengths.sum()),
-                "micro_batches_per_epoch": stream.per_epoch,
-                "truncated_documents": data.corpus.truncated_documents,
-                "dropped_documents": stream.report.dropped_documents,
-                "heldout": len(data.exclude) or len(data.heldout),
-                "total_steps": total,
-            },
-        )
-        start = step = self._start_state(job, cb, resume_from, per_step)
+        data, stream, total, start = prepared
+        step = start
         warmup_steps = int(job.warmup_ratio * total)
-        checkpointer = Checkpointer(
-            job,
-            self.replicas[0],
-            cb,
-            total_steps=total,
-            micro_batches_per_step=per_step,
-            replicas=len(self.replicas),
-            target_path=self.parts.target_path,
-            resumed_from=resume_from,
+        checkpointer = (
+            Checkpointer(
+                job,
+                self.replicas[0],
+                cb,
+                total_steps=total,
+                micro_batches_per_step=per_step,
+                replicas=len(self.replicas) * ranks,
+                target_path=self.parts.target_path,
+                resumed_from=resume_from,
+            )
+            if leader
+            else None
         )
-        wants_eval = bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
+        wants_eval = leader and bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
+        control = _Control(self.drafter_config.block_size, ranks)
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
         status = "SUCCEEDED"
+        peer_left: str | None = None
+        last: str | None = None
         self.rate.reset()
         pipeline: FeaturePipeline | None = None
         try:  # from here on, a failure releases the checkpointer's directory and buffers
@@ -309,29 +415,198 @@ class Engine:
                 grad_accum=job.grad_accum,
                 feature_spec=self.parts.feature_spec,
                 on_thread=lambda n: self.timeline.mark(f"thread:{n}"),
+                share=(group.rank, ranks) if group is not None else (0, 1),
             )
             self._pipeline = pipeline.start()
             while step < total:
-                if cb.should_cancel():
+                cancel = cb.should_cancel()
+                if group is None and cancel:
                     status = "STOPPED"
                     break
                 lr = job.learning_rate * lr_factor(step, total, warmup_steps, job.min_lr_ratio)
-                stats = self._train_step(pipeline, job, step + 1, total, lr, stream.per_epoch, per_step)
+                stats, votes = self._train_step(
+                    pipeline, job, step + 1, total, lr, stream.per_epoch, per_step, control, cancel
+                )
                 step += 1
                 cb.on_step(stats)
+                stopping = votes is not None and bool(votes[_Control.CANCEL] or votes[_Control.SHUTDOWN])
+                if group is not None and (stopping or checkpoint_due(job, step, total)):
+                    self._compare_weights(control, step)
                 if wants_eval and ((job.eval_interval and step % job.eval_interval == 0) or step == total):
                     eval_result = self.evaluate(data.heldout, job)
                     cb.on_eval(step, eval_result)
-                checkpointer.save(step, stats, eval_result)
-            last = checkpointer.finish(step, stats, eval_result, stopped_early=status == "STOPPED", first_step=start)
-        except BaseException:
-            checkpointer.abandon()
+                if checkpointer is not None:
+                    checkpointer.save(step, stats, eval_result)
+                if stopping:
+                    assert votes is not None
+                    status = "STOPPED"
+                    if votes[_Control.SHUTDOWN] and not votes[_Control.CANCEL]:
+                        peer_left = "a rank is shutting down"
+                    break
+            if checkpointer is not None:
+                last = checkpointer.finish(
+                    step, stats, eval_result, stopped_early=status == "STOPPED", first_step=start
+                )
+            if group is not None:  # every rank past the end (rank 0: the last checkpoint written)
+                self._all_sum(control, control.new(), "the job's end")
+        except BaseException as e:
+            if checkpointer is not None:
+                checkpointer.abandon()
+            self._vote_failure(control, e)
             raise
         finally:
             self._pipeline = None
             if pipeline is not None:
                 pipeline.close()
+        if peer_left is not None:
+            raise JobError(
+                f"stopped at step {step}: {peer_left}; the job continues from the checkpoint of step {step} "
+                "when every rank is started again",
+                resumable=True,
+            )
         return JobResult(status, step, total, last, stats, eval_result, data.skipped_lines)
+
+    def _prepare(
+        self, job: TrainJob, cb: JobCallbacks, resume_from: str | None, per_step: int
+    ) -> tuple[JobData, MicroBatchStream, int, int] | None:
+        """The job's data, micro-batch stream, step count and first step, with the replicas holding
+        the first step's state; None when the job was stopped while preparing. In a group every
+        rank prepares its own copy of the data, then the ranks agree that all of them succeeded and
+        see the same data before rank 0's start state is sent to the others."""
+        group = self.group
+        failure: BaseException | None = None
+        stopped = False
+        prepared: tuple[JobData, MicroBatchStream, int, int] | None = None
+        try:
+            try:
+                data = self._load_data(job, cb)
+            except OutsideRoots as e:
+                raise JobError(str(e), "datasets") from None
+            stream = MicroBatchStream(
+                data.corpus,
+                self.config.shape,
+                self.parts.pad_token_id if self.parts else 0,
+                seed=job.seed,
+                exclude=data.exclude,
+            )
+            total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
+            cb.on_event(
+                "data",
+                {
+                    "documents": len(data.corpus) - len(data.exclude),
+                    "tokens": int(data.corpus.lengths.sum()),
+                    "micro_batches_per_epoch": stream.per_epoch,
+                    "truncated_documents": data.corpus.truncated_documents,
+                    "dropped_documents": stream.report.dropped_documents,
+                    "heldout": len(data.exclude) or len(data.heldout),
+                    "total_steps": total,
+                },
+            )
+            leader = group is None or group.is_leader
+            start = self._start_state(job, cb, resume_from if leader else None, per_step, read_files=leader)
+            prepared = (data, stream, total, start)
+        except PrepareCancelled:
+            stopped = True
+        except BaseException as e:
+            if group is None:
+                raise
+            failure = e
+            group.report_error(
+                group.command_number, e.message if isinstance(e, JobError) else f"{type(e).__name__}: {e}"
+            )
+        if group is None:
+            return prepared
+        outcome = 2 if failure is not None else 1 if stopped else 0
+        mine = (
+            [outcome, 0, 0, 0]
+            if prepared is None
+            else [outcome, prepared[1].per_epoch, int(prepared[0].corpus.lengths.sum()), prepared[2]]
+        )
+        views = group.gather_ints(mine, "the job's start")
+        failed = [r for r, v in enumerate(views) if v[0] == 2]
+        if failed:
+            if failure is not None:
+                raise failure
+            errors = group.errors_of(group.command_number)
+            raise PeerFailed("; ".join(f"rank {r}: {errors.get(r, 'failed to prepare the job')}" for r in failed))
+        if any(v[0] == 1 for v in views):
+            return None
+        assert prepared is not None
+        differ = [r for r, v in enumerate(views) if v[1:] != views[0][1:]]
+        if differ:
+            raise JobError(
+                f"rank(s) {', '.join(map(str, differ))} read different data than rank 0 (micro-batches per epoch, "
+                f"tokens, steps: {[views[0][1:]] + [views[r][1:] for r in differ]}): every host needs the same "
+                "dataset files at the same paths",
+                "datasets",
+            )
+        return (*prepared[:3], self._share_start_state(prepared[3]))
+
+    def _share_start_state(self, start: int) -> int:
+        """Rank 0's weights, optimizer state and first step on every rank (a resume or init_from
+        is read by rank 0 only: the other hosts need not see its output directory)."""
+        group = self.group
+        assert group is not None
+        first = self.replicas[0]
+        assert first.optimizer is not None
+        skeleton, tensors = flatten_state(first.optimizer.state_dict()) if group.is_leader else (None, [])
+        meta = group.broadcast_json({"start": start, "optimizer": skeleton}, "sending the start state")
+        with torch.no_grad():
+            group.broadcast_tensors([m for _, m in first.named_masters()], first.device, "sending the start weights")
+        if not group.is_leader:
+            tensors = empty_tensors(meta["optimizer"], first.device)
+        group.broadcast_tensors(tensors, first.device, "sending the optimizer state")
+        if not group.is_leader:
+            first.load_state(first.weights_state())  # refreshes the bf16 working copies from the masters
+            state = unflatten_state(meta["optimizer"], tensors)
+            weights = first.weights_state()
+            for rep in self.replicas:
+                if rep is not first:
+                    rep.load_state(weights)
+                assert rep.optimizer is not None
+                load_optimizer_state(rep.optimizer, state if rep is first else copy.deepcopy(state))
+        return int(meta["start"])
+
+    def _all_sum(self, control: _Control, vector: torch.Tensor, what: str) -> torch.Tensor:
+        """One control all-reduce; raises PeerFailed when a rank voted a failure in it."""
+        group = self.group
+        assert group is not None
+        out = group.all_sum(vector, what)
+        if out[_Control.FAILED] > 0 and not vector[_Control.FAILED]:
+            errors = group.errors_of(group.command_number)
+            text = "; ".join(f"rank {r}: {m}" for r, m in sorted(errors.items())) or "a rank failed"
+            raise PeerFailed(text)
+        return out
+
+    def _vote_failure(self, control: _Control, error: BaseException) -> None:
+        """A rank that fails between collectives sends the failure in the collective the others
+        wait in (every collective after the start is a control all-reduce of the same size)."""
+        group = self.group
+        if group is None or group.broken is not None or isinstance(error, (PeerFailed, RankLost)):
+            return
+        if getattr(error, "_voted", False):
+            return
+        message = error.message if isinstance(error, JobError) else f"{type(error).__name__}: {error}"
+        group.report_error(group.command_number, message)
+        vote = control.new()
+        vote[_Control.FAILED] = 1
+        with contextlib.suppress(RankLost):  # the group is gone: nobody waits for the vote
+            group.all_sum(vote, "reporting a failure")
+
+    def _compare_weights(self, control: _Control, step: int) -> None:
+        """Every rank's replicas hold the same weights (checked before rank 0 checkpoints them)."""
+        group = self.group
+        assert group is not None
+        vector = control.new()
+        checksum = weights_checksum(m for _, m in self.replicas[0].named_masters()) % (1 << 52)
+        control.checksums(vector)[group.rank] = checksum
+        sums = control.checksums(self._all_sum(control, vector, "comparing weights")).tolist()
+        differ = [r for r, c in enumerate(sums) if c != sums[0]]
+        if differ:
+            raise JobError(
+                f"step {step}: the weights of rank(s) {', '.join(map(str, differ))} differ from rank 0's (checksums "
+                f"{[int(c) for c in sums]}); the replicas diverged, so no checkpoint was written"
+            )
 
     def _load_data(self, job: TrainJob, cb: JobCallbacks) -> JobData:
         """Tokenize what the cache lacks (reported as the job's preparing_data phase) and open it."""
@@ -383,11 +658,14 @@ class Engine:
         directory, digest = self._saved_tokenizer
         return Tokenization(str(directory), digest, job_template(job), self.config.seq_len)
 
-    def _start_state(self, job: TrainJob, cb: JobCallbacks, resume_from: str | None, per_step: int) -> int:
-        """Weights, optimizer, RNG and loss weights for the job's first step; the step it starts at."""
+    def _start_state(
+        self, job: TrainJob, cb: JobCallbacks, resume_from: str | None, per_step: int, read_files: bool = True
+    ) -> int:
+        """Weights, optimizer, RNG and loss weights for the job's first step; the step it starts at.
+        read_files=False (ranks other than 0): fresh weights and optimizer, overwritten by rank 0's."""
         assert self.parts is not None
-        source = resume_from or job.init_from  # a resume starts from its checkpoint's weights
-        if job.init_from and not resume_from:
+        source = (resume_from or job.init_from) if read_files else None  # a resume starts from its checkpoint
+        if source and job.init_from and not resume_from:
             try:
                 source = str(resolved_under(job.init_from, job.dataset_roots + job.output_roots, "init_from"))
             except OutsideRoots as e:
@@ -428,9 +706,19 @@ class Engine:
         return int(state["step"])
 
     def _train_step(
-        self, pipeline: FeaturePipeline, job: TrainJob, step: int, total: int, lr: float, per_epoch: int, per_step: int
-    ) -> StepStats:
-        """One optimizer step: every replica's micro-batches, the gradient average, the update."""
+        self,
+        pipeline: FeaturePipeline,
+        job: TrainJob,
+        step: int,
+        total: int,
+        lr: float,
+        per_epoch: int,
+        per_step: int,
+        control: _Control,
+        cancel: bool,
+    ) -> tuple[StepStats, torch.Tensor | None]:
+        """One optimizer step: every replica's micro-batches, the gradient average, the update.
+        In a group, also the ranks' summed control vector (their votes and statistics)."""
         t = time.monotonic()
         pools = self._drafter_pools
         futures = [
@@ -438,6 +726,9 @@ class Engine:
             for r, (rep, pool) in enumerate(zip(self.replicas, pools, strict=True))
         ]
         cf.wait(futures)  # every replica done (or failed) before anything else touches the grads
+        votes = None
+        if self.group is not None:
+            votes = self._exchange_step(control, futures, cancel)
         accs = [f.result() for f in futures]
         self.grad_sync.average([rep.grads() for rep in self.replicas])
         norms = [
@@ -447,7 +738,34 @@ class Engine:
         norm = float(norms[0].result())
         for f in norms[1:]:
             f.result()
-        return self._step_stats(accs, step, total, time.monotonic() - t, lr, norm, per_epoch, per_step)
+        stats = self._step_stats(accs, step, total, time.monotonic() - t, lr, norm, per_epoch, per_step, control, votes)
+        return stats, votes
+
+    def _exchange_step(self, control: _Control, futures: list[cf.Future], cancel: bool) -> torch.Tensor:
+        """This rank's vote (stop, failure) and statistics summed with every rank's; raises this
+        rank's own failure (after telling the others) or PeerFailed."""
+        group = self.group
+        assert group is not None
+        vector = control.new()
+        vector[_Control.CANCEL if group.is_leader else _Control.SHUTDOWN] = float(cancel)
+        error = next((e for f in futures if (e := f.exception()) is not None), None)
+        if error is not None:
+            message = error.message if isinstance(error, JobError) else f"{type(error).__name__}: {error}"
+            group.report_error(group.command_number, message)
+            vector[_Control.FAILED] = 1
+        else:
+            for f in futures:
+                acc = f.result()
+                vector[_Control.LOSS] += float(acc.loss_sum)
+                vector[_Control.MICRO] += acc.micro_batches
+                vector[_Control.TOKENS] += acc.context_tokens
+                control.correct(vector).add_(acc.correct.cpu().double())
+                control.counted(vector).add_(acc.counted.cpu().double())
+        votes = self._all_sum(control, vector, "the step's control all-reduce")
+        if error is not None:
+            error._voted = True  # type: ignore[attr-defined]  # _vote_failure must not vote twice
+            raise error
+        return votes
 
     def _micro_steps(self, r: int, rep: DrafterReplica, pipeline: FeaturePipeline, accum: int) -> StepAccumulator:
         acc = rep.new_accumulator()
@@ -482,13 +800,22 @@ class Engine:
         norm: float,
         per_epoch: int,
         per_step: int,
+        control: _Control,
+        votes: torch.Tensor | None,
     ) -> StepStats:
-        loss = sum(float(a.loss_sum) for a in accs) / sum(a.micro_batches for a in accs)
-        correct = sum(a.correct.cpu() for a in accs)  # [B] over all replicas
-        counted = sum(a.counted.cpu() for a in accs)
+        """The step's statistics: over every rank in a group (from the summed control vector),
+        except the per-device tokens and times, which are this rank's own."""
+        if votes is None:
+            loss = sum(float(a.loss_sum) for a in accs) / sum(a.micro_batches for a in accs)
+            correct = sum(a.correct.cpu() for a in accs)  # [B] over all replicas
+            counted = sum(a.counted.cpu() for a in accs)
+            tokens = sum(a.context_tokens for a in accs)
+        else:
+            loss = float(votes[_Control.LOSS] / votes[_Control.MICRO])
+            correct, counted = control.correct(votes).float(), control.counted(votes).float()
+            tokens = int(votes[_Control.TOKENS])
         assert isinstance(correct, torch.Tensor) and isinstance(counted, torch.Tensor)
         acc_per_pos = (correct[1:] / counted[1:].clamp_min(1)).tolist()
-        tokens = sum(a.context_tokens for a in accs)
         per_dev: dict[str, int] = {}
         secs: dict[str, float] = {}
         for rep, a in zip(self.replicas, accs, strict=True):
@@ -496,7 +823,9 @@ class Engine:
             per_dev[dev] = per_dev.get(dev, 0) + a.context_tokens
             secs[dev] = a.extra.get("seconds", seconds)
             self._tokens_per_device[dev] = self._tokens_per_device.get(dev, 0) + a.context_tokens
-        self.rate.add(tokens, seconds)
+        # rank 0 reports the job's rate; the other ranks their own devices'
+        leader = self.group is None or self.group.is_leader
+        self.rate.add(tokens if leader else sum(per_dev.values()), seconds)
         return StepStats(
             step,
             total,

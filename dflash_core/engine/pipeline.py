@@ -2,7 +2,9 @@
 drafter threads through bounded queues and preallocated receive buffers.
 
 Micro-batch g of the job goes to replica (g mod R*A) // A (R replicas, A micro-batches of
-gradient accumulation per step). With W target copies, target worker w feeds the replicas r with
+gradient accumulation per step). In a group of H ranks (hosts) a step takes H*R*A micro-batches:
+rank h trains those with (g mod H*R*A) // (R*A) == h, so the ranks read disjoint shares and
+together the same micro-batches one process with H*R replicas would. With W target copies, target worker w feeds the replicas r with
 r mod W == w, each replica by one worker and in order, so results do not depend on W.
 
 Receive buffers (`FeatureSlots`). Copied with `feats.to(drafter_device)`, every hand-over would
@@ -91,8 +93,11 @@ class FeaturePipeline:
         grad_accum: int,
         feature_spec: tuple[tuple[int, ...], torch.dtype],
         on_thread: Callable[[str], None] = lambda name: None,
+        share: tuple[int, int] = (0, 1),
     ):
+        """share: (rank, ranks) of a multi-host group: which micro-batches this process trains."""
         self.devices = drafter_devices
+        self.rank, self.ranks = share
         self.stream = stream
         self.first, self.end, self.accum = first, end, grad_accum
         self.queues: list[queue.Queue[Delivery]] = [queue.Queue(maxsize=QUEUE_DEPTH) for _ in drafter_devices]
@@ -126,12 +131,15 @@ class FeaturePipeline:
 
     def _produce(self, worker: int, target: TargetModel) -> None:
         workers = len(self._workers)
-        per_step = len(self.queues) * self.accum
+        local = len(self.queues) * self.accum
+        per_step = local * self.ranks
         try:
             if target.device.type == "cuda":
                 torch.cuda.set_device(target.device)
             for g in range(self.first, self.end):
-                r = (g % per_step) // self.accum
+                if (g % per_step) // local != self.rank:
+                    continue
+                r = (g % local) // self.accum
                 if r % workers != worker:
                     continue
                 if self.stop.is_set():

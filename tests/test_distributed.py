@@ -1,0 +1,95 @@
+"""Training across processes on torch.distributed (gloo, CPU): real processes started by torchrun.
+
+Engine level: a 2-rank job equals a 1-process job with the same global batch, and the ranks end
+bit-identical. Service level (tests/service/test_distributed_service.py): health, loss of a rank,
+restart and resume through the real daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_core.engine import JobCallbacks, TrainJob
+from tests.test_engine import make_engine
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_engine(out: Path, spec: dict, nproc: int = 2, timeout: float = 300) -> list[dict]:
+    """Run tests/distributed/engine_rank.py on `nproc` ranks; each rank's result."""
+    cmd = [
+        *TORCHRUN,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+        "tests.distributed.engine_rank",
+        str(out),
+        json.dumps(spec),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+class Losses(JobCallbacks):
+    def __init__(self):
+        self.losses = []
+
+    def on_step(self, stats):
+        self.losses.append(stats.loss)
+
+
+def test_two_ranks_equal_one_process_with_the_same_global_batch(default_assets, tmp_path):
+    spec = dict(
+        datasets=[str(default_assets.train)],
+        output_dir=str(tmp_path / "dist-job"),
+        steps=6,
+        learning_rate=3e-3,
+        checkpoint_interval=3,
+        seed=1,
+    )
+    ranks = torchrun_engine(tmp_path, spec)
+    assert ranks[0]["status"] == "SUCCEEDED", ranks[0]
+    assert ranks[1]["ended"] == "rank 0 shut the group down"
+
+    # one process, one replica, two micro-batches per step: the same 2 micro-batches per step
+    single = make_engine(default_assets.root.parent.parent, ["cpu"])
+    rec = Losses()
+    single.run_job(TrainJob(**{**spec, "output_dir": str(tmp_path / "single-job"), "grad_accum": 2}), rec)
+    assert len(rec.losses) == len(ranks[0]["losses"]) == 6
+    for a, b in zip(ranks[0]["losses"], rec.losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-6)
+
+    w0, w1 = load_file(str(tmp_path / "rank0.safetensors")), load_file(str(tmp_path / "rank1.safetensors"))
+    assert w0.keys() == w1.keys()
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "the ranks' weights differ"
+    ws = single.replicas[0].weights_state()
+    for k, v in w0.items():
+        torch.testing.assert_close(v, ws[k], rtol=1e-4, atol=1e-6)
+    # rank 0 alone wrote the checkpoints, with the group's replica count in their training state
+    steps = sorted(p.name for p in (tmp_path / "dist-job" / "checkpoints").iterdir())
+    assert steps == ["step-00000003", "step-00000006"], steps

@@ -30,14 +30,16 @@ def under(path: Path, roots: list[Path]) -> bool:
     return any(path == r or path.is_relative_to(r) for r in roots)
 
 
-def resolved_under(path: str | Path, roots: list[str] | list[Path], what: str) -> Path:
+def resolved_under(path: str | Path, roots: list[str] | list[Path], what: str, name: str | None = None) -> Path:
     """`path` resolved now (symlinks followed), which must lie under one of `roots`; no roots:
-    no confinement (a caller outside the daemon, such as the eval command)."""
+    no confinement (a caller outside the daemon, such as the eval command). name: how the error
+    names the path (default: the path)."""
     if not roots:
         return Path(path)
     real = Path(os.path.realpath(path))
     if not under(real, [Path(os.path.realpath(r)) for r in roots]):
-        raise OutsideRoots(f"{what} {str(path)!r} now resolves outside the allowed roots; it changed after submission")
+        label = str(path) if name is None else name
+        raise OutsideRoots(f"{what} {label!r} now resolves outside the allowed roots; it changed after submission")
     return real
 
 

@@ -271,3 +271,37 @@ def test_a_file_listed_twice_is_read_once_and_lone_carriage_returns_keep_line_nu
     corpus = prepare_corpus([str(shards), str(shards / "a.jsonl")], tokenization, tmp_path / "cache", workers=1)
     assert len(corpus.shards) == 1 and len(corpus) == 7
     assert [e.line for e in corpus.errors()] == [6]
+
+
+def test_errors_name_the_entry_as_given_not_where_it_resolves(records, tokenization, tmp_path):
+    """A directory entry reached through a symlinked root, holding a shard that is itself a
+    symlink: errors name the entry as given plus the shard's name in it, never a resolved path;
+    the cache holds no names, so the same files read under another name are named by it."""
+    from dflash_core.confine import OutsideRoots
+
+    roots = tmp_path / "roots"
+    (roots / "real" / "shards").mkdir(parents=True)
+    (roots / "elsewhere").mkdir()
+    (roots / "link").symlink_to(roots / "real")
+    lines = [json.dumps(r) for r in records[:30]]
+    (roots / "real" / "shards" / "a.jsonl").write_text("\n".join([*lines[:25], "{broken", *lines[26:]]) + "\n")
+    (roots / "elsewhere" / "target.jsonl").write_text("\n".join([lines[0], "{broken", *lines[2:5]]) + "\n")
+    (roots / "real" / "shards" / "b.jsonl").symlink_to(roots / "elsewhere" / "target.jsonl")
+    entry = str(roots / "link" / "shards")
+    cache = tmp_path / "cache"
+    corpus = prepare_corpus([entry], tokenization, cache, roots=[str(roots)], names={entry: "given/shards"})
+    assert [e.where for e in corpus.errors()] == ["given/shards/a.jsonl:26", "given/shards/b.jsonl:2"]
+    again = prepare_corpus([entry], tokenization, cache, roots=[str(roots)], names={entry: "other/"})
+    assert [e.where for e in again.errors()] == ["other/a.jsonl:26", "other/b.jsonl:2"]
+    with pytest.raises(DatasetError) as err:
+        check_dataset(entry, name="given/shards")
+    assert str(err.value).startswith("given/shards/b.jsonl:2: invalid JSON")
+    with pytest.raises(DatasetError) as err:
+        list(read_conversations(entry, name="given/shards"))
+    assert str(err.value).startswith("given/shards/a.jsonl:26: invalid JSON")
+    # a shard that now leads out of the roots is refused under its given name
+    (tmp_path / "outside.jsonl").write_text(lines[0] + "\n")
+    (roots / "real" / "shards" / "c.jsonl").symlink_to(tmp_path / "outside.jsonl")
+    with pytest.raises(OutsideRoots) as refused:
+        prepare_corpus([entry], tokenization, cache, roots=[str(roots)], names={entry: "given/shards"})
+    assert "'given/shards/c.jsonl'" in str(refused.value) and str(tmp_path) not in str(refused.value)

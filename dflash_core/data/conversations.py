@@ -86,19 +86,20 @@ def parse_conversation(obj: object, path: str | Path, line: int, unit: str = "li
 
 
 def read_conversations(
-    path: str | Path, *, skip_bad_lines: bool = False, report: ReadReport | None = None
+    path: str | Path, *, skip_bad_lines: bool = False, report: ReadReport | None = None, name: str | None = None
 ) -> Iterator[Conversation]:
-    """The conversations of one dataset entry (any layout sources.py reads), in order."""
+    """The conversations of one dataset entry (any layout sources.py reads), in order; `name`
+    names the entry in errors (default: the path)."""
     from .sources import dataset_files, iter_records
 
     report = report if report is not None else ReadReport()
-    for src in dataset_files(path):
+    for src in dataset_files(path, name):
         for position, record in iter_records(src):
             report.lines_read += 1
             try:
                 if isinstance(record, DatasetError):
                     raise record
-                yield parse_conversation(record, src.path, position, src.unit)
+                yield parse_conversation(record, src.name, position, src.unit)
             except DatasetError as err:
                 if not skip_bad_lines:
                     raise

@@ -12,11 +12,12 @@ from .sources import conversation_column, dataset_files, iter_records
 FIRST_RECORDS = 20  # records read per file
 
 
-def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False) -> int:
+def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False, name: str | None = None) -> int:
     """Raise DatasetError (file and line or row) for a dataset entry that cannot be trained on;
     the number of files it has. With skip_bad_lines a bad record among the first ones is
-    tolerated, as the job would skip it; a file none of whose first records is usable is not."""
-    files = dataset_files(entry)
+    tolerated, as the job would skip it; a file none of whose first records is usable is not.
+    name: how errors name the entry, e.g. as the user gave it (default: the entry)."""
+    files = dataset_files(entry, name)
     for src in files:
         if src.kind in ("parquet", "arrow"):
             conversation_column(src)
@@ -27,7 +28,7 @@ def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False) -> int:
             try:
                 if isinstance(record, DatasetError):
                     raise record
-                parse_conversation(record, src.path, position, src.unit)
+                parse_conversation(record, src.name, position, src.unit)
                 usable += 1
             except DatasetError as err:
                 if not skip_bad_lines:
@@ -36,7 +37,7 @@ def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False) -> int:
             if seen >= FIRST_RECORDS:
                 break
         if seen == 0:
-            raise DatasetError(src.path, 0, "holds no records")
+            raise DatasetError(src.name, 0, "holds no records")
         if usable == 0 and first_error is not None:
             raise first_error
     return len(files)

@@ -3,7 +3,7 @@ failures."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +37,20 @@ def load_job_data(
     progress: Callable[[PrepareProgress], None] = lambda p: None,
     should_stop: Callable[[], bool] = lambda: False,
     roots: list[str] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> JobData:
-    """roots: where the datasets must still resolve to when they are read (empty: anywhere)."""
+    """roots: where the datasets must still resolve to when they are read (empty: anywhere).
+    names: how errors name each dataset entry and eval_prompts (keyed by the path as passed;
+    default: the path itself), e.g. as the user gave it."""
     last: list[PrepareProgress] = []
 
     def seen(p: PrepareProgress) -> None:
         last[:] = [p]
         progress(p)
 
-    corpus = prepare_corpus(paths, tokenization, cache_root, progress=seen, should_stop=should_stop, roots=roots)
+    corpus = prepare_corpus(
+        paths, tokenization, cache_root, progress=seen, should_stop=should_stop, roots=roots, names=names
+    )
     errors = corpus.errors()
     if errors and not skip_bad_lines:
         first = errors[0]
@@ -53,13 +58,15 @@ def load_job_data(
             first.path, first.line, f"{first.reason} (set skip_bad_lines to skip such records)", first.unit
         )
     if not len(corpus):
-        raise DatasetError(paths[0] if paths else "?", 0, "no usable conversation in the datasets")
+        first_entry = str(paths[0]) if paths else "?"
+        raise DatasetError((names or {}).get(first_entry, first_entry), 0, "no usable conversation in the datasets")
     report = ReadReport(skipped=corpus.bad_records, first_errors=[str(e) for e in errors])
     heldout: list[Conversation] = []
     exclude = np.zeros(0, dtype=np.int64)
     if eval_prompts:
-        prompts = resolved_under(eval_prompts, roots or [], "eval_prompts")
-        for conv in read_conversations(prompts, skip_bad_lines=skip_bad_lines, report=report):
+        name = (names or {}).get(eval_prompts, eval_prompts)
+        prompts = resolved_under(eval_prompts, roots or [], "eval_prompts", name)
+        for conv in read_conversations(prompts, skip_bad_lines=skip_bad_lines, report=report, name=name):
             heldout.append(conv)
             if len(heldout) >= eval_max_prompts:
                 break

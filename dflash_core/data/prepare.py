@@ -5,7 +5,9 @@ token ids, the loss mask and the length and position (line or row) of every docu
 arrays that later jobs memory-map instead of reading into host memory. An entry's key is the
 file's identity (path, size, modification time), the tokenizer's files, the chat template and its
 options, and the sequence length (documents are truncated to it when tokenized); a changed file
-gets a new key, so an edited dataset is tokenized again and an unchanged one never is.
+gets a new key, so an edited dataset is tokenized again and an unchanged one never is. An entry
+holds no name of its file: errors are named by the source that opens it (two jobs can reach one
+file through different names).
 
 Work is split into chunks (byte ranges of a JSONL file, row ranges of parquet and `save_to_disk`
 data, element batches of a JSON array) that worker processes read and tokenize themselves, so
@@ -26,10 +28,10 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +46,7 @@ from .sources import (
     identity,
     iter_records,
     load_arrow_dataset,
+    unreadable,
 )
 from .tokenize import ChatTemplate, encode_conversation
 
@@ -115,7 +118,7 @@ class Shard:
 
     @property
     def errors(self) -> list[DatasetError]:
-        return [DatasetError(e["path"], e["line"], e["reason"], e["unit"]) for e in self.meta["errors"]]
+        return [DatasetError(self.source.name, e["line"], e["reason"], e["unit"]) for e in self.meta["errors"]]
 
 
 def _open_shard(src: SourceFile, directory: Path) -> Shard:
@@ -180,7 +183,7 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
         # would also split on a bare carriage return and shift every later line number)
         parts = data.split(b"\n")
         lines = [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
-        yield from _jsonl_lines(src.path, lines, first_line)
+        yield from _jsonl_lines(src.name, lines, first_line)
     elif kind == "rows":
         _, start, stop = task
         yield from _rows(src, start, stop)
@@ -196,7 +199,7 @@ def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]
         column = table.column_names[0]
         values = table.column(0).to_pylist()
     else:
-        dataset = load_arrow_dataset(src.path)
+        dataset = load_arrow_dataset(src.path, src.name)
         column = _column(src)
         values = dataset.select_columns([column]).select(range(start, stop))[column]
     for i, value in enumerate(values):
@@ -225,7 +228,7 @@ def tokenize_chunk(src: SourceFile, task: tuple, tok: Tokenization, size: int) -
         try:
             if isinstance(record, DatasetError):
                 raise record
-            conv = parse_conversation(record, src.path, position, src.unit)
+            conv = parse_conversation(record, src.name, position, src.unit)
             doc = encode_conversation(tokenizer, conv, tok.template)
         except DatasetError as err:
             bad += 1
@@ -290,7 +293,7 @@ def _row_count(src: SourceFile) -> int:
         import pyarrow.parquet as pq
 
         return int(pq.ParquetFile(src.path).metadata.num_rows)
-    return len(load_arrow_dataset(src.path))
+    return len(load_arrow_dataset(src.path, src.name))
 
 
 # --------------------------------------------------------------------------- the corpus
@@ -362,13 +365,13 @@ class Corpus:
             src = self.shards[k].source
             for pos, record in iter_records(src):
                 if pos in positions and not isinstance(record, DatasetError):
-                    found[positions[pos]] = parse_conversation(record, src.path, pos, src.unit)
+                    found[positions[pos]] = parse_conversation(record, src.name, pos, src.unit)
                     if len(found) == len(indices):
                         break
         missing = [i for i in indices if i not in found]
         if missing:
             src = self.shards[int(self._shard_of[missing[0]])].source
-            raise DatasetError(src.path, 0, "a held-out record is gone: the file changed after it was tokenized")
+            raise DatasetError(src.name, 0, "a held-out record is gone: the file changed after it was tokenized")
         return [found[i] for i in indices]
 
     @property
@@ -392,36 +395,45 @@ def prepare_corpus(
     progress: Callable[[PrepareProgress], None] = lambda p: None,
     should_stop: Callable[[], bool] = lambda: False,
     roots: list[str] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> Corpus:
     """Tokenize what the cache lacks and open every shard. Raises DatasetError for an unusable
     entry (a missing file, an empty directory, a parquet file without a conversation column);
-    bad records are kept in the entries' error lists for the caller to refuse or skip."""
-    listed = [
-        SourceFile(resolved_under(src.path, roots or [], "a dataset file"), src.kind)
-        for entry in entries
-        for src in dataset_files(resolved_under(entry, roots or [], "dataset"))
-    ]
-    # a file reached twice (a directory and a file in it) is read once
-    sources = list(dict.fromkeys(listed))
+    bad records are kept in the entries' error lists for the caller to refuse or skip.
+    names: how errors name each entry (keyed by the entry as passed; default: the entry itself),
+    e.g. as the user gave it; a file found in a directory is named by its entry and its own name,
+    never by what it resolves to."""
+    listed: list[SourceFile] = []
+    for entry in entries:
+        name = (names or {}).get(str(entry), str(entry))
+        real = resolved_under(entry, roots or [], "dataset", name)
+        for src in dataset_files(real, name):
+            listed.append(replace(src, path=resolved_under(src.path, roots or [], "a dataset file", src.name)))
+    # a file reached twice (a directory and a file in it) is read once, under its first name
+    first: dict[Path, SourceFile] = {}
+    for src in listed:
+        first.setdefault(src.path, src)
+    sources = list(first.values())
     if len(sources) < len(listed):
         log.info("dataset files listed more than once are read once", extra={"fields": {"files": len(listed)}})
-    state = PrepareProgress(files_total=len(sources), bytes_total=sum(file_size(s) for s in sources))
+    sizes = [_reading(src, file_size) for src in sources]
+    state = PrepareProgress(files_total=len(sources), bytes_total=sum(sizes))
     t0 = time.monotonic()
     todo: list[tuple[SourceFile, Path]] = []
     shards: dict[int, Shard] = {}
     for i, src in enumerate(sources):
-        directory = cache_root / tok.key(src)
+        directory = cache_root / _reading(src, tok.key)
         if (directory / "meta.json").is_file():
             shards[i] = _open_shard(src, directory)
             state.files_done += 1
             state.files_cached += 1
-            state.bytes_done += file_size(src)
+            state.bytes_done += sizes[i]
             state.documents += len(shards[i].lengths)
             state.tokens += int(shards[i].lengths.sum())
         else:
             todo.append((src, directory))
     progress(state)
-    missing = sum(file_size(src) for src, _ in todo)
+    missing = sum(sizes[sources.index(src)] for src, _ in todo)
     workers = workers if workers is not None else (os.cpu_count() or 1)
     pool = None
     if todo and workers > 1 and missing > IN_PROCESS_BYTES:
@@ -438,6 +450,17 @@ def prepare_corpus(
     state.seconds = time.monotonic() - t0
     progress(state)
     return Corpus([shards[i] for i in range(len(sources))])
+
+
+_T = TypeVar("_T")
+
+
+def _reading(src: SourceFile, read: Callable[[SourceFile], _T]) -> _T:
+    """read(src), the system's refusal to read the file named as the user named it."""
+    try:
+        return read(src)
+    except OSError as e:
+        raise unreadable(src.name, e) from None
 
 
 class PrepareCancelled(Exception):
@@ -505,15 +528,19 @@ def _write_entry(
 
 
 def _results(src: SourceFile, tok: Tokenization, pool, workers: int) -> Iterator[ChunkResult]:
-    """Chunk results in file order; at most 2 * workers chunks in flight."""
-    if pool is None:
+    """Chunk results in file order; at most 2 * workers chunks in flight. Only reading happens
+    here (the caller writes), so an OSError is the source's."""
+    try:
+        if pool is None:
+            for task, size in _tasks(src):
+                yield tokenize_chunk(src, task, tok, size)
+            return
+        pending: list[cf.Future[ChunkResult]] = []
         for task, size in _tasks(src):
-            yield tokenize_chunk(src, task, tok, size)
-        return
-    pending: list[cf.Future[ChunkResult]] = []
-    for task, size in _tasks(src):
-        pending.append(pool.submit(tokenize_chunk, src, task, tok, size))
-        if len(pending) >= 2 * workers:
-            yield pending.pop(0).result()
-    for fut in pending:
-        yield fut.result()
+            pending.append(pool.submit(tokenize_chunk, src, task, tok, size))
+            if len(pending) >= 2 * workers:
+                yield pending.pop(0).result()
+        for fut in pending:
+            yield fut.result()
+    except OSError as e:
+        raise unreadable(src.name, e) from None

@@ -14,8 +14,13 @@ reported by file and line, and a JSON reader that parses a whole file at once ca
 
 Records come out as (position, record) pairs, the position being the line (JSONL), the element's
 ordinal (JSON arrays; a syntax error is reported by line) or the row (parquet, `save_to_disk`); a
-record that cannot
-be read comes out as a DatasetError in its place, so that the caller decides whether to skip it.
+record that cannot be read comes out as a DatasetError in its place, so that the caller decides
+whether to skip it.
+
+Messages name a file as the user named it: the dataset entry as given, plus the file's path
+relative to it for a file found by listing a directory. What a path resolves to (a symlink's
+target, the absolute directory a relative entry lies in) is where the file is read, never what an
+error says: job errors are shown to whoever may read the job list.
 """
 
 from __future__ import annotations
@@ -38,8 +43,13 @@ _READ_CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class SourceFile:
-    path: Path
+    path: Path  # where it is read
     kind: str  # jsonl | json_array | parquet | arrow
+    name: str = ""  # how messages name it (default: the path)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", str(self.path))
 
     @property
     def unit(self) -> str:
@@ -48,27 +58,44 @@ class SourceFile:
         return {"jsonl": "line", "json_array": "element"}.get(self.kind, "row")
 
 
-def dataset_files(entry: str | Path) -> list[SourceFile]:
-    """The files of one dataset entry, in reading order; DatasetError when it is unusable."""
+def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile]:
+    """The files of one dataset entry, in reading order; DatasetError when it is unusable.
+    name: how messages name the entry (default: the entry); a file found in a directory is named
+    by it and the file's name."""
     path = Path(entry)
-    if path.is_dir():
-        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-            return [SourceFile(path, "arrow")]
-        shards = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
-        if not shards:
-            raise DatasetError(path, 0, "the directory holds no .jsonl, .json or .parquet files")
-        return [_file_source(p) for p in shards]
-    if not path.is_file():
-        raise DatasetError(path, 0, "does not exist")
-    return [_file_source(path)]
+    label = str(entry) if name is None else name
+    try:
+        if path.is_dir():
+            if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+                return [SourceFile(path, "arrow", label)]
+            shards = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
+            if not shards:
+                raise DatasetError(label, 0, "the directory holds no .jsonl, .json or .parquet files")
+            return [_file_source(p, child_name(label, p.name)) for p in shards]
+        if not path.is_file():
+            raise DatasetError(label, 0, "does not exist")
+        return [_file_source(path, label)]
+    except OSError as e:
+        raise unreadable(label, e) from None
 
 
-def _file_source(path: Path) -> SourceFile:
+def child_name(entry_name: str, relative: str) -> str:
+    """How messages name a file found under a dataset entry named `entry_name`."""
+    return entry_name + relative if entry_name.endswith("/") else f"{entry_name}/{relative}"
+
+
+def unreadable(name: str, error: OSError) -> DatasetError:
+    """A dataset file the system refused to read, named as the user named it (an OSError's own
+    text names the path that was opened)."""
+    return DatasetError(name, 0, f"cannot be read ({error.strerror or type(error).__name__})")
+
+
+def _file_source(path: Path, name: str) -> SourceFile:
     if path.suffix == ".parquet":
-        return SourceFile(path, "parquet")
+        return SourceFile(path, "parquet", name)
     if path.suffix == ".json":
-        return SourceFile(path, "json_array" if _first_char(path) == "[" else "jsonl")
-    return SourceFile(path, "jsonl")
+        return SourceFile(path, "json_array" if _first_char(path) == "[" else "jsonl", name)
+    return SourceFile(path, "jsonl", name)
 
 
 def _first_char(path: Path) -> str:
@@ -80,23 +107,26 @@ def _first_char(path: Path) -> str:
 
 def iter_records(src: SourceFile) -> Iterator[tuple[int, object]]:
     """(position, record or DatasetError) for every record of the file, in order."""
-    if src.kind == "jsonl":
-        yield from _jsonl(src.path)
-    elif src.kind == "json_array":
-        yield from _json_array(src.path)
-    elif src.kind == "parquet":
-        yield from _parquet(src.path)
-    else:
-        yield from _arrow(src.path)
+    try:
+        if src.kind == "jsonl":
+            yield from _jsonl(src)
+        elif src.kind == "json_array":
+            yield from _json_array(src)
+        elif src.kind == "parquet":
+            yield from _parquet(src)
+        else:
+            yield from _arrow(src)
+    except OSError as e:
+        raise unreadable(src.name, e) from None
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, object]]:
-    with path.open("rb") as f:
-        yield from _jsonl_lines(path, f, 1)
+def _jsonl(src: SourceFile) -> Iterator[tuple[int, object]]:
+    with src.path.open("rb") as f:
+        yield from _jsonl_lines(src.name, f, 1)
 
 
-def _jsonl_lines(path: Path, lines, first_line: int) -> Iterator[tuple[int, object]]:
-    """JSON lines (bytes, newline kept) numbered from `first_line`."""
+def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
+    """JSON lines (bytes, newline kept) numbered from `first_line`; `path` names the file in errors."""
     for line_no, raw in enumerate(lines, start=first_line):
         if line_no == 1:
             raw = raw.removeprefix(codecs.BOM_UTF8)
@@ -116,10 +146,11 @@ def _jsonl_lines(path: Path, lines, first_line: int) -> Iterator[tuple[int, obje
             yield line_no, DatasetError(path, line_no, f"invalid JSON: {e.msg} (column {e.colno})")
 
 
-def _json_array(path: Path) -> Iterator[tuple[int, object]]:
+def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
     """Elements of a top-level JSON array, read incrementally (the file is never held whole)."""
     decoder = json.JSONDecoder()
-    with path.open("rb") as f:
+    path = src.name  # in errors
+    with src.path.open("rb") as f:
         reader = codecs.getincrementaldecoder("utf-8")()
         buf, pos, line, eof = "", 0, 1, False
 
@@ -187,7 +218,7 @@ def _json_array(path: Path) -> Iterator[tuple[int, object]]:
             yield err.line, err  # the rest of the file cannot be located: the error ends it
 
 
-def _conversation_column(names: list[str], path: Path) -> str:
+def _conversation_column(names: list[str], path: str) -> str:
     for column in CONVERSATION_COLUMNS:
         if column in names:
             return column
@@ -202,19 +233,24 @@ def conversation_column(src: SourceFile) -> str:
         try:
             names = pq.read_schema(src.path).names
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-            raise DatasetError(src.path, 0, f"not a readable parquet file ({e})") from None
-        return _conversation_column(names, src.path)
-    return _conversation_column(list(load_arrow_dataset(src.path).column_names), src.path)
+            raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
+        return _conversation_column(names, src.name)
+    return _conversation_column(list(load_arrow_dataset(src.path, src.name).column_names), src.name)
 
 
-def _parquet(path: Path) -> Iterator[tuple[int, object]]:
+def _named(error: BaseException, src: SourceFile) -> str:
+    """A reader's message about `src` with the path it opened replaced by the file's name."""
+    return str(error).replace(str(src.path), src.name)
+
+
+def _parquet(src: SourceFile) -> Iterator[tuple[int, object]]:
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(src.path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-        raise DatasetError(path, 0, f"not a readable parquet file ({e})") from None
-    column = _conversation_column(pf.schema_arrow.names, path)
+        raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
+    column = _conversation_column(pf.schema_arrow.names, src.name)
     row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[column]):
         for value in batch.column(0).to_pylist():
@@ -222,9 +258,9 @@ def _parquet(path: Path) -> Iterator[tuple[int, object]]:
             yield row, {column: value}
 
 
-def _arrow(path: Path) -> Iterator[tuple[int, object]]:
-    dataset = load_arrow_dataset(path)
-    column = _conversation_column(list(dataset.column_names), path)
+def _arrow(src: SourceFile) -> Iterator[tuple[int, object]]:
+    dataset = load_arrow_dataset(src.path, src.name)
+    column = _conversation_column(list(dataset.column_names), src.name)
     row = 0
     for batch in dataset.select_columns([column]).iter(batch_size=1024):
         for value in batch[column]:
@@ -232,19 +268,22 @@ def _arrow(path: Path) -> Iterator[tuple[int, object]]:
             yield row, {column: value}
 
 
-def load_arrow_dataset(path: Path):
-    """A `save_to_disk` directory as a Dataset (the `train` split of a DatasetDict)."""
+def load_arrow_dataset(path: Path, name: str | None = None):
+    """A `save_to_disk` directory as a Dataset (the `train` split of a DatasetDict); `name` names
+    it in errors (default: the path)."""
+    label = str(path) if name is None else name
     try:
         import datasets
     except ImportError:
-        raise DatasetError(path, 0, "reading save_to_disk directories needs the `datasets` package") from None
+        raise DatasetError(label, 0, "reading save_to_disk directories needs the `datasets` package") from None
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises several types for unreadable directories
-        raise DatasetError(path, 0, f"not a readable datasets directory ({e})") from None
+        reason = str(e).replace(str(path), label)
+        raise DatasetError(label, 0, f"not a readable datasets directory ({reason})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
-            raise DatasetError(path, 0, f"a DatasetDict without a 'train' split (splits: {', '.join(loaded)})")
+            raise DatasetError(label, 0, f"a DatasetDict without a 'train' split (splits: {', '.join(loaded)})")
         loaded = loaded["train"]
     return loaded
 

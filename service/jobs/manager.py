@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..tracking import Tracker
-from .schemas import JobSpec, SpecError, to_train_job, train_job_from_json, train_job_to_json
+from .schemas import (
+    JobSpec,
+    SpecError,
+    given_paths,
+    name_as_given,
+    to_train_job,
+    train_job_from_json,
+    train_job_to_json,
+)
 from .store import (
     FAILED,
     PENDING,
@@ -87,10 +95,13 @@ class Unavailable(Exception):
 class _RunCallbacks:
     """Engine callbacks of one run: persist progress, feed metrics, answer cancellation."""
 
-    def __init__(self, manager: JobManager, job_id: str, tracker: Tracker | None = None):
+    def __init__(
+        self, manager: JobManager, job_id: str, tracker: Tracker | None = None, paths: dict[str, str] | None = None
+    ):
         self.manager = manager
         self.job_id = job_id
         self.tracker = tracker  # experiment tracking (report_to)
+        self.paths = paths or {}  # the job's paths as the engine has them -> as the client gave them
         self.cancel = threading.Event()
         # the store's failure that ended the run (the engine reports any callback error as the job's)
         self.store_error: StoreUnavailable | None = None
@@ -147,6 +158,8 @@ class _RunCallbacks:
                 self._store(store.set_total_steps, self.job_id, int(payload["total_steps"]))
         if kind in ("data", "skipped_lines") and self._store(store.events, self.job_id, kinds=[kind], limit=1):
             return  # a resumed run reads the same data again: the first record stands
+        if kind == "skipped_lines":  # the records' places, named as the client named the datasets
+            payload = {**payload, "first": [name_as_given(str(m), self.paths) for m in payload.get("first") or []]}
         self._store(store.add_event, self.job_id, kind, payload)
 
     def on_eval(self, step: int, result: dict) -> None:
@@ -265,7 +278,7 @@ class JobManager:
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
         # messages name the output_dir as the client gave it, not where it resolves
-        given = repr(spec.output_dir) if spec.output_dir is not None else "(the default)"
+        given = _given_output_dir(spec.model_dump())
         if (other := self.store.any_job_using(out)) is not None:
             raise _output_dir_taken(given, other)
         if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").iterdir()):
@@ -343,7 +356,7 @@ class JobManager:
             raise JobConflict(f"job {job_id} is {job.state}; only a FAILED or STOPPED job can be resumed")
         if not job.owns_output_dir:
             raise JobConflict(
-                f"job {job_id} shares output_dir {job.output_dir} with an earlier job, which keeps it; "
+                f"job {job_id} shares output_dir {_given_output_dir(job.spec)} with an earlier job, which keeps it; "
                 "submit it again with another output_dir"
             )
         checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
@@ -602,7 +615,7 @@ class JobManager:
             output_dir=job.output_dir,
             spec=job.spec,
         )
-        callbacks = _RunCallbacks(self, job.id, tracker)
+        callbacks = _RunCallbacks(self, job.id, tracker, given_paths(job.spec, train_job, job.id))
         with self._current_lock:
             self._current = callbacks
         try:
@@ -616,7 +629,7 @@ class JobManager:
         except JobError as e:
             if callbacks.store_error is not None:  # not the job's failure: its progress could not be recorded
                 raise callbacks.store_error from e
-            error = str(e)
+            error = name_as_given(str(e), callbacks.paths)  # readable by anyone who may list the jobs
             if self._record(lambda: self.store.finish(job.id, FAILED, error=error)):
                 log.error("job failed", extra={"fields": {"job": job.id, "error": error}})
             return
@@ -643,6 +656,12 @@ class JobManager:
                 "job checkpointed for shutdown; it resumes at the next start",
                 extra={"fields": {"job": job.id, **summary}},
             )
+
+
+def _given_output_dir(spec: dict[str, Any]) -> str:
+    """A job's output_dir as its client gave it (messages never name where it resolves)."""
+    given = spec.get("output_dir")
+    return repr(given) if given is not None else "(the default)"
 
 
 def _output_dir_taken(output_dir: str, owner: JobRecord) -> JobConflict:

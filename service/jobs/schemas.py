@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -204,14 +206,14 @@ def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: P
     return path
 
 
-def check_dataset_readable(path: Path, field_name: str, *, skip_bad_lines: bool) -> None:
+def check_dataset_readable(path: Path, field_name: str, *, skip_bad_lines: bool, given: str) -> None:
     """The dataset's layout, schema and first records, read now: what cannot be read is refused
-    at submission rather than failing the job later."""
+    at submission rather than failing the job later, naming the dataset as `given` by the client."""
     from dflash_core.data.conversations import DatasetError
     from dflash_core.data.inspect import check_dataset
 
     try:
-        check_dataset(path, skip_bad_lines=skip_bad_lines)
+        check_dataset(path, skip_bad_lines=skip_bad_lines, name=given)
     except DatasetError as e:
         raise SpecError(field_name, str(e)) from None
     except OSError as e:
@@ -276,12 +278,12 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         if path in seen:  # two names for one dataset would train on it twice
             raise SpecError(f"datasets[{i}]", f"the same dataset as datasets[{seen[path]}]")
         seen[path] = i
-        check_dataset_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines)
+        check_dataset_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i])
     datasets = [str(p) for p in resolved]
     eval_prompts = None
     if spec.eval_prompts is not None:
         prompts = resolve_dataset(spec.eval_prompts, "eval_prompts", roots=dataset_roots, data_dir=data_dir)
-        check_dataset_readable(prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines)
+        check_dataset_readable(prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines, given=spec.eval_prompts)
         eval_prompts = str(prompts)
     chat_template = None
     if spec.chat_template is not None:
@@ -303,6 +305,38 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         adam_betas=tuple(spec.adam_betas),
     )
     return TrainJob(**values)
+
+
+def given_paths(spec: Mapping[str, Any], train_job, job_id: str) -> dict[str, str]:
+    """Each path of a job as the engine has it (resolved) -> as the client gave it in `spec` (the
+    stored spec); the default output_dir as its documented form."""
+    pairs = dict(zip(train_job.datasets, spec.get("datasets") or [], strict=False))
+    for key in ("eval_prompts", "chat_template", "init_from"):
+        resolved, given = getattr(train_job, key, None), spec.get(key)
+        if resolved and given:
+            pairs[resolved] = given
+    pairs[train_job.output_dir] = spec.get("output_dir") or f"<data_dir>/jobs/{job_id}"
+    return pairs
+
+
+def name_as_given(text: str, paths: Mapping[str, str]) -> str:
+    """`text` with every path of `paths` (resolved -> given) that stands in it as a whole path, or
+    as the directory part of one (a file found in a directory entry), named as given. Job errors
+    and events are shown to whoever may read the jobs: they must not tell where the daemon's
+    roots lie or where a symlink leads."""
+    known = {resolved.rstrip("/") or resolved: given for resolved, given in paths.items() if resolved}
+    if not known:
+        return text
+    alternatives = "|".join(re.escape(p) for p in sorted(known, key=len, reverse=True))
+    # a path starts where no path character precedes it and ends at a separator or a non-path character
+    pattern = re.compile(rf"(?<![\w./-])({alternatives})(?![\w.-])")
+
+    def given(match: re.Match[str]) -> str:
+        name = known[match.group(1)]
+        # "shards/" + "/shard.jsonl": one separator
+        return (name.rstrip("/") or name) if text.startswith("/", match.end()) else name
+
+    return pattern.sub(given, text)
 
 
 def train_job_to_json(job) -> str:

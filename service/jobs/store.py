@@ -155,6 +155,15 @@ class StoreUnavailable(Exception):
     lock): the call had no effect and may succeed when tried again."""
 
 
+def _spec_output_dir(spec_json: str) -> str:
+    """The output_dir of a stored spec as its client gave it."""
+    try:
+        given = json.loads(spec_json).get("output_dir")
+    except (ValueError, AttributeError):
+        given = None
+    return repr(given) if isinstance(given, str) else "(the default)"
+
+
 class OutputDirInUse(Exception):
     """Another job owns the output directory."""
 
@@ -247,18 +256,20 @@ class JobStore:
         others no longer own it, and those that have not ended fail: they would train into
         another job's checkpoints."""
         rows = db.execute(
-            "SELECT id, output_dir, state FROM jobs WHERE owns_output_dir = 1 ORDER BY output_dir, state = ? DESC, seq",
+            "SELECT id, output_dir, state, spec_json FROM jobs WHERE owns_output_dir = 1 "
+            "ORDER BY output_dir, state = ? DESC, seq",
             (RUNNING,),
         ).fetchall()
         owners: dict[str, str] = {}
-        for job_id, output_dir, state in rows:
+        for job_id, output_dir, state, spec_json in rows:
             owner = owners.setdefault(output_dir, job_id)
             if owner == job_id:
                 continue
             db.execute("UPDATE jobs SET owns_output_dir = 0 WHERE id = ?", (job_id,))
             if state not in TERMINAL:
+                given = _spec_output_dir(spec_json)  # as the client gave it: errors are readable by any reader
                 error = (
-                    f"output_dir {output_dir} belongs to job {owner}, accepted at the same time; "
+                    f"output_dir {given} belongs to job {owner}, accepted at the same time; "
                     "submit this job again with another output_dir"
                 )
                 db.execute(

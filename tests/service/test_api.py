@@ -348,12 +348,15 @@ def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
     failed = daemon.wait_terminal(job["id"])
     assert failed["state"] == "FAILED"
     assert "broken.jsonl:41" in failed["error"] and "JSON" in failed["error"]
+    # as the client named it: a relative path, not the data directory it resolves under
+    assert " broken.jsonl:41" in failed["error"] and str(daemon.data_dir) not in failed["error"], failed["error"]
     assert daemon.events(job["id"])[-1]["error"] == failed["error"]
-    # skip_bad_lines trains on what is readable and says how much it skipped
+    # skip_bad_lines trains on what is readable and says how much it skipped, and where
     job = daemon.submit({"datasets": ["broken.jsonl"], "steps": 2, "skip_bad_lines": True})
     assert daemon.wait_terminal(job["id"])["state"] == "SUCCEEDED"
     skipped = [e for e in daemon.events(job["id"]) if e["kind"] == "skipped_lines"]
     assert skipped and skipped[0]["count"] == 1
+    assert [m.split(": ")[0] for m in skipped[0]["first"]] == ["broken.jsonl:41"], skipped
     # the data preparation was a phase of its own, with progress in the events
     prepared = [e for e in daemon.events(job["id"]) if e["kind"] == "preparing_data"]
     assert prepared and prepared[-1]["done"] and prepared[-1]["fraction"] == 1.0 and prepared[-1]["documents"] == 40
@@ -397,6 +400,13 @@ def test_output_dir_of_another_job_is_refused(daemon, finished_job):
     assert daemon.wait_terminal(first["id"])["state"] == "SUCCEEDED"
     r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/shared-out"})
     assert r.status_code == 409 and "shared-out" in r.json()["detail"]
+    # named as the client gave it, not where it resolves (a 409 is readable by any client)
+    assert "output_dir 'jobs/shared-out'" in r.json()["detail"] and str(daemon.data_dir) not in r.text, r.text
+    # a directory no job owns that holds checkpoints is refused the same way
+    (daemon.data_dir / "jobs" / "stale-out" / "checkpoints" / "step-00000001").mkdir(parents=True)
+    r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": "jobs/stale-out"})
+    assert r.status_code == 409 and "output_dir 'jobs/stale-out' already holds checkpoints" in r.json()["detail"]
+    assert str(daemon.data_dir) not in r.text, r.text
 
 
 def test_promtool_accepts_the_metrics_page(finished_job, daemon, tmp_path):

@@ -20,8 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dflash_core.defaults import ASSETS_VERSION
 from service.config import load_config
 from service.demo import free_port
+from service.jobs.store import TERMINAL
 from tests.service.harness import REPO_ROOT, Daemon
 
 WRITE_TOKEN = "wrïte-tøken"  # non-ASCII: presented as its UTF-8 bytes
@@ -47,10 +49,15 @@ def _daemon(root: Path, lines: list[str], *, start: bool = True) -> Daemon:
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """Tokens for writes and reads (the write token padded with whitespace: stripped like the presented
-    one), an extra Host name and Origin, short request deadline, room for the followers test."""
+    one), an extra Host name and Origin, short request deadline, room for the followers test, and a
+    dataset root given relative to the config file through a symlink (datasets-link -> datasets-real)."""
+    root = tmp_path_factory.mktemp("guarded")
+    (root / "datasets-real").mkdir()
+    (root / "datasets-link").symlink_to(root / "datasets-real")
     d = _daemon(
-        tmp_path_factory.mktemp("guarded"),
+        root,
         [
+            'dataset_roots = ["data", "datasets-link"]',
             f'auth_token = "  {WRITE_TOKEN}\\n"',
             f'read_token = "{READ_TOKEN}"',
             'allowed_hosts = ["dflash.test"]',
@@ -462,6 +469,52 @@ def test_422_messages_name_what_was_passed_not_what_it_resolves_to(guarded):
         for secret in hidden:
             assert secret not in r.text, (patch, secret, r.text)
         assert repr(passed) in r.json()["detail"], r.text  # it names what the client passed
+
+
+def _wait_terminal(reader: httpx.Client, job_id: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while (job := reader.get(f"/jobs/{job_id}").json())["state"] not in TERMINAL:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    return job
+
+
+def test_job_errors_name_what_was_passed_not_what_it_resolves_to(guarded, reader):
+    """A bad record past what submission reads fails the job when its data is prepared; the error
+    (readable by whoever may list the jobs) names the dataset as the client gave it, with the file
+    and the line: never where a symlinked root leads. A file found in a directory entry is named by
+    the entry and its name in it; a skipped record and a refusal at submission are named the same way."""
+    good = (guarded.data_dir / "defaults" / ASSETS_VERSION / "train.jsonl").read_text().splitlines()[0] + "\n"
+    linked = guarded.data_dir.parent / "datasets-link"
+    real = guarded.data_dir.parent / "datasets-real"
+    (real / "deep-bad.jsonl").write_text(good * 40 + "{this is not json\n")
+    (real / "shards").mkdir()
+    (real / "shards" / "part-0.jsonl").write_text(good * 30)
+    (real / "shards" / "part-1.jsonl").write_text(good * 40 + "{this is not json\n")
+    (real / "early").mkdir()
+    (real / "early" / "part-0.jsonl").write_text(good + "{this is not json\n")
+    cases = [
+        (f"{linked}/deep-bad.jsonl", f"{linked}/deep-bad.jsonl:41"),
+        (f"{linked}/shards", f"{linked}/shards/part-1.jsonl:41"),
+        (f"{linked}/shards/", f"{linked}/shards/part-1.jsonl:41"),
+    ]
+    for given, where in cases:
+        job = _post(guarded, json={"datasets": [given], "steps": 2})
+        assert job.status_code == 202, job.text
+        failed = _wait_terminal(reader, job.json()["id"])
+        assert failed["state"] == "FAILED" and f" {where}: invalid JSON" in failed["error"], (given, failed["error"])
+        assert str(real) not in failed["error"], failed["error"]
+        assert str(real) not in reader.get("/jobs").text
+    # skipped records are reported where the client can find them
+    job = _post(guarded, json={"datasets": [f"{linked}/shards"], "steps": 2, "skip_bad_lines": True})
+    assert _wait_terminal(reader, job.json()["id"])["state"] == "SUCCEEDED"
+    events = [json.loads(line) for line in reader.get(f"/jobs/{job.json()['id']}/events").text.splitlines()]
+    skipped = [e for e in events if e["kind"] == "skipped_lines"]
+    assert [m.split(": ")[0] for m in skipped[0]["first"]] == [f"{linked}/shards/part-1.jsonl:41"], skipped
+    # a bad record among the first ones: refused at submission, named the same way
+    r = _post(guarded, json={"datasets": [f"{linked}/early"], "steps": 2})
+    assert r.status_code == 422 and f"{linked}/early/part-0.jsonl:2: invalid JSON" in r.json()["detail"], r.text
+    assert str(real) not in r.text, r.text
 
 
 # --------------------------------------------------------------------------- tokens and names

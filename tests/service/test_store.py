@@ -3,6 +3,7 @@ crash-loop count, one job per output_dir (and the migration that brings an older
 putting an ended job back in the queue, and a full disk."""
 
 import errno
+import json
 import os
 import sqlite3
 
@@ -136,8 +137,8 @@ def _old_database(path) -> None:
     for job_id, out, state, crashes in rows:
         db.execute(
             "INSERT INTO jobs (id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at,"
-            " crash_resumes) VALUES (?, '{}', 'f', '{}', ?, ?, 0, ?)",
-            (job_id, out, state, crashes),
+            " crash_resumes) VALUES (?, ?, 'f', '{}', ?, ?, 0, ?)",
+            (job_id, json.dumps({"output_dir": out.removeprefix("/out/")}), out, state, crashes),
         )
     db.commit()
     db.close()
@@ -160,6 +161,8 @@ def test_migration_makes_output_dirs_unique(tmp_path):
         "job-d": ("PENDING", True),
     }
     assert "belongs to job job-b" in (jobs["job-c"].error or "")
+    # named as its client gave it, not as the daemon resolved it (errors are readable by any reader)
+    assert "output_dir 'shared'" in jobs["job-c"].error and "/out/" not in jobs["job-c"].error
     assert jobs["job-b"].crash_resumes == 0  # the old lifetime count says nothing about crashes in a row
     assert store.any_job_using("/out/shared").id == "job-b"
     with pytest.raises(OutputDirInUse):

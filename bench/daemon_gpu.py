@@ -10,6 +10,11 @@ these environments, e.g. "TORCHINDUCTOR_COMPILE_THREADS=1", and a median is repo
 environment; "" is the unchanged one).
 Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
 optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
+
+--gil SECONDS samples the daemon with `py-spy record --gil` (pip install py-spy; the `bench`
+extra) for that long from the job's 20th step: the share of time some thread of the daemon held
+the GIL (samples recorded / samples taken), and how that time splits between the target's
+capture, the drafter step and the rest. The job must run that long past step 20 (--steps).
 """
 
 from __future__ import annotations
@@ -94,6 +99,52 @@ def reserved_bytes(page: str) -> dict[str, float]:
     return {labels["device"]: value for _, labels, value in metric_samples(page, ("dflash_cuda_reserved_bytes",))}
 
 
+GIL_RATE = 200  # py-spy samples per second
+
+
+def start_gil_sampler(pid: int, seconds: float, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            "py-spy",
+            "record",
+            "--pid",
+            str(pid),
+            "--gil",
+            "--rate",
+            str(GIL_RATE),
+            "--duration",
+            str(int(seconds)),
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def gil_share(raw: Path, seconds: float) -> dict[str, float]:
+    """From py-spy's raw (collapsed) stacks: percent of the time the GIL was held, in all and by
+    where (the target's capture, the drafter's step, the rest)."""
+    where = {"target_capture": 0, "drafter_step": 0, "other": 0}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        if "capture (" in stack and "target.py" in stack:
+            where["target_capture"] += int(count)
+        elif "_micro_steps" in stack or "clip_and_step" in stack:
+            where["drafter_step"] += int(count)
+        else:
+            where["other"] += int(count)
+    taken = GIL_RATE * seconds
+    return {"gil_pct": round(100 * sum(where.values()) / taken, 2)} | {
+        f"gil_pct_{k}": round(100 * v / taken, 2) for k, v in where.items()
+    }
+
+
 def main(argv=None):
     import torch
 
@@ -113,6 +164,7 @@ def main(argv=None):
         help='environments the warm starts take turns with, ";"-separated '
         '("NAME=VALUE NAME2=VALUE"; empty = unchanged)',
     )
+    p.add_argument("--gil", type=float, default=0, help="seconds of py-spy GIL sampling during the job (0: none)")
     args = p.parse_args(argv)
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
@@ -167,13 +219,19 @@ inductor_cache_dir = "{work / "inductor"}"
                     timeout=10,
                 ).json()
                 steps, reserved = [], {}  # reserved: device -> bytes sampled after every step from step 11 on
+                sampler = None
                 with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
                     for line in r.iter_lines():
                         if line.strip():
                             ev = json.loads(line)
                             if ev.get("kind") == "step":
                                 steps.append(ev)
-                                if len(steps) > 10:
+                                if args.gil and len(steps) == 20:
+                                    sampler = start_gil_sampler(proc.pid, args.gil, out / "gil.txt")
+                                sampling = sampler is not None and sampler.poll() is None
+                                # no per-step scrape while the GIL is sampled: a scrape per step is
+                                # the bench's load, not a production Prometheus's
+                                if len(steps) > 10 and not sampling:
                                     for dev, val in reserved_bytes(
                                         httpx.get(url + "/metrics", timeout=10).text
                                     ).items():
@@ -191,6 +249,10 @@ inductor_cache_dir = "{work / "inductor"}"
                 }
                 for dev, st in record["reserved_during_job"].items():
                     row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
+                if sampler is not None:
+                    sampler.wait(timeout=args.gil + 60)
+                    if (out / "gil.txt").is_file():
+                        row.update(gil_share(out / "gil.txt", args.gil))
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
                 record["job"] = final
                 secs = [s.get("step_seconds") for s in steps[10:] if s.get("step_seconds")]

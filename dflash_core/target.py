@@ -156,6 +156,9 @@ class TargetModel:
         if len(stages) > 1:
             self._place_stages(decoder_layers)
         self._local = threading.local()
+        self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph
+        self._graph_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._graph_output: torch.Tensor | None = None
         last = max(self.layer_ids)
         for i in sorted(set(self.layer_ids)):
             decoder_layers[i].register_forward_hook(self._make_hook(i, stop=(i == last)))
@@ -218,7 +221,54 @@ class TargetModel:
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-        """Features [S, n*H] of one packed sequence: concatenated outputs of the captured layers."""
+        """Features [S, n*H] of one packed sequence: concatenated outputs of the captured layers.
+        At the recorded length (record_graph) the result is the graph's output buffer, which the
+        next capture overwrites: the caller copies it out (in stream order) before capturing again."""
+        if (
+            self._graph is not None
+            and self._graph_inputs is not None
+            and input_ids.shape == self._graph_inputs[0].shape
+        ):
+            for static, given in zip(self._graph_inputs, (input_ids, position_ids, doc_ids), strict=True):
+                static.copy_(given, non_blocking=True)
+            self._graph.replay()
+            assert self._graph_output is not None
+            return self._graph_output
+        return self._capture(input_ids, position_ids, doc_ids)
+
+    @torch.no_grad()
+    def record_graph(self, seq_len: int) -> bool:
+        """Record capture() of a sequence of seq_len tokens as a CUDA graph, so that a micro-batch
+        costs the host one replay instead of the eager forward's hundreds of kernel launches (and
+        the feature pipeline's thread holds the GIL that much less). A target on one CUDA device
+        only (a split target moves tensors between devices inside its forward). Call it from the
+        thread that warms the engine, before any worker thread exists: recording captures every
+        kernel launched on the device's capturing stream. False where nothing was recorded."""
+        if len(self.stages) != 1 or self.device.type != "cuda":
+            return False
+        dev = self.device
+        inputs = (
+            torch.zeros(seq_len, dtype=torch.long, device=dev),
+            torch.arange(seq_len, dtype=torch.long, device=dev),
+            torch.zeros(seq_len, dtype=torch.long, device=dev),
+        )
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) happen outside the graph
+            for _ in range(2):
+                self._capture(*inputs)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self._capture(*inputs)
+        torch.cuda.synchronize(dev)
+        self._graph, self._graph_inputs, self._graph_output = graph, inputs, output
+        return True
+
+    def drop_graph(self) -> None:
+        self._graph = self._graph_inputs = self._graph_output = None
+
+    def _capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         mask = packed_masks(self.config, doc_ids, position_ids, self.dtype)
         self._local.captured = {}
         self._local.early_stop = True

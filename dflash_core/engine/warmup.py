@@ -152,6 +152,8 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
             _sync(stage)
         if features is None:  # reused by the drafters
             features = feats
+        if plan.compiled:
+            _record_target_graph(target, batch, feats, config.seq_len, timeline)
         timeline.record("target", target.label, t)
         timeline.mark(f"build:target_warm:{target.label}")
     assert features is not None
@@ -285,6 +287,25 @@ def reset_weights(replicas: list[DrafterReplica], seed: int, init_from: dict[str
         if rep is not first:
             rep.load_state(state)
         rep.zero_grad()
+
+
+def _record_target_graph(
+    target: TargetModel, batch: MicroBatch, eager: torch.Tensor, seq_len: int, timeline: Timeline
+) -> None:
+    """The target's capture as a CUDA graph (TargetModel.record_graph), kept only if its replay of
+    the warm-up micro-batch gives the eager features bit for bit."""
+    if not target.record_graph(seq_len):
+        return
+    replayed = capture(target, batch)
+    _sync(target.device)
+    if torch.equal(replayed, eager):
+        timeline.mark(f"build:target_graph:{target.label}")
+        return
+    target.drop_graph()
+    log.warning(
+        "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
+        extra={"fields": {"device": target.label}},
+    )
 
 
 def _sync(device: torch.device) -> None:

@@ -4,11 +4,16 @@ Per-step values (step time histogram, loss, accuracy per block position, accepta
 set by the job runner; everything the engine or the store already knows (readiness, warmup times,
 compile counts, tokens, queue depths, job counts, CUDA allocator gauges) is read at scrape time by
 a custom collector, so a scrape never waits on a training step and never syncs a device.
+
+The gauges that describe one job (loss, accuracy, learning rate, gradient norm, acceptance lengths,
+data preparation) carry a `job` label, the job's id: a dashboard or an alert can tell which job a
+value belongs to, and a series never joins two jobs' values. They hold the series of one job at a
+time, from its start until the next job starts, so a finished job's last values stay scrapeable;
+before the first job they have no series.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections import defaultdict
@@ -190,11 +195,11 @@ class ServiceMetrics:
             buckets=STEP_SECONDS_BUCKETS,
             registry=self.registry,
         )
-        self.loss = Gauge("dflash_train_loss", "Training loss of the last step", registry=self.registry)
+        self.loss = Gauge("dflash_train_loss", "Training loss of the last step", ["job"], registry=self.registry)
         self.accuracy = Gauge(
             "dflash_train_accuracy",
             "Top-1 accuracy of the last step per block position",
-            ["position"],
+            ["job", "position"],
             registry=self.registry,
         )
         self.learning_rate = Gauge(
@@ -206,11 +211,13 @@ class ServiceMetrics:
         self.expected_acceptance = Gauge(
             "dflash_train_expected_acceptance_length",
             "Acceptance length implied by the last step's per-position accuracy",
+            ["job"],
             registry=self.registry,
         )
         self.eval_acceptance = Gauge(
             "dflash_eval_acceptance_length",
             "Mean accepted tokens per block in the last held-out evaluation",
+            ["job"],
             registry=self.registry,
         )
         self.checkpoint_pause = Histogram(
@@ -221,60 +228,87 @@ class ServiceMetrics:
         )
         self.data_progress = Gauge(
             "dflash_data_prepare_progress_ratio",
-            "Share of the running job's dataset bytes tokenized or found in the cache (1 once training runs)",
+            "Share of the job's dataset bytes tokenized or found in the cache (1 once it trains)",
+            ["job"],
             registry=self.registry,
         )
         self.data_tokens = Gauge(
             "dflash_data_prepare_tokens",
-            "Tokens of the running job's datasets prepared so far (tokenized or read from the cache)",
+            "Tokens of the job's datasets prepared so far (tokenized or read from the cache)",
+            ["job"],
             registry=self.registry,
         )
-        # NaN = not measured yet; present from the first scrape so dashboards see every series
-        for gauge in (self.loss, self.expected_acceptance, self.eval_acceptance):
-            gauge.set(math.nan)
-        for position in range(1, block_size):
-            self.accuracy.labels(position=str(position)).set(math.nan)
+        # the gauges of one job, all labelled `job`: a new job's start clears them together
+        self._job_gauges = (
+            self.loss,
+            self.accuracy,
+            self.learning_rate,
+            self.grad_norm,
+            self.expected_acceptance,
+            self.eval_acceptance,
+            self.data_progress,
+            self.data_tokens,
+        )
+        self._positions = [str(position) for position in range(1, block_size)]
+        self._job: str | None = None  # whose series the per-job gauges hold
         host.on_engine_created(self._engine_created)
         self.registry.register(_EngineCollector(host, store))
         # host memory matters (a checkpoint needs 12 bytes per drafter parameter of it), and the
         # process's CPU time and open files: the standard process_* series
         ProcessCollector(registry=self.registry)
-        self._job: str | None = None
 
     def _engine_created(self, engine) -> None:
         for device in engine.status().drafter_devices:  # a series per device from the first scrape on
             self.step_seconds.labels(device=device)
 
-    def observe_step(self, stats, job: str | None = None) -> None:
-        if job is not None and job != self._job:  # a new job: the last one's series end
-            if self._job is not None:
-                for gauge in (self.learning_rate, self.grad_norm):
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(self._job)
+    def start_job(self, job: str) -> None:
+        """A run of `job` begins. Another job's series end here (not when that job ended, so its last
+        values stay scrapeable until then); the new job's per-step series appear at once, NaN until
+        measured, so a dashboard lists the job while it prepares its data. A run of the job that
+        already holds the series (a resume) keeps its last values until new ones replace them."""
+        if job != self._job:
+            for gauge in self._job_gauges:
+                gauge.clear()
             self._job = job
-        if job is not None:
-            self.learning_rate.labels(job=job).set(stats.learning_rate)
-            self.grad_norm.labels(job=job).set(stats.grad_norm)
+            for gauge in (self.loss, self.learning_rate, self.grad_norm, self.expected_acceptance):
+                gauge.labels(job=job).set(math.nan)
+            for position in self._positions:
+                self.accuracy.labels(job=job, position=position).set(math.nan)
+            self.eval_acceptance.labels(job=job).set(math.nan)
+        # every run prepares (or finds in the cache) its data before it trains
+        self.data_progress.labels(job=job).set(0.0)
+        self.data_tokens.labels(job=job).set(0.0)
+
+    def _for_job(self, job: str) -> None:
+        if job != self._job:  # a value of a job whose start was not announced starts it
+            self.start_job(job)
+
+    def observe_step(self, stats, job: str) -> None:
+        self._for_job(job)
         for device, seconds in stats.seconds_per_device.items():
             self.step_seconds.labels(device=device).observe(seconds)
-        self.loss.set(stats.loss)
+        self.loss.labels(job=job).set(stats.loss)
+        self.learning_rate.labels(job=job).set(stats.learning_rate)
+        self.grad_norm.labels(job=job).set(stats.grad_norm)
         for position, accuracy in enumerate(stats.position_accuracy, start=1):
-            self.accuracy.labels(position=str(position)).set(accuracy)
-        self.expected_acceptance.set(stats.expected_acceptance_length)
+            self.accuracy.labels(job=job, position=str(position)).set(accuracy)
+        self.expected_acceptance.labels(job=job).set(stats.expected_acceptance_length)
 
-    def observe_eval(self, acceptance_length: float) -> None:
-        self.eval_acceptance.set(acceptance_length)
+    def observe_eval(self, acceptance_length: float, job: str) -> None:
+        self._for_job(job)
+        self.eval_acceptance.labels(job=job).set(acceptance_length)
 
     def observe_checkpoint_pause(self, seconds: float) -> None:
         self.checkpoint_pause.observe(seconds)
 
-    def observe_data_progress(self, progress: dict | None) -> None:
+    def observe_data_progress(self, progress: dict | None, job: str) -> None:
         """A job's data preparation progress; None once it trains."""
+        self._for_job(job)
         if progress is None:
-            self.data_progress.set(1.0)
+            self.data_progress.labels(job=job).set(1.0)
             return
-        self.data_progress.set(float(progress.get("fraction", 0.0)))
-        self.data_tokens.set(float(progress.get("tokens", 0)))
+        self.data_progress.labels(job=job).set(float(progress.get("fraction", 0.0)))
+        self.data_tokens.labels(job=job).set(float(progress.get("tokens", 0)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -153,7 +153,7 @@ class _RunCallbacks:
         if kind == "data":
             self._store(store.set_phase, self.job_id, "training")
             if self.manager.metrics is not None:
-                self.manager.metrics.observe_data_progress(None)
+                self.manager.metrics.observe_data_progress(None, self.job_id)
             if payload.get("total_steps"):
                 self._store(store.set_total_steps, self.job_id, int(payload["total_steps"]))
         if kind in ("data", "skipped_lines") and self._store(store.events, self.job_id, kinds=[kind], limit=1):
@@ -166,7 +166,7 @@ class _RunCallbacks:
         tau = result.get("acceptance_length")
         self._store(self.manager.store.set_eval, self.job_id, step, tau, {"step": step, **result})
         if self.manager.metrics is not None and tau is not None:
-            self.manager.metrics.observe_eval(tau)
+            self.manager.metrics.observe_eval(tau, self.job_id)
         if self.tracker is not None:
             self.tracker.eval(step, result)
         log.info("evaluation", extra={"fields": {"job": self.job_id, "step": step, "acceptance_length": tau}})
@@ -175,7 +175,7 @@ class _RunCallbacks:
         self._store(self.manager.store.set_phase, self.job_id, "preparing_data", progress)
         self._store(self.manager.store.add_event, self.job_id, "preparing_data", progress)
         if self.manager.metrics is not None:
-            self.manager.metrics.observe_data_progress(progress)
+            self.manager.metrics.observe_data_progress(progress, self.job_id)
 
     def should_cancel(self) -> bool:
         return self.cancel.is_set() or self.manager.shutting_down
@@ -618,6 +618,8 @@ class JobManager:
         callbacks = _RunCallbacks(self, job.id, tracker, given_paths(job.spec, train_job, job.id))
         with self._current_lock:
             self._current = callbacks
+        if self.metrics is not None:  # the last job's series give way to this one's
+            self.metrics.start_job(job.id)
         try:
             # a cancel that arrived between the queue pick and now
             if self._job(job.id, with_checkpoints=False).cancel_requested:

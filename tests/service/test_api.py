@@ -234,6 +234,19 @@ def test_cancel_pending_job_stops_it_without_running(daemon):
     assert step_numbers(daemon.events(pending["id"])) == []
 
 
+# the gauges labelled with the job whose values they hold (service/metrics.py)
+PER_JOB_GAUGES = (
+    "dflash_train_loss",
+    "dflash_train_accuracy",
+    "dflash_train_learning_rate",
+    "dflash_train_grad_norm",
+    "dflash_train_expected_acceptance_length",
+    "dflash_eval_acceptance_length",
+    "dflash_data_prepare_progress_ratio",
+    "dflash_data_prepare_tokens",
+)
+
+
 def _metrics(daemon) -> tuple[dict, str]:
     r = daemon.http.get("/metrics", follow_redirects=False)
     assert r.status_code == 200
@@ -294,32 +307,71 @@ def test_metrics_after_a_job(finished_job, daemon):
     assert _value(families, "dflash_compiles_total", phase="warmup") >= 0
     assert _value(families, "dflash_train_tokens_total", device="cpu") > 0
     assert _value(families, "dflash_train_tokens_per_second") >= 0
-    # the series added with the checkpoint pause: learning rate and gradient norm per job, versions,
-    # and the standard process collector
-    # (of the job that ran last: other tests of this module may have run jobs after finished_job)
-    lr = [s for s in families["dflash_train_learning_rate"].samples if s.labels.get("job", "").startswith("job-")]
-    norm = [s for s in families["dflash_train_grad_norm"].samples if s.labels.get("job", "").startswith("job-")]
-    assert len(lr) == len(norm) == 1 and lr[0].value > 0 and norm[0].value >= 0  # one job's series at a time
+    # the series added with the checkpoint pause: versions and the standard process collector
     assert _value(families, "dflash_build_info") == 1
     assert _value(families, "process_resident_memory_bytes") > 0
     # every checkpoint's pause is observed, and reported with its event
     assert _value(families, "dflash_checkpoint_pause_seconds_count") >= 1
     checkpoints = [e for e in daemon.events(finished_job[0]["id"]) if e["kind"] == "checkpoint"]
     assert checkpoints and all(e["pause_seconds"] >= 0 for e in checkpoints)
-    assert _value(families, "dflash_data_prepare_progress_ratio") == 1.0
     assert _value(families, "dflash_train_step_seconds_count", device="cpu") >= 20
     assert _value(families, "dflash_train_step_seconds_sum", device="cpu") > 0
-    assert 0 < _value(families, "dflash_train_loss") < 20
-    for position in range(1, 8):  # block size 8: positions 1..7
-        assert 0 <= _value(families, "dflash_train_accuracy", position=str(position)) <= 1
-    assert _value(families, "dflash_train_expected_acceptance_length") >= 1
-    assert _value(families, "dflash_eval_acceptance_length") >= 1
+    # the per-job gauges hold the series of the job that ran last (other tests of this module run jobs
+    # after finished_job; test_per_job_gauges_follow_the_job checks their values)
+    for name in PER_JOB_GAUGES:
+        jobs = {s.labels.get("job") for s in families[name].samples}
+        assert len(jobs) == 1 and next(iter(jobs)).startswith("job-"), (name, jobs)
     assert _value(families, "dflash_warmup_seconds", component="drafter", device="cpu") > 0
     assert _value(families, "dflash_queue_depth", queue="jobs") >= 0
     assert _value(families, "dflash_jobs", state="SUCCEEDED") >= 1
     for state in ("PENDING", "RUNNING", "FAILED", "STOPPED"):
         assert _value(families, "dflash_jobs", state=state) >= 0
     assert families["dflash_cuda_allocated_bytes"].samples == []  # no CUDA device here: no samples, no fake zeros
+
+
+def _job_samples(families, name: str) -> dict[tuple[str, ...], float]:
+    """A per-job gauge's samples: (job,) or (job, position) -> value."""
+    return {tuple(s.labels[k] for k in ("job", "position") if k in s.labels): s.value for s in families[name].samples}
+
+
+def test_per_job_gauges_follow_the_job(daemon):
+    """Loss, accuracy, learning rate, gradient norm, acceptance lengths and data preparation carry the
+    job's id as `job`; a finished job's values stay until the next job starts, which removes them."""
+    first = daemon.submit(
+        {
+            "datasets": ["builtin://train"],
+            "steps": 2,
+            "checkpoint_interval": 2,
+            "eval_prompts": "builtin://heldout",
+            "eval_interval": 2,
+            "eval_max_prompts": 1,
+            "eval_max_new_tokens": 8,
+        }
+    )
+    assert daemon.wait_terminal(first["id"])["state"] == "SUCCEEDED"
+    families, _ = _metrics(daemon)
+    for name in PER_JOB_GAUGES:
+        assert {key[0] for key in _job_samples(families, name)} == {first["id"]}, name
+    one = {
+        name: _job_samples(families, name)[(first["id"],)] for name in PER_JOB_GAUGES if name != "dflash_train_accuracy"
+    }
+    assert 0 < one["dflash_train_loss"] < 20
+    assert one["dflash_train_learning_rate"] > 0 and one["dflash_train_grad_norm"] >= 0
+    assert one["dflash_train_expected_acceptance_length"] >= 1 and one["dflash_eval_acceptance_length"] >= 1
+    assert one["dflash_data_prepare_progress_ratio"] == 1.0 and one["dflash_data_prepare_tokens"] > 0
+    accuracy = _job_samples(families, "dflash_train_accuracy")
+    assert sorted(accuracy) == [(first["id"], str(p)) for p in range(1, 8)]  # block size 8: positions 1..7
+    assert all(0 <= v <= 1 for v in accuracy.values())
+
+    second = daemon.submit({"datasets": ["builtin://train"], "steps": 1})
+    assert daemon.wait_terminal(second["id"])["state"] == "SUCCEEDED"
+    families, text = _metrics(daemon)
+    assert first["id"] not in text
+    for name in PER_JOB_GAUGES:
+        assert {key[0] for key in _job_samples(families, name)} == {second["id"]}, name
+    # the second job evaluates nothing: its held-out acceptance length is not measured (NaN), not the first's
+    assert math.isnan(_job_samples(families, "dflash_eval_acceptance_length")[(second["id"],)])
+    assert 0 < _job_samples(families, "dflash_train_loss")[(second["id"],)] < 20
 
 
 def test_metrics_path_has_no_redirect(daemon):

@@ -1,0 +1,121 @@
+"""The per-job gauges of service/metrics.py without a daemon: which job's series exist when, and what
+they hold (tests/service/test_api.py checks the same through a real daemon's /metrics)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.jobs.store import STATES
+from service.metrics import ServiceMetrics
+
+BLOCK_SIZE = 4  # accuracy positions 1..3
+
+
+class _Host:
+    ready = False
+    drafters_total = 1
+
+    def on_engine_created(self, listener) -> None:
+        pass
+
+    def engine_status(self):
+        return None
+
+
+class _Store:
+    def count_by_state(self) -> dict[str, int]:
+        return dict.fromkeys(STATES, 0)
+
+
+def _metrics() -> ServiceMetrics:
+    return ServiceMetrics(_Host(), _Store(), block_size=BLOCK_SIZE)
+
+
+def _stats(loss: float) -> SimpleNamespace:
+    return SimpleNamespace(
+        loss=loss,
+        position_accuracy=[0.9, 0.6, 0.3],
+        expected_acceptance_length=2.5,
+        learning_rate=1e-4,
+        grad_norm=0.5,
+        seconds_per_device={"cpu": 0.1},
+    )
+
+
+def _samples(metrics: ServiceMetrics) -> dict[str, dict[tuple[str, ...], float]]:
+    """name -> {(job,) or (job, position): value} for the gauges labelled by job."""
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if "job" in s.labels:
+                key = tuple(s.labels[k] for k in ("job", "position") if k in s.labels)
+                out.setdefault(s.name, {})[key] = s.value
+    return out
+
+
+PER_JOB = {
+    "dflash_train_loss",
+    "dflash_train_accuracy",
+    "dflash_train_learning_rate",
+    "dflash_train_grad_norm",
+    "dflash_train_expected_acceptance_length",
+    "dflash_eval_acceptance_length",
+    "dflash_data_prepare_progress_ratio",
+    "dflash_data_prepare_tokens",
+}
+
+
+def test_no_job_series_before_the_first_job():
+    assert _samples(_metrics()) == {}
+
+
+def test_a_job_holds_the_series_until_the_next_job_starts():
+    metrics = _metrics()
+    metrics.start_job("job-a")
+    started = _samples(metrics)
+    assert set(started) == PER_JOB
+    # present from the start, not measured yet; nothing prepared yet
+    assert math.isnan(started["dflash_train_loss"][("job-a",)])
+    assert sorted(started["dflash_train_accuracy"]) == [("job-a", "1"), ("job-a", "2"), ("job-a", "3")]
+    assert started["dflash_data_prepare_progress_ratio"] == {("job-a",): 0.0}
+
+    metrics.observe_data_progress({"fraction": 0.5, "tokens": 1000}, "job-a")
+    assert _samples(metrics)["dflash_data_prepare_tokens"] == {("job-a",): 1000.0}
+    metrics.observe_data_progress(None, "job-a")
+    metrics.observe_step(_stats(3.0), "job-a")
+    metrics.observe_eval(2.25, "job-a")
+    done = _samples(metrics)  # the job ended: its last values stay
+    assert done["dflash_train_loss"] == {("job-a",): 3.0}
+    assert done["dflash_train_accuracy"][("job-a", "2")] == 0.6
+    assert done["dflash_eval_acceptance_length"] == {("job-a",): 2.25}
+    assert done["dflash_data_prepare_progress_ratio"] == {("job-a",): 1.0}
+
+    metrics.start_job("job-b")
+    after = _samples(metrics)
+    assert {key[0] for series in after.values() for key in series} == {"job-b"}
+    assert math.isnan(after["dflash_eval_acceptance_length"][("job-b",)])
+
+
+def test_a_value_of_an_unannounced_job_starts_it():
+    metrics = _metrics()
+    metrics.observe_step(_stats(3.0), "job-a")
+    metrics.observe_step(_stats(2.0), "job-b")
+    samples = _samples(metrics)
+    assert samples["dflash_train_loss"] == {("job-b",): 2.0}
+    assert {key[0] for series in samples.values() for key in series} == {"job-b"}
+
+
+def test_a_resumed_job_keeps_its_values_and_prepares_its_data_again():
+    metrics = _metrics()
+    metrics.start_job("job-a")
+    metrics.observe_data_progress(None, "job-a")
+    metrics.observe_step(_stats(3.0), "job-a")
+    metrics.observe_eval(2.25, "job-a")
+    metrics.start_job("job-a")
+    samples = _samples(metrics)
+    assert samples["dflash_train_loss"] == {("job-a",): 3.0}
+    assert samples["dflash_eval_acceptance_length"] == {("job-a",): 2.25}
+    assert samples["dflash_data_prepare_progress_ratio"] == {("job-a",): 0.0}

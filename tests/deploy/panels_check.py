@@ -45,12 +45,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO_ROOT / "docker" / "grafana" / "dashboards" / "dflash.json"
 SHIPPED_PROMETHEUS_CONFIG = REPO_ROOT / "docker" / "prometheus" / "prometheus.yml"
 
-# A short job on the embedded default that also evaluates (dflash_eval_acceptance_length gets a value).
+# A short job on the embedded default that also evaluates (dflash_eval_acceptance_length gets a value) and
+# checkpoints halfway and at the end (dflash_checkpoint_pause_seconds gets more than one observation).
 CHECK_JOB: dict[str, Any] = {
     "name": "panels-check",
     "datasets": ["builtin://train"],
     "steps": 20,
-    "checkpoint_interval": 20,
+    "checkpoint_interval": 10,
     "eval_prompts": "builtin://heldout",
     "eval_interval": 10,
     "eval_max_prompts": 2,
@@ -70,6 +71,8 @@ BUILTINS = {
 }
 CUDA_METRIC_PREFIX = "dflash_cuda_"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+# the daemon's histograms: an expression reads their _bucket/_sum/_count series
+HISTOGRAMS = ("dflash_train_step_seconds", "dflash_checkpoint_pause_seconds")
 
 
 def _from_env(var: str) -> str | None:
@@ -144,7 +147,7 @@ def metric_families(expr: str) -> set[str]:
     names = set()
     for name in re.findall(r"\bdflash_[a-z0-9_]+", expr):
         for suffix in _HISTOGRAM_SUFFIXES:
-            if name.endswith(suffix) and name.startswith("dflash_train_step_seconds"):
+            if name.endswith(suffix) and name[: -len(suffix)] in HISTOGRAMS:
                 name = name[: -len(suffix)]
         names.add(name)
     return names

@@ -132,6 +132,15 @@ def test_the_check_reports_missing_and_nan_data(scraped):
     assert {r.target.ref_id for r in report.failures} == ({"A", "B", "C", "D"} if report.cuda else {"A", "B", "C"})
 
 
+def test_the_job_label_is_stored_as_exported_job(scraped):
+    """The daemon labels its per-job gauges `job` (the job id); Prometheus keeps the scrape job's name as `job`
+    and the daemon's as exported_job, which the dashboard's legends read."""
+    for name in ("dflash_train_loss", "dflash_train_accuracy", "dflash_eval_acceptance_length"):
+        series = scraped.prom.query(name, scraped.at)
+        assert {s["metric"].get("exported_job") for s in series} == {scraped.job_id}, name
+        assert {s["metric"]["job"] for s in series} == {"dflash-trainer"}, name
+
+
 def test_variables_resolve_to_the_scraped_daemon(report, daemon):
     assert report.variables["instance"] == [f"127.0.0.1:{daemon.port}"]
     assert report.variables["device"] == report.devices

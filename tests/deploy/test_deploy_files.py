@@ -52,6 +52,21 @@ CONTRACT_METRICS = {
     "dflash_cuda_peak_reserved_bytes",
     "dflash_cuda_alloc_retries_total",
     "dflash_cuda_ooms_total",
+    "dflash_train_learning_rate",
+    "dflash_train_grad_norm",
+    "dflash_checkpoint_pause_seconds",
+    "dflash_build_info",
+}
+# the gauges labelled with the job whose values they hold: a Prometheus that does not honour the
+# target's labels (the shipped configs) stores that label as exported_job, its own `job` being the
+# scrape job's name
+PER_JOB_METRICS = {
+    "dflash_train_loss",
+    "dflash_train_accuracy",
+    "dflash_train_learning_rate",
+    "dflash_train_grad_norm",
+    "dflash_train_expected_acceptance_length",
+    "dflash_eval_acceptance_length",
 }
 
 
@@ -461,11 +476,26 @@ def test_runtime_compiles_alert_threshold():
     assert series["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] in ("line+area", "area")
 
 
+def test_time_series_of_per_job_gauges_name_the_job():
+    """Two jobs' series of a per-job gauge in one time range are told apart by the job in the legend."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    checked = 0
+    for panel in iter_panels(dashboard["panels"]):
+        if panel["type"] != "timeseries":
+            continue
+        for target in panel["targets"]:
+            if metric_families(target["expr"]) & PER_JOB_METRICS:
+                assert "{{exported_job}}" in target["legendFormat"], f"{panel['title']} [{target['refId']}]"
+                checked += 1
+    assert checked >= 6  # loss, accuracy, both acceptance lengths, learning rate, gradient norm
+
+
 def test_metric_families_maps_histogram_series():
     assert metric_families('rate(dflash_train_step_seconds_bucket{a="b"}[1m]) / dflash_train_tokens_total') == {
         "dflash_train_step_seconds",
         "dflash_train_tokens_total",
     }
+    assert metric_families("increase(dflash_checkpoint_pause_seconds_count[1h])") == {"dflash_checkpoint_pause_seconds"}
 
 
 # --------------------------------------------------------------------------- promtool

@@ -95,6 +95,9 @@ class Health(_Open):
     error: str | None = None
     compiles: dict[str, Any] | None = None
     warmup_seconds: list[dict[str, Any]] | None = None
+    rank: int | None = Field(None, description="multi-host: this process's rank")
+    ranks_ready: int | None = Field(None, description="multi-host, rank 0: ranks warm and answering")
+    ranks_total: int | None = Field(None, description="multi-host: ranks in the group")
 
 
 class Liveness(_Open):

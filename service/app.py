@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import signal
 import threading
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
@@ -32,6 +33,8 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
+
+from dflash_core.engine.launch import Launch
 
 from . import api_models as models
 from .config import ServiceConfig
@@ -93,10 +96,14 @@ class _DataDirLock:
 
 
 class Daemon:
-    """Everything the app owns for its lifetime."""
+    """Everything the app owns for its lifetime. In a multi-host group, ranks other than 0 own only
+    their engine and its probes: no job store, no job API."""
 
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, launch: Launch | None = None):
         self.config = config
+        self.launch = launch
+        self.follower = launch is not None and launch.rank > 0
+        self.exit_code = 0  # what `serve` exits with (a rank that lost its group: 1, so it is restarted)
         self.lock = _DataDirLock(config.data_dir)
         self.store: JobStore | None = None
         self.host: EngineHost | None = None
@@ -108,8 +115,11 @@ class Daemon:
     def start(self) -> None:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
+        if self.follower:
+            self._start_follower()
+            return
         self.store = JobStore(self.config.database_path)
-        self.host = EngineHost(self.config)
+        self.host = EngineHost(self.config, self.launch)
         self.manager = JobManager(self.config, self.store, self.host)
         self.metrics = ServiceMetrics(self.host, self.store, block_size=self.config.engine.block_size)
         self.manager.metrics = self.metrics
@@ -123,6 +133,26 @@ class Daemon:
             "daemon started",
             extra={"fields": {"data_dir": str(self.config.data_dir), "database": str(self.config.database_path)}},
         )
+
+    def _start_follower(self) -> None:
+        assert self.launch is not None
+        self.host = EngineHost(self.config, self.launch, on_group_end=self._group_ended)
+        self.metrics = ServiceMetrics(self.host, None, block_size=self.config.engine.block_size)
+        self.host.start()
+        log.info(
+            "daemon started (rank %d of %d: probes and metrics only; jobs come from rank 0)",
+            self.launch.rank,
+            self.launch.world,
+            extra={"fields": {"data_dir": str(self.config.data_dir)}},
+        )
+
+    def _group_ended(self, reason: str) -> None:
+        """A rank other than 0 stopped following rank 0: exit (like SIGTERM), so that the launcher
+        or the orchestrator starts it, and with it the group, again. Exit 0 only when rank 0 ended
+        the group on purpose."""
+        self.exit_code = 0 if reason == "rank 0 shut the group down" else 1
+        log.warning("leaving: %s", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def shutting_down(self) -> bool:
@@ -319,8 +349,9 @@ JOB_ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 # --------------------------------------------------------------------------- app
-def create_app(config: ServiceConfig) -> FastAPI:
-    daemon = Daemon(config)
+def create_app(config: ServiceConfig, launch: Launch | None = None) -> FastAPI:
+    """The daemon's app; `launch`: its place in a multi-host group (None: one process)."""
+    daemon = Daemon(config, launch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -338,6 +369,15 @@ def create_app(config: ServiceConfig) -> FastAPI:
     )
     app.state.daemon = daemon
     app.add_middleware(RequestGuard, config=config)
+    if daemon.follower:
+        assert launch is not None
+        only = f"rank {launch.rank} of {launch.world} serves /healthz, /livez and /metrics; the job API is on rank 0"
+
+        @app.middleware("http")
+        async def _probes_only(request: Request, call_next):
+            if request.url.path not in ("/healthz", "/livez", "/metrics"):
+                return _error(404, only)
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -396,19 +436,24 @@ def create_app(config: ServiceConfig) -> FastAPI:
         },
     )
     async def livez() -> JSONResponse:
-        assert daemon.manager is not None and daemon.host is not None  # set by daemon.start() (lifespan)
+        assert daemon.host is not None  # set by daemon.start() (lifespan)
+        assert daemon.manager is not None or daemon.follower
         problems = []
-        if not daemon.manager.worker_alive and not daemon.shutting_down:
+        if daemon.manager is not None and not daemon.manager.worker_alive and not daemon.shutting_down:
             problems.append("the job worker thread died")
         status = daemon.host.engine_status()
         if daemon.host.ready and status is not None and not status.threads_alive and not daemon.shutting_down:
             problems.append("an engine drafter thread died")
         if daemon.host.failed:
             problems.append(f"the engine failed to start: {daemon.host.error}")
+        if (group_problem := daemon.host.group_problem) is not None and not daemon.shutting_down:
+            # a group that lost a rank cannot train again in this process: restarting it (and with it
+            # the group) is the cure, which is what a liveness probe's failure makes an orchestrator do
+            problems.append(f"the multi-host group cannot train: {group_problem}; restart the group")
         body: dict[str, Any] = {
             "status": "alive" if not problems else "dead",
             "engine": daemon.host.status(),
-            "job_worker_alive": daemon.manager.worker_alive,
+            "job_worker_alive": daemon.manager.worker_alive if daemon.manager is not None else False,
             "engine_build_running": daemon.host.build_thread_alive,
         }
         if problems:

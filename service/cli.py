@@ -14,11 +14,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+from dflash_core.engine.launch import Launch
 
 from .client import DaemonClient, DaemonError, default_token, default_url
 from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
 from .jobs.store import TERMINAL
+
+if TYPE_CHECKING:
+    from .config import ServiceConfig
 
 # Exit codes, distinct per outcome (scripts and CI branch on them; the README lists them)
 EXIT_OK = 0  # the command did what it was asked; a followed job SUCCEEDED
@@ -55,7 +60,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"dflash-trainer: invalid configuration: {e}", file=sys.stderr)
         return 2
-    if (problem := config.exposure_problem()) is not None:
+    try:
+        launch = Launch.from_env()
+    except ValueError as e:
+        print(f"dflash-trainer: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "distributed", False) and launch is None:
+        print(
+            "dflash-trainer: --distributed needs a launcher's environment with WORLD_SIZE > 1 (start it with "
+            "torchrun --nnodes N --nproc-per-node 1 ... -m service.cli serve)",
+            file=sys.stderr,
+        )
+        return 2
+    if launch is not None:
+        config = for_rank(config, launch)
+    if (launch is None or launch.rank == 0) and (problem := config.exposure_problem()) is not None:
         print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
         return 2
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
@@ -72,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "(421 otherwise); list the names clients use in allowed_hosts",
             config.host,
         )
-    app = create_app(config)
+    app = create_app(config, launch)
     daemon = app.state.daemon
 
     class DaemonServer(uvicorn.Server):
@@ -100,7 +119,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     )
     server.run()
-    return 0 if server.started else 1
+    return daemon.exit_code if server.started else 1
+
+
+def for_rank(config: ServiceConfig, launch: Launch) -> ServiceConfig:
+    """A rank's own port and files: ranks of one host (tests, or one process per GPU) must not
+    share a port or a data directory; rank 0 keeps both as configured."""
+    port = config.port + launch.local_rank if config.port else 0
+    data_dir = config.data_dir / "ranks" / str(launch.rank) if launch.rank > 0 else config.data_dir
+    return config.model_copy(update={"port": port, "data_dir": data_dir})
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
@@ -517,6 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", help="data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)")
     serve.add_argument("--log-json", action="store_true", help="log JSON lines")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-host group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT); implied when WORLD_SIZE > 1. Rank r>0 listens on port + LOCAL_RANK and keeps its files "
+        "in DATA_DIR/ranks/r",
+    )
     serve.set_defaults(handler=cmd_serve)
 
     pre = sub.add_parser(

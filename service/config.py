@@ -157,6 +157,12 @@ class ServiceConfig(BaseModel):
         "under the job's output_dir/tensorboard; wandb or mlflow where installed); [] for none",
     )
     shutdown_timeout_seconds: float = Field(120.0, gt=0, description="how long SIGTERM waits for the job's checkpoint")
+    distributed_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="multi-host: how long a rank waits for the others in a step (longer than rank 0's evaluation) "
+        "before a hung rank fails the job; a rank that dies fails it at once",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @field_validator("data_dir")

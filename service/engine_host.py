@@ -1,8 +1,14 @@
 """Owns the engine for the daemon: creates, builds and warms it in a background thread (so uvicorn
-answers at once, even before torch is imported) and turns its progress into the /healthz body."""
+answers at once, even before torch is imported) and turns its progress into the /healthz body.
+
+In a multi-host group the engine joins the group first; rank 0 is ready when every rank is, and
+the other ranks, once warm, run the jobs rank 0 sends on a `follow` thread until rank 0 shuts the
+group down or the group breaks (then `on_group_end` is called: the daemon exits, so that the
+launcher or the orchestrator starts the group again)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -11,7 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dflash_core.engine import Engine, EngineStatus
+    from dflash_core.engine import Engine, EngineStatus, JobCallbacks
+    from dflash_core.engine.launch import Launch
 
     from .config import ServiceConfig
 
@@ -25,8 +32,21 @@ WARMUP_PAUSE_SECONDS = float(os.environ.get("DFLASH_TEST_WARMUP_PAUSE_SECONDS", 
 
 
 class EngineHost:
-    def __init__(self, config: ServiceConfig):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        launch: Launch | None = None,
+        on_group_end: Callable[[str], None] | None = None,
+        follower_callbacks: Callable[[], JobCallbacks] | None = None,
+    ):
+        """launch: this process's place in a multi-host group (None: one process). Ranks other than
+        0 call on_group_end(reason) when they stop following rank 0; follower_callbacks() makes the
+        callbacks of each job they run (their metrics)."""
         self.config = config
+        self.launch = launch
+        self._on_group_end = on_group_end
+        self._follower_callbacks = follower_callbacks
+        self._stop_following = threading.Event()
         self.engine: Engine | None = None  # created by the build thread (importing torch takes seconds)
         # without explicit devices the embedded default uses exactly one drafter (cpu, cuda:0 or cuda:1)
         self.drafters_total = len(config.engine.drafter_devices) if config.engine.drafter_devices else 1
@@ -38,6 +58,7 @@ class EngineHost:
         self._finished = threading.Event()  # ready or failed
         self._listeners: list[Callable[[Any], None]] = []
         self._thread: threading.Thread | None = None
+        self._group_end: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def on_engine_created(self, listener: Callable[[Any], None]) -> None:
@@ -54,8 +75,13 @@ class EngineHost:
             engine_config = self.config.engine
             from dflash_core.engine import Engine
 
+            group = None
+            if self.launch is not None:
+                from dflash_core.engine.distributed import RankGroup
+
+                group = RankGroup(self.launch, self.config.distributed_timeout_seconds)
             created_after = time.monotonic() - self._started  # daemon start -> engine object (imports mostly)
-            self.engine = engine = Engine(engine_config, self.config.data_dir, on_phase=self._on_phase)
+            self.engine = engine = Engine(engine_config, self.config.data_dir, on_phase=self._on_phase, group=group)
             self.drafters_total = len(engine.drafter_devices)
             for listener in self._listeners:
                 listener(engine)
@@ -67,10 +93,13 @@ class EngineHost:
                         "target": str(engine_config.target_path or "embedded default"),
                         "drafter_devices": engine.drafter_devices,
                         "shape": dict(vars(engine_config.shape)),
+                        **({"rank": self.launch.rank, "ranks": self.launch.world} if self.launch else {}),
                     }
                 },
             )
             engine.build()
+            if group is not None and not group.is_leader:
+                threading.Thread(target=self._follow, name="follow-rank-0", daemon=True).start()
         except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
             self._error = f"{type(e).__name__}: {e}"
             log.exception("engine build failed")
@@ -99,6 +128,19 @@ class EngineHost:
             self._created.set()
             self._finished.set()
 
+    def _follow(self) -> None:
+        """Ranks other than 0: run rank 0's jobs until the group ends, then say why."""
+        assert self.engine is not None
+        try:
+            reason = self.engine.follow(self._stop_following, self._follower_callbacks)
+        except BaseException as e:  # noqa: BLE001 - whatever ends the loop ends this rank's part
+            reason = f"{type(e).__name__}: {e}"
+            log.exception("following rank 0 failed")
+        self._group_end = reason
+        log.warning("left the group", extra={"fields": {"reason": reason}})
+        if self._on_group_end is not None and not self._stop_following.is_set():
+            self._on_group_end(reason)
+
     def _on_phase(self, status) -> None:
         log.info(
             "engine progress",
@@ -124,15 +166,38 @@ class EngineHost:
         return self._finished.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
+        self._stop_following.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        group = self.engine.group if self.engine is not None else None
+        if group is not None and group.is_leader and group.backend is not None and group.broken is None:
+            with contextlib.suppress(Exception):  # the others may be gone already
+                group.post({"kind": "shutdown"})
         if self.ready and self.engine is not None:
             self.engine.close()
+        if group is not None:
+            group.close()
 
     # ------------------------------------------------------------------ state
     @property
     def ready(self) -> bool:
+        """This process's engine is warm (in a group: see can_train for the whole group)."""
         return self._ready.is_set()
+
+    @property
+    def can_train(self) -> bool:
+        """Jobs can start: the engine is warm and, in a group, every rank is warm, beating and in
+        agreement (rank 0's view)."""
+        if not self._ready.is_set():
+            return False
+        status = self.engine_status()
+        return status is not None and status.group_problem is None and status.ranks_ready == status.ranks_total
+
+    @property
+    def group_problem(self) -> str | None:
+        """Why the group cannot train (a lost or failed rank), or None."""
+        status = self.engine_status()
+        return status.group_problem if status is not None else None
 
     @property
     def failed(self) -> bool:
@@ -154,29 +219,45 @@ class EngineHost:
         snapshot = self.engine_status()
         return snapshot.phase if snapshot is not None else "starting"
 
-    def status(self, phase: str | None = None) -> str:
-        """starting | warming | ready | failed; `phase`: the engine's, when the caller has it."""
+    def status(self, phase: str | None = None, snapshot: EngineStatus | None = None) -> str:
+        """starting | warming | ready | failed; `phase` and `snapshot`: the engine's, when the caller
+        has them. In a group: failed when the group cannot train, ready when every rank is."""
         if self._error is not None:
             return FAILED
+        if snapshot is None:
+            snapshot = self.engine_status()
+        if snapshot is not None and (snapshot.group_problem is not None or self._group_end is not None):
+            return FAILED
+        if self._ready.is_set() and (
+            snapshot is None or snapshot.rank != 0 or snapshot.ranks_ready >= snapshot.ranks_total
+        ):
+            return READY  # rank 0 speaks for the group; another rank for itself
         if self._ready.is_set():
-            return READY
-        return WARMING if (phase or self.phase()).startswith("warming") else STARTING
+            return WARMING  # this rank is warm; others are not yet
+        return WARMING if (phase or self.phase()).startswith(("warming", "joining")) else STARTING
 
     def health(self) -> dict[str, Any]:
         snapshot = self.engine_status()  # one reading of the engine for the whole body
         phase = snapshot.phase if snapshot is not None else "starting"
-        status = self.status(phase)
+        status = self.status(phase, snapshot)
+        if snapshot is not None and snapshot.ranks_total > 1 and phase == "ready" and status != READY:
+            group_failed = snapshot.group_problem is not None or self._group_end is not None
+            phase = "group_failed" if group_failed else "waiting_for_ranks"
         body: dict[str, Any] = {
             "status": status,
-            "phase": phase if status != FAILED else f"failed during {phase}",
+            "phase": phase if status != FAILED or phase == "group_failed" else f"failed during {phase}",
             "drafters_ready": snapshot.drafters_ready if snapshot is not None else 0,
             "drafters_total": self.drafters_total,
             "elapsed_seconds": round(
                 self._ready_after if self._ready_after is not None else time.monotonic() - self._started, 3
             ),
         }
+        if self.launch is not None:
+            body["rank"] = self.launch.rank
+            body["ranks_ready"] = snapshot.ranks_ready if snapshot is not None else 0
+            body["ranks_total"] = self.launch.world
         if status == FAILED:
-            body["error"] = self._error
+            body["error"] = self._error or (snapshot.group_problem if snapshot else None) or self._group_end
         if status == READY and snapshot is not None:
             body["compiles"] = snapshot.compiles
             body["warmup_seconds"] = [

@@ -110,15 +110,16 @@ def _package_versions() -> tuple[str, str, str]:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, host: EngineHost, store: JobStore):
+    def __init__(self, host: EngineHost, store: JobStore | None):
+        """store: None on a multi-host rank other than 0 (it has no job store)."""
         self.host = host
         self.store = store
 
     def collect(self):
         status = self.host.engine_status()  # None while torch is still being imported
-        yield GaugeMetricFamily(
-            "dflash_ready", "1 when every drafter is warm and jobs can run", value=1 if self.host.ready else 0
-        )
+        # the /healthz verdict: in a multi-host group, rank 0 counts every rank, another rank itself
+        ready = self.host.status(snapshot=status) == "ready" if status is not None else False
+        yield GaugeMetricFamily("dflash_ready", "1 when every drafter is warm and jobs can run", value=int(ready))
         yield GaugeMetricFamily(
             "dflash_drafters_ready", "Drafter replicas warmed", value=status.drafters_ready if status is not None else 0
         )
@@ -127,6 +128,17 @@ class _EngineCollector(Collector):
             "dflash_drafters_expected", "Drafter replicas configured", value=self.host.drafters_total
         )
         yield _build_info()
+        if status is None or status.rank == 0:
+            yield GaugeMetricFamily(
+                "dflash_ranks_ready",
+                "Ranks of the multi-host group that are warm and answering (1 process: 1 when warm)",
+                value=status.ranks_ready if status is not None else 0,
+            )
+            yield GaugeMetricFamily(
+                "dflash_ranks_expected",
+                "Ranks in the multi-host group (1 for one process)",
+                value=status.ranks_total if status is not None else (self.host.launch.world if self.host.launch else 1),
+            )
 
         warm = GaugeMetricFamily(
             "dflash_warmup_seconds", "Seconds spent loading/warming each component", labels=["component", "device"]
@@ -162,16 +174,18 @@ class _EngineCollector(Collector):
         queues = GaugeMetricFamily(
             "dflash_queue_depth", "Items waiting: queued jobs, micro-batches per drafter queue", labels=["queue"]
         )
-        job_counts = self.store.count_by_state()
-        queues.add_metric(["jobs"], job_counts[PENDING])
+        job_counts = self.store.count_by_state() if self.store is not None else None
+        if job_counts is not None:
+            queues.add_metric(["jobs"], job_counts[PENDING])
         for name, depth in sorted((status.queue_depths if status is not None else {}).items()):
             queues.add_metric([name], depth)
         yield queues
 
-        jobs = GaugeMetricFamily("dflash_jobs", "Jobs by state", labels=["state"])
-        for state in STATES:
-            jobs.add_metric([state], job_counts[state])
-        yield jobs
+        if job_counts is not None:
+            jobs = GaugeMetricFamily("dflash_jobs", "Jobs by state", labels=["state"])
+            for state in STATES:
+                jobs.add_metric([state], job_counts[state])
+            yield jobs
 
         # CUDA caching-allocator statistics, read now (thread-safe, no device sync); no samples on CPU
         stats = status.allocator if status is not None else {}
@@ -184,7 +198,7 @@ class _EngineCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, host: EngineHost, store: JobStore, block_size: int):
+    def __init__(self, host: EngineHost, store: JobStore | None, block_size: int):
         # no `_created` series: they double the series count and no dashboard of ours reads them
         disable_created_metrics()
         self.registry = CollectorRegistry()

@@ -29,58 +29,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .api import JobError
+from .launch import Launch
 
 HEARTBEAT_SECONDS = 1.0
 # a live process beats every second from its own thread, whatever its job does; this long
 # without a beat is a dead or frozen process (a GC pause or a slow disk takes far less)
 HEARTBEAT_TIMEOUT_SECONDS = 30.0
 STORE_TIMEOUT_SECONDS = 10.0  # one store operation; longer means the store's host is gone
-
-
-@dataclass(frozen=True)
-class Launch:
-    """Where this process sits in the group, as the launcher's environment says."""
-
-    rank: int
-    world: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Launch | None:
-        """The launch described by torchrun's variables; None when WORLD_SIZE is unset (one process)."""
-        env = dict(os.environ) if env is None else env
-        if "WORLD_SIZE" not in env:
-            return None
-        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-        if missing:
-            raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not: launch with torchrun")
-        try:
-            launch = cls(
-                rank=int(env["RANK"]),
-                world=int(env["WORLD_SIZE"]),
-                local_rank=int(env.get("LOCAL_RANK", "0")),
-                master_addr=env["MASTER_ADDR"],
-                master_port=int(env["MASTER_PORT"]),
-            )
-        except ValueError as e:
-            raise ValueError(f"invalid launch environment: {e}") from None
-        if not 0 <= launch.rank < launch.world:
-            raise ValueError(f"RANK={launch.rank} is outside WORLD_SIZE={launch.world}")
-        return launch
 
 
 class RankLost(JobError):
@@ -285,6 +250,40 @@ class RankGroup:
                 break
         return out
 
+    def agree(self, values: list[int], what: str, poll: float = 0.2) -> list[list[int]]:
+        """Every rank's `values` for the current command, through the store: waits as long as the
+        ranks live (their heartbeats), not a collective's timeout, because a rank may take hours
+        to tokenize what another finds in its cache."""
+        command = self.command_number
+        store = self._store()
+        store.set(f"agree/{command}/{self.rank}", json.dumps(values))
+        keys = [f"agree/{command}/{r}" for r in range(self.world)]
+        while True:
+            if self.broken is not None:
+                raise RankLost(f"{what}: {self.broken}")
+            try:
+                if store.check(keys):
+                    return [json.loads(store.get(k)) for k in keys]
+            except Exception as e:  # noqa: BLE001 - the store's host is gone
+                self.mark_broken(f"the group's store stopped answering ({type(e).__name__}: {e})")
+                continue
+            time.sleep(poll)
+
+    def signal_stop(self) -> None:
+        """Rank 0: the current job stops (the others may still be preparing its data)."""
+        with contextlib.suppress(Exception):
+            self._store().set(f"stop/{self.command_number}", "1")
+
+    def stop_signalled(self) -> bool:
+        now = time.monotonic()
+        if now - getattr(self._local, "stop_checked", 0.0) < 0.5:
+            return False
+        self._local.stop_checked = now
+        try:
+            return bool(self._store().check([f"stop/{self.command_number}"]))
+        except Exception:  # noqa: BLE001 - a lost store breaks the group; the heartbeat reports it
+            return False
+
     @property
     def command_number(self) -> int:
         """The number of the command being run (the last one posted or received)."""
@@ -327,15 +326,6 @@ class RankGroup:
         out = values.to(torch.float64).clone()
         self._collective(what, lambda: dist.all_reduce(out, group=self._control))
         return out
-
-    def gather_ints(self, values: Iterable[int], what: str) -> list[list[int]]:
-        """Every rank's list of ints (same length on every rank), indexed by rank."""
-        import torch.distributed as dist
-
-        mine = torch.tensor(list(values), dtype=torch.int64)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
-        self._collective(what, lambda: dist.all_gather(out, mine, group=self._control))
-        return [t.tolist() for t in out]
 
     def broadcast_json(self, obj: Any, what: str) -> Any:
         """Rank 0's JSON-able `obj` on every rank (other ranks pass None)."""

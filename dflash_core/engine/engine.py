@@ -522,7 +522,9 @@ class Engine:
             if prepared is None
             else [outcome, prepared[1].per_epoch, int(prepared[0].corpus.lengths.sum()), prepared[2]]
         )
-        views = group.gather_ints(mine, "the job's start")
+        if stopped and group.is_leader:
+            group.signal_stop()
+        views = group.agree(mine, "the job's start")
         failed = [r for r, v in enumerate(views) if v[0] == 2]
         if failed:
             if failure is not None:
@@ -611,6 +613,7 @@ class Engine:
     def _load_data(self, job: TrainJob, cb: JobCallbacks) -> JobData:
         """Tokenize what the cache lacks (reported as the job's preparing_data phase) and open it."""
         reported = [0.0]
+        group = self.group
 
         def progress(p: PrepareProgress) -> None:
             now = time.monotonic()
@@ -642,7 +645,7 @@ class Engine:
             eval_max_prompts=job.eval_max_prompts,
             seed=job.seed,
             progress=progress,
-            should_stop=cb.should_cancel,
+            should_stop=lambda: cb.should_cancel() or (group is not None and group.stop_signalled()),
             roots=job.dataset_roots,
         )
         if data.skipped_lines:

@@ -202,6 +202,16 @@ class JobManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        for job_id in self.store.jobs_to_resume_with_group():
+            # FAILED because the group lost a rank: this start is the group starting again
+            checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
+            if self.store.requeue(
+                job_id, FAILED, checkpoint_path, checkpoint_step, reason="the multi-host group started again"
+            ):
+                log.info(
+                    "job failed when its group lost a rank; it resumes once every rank is ready",
+                    extra={"fields": {"job": job_id, "checkpoint": checkpoint_path}},
+                )
         orphans = self.store.list_jobs(state=RUNNING, limit=100)
         for job in orphans:
             log.info(
@@ -411,9 +421,11 @@ class JobManager:
                 self._wait_for_store(None)
 
     def _work_once(self) -> None:
-        if not self.host.ready:
-            if self.host.failed:  # jobs stay queued for the next start; nothing can run now
-                self._shutdown.wait(1.0)
+        if not self.host.can_train:
+            if self.host.failed or self.host.ready:
+                # failed: jobs stay queued for the next start; ready: warm, but a multi-host group is
+                # not whole (ranks still warming, or one lost: queued jobs wait for the restart)
+                self._shutdown.wait(1.0 if self.host.failed else 0.5)
             else:
                 self.host.wait_finished(0.2)
             return
@@ -632,8 +644,9 @@ class JobManager:
             if callbacks.store_error is not None:  # not the job's failure: its progress could not be recorded
                 raise callbacks.store_error from e
             error = name_as_given(str(e), callbacks.paths)  # readable by anyone who may list the jobs
-            if self._record(lambda: self.store.finish(job.id, FAILED, error=error)):
-                log.error("job failed", extra={"fields": {"job": job.id, "error": error}})
+            again = e.resumable
+            if self._record(lambda: self.store.finish(job.id, FAILED, error=error, resume_with_group=again)):
+                log.error("job failed", extra={"fields": {"job": job.id, "error": error, "resumes_with_group": again}})
             return
         finally:
             tracker.close()

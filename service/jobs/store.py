@@ -62,7 +62,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     phase TEXT,
     data_json TEXT,
     resume_step INTEGER,                           -- the checkpoint step the current run started from
-    owns_output_dir INTEGER NOT NULL DEFAULT 1     -- 0: a duplicate from before output dirs were unique
+    owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: a duplicate from before output dirs were unique
+    resume_with_group INTEGER NOT NULL DEFAULT 0   -- FAILED because a multi-host group lost a rank
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -206,6 +207,7 @@ _ADDED_COLUMNS = (
     ("data_json", "TEXT"),
     ("resume_step", "INTEGER"),
     ("owns_output_dir", "INTEGER NOT NULL DEFAULT 1"),
+    ("resume_with_group", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 
@@ -437,13 +439,22 @@ class JobStore:
             return bool(cur.rowcount)
 
     def finish(
-        self, job_id: str, state: str, *, error: str | None = None, payload: dict[str, Any] | None = None
+        self,
+        job_id: str,
+        state: str,
+        *,
+        error: str | None = None,
+        payload: dict[str, Any] | None = None,
+        resume_with_group: bool = False,
     ) -> None:
+        """resume_with_group: a FAILED job that continues from its last checkpoint when the daemon
+        (and with it its multi-host group) starts again (jobs_to_resume_with_group)."""
         assert state in TERMINAL
         with self._tx() as db:
             db.execute(
-                "UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error) WHERE id = ?",
-                (state, time.time(), error, job_id),
+                "UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error), resume_with_group = ? "
+                "WHERE id = ?",
+                (state, time.time(), error, int(resume_with_group and state == FAILED), job_id),
             )
             body = {"state": state, **(payload or {})}
             if error:
@@ -545,7 +556,22 @@ class JobStore:
             rows = db.execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
             return [{"step": s, "path": p, "time": t} for s, p, t in rows.fetchall()]
 
-    def requeue(self, job_id: str, from_state: str, checkpoint_path: str, checkpoint_step: int) -> bool:
+    def jobs_to_resume_with_group(self) -> list[str]:
+        """FAILED jobs whose multi-host group lost a rank, oldest first."""
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT id FROM jobs WHERE state = ? AND resume_with_group = 1 ORDER BY seq", (FAILED,)
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def requeue(
+        self,
+        job_id: str,
+        from_state: str,
+        checkpoint_path: str | None,
+        checkpoint_step: int,
+        reason: str = "resume requested",
+    ) -> bool:
         """A FAILED or STOPPED job back to PENDING, asked for through the API: it keeps its id and its
         place in the submission order, and when it runs it resumes from its newest checkpoint (the
         worker tells it by its recorded checkpoints: a job that never ran has none). Clears the
@@ -555,13 +581,14 @@ class JobStore:
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE jobs SET state = ?, finished_at = NULL, error = NULL, cancel_requested = 0,"
-                " interrupted_by_shutdown = 0, crash_resumes = 0 WHERE id = ? AND state = ? AND owns_output_dir = 1",
+                " interrupted_by_shutdown = 0, crash_resumes = 0, resume_with_group = 0"
+                " WHERE id = ? AND state = ? AND owns_output_dir = 1",
                 (PENDING, job_id, from_state),
             )
             if cur.rowcount:
                 payload = {
                     "state": PENDING,
-                    "reason": "resume requested",
+                    "reason": reason,
                     "previous_state": from_state,
                     "checkpoint": checkpoint_path,
                     "checkpoint_step": checkpoint_step,

@@ -190,8 +190,8 @@ def test_target_cuda_graph_reproduces_the_eager_capture(tmp_path):
     """The target's capture recorded as a CUDA graph gives the eager features bit for bit, for
     micro-batches other than the one it was recorded with, and its output buffer is reused."""
     from bench.common import write_target_dir
-    from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.config import ShapeConfig
+    from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.target import TargetModel
 
     path = write_target_dir(

@@ -127,16 +127,19 @@ def start_gil_sampler(pid: int, seconds: float, out: Path) -> subprocess.Popen:
 
 def gil_share(raw: Path, seconds: float) -> dict[str, float]:
     """From py-spy's raw (collapsed) stacks: percent of the time the GIL was held, in all and by
-    where (the target's capture, the drafter's step, the rest)."""
-    where = {"target_capture": 0, "drafter_step": 0, "other": 0}
+    where (the target's capture, the drafter's step, building micro-batches, the rest)."""
+    where = {"target_capture": 0, "drafter_step": 0, "data": 0, "other": 0}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
         if "capture (" in stack and "target.py" in stack:
             where["target_capture"] += int(count)
-        elif "_micro_steps" in stack or "clip_and_step" in stack:
+        # the backward runs on the autograd engine's thread: its stacks start at BackwardCFunction
+        elif any(k in stack for k in ("_micro_steps", "clip_and_step", "BackwardCFunction", "backward (")):
             where["drafter_step"] += int(count)
+        elif "dflash_core/data/" in stack:
+            where["data"] += int(count)
         else:
             where["other"] += int(count)
     taken = GIL_RATE * seconds

@@ -1,37 +1,28 @@
-"""The per-job gauges of service/metrics.py without a daemon: which job's series exist when, and what
+"""The per-job gauges of service/metrics.py without a running engine: which job's series exist when, and what
 they hold (tests/service/test_api.py checks the same through a real daemon's /metrics)."""
 
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.jobs.store import STATES
+from service.config import ServiceConfig
+from service.engine_host import EngineHost
+from service.jobs.store import JobStore
 from service.metrics import ServiceMetrics
 
 BLOCK_SIZE = 4  # accuracy positions 1..3
 
 
-class _Host:
-    ready = False
-    drafters_total = 1
-
-    def on_engine_created(self, listener) -> None:
-        pass
-
-    def engine_status(self):
-        return None
-
-
-class _Store:
-    def count_by_state(self) -> dict[str, int]:
-        return dict.fromkeys(STATES, 0)
-
-
 def _metrics() -> ServiceMetrics:
-    return ServiceMetrics(_Host(), _Store(), block_size=BLOCK_SIZE)
+    """The real collector over a real host that has not started its engine and a real store."""
+    directory = Path(tempfile.mkdtemp(prefix="dflash-metrics-"))
+    config = ServiceConfig(data_dir=directory)
+    return ServiceMetrics(EngineHost(config), JobStore(config.database_path), block_size=BLOCK_SIZE)
 
 
 def _stats(loss: float) -> SimpleNamespace:

@@ -58,6 +58,7 @@ class EngineHost:
         self._finished = threading.Event()  # ready or failed
         self._listeners: list[Callable[[Any], None]] = []
         self._thread: threading.Thread | None = None
+        self._follow_thread: threading.Thread | None = None
         self._group_end: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -99,7 +100,8 @@ class EngineHost:
             )
             engine.build()
             if group is not None and not group.is_leader:
-                threading.Thread(target=self._follow, name="follow-rank-0", daemon=True).start()
+                self._follow_thread = threading.Thread(target=self._follow, name="follow-rank-0", daemon=True)
+                self._follow_thread.start()
         except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
             self._error = f"{type(e).__name__}: {e}"
             log.exception("engine build failed")
@@ -132,7 +134,7 @@ class EngineHost:
         """Ranks other than 0: run rank 0's jobs until the group ends, then say why."""
         assert self.engine is not None
         try:
-            reason = self.engine.follow(self._stop_following, self._follower_callbacks)
+            reason = self.engine.follow(self._stop_following, self._follower_callbacks or self._stop_on_close)
         except BaseException as e:  # noqa: BLE001 - whatever ends the loop ends this rank's part
             reason = f"{type(e).__name__}: {e}"
             log.exception("following rank 0 failed")
@@ -140,6 +142,19 @@ class EngineHost:
         log.warning("left the group", extra={"fields": {"reason": reason}})
         if self._on_group_end is not None and not self._stop_following.is_set():
             self._on_group_end(reason)
+
+    def _stop_on_close(self) -> JobCallbacks:
+        """A job's callbacks on a rank other than 0: it asks the group to stop (a checkpoint on
+        rank 0, then the job resumes with the group) once this daemon shuts down."""
+        from dflash_core.engine import JobCallbacks
+
+        stop = self._stop_following
+
+        class _Callbacks(JobCallbacks):
+            def should_cancel(self) -> bool:
+                return stop.is_set()
+
+        return _Callbacks()
 
     def _on_phase(self, status) -> None:
         log.info(
@@ -169,6 +184,8 @@ class EngineHost:
         self._stop_following.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._follow_thread is not None:  # a job in progress stops at its next step (rank 0 checkpoints it)
+            self._follow_thread.join(self.config.shutdown_timeout_seconds)
         group = self.engine.group if self.engine is not None else None
         if group is not None and group.is_leader and group.backend is not None and group.broken is None:
             with contextlib.suppress(Exception):  # the others may be gone already

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import copy
+import logging
 import math
 import os
 import threading
@@ -49,6 +50,7 @@ from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
 from .warmup import Parts, Timeline, build, flat_devices, reset_weights, resolve_devices
 
+log = logging.getLogger("dflash.engine")
 DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
 
 
@@ -346,7 +348,8 @@ class Engine:
             try:
                 job = TrainJob.from_dict(command["job"])
                 self._guarded_run(job, cb, command.get("resume_from"))
-            except JobError as e:
+            except JobError as e:  # rank 0 reports it with the job; here it goes to this rank's log
+                log.warning("the job rank 0 sent failed here", extra={"fields": {"error": e.message}})
                 cb.on_event("job_failed", {"error": e.message})
             if group.broken is not None:
                 return group.broken
@@ -459,6 +462,8 @@ class Engine:
             if pipeline is not None:
                 pipeline.close()
         if peer_left is not None:
+            assert group is not None
+            group.mark_broken(f"{peer_left} (it left the group)")
             raise JobError(
                 f"stopped at step {step}: {peer_left}; the job continues from the checkpoint of step {step} "
                 "when every rank is started again",

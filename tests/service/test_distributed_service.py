@@ -192,3 +192,39 @@ def test_two_hosts_train_lose_a_rank_and_resume(tmp_path):
     finally:
         for node in nodes:
             node.close()
+
+
+def test_a_rank_that_shuts_down_stops_the_job_at_a_checkpoint(tmp_path):
+    """SIGTERM on another rank than 0 (a node drained): the group stops after the current step,
+    rank 0 writes a checkpoint of that step, the job is FAILED to resume with the group, and that
+    rank exits."""
+    nodes = []
+    for rank in range(2):
+        data = tmp_path / f"host{rank}"
+        data.mkdir()
+        config = write_config(tmp_path / f"host{rank}.toml", data)
+        nodes.append(Node(f"host{rank}", config, free_port(), tmp_path / f"host{rank}.log"))
+    lead, other = nodes
+    try:
+        start_group(nodes)
+        lead.wait(lambda: lead.health().status_code == 200, "rank 0 ready", 240)
+        spec = {
+            "datasets": ["builtin://train"],
+            "output_dir": str(tmp_path / "host0" / "out"),
+            "steps": 500,
+            "checkpoint_interval": 400,
+        }
+        r = lead.http.post("/jobs", json=spec)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        lead.wait(lambda: lead.http.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 3, "training", 240)
+        other.stop()
+        job = lead.wait(
+            lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the job's end", 120
+        )
+        assert job["state"] == "FAILED" and "shutting down" in job["error"], job
+        assert job["checkpoints"] and job["checkpoints"][-1]["step"] == job["progress"]["step"] < 400, job
+        assert lead.health().json()["status"] == "failed"
+    finally:
+        for node in nodes:
+            node.close()

@@ -92,9 +92,11 @@ class Node:
                 raise TimeoutError(f"{self.name}: {what} did not happen:\n{self.log()}")
             time.sleep(0.2)
 
-    def worker_pid(self) -> int:
-        """The daemon process torchrun started (the launcher's only child)."""
+    def children(self) -> list[int]:
+        """The processes torchrun started (in their own session: a signal to the launcher's
+        process group does not reach them)."""
         assert self.proc is not None
+        out = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
@@ -102,8 +104,14 @@ class Node:
                 except OSError:
                     continue
                 if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                    return int(entry.name)
-        raise AssertionError(f"{self.name}: no worker process")
+                    out.append(int(entry.name))
+        return out
+
+    def worker_pid(self) -> int:
+        """The daemon process torchrun started (the launcher's only child)."""
+        children = self.children()
+        assert children, f"{self.name}: no worker process"
+        return children[0]
 
     def stop(self, timeout: float = 90) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -119,6 +127,8 @@ class Node:
     def close(self) -> None:
         try:
             if self.proc is not None and self.proc.poll() is None:
+                for pid in self.children():
+                    os.kill(pid, signal.SIGKILL)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         finally:

@@ -93,3 +93,20 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(default_assets, 
     # rank 0 alone wrote the checkpoints, with the group's replica count in their training state
     steps = sorted(p.name for p in (tmp_path / "dist-job" / "checkpoints").iterdir())
     assert steps == ["step-00000003", "step-00000006"], steps
+
+
+def test_ranks_whose_weights_diverge_fail_the_job_before_a_checkpoint(default_assets, tmp_path):
+    spec = dict(
+        datasets=[str(default_assets.train)],
+        output_dir=str(tmp_path / "job"),
+        steps=6,
+        learning_rate=3e-3,
+        checkpoint_interval=3,
+        seed=1,
+        diverge_rank_1_at_step=4,
+    )
+    lead, _ = torchrun_engine(tmp_path, spec)
+    assert lead["status"] == "FAILED", lead
+    assert "step 6: the weights of rank(s) 1 differ from rank 0's" in lead["error"], lead["error"]
+    steps = sorted(p.name for p in (tmp_path / "job" / "checkpoints").iterdir())
+    assert steps == ["step-00000003"], steps  # the diverged step-6 state was not written

@@ -296,7 +296,9 @@ class RankGroup:
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - gloo and NCCL raise RuntimeError or DistError subclasses
-            self.mark_broken(f"{what} failed: {self._who_is_gone()}{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            # the first sentence of the backend's message (gloo's goes on with advice and an emoji)
+            detail = (str(e).splitlines() or [""])[0].split(". ")[0][:300]
+            self.mark_broken(f"{what} failed: {self._who_is_gone()}{type(e).__name__}: {detail}")
             raise RankLost(
                 f"{self.broken}; the job continues from its last checkpoint when every rank is started again"
             ) from e

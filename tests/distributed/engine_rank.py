@@ -2,7 +2,8 @@
 
 Every rank builds an engine on the CPU in its own data dir and joins the group; rank 0 runs the
 job given as JSON and writes its step losses, then tells the others to stop; every rank writes
-its replicas' weights. Usage: torchrun ... -m tests.distributed.engine_rank OUT_DIR JOB_JSON
+its replicas' weights. With "diverge_rank_1_at_step" in the job, rank 1 changes a weight after
+that step (what the ranks' checksum comparison must catch). Usage: torchrun ... -m tests.distributed.engine_rank OUT_DIR JOB_JSON
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> int:
         target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
     )
     engine = Engine(config, out / f"data-{launch.rank}", group=group).build()
+    diverge_at = spec.pop("diverge_rank_1_at_step", None)  # a test of the weight checksums
     result: dict = {"rank": launch.rank}
     if group.is_leader:
         deadline = time.monotonic() + 60
@@ -61,7 +63,14 @@ def main() -> int:
             result.update(status="FAILED", error=e.message, resumable=e.resumable, losses=rec.losses)
         group.post({"kind": "shutdown"})
     else:
-        result["ended"] = engine.follow(threading.Event())
+
+        class Follower(JobCallbacks):
+            def on_step(self, stats) -> None:  # this rank's weights drift from rank 0's
+                if stats.step == diverge_at:
+                    with torch.no_grad():
+                        next(iter(engine.replicas[0].masters)).add_(1e-3)
+
+        result["ended"] = engine.follow(threading.Event(), Follower)
     weights = {k: v.contiguous() for k, v in engine.replicas[0].weights_state().items()}
     save_file(weights, str(out / f"rank{launch.rank}.safetensors"))
     (out / f"rank{launch.rank}.json").write_text(json.dumps(result))

@@ -13,8 +13,10 @@ set -eu
 : "${NODE_RANK:?set NODE_RANK, this host's rank (0 serves the job API)}"
 : "${MASTER_ADDR:?set MASTER_ADDR, the address of the host with NODE_RANK=0}"
 MASTER_PORT="${MASTER_PORT:-29400}"
-# A lost rank ends this host's daemon (rank 0: its /livez turns 503): restart every host's script,
-# e.g. from systemd with Restart=always, and a job the loss failed resumes from its last checkpoint.
+# A lost rank ends the other ranks' daemons; rank 0 keeps serving (its /healthz says failed, its
+# /livez answers 503) until it is restarted. Restart every host's script, rank 0's included (e.g. a
+# watchdog that restarts rank 0 when /livez fails, and systemd Restart=always for the others): the
+# group meets again and a job the loss failed resumes from its last checkpoint.
 exec torchrun --nnodes "$NNODES" --nproc-per-node 1 --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts 0 \
     -m service.cli serve --host "${DFLASH_HOST:-0.0.0.0}" "$@"

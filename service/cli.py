@@ -123,8 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def for_rank(config: ServiceConfig, launch: Launch) -> ServiceConfig:
-    """A rank's own port and files: ranks of one host (tests, or one process per GPU) must not
-    share a port or a data directory; rank 0 keeps both as configured."""
+    """A rank's own port and files: ranks on one host (e.g. a test's, on the CPU) must not share a
+    port or a data directory; rank 0 keeps both as configured. Devices are not split by LOCAL_RANK:
+    a group runs one process per host, which drives all of the host's GPUs."""
     port = config.port + launch.local_rank if config.port else 0
     data_dir = config.data_dir / "ranks" / str(launch.rank) if launch.rank > 0 else config.data_dir
     return config.model_copy(update={"port": port, "data_dir": data_dir})
@@ -548,8 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed",
         action="store_true",
         help="join a multi-host group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
-        "MASTER_PORT); implied when WORLD_SIZE > 1. Rank r>0 listens on port + LOCAL_RANK and keeps its files "
-        "in DATA_DIR/ranks/r",
+        "MASTER_PORT; one process per host); implied when WORLD_SIZE > 1. Rank r>0 listens on port + LOCAL_RANK "
+        "and keeps its files in DATA_DIR/ranks/r",
     )
     serve.set_defaults(handler=cmd_serve)
 

@@ -105,6 +105,9 @@ class EngineHost:
         except BaseException as e:  # noqa: BLE001 - any build failure is reported by /healthz, never raised away
             self._error = f"{type(e).__name__}: {e}"
             log.exception("engine build failed")
+            if self.launch is not None and self.launch.rank > 0 and self._on_group_end is not None:
+                # rank 0 reports it (the rank announced its failure); this rank leaves, to be started again
+                self._on_group_end(f"the engine failed to start: {self._error}")
         else:
             self._ready_after = time.monotonic() - self._started
             self._ready.set()

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,18 @@ def test_ranks_whose_weights_diverge_fail_the_job_before_a_checkpoint(default_as
     assert "step 6: the weights of rank(s) 1 differ from rank 0's" in lead["error"], lead["error"]
     steps = sorted(p.name for p in (tmp_path / "job" / "checkpoints").iterdir())
     assert steps == ["step-00000003"], steps  # the diverged step-6 state was not written
+
+
+def test_a_failure_on_rank_0_before_the_first_step_reaches_the_other_ranks_at_once(default_assets, tmp_path):
+    """Rank 0 cannot open the job's checkpoint directory (a file is in the way) after the ranks
+    agreed to start: it reports the failure in the collective the others wait in, so no rank sits
+    out the collective timeout and the group stays usable."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "checkpoints").write_text("not a directory")
+    spec = dict(datasets=[str(default_assets.train)], output_dir=str(tmp_path / "job"), steps=4, seed=1)
+    t = time.monotonic()
+    lead, other = torchrun_engine(tmp_path, spec)
+    assert lead["status"] == "FAILED" and "checkpoints" in lead["error"], lead
+    assert not lead["resumable"]
+    assert other["ended"] == "rank 0 shut the group down"  # the failure did not break the group
+    assert time.monotonic() - t < 60  # the ranks' collective timeout

@@ -14,10 +14,10 @@ Two channels.
   - Collectives carry the training: per step one small all-reduce on a gloo group (stop votes,
     failures, the step's statistics: CPU tensors whatever the devices), then the gradient
     all-reduce on the default group (NCCL on CUDA, gloo on CPU: GradSync), and at every
-    checkpoint a gather of weight checksums. Because the control all-reduce comes first, a rank
-    that fails inside its step tells the others there instead of leaving them in the gradient
-    all-reduce, and a dead peer is seen on gloo, which raises, rather than on NCCL, whose watchdog
-    would take the whole process down.
+    checkpoint a control all-reduce of weight checksums. Because the control all-reduce comes
+    first (after this host's gradients are summed), a rank that fails inside its step tells the
+    others there instead of leaving them in the gradient all-reduce, and a dead peer is mostly
+    seen on gloo, which raises, rather than on NCCL, whose watchdog may take the process down.
 
 Loss of a rank. A collective that fails (peer gone: at once; peer hung: after `timeout_seconds`)
 marks the group broken: the job fails with `resumable` set, rank 0 keeps serving and reports the
@@ -46,6 +46,7 @@ HEARTBEAT_SECONDS = 1.0
 # without a beat is a dead or frozen process (a GC pause or a slow disk takes far less)
 HEARTBEAT_TIMEOUT_SECONDS = 30.0
 STORE_TIMEOUT_SECONDS = 10.0  # one store operation; longer means the store's host is gone
+STORE_FAILURES = 3  # heartbeats in a row whose store operation failed: the store (and the group) is gone
 
 
 class RankLost(JobError):
@@ -96,7 +97,10 @@ class RankGroup:
             dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timeout)
         self.backend = dist.get_backend()
         self._grad_group = dist.group.WORLD
-        self._control = dist.group.WORLD if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        # a group of its own even on gloo: a control all-reduce that meets another collective (a rank
+        # that failed before the gradient all-reduce) then waits for the timeout instead of
+        # mixing two collectives' data on one communicator
+        self._control = dist.new_group(backend="gloo", timeout=timeout)
         nonce = torch.tensor([secrets.randbits(62) if self.is_leader else 0], dtype=torch.int64)
         dist.broadcast(nonce, 0, group=self._control)
         self._prefix = f"dflash/{int(nonce)}/"
@@ -126,16 +130,20 @@ class RankGroup:
         self._store().add(f"beat/{self.rank}", 1)
 
     def _heartbeat(self) -> None:
+        failures = 0
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
                 self._beat()
                 self._watch()
-            except Exception as e:  # noqa: BLE001 - the store's host is gone: so is the group
-                self.mark_broken(
-                    f"the group's store at {self.launch.master_addr}:{self.launch.master_port} "
-                    f"stopped answering ({type(e).__name__}: {e})"
-                )
-                return
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - a blip is retried; a store gone for good is the group gone
+                failures += 1
+                if failures >= STORE_FAILURES:
+                    self.mark_broken(
+                        f"the group's store at {self.launch.master_addr}:{self.launch.master_port} stopped "
+                        f"answering ({type(e).__name__}: {e})"
+                    )
+                    return
 
     def _watch(self) -> None:
         """Read the other ranks' beats, and (on rank 0) their readiness and failures."""
@@ -157,6 +165,8 @@ class RankGroup:
             if self.is_leader and r not in self._failed and store.check([f"failed/{r}"]):
                 with self._lock:
                     self._failed[r] = store.get(f"failed/{r}").decode(errors="replace")
+        if not self.is_leader and self.broken is None and store.check(["broken"]):
+            self.mark_broken(f"rank 0: {store.get('broken').decode(errors='replace')}")
         for r, (count, moved) in list(self._beats.items()):
             if count > 0 and now - moved > HEARTBEAT_TIMEOUT_SECONDS:
                 self.mark_broken(f"rank {r} stopped answering (no heartbeat for {now - moved:.0f} s)")
@@ -211,6 +221,9 @@ class RankGroup:
     def mark_broken(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
+            if self.is_leader:  # the other ranks watch rank 0's verdict: they leave and are started again
+                with contextlib.suppress(Exception):
+                    self._store().set("broken", reason[:4000])
 
     # ------------------------------------------------------------------ job commands (store)
     def post(self, command: dict[str, Any]) -> None:
@@ -250,7 +263,9 @@ class RankGroup:
                 break
         return out
 
-    def agree(self, values: list[int], what: str, poll: float = 0.2) -> list[list[int]]:
+    def agree(
+        self, values: list[int], what: str, poll: float = 0.2, on_wait: Callable[[], None] | None = None
+    ) -> list[list[int]]:
         """Every rank's `values` for the current command, through the store: waits as long as the
         ranks live (their heartbeats), not a collective's timeout, because a rank may take hours
         to tokenize what another finds in its cache."""
@@ -267,6 +282,8 @@ class RankGroup:
             except Exception as e:  # noqa: BLE001 - the store's host is gone
                 self.mark_broken(f"the group's store stopped answering ({type(e).__name__}: {e})")
                 continue
+            if on_wait is not None:
+                on_wait()
             time.sleep(poll)
 
     def signal_stop(self) -> None:
@@ -275,6 +292,9 @@ class RankGroup:
             self._store().set(f"stop/{self.command_number}", "1")
 
     def stop_signalled(self) -> bool:
+        """Rank 0 stopped the current job (or the group broke): preparing its data can end."""
+        if self.broken is not None:
+            return True
         now = time.monotonic()
         if now - getattr(self._local, "stop_checked", 0.0) < 0.5:
             return False
@@ -290,7 +310,8 @@ class RankGroup:
         return self._seq - 1
 
     # ------------------------------------------------------------------ collectives
-    def _collective(self, what: str, call: Callable[[], Any]) -> Any:
+    def guarded(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run a collective; its failure breaks the group and becomes RankLost (resumable)."""
         if self.broken is not None:
             raise RankLost(f"{self.broken}; restart the group to continue")
         try:
@@ -326,7 +347,7 @@ class RankGroup:
         import torch.distributed as dist
 
         out = values.to(torch.float64).clone()
-        self._collective(what, lambda: dist.all_reduce(out, group=self._control))
+        self.guarded(what, lambda: dist.all_reduce(out, group=self._control))
         return out
 
     def broadcast_json(self, obj: Any, what: str) -> Any:
@@ -335,13 +356,13 @@ class RankGroup:
 
         data = json.dumps(obj).encode() if self.is_leader else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._collective(what, lambda: dist.broadcast(size, 0, group=self._control))
+        self.guarded(what, lambda: dist.broadcast(size, 0, group=self._control))
         buf = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
             if self.is_leader
             else torch.empty(int(size), dtype=torch.uint8)
         )
-        self._collective(what, lambda: dist.broadcast(buf, 0, group=self._control))
+        self.guarded(what, lambda: dist.broadcast(buf, 0, group=self._control))
         return json.loads(bytes(buf.tolist())) if not self.is_leader else obj
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], device: torch.device, what: str) -> None:
@@ -355,7 +376,7 @@ class RankGroup:
             def send(x: torch.Tensor = staged) -> None:
                 dist.broadcast(x, 0, group=self._grad_group)
 
-            self._collective(what, send)
+            self.guarded(what, send)
             if staged is not t:
                 t.copy_(staged)
 
@@ -425,14 +446,25 @@ def unflatten_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton["v"]
 
 
+CHECKSUM_CHUNK = 1 << 22  # elements per step of the checksum (bounds its temporary memory)
+
+
 @torch.no_grad()
 def weights_checksum(tensors: Iterable[torch.Tensor]) -> int:
-    """An exact fingerprint of tensors' bits (bit-identical replicas give equal values; any
-    differing bit almost surely a different one), with one host sync."""
-    total = None
-    for i, t in enumerate(tensors):
-        flat = t.detach().contiguous().view(-1)
-        words = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.int16)
-        part = (words.to(torch.int64) * (i + 1)).sum()
-        total = part if total is None else total + part
-    return int(total) if total is not None else 0
+    """A fingerprint of tensors' bits: each element's bits as an integer, weighted by its position
+    (swapped or offsetting changes show), summed with int64 wrap-around; bit-identical replicas
+    give equal values. One host sync per device; temporaries of CHECKSUM_CHUNK elements."""
+    words = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    totals: dict[torch.device, torch.Tensor] = {}
+    weights: dict[torch.device, torch.Tensor] = {}
+    offset = 0
+    for t in tensors:
+        flat = t.detach().contiguous().view(-1).view(words[t.element_size()])
+        if t.device not in weights:
+            weights[t.device] = torch.arange(1, CHECKSUM_CHUNK + 1, dtype=torch.int64, device=t.device)
+            totals[t.device] = torch.zeros((), dtype=torch.int64, device=t.device)
+        for i in range(0, flat.numel(), CHECKSUM_CHUNK):
+            chunk = flat[i : i + CHECKSUM_CHUNK].to(torch.int64)
+            totals[t.device] += (chunk * (weights[t.device][: chunk.numel()] + (offset + i) % 1_000_003)).sum()
+        offset += flat.numel()
+    return sum(int(v) for v in totals.values()) % (1 << 63)

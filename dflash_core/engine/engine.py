@@ -132,11 +132,15 @@ class Engine:
             self.timeline.enter("joining_group")
             backend = "nccl" if any(d.startswith("cuda") for d in self.drafter_devices) else "gloo"
             self.group.join(backend)
-            self.grad_sync.process_group = self.group.grad_group
             self.timeline.mark("build:group_joined")
         if load_artifacts(self.data_dir / ARTIFACTS_FILE):
             self.timeline.mark("build:compile_artifacts_loaded")
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.grad_sync)
+        if self.group is not None:
+            # only now: each rank warms on its own time (a cold cache, a slow disk), so warm-up's
+            # exercise of the gradient sync stays on this host
+            self.grad_sync.process_group = self.group.grad_group
+            self.grad_sync.guard = self.group.guarded
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")
         if self.parts.plan.compiled:
@@ -161,8 +165,11 @@ class Engine:
     def _rank_description(self) -> dict[str, Any]:
         """What every rank of a group must share to train together (compared by rank 0)."""
         assert self.parts is not None
+        from importlib import metadata
+
         return {
             "drafters": len(self.replicas),
+            "versions": [metadata.version("dflash-trainer"), torch.__version__],
             "shape": dict(vars(self.config.shape)),
             "drafter": self.parts.drafter_config.to_dict(),
             "plan": str(self.parts.plan),
@@ -346,7 +353,13 @@ class Engine:
                 return "rank 0 shut the group down"
             cb = callbacks() if callbacks is not None else JobCallbacks()
             try:
-                job = TrainJob.from_dict(command["job"])
+                try:
+                    job = TrainJob.from_dict(command["job"])
+                except Exception as e:  # noqa: BLE001 - e.g. a field of a newer rank 0: the job fails readably
+                    message = f"rank {group.rank} cannot read the job rank 0 sent ({type(e).__name__}: {e})"
+                    group.report_error(group.command_number, message)
+                    group.agree([2, 0, 0, 0], "the job's start")
+                    raise JobError(message) from None
                 self._guarded_run(job, cb, command.get("resume_from"))
             except JobError as e:  # rank 0 reports it with the job; here it goes to this rank's log
                 log.warning("the job rank 0 sent failed here", extra={"fields": {"error": e.message}})
@@ -379,28 +392,15 @@ class Engine:
         leader = group is None or group.is_leader
         ranks = group.world if group is not None else 1
         per_step = len(self.replicas) * job.grad_accum * ranks
-        prepared = self._prepare(job, cb, resume_from, per_step)
+        control = _Control(self.drafter_config.block_size, ranks)
+        prepared = self._prepare(job, cb, resume_from, per_step, control)
         if prepared is None:
             return JobResult("STOPPED", 0, 0, resume_from)
         data, stream, total, start = prepared
         step = start
         warmup_steps = int(job.warmup_ratio * total)
-        checkpointer = (
-            Checkpointer(
-                job,
-                self.replicas[0],
-                cb,
-                total_steps=total,
-                micro_batches_per_step=per_step,
-                replicas=len(self.replicas) * ranks,
-                target_path=self.parts.target_path,
-                resumed_from=resume_from,
-            )
-            if leader
-            else None
-        )
+        checkpointer: Checkpointer | None = None
         wants_eval = leader and bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
-        control = _Control(self.drafter_config.block_size, ranks)
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
         status = "SUCCEEDED"
@@ -409,6 +409,17 @@ class Engine:
         self.rate.reset()
         pipeline: FeaturePipeline | None = None
         try:  # from here on, a failure releases the checkpointer's directory and buffers
+            if leader:  # in the try: a failure to open the output directory is voted like any other
+                checkpointer = Checkpointer(
+                    job,
+                    self.replicas[0],
+                    cb,
+                    total_steps=total,
+                    micro_batches_per_step=per_step,
+                    replicas=len(self.replicas) * ranks,
+                    target_path=self.parts.target_path,
+                    resumed_from=resume_from,
+                )
             pipeline = FeaturePipeline(
                 self.parts.targets,
                 [r.device for r in self.replicas],
@@ -456,6 +467,11 @@ class Engine:
             if checkpointer is not None:
                 checkpointer.abandon()
             self._vote_failure(control, e)
+            if group is not None and group.broken is not None and not isinstance(e, RankLost):
+                # e.g. the thread that saw the failed collective was not this one: still the group's loss
+                raise RankLost(
+                    f"{group.broken}; the job continues from its last checkpoint when every rank is started again"
+                ) from e
             raise
         finally:
             self._pipeline = None
@@ -472,7 +488,7 @@ class Engine:
         return JobResult(status, step, total, last, stats, eval_result, data.skipped_lines)
 
     def _prepare(
-        self, job: TrainJob, cb: JobCallbacks, resume_from: str | None, per_step: int
+        self, job: TrainJob, cb: JobCallbacks, resume_from: str | None, per_step: int, control: _Control
     ) -> tuple[JobData, MicroBatchStream, int, int] | None:
         """The job's data, micro-batch stream, step count and first step, with the replicas holding
         the first step's state; None when the job was stopped while preparing. In a group every
@@ -482,6 +498,7 @@ class Engine:
         failure: BaseException | None = None
         stopped = False
         prepared: tuple[JobData, MicroBatchStream, int, int] | None = None
+        optimizer_state: tuple[Any, list[torch.Tensor]] = (None, [])
         try:
             try:
                 data = self._load_data(job, cb)
@@ -509,6 +526,9 @@ class Engine:
             )
             leader = group is None or group.is_leader
             start = self._start_state(job, cb, resume_from if leader else None, per_step, read_files=leader)
+            if group is not None and group.is_leader:
+                assert self.replicas[0].optimizer is not None
+                optimizer_state = flatten_state(self.replicas[0].optimizer.state_dict())
             prepared = (data, stream, total, start)
         except PrepareCancelled:
             stopped = True
@@ -521,21 +541,35 @@ class Engine:
             )
         if group is None:
             return prepared
-        outcome = 2 if failure is not None else 1 if stopped else 0
+        # 1: rank 0 stopped (a cancel, or its shutdown); 3: another rank shuts down
+        outcome = 2 if failure is not None else (1 if group.is_leader else 3) if stopped else 0
         mine = (
             [outcome, 0, 0, 0]
             if prepared is None
             else [outcome, prepared[1].per_epoch, int(prepared[0].corpus.lengths.sum()), prepared[2]]
         )
-        if stopped and group.is_leader:
-            group.signal_stop()
-        views = group.agree(mine, "the job's start")
+        if outcome != 0 and group.is_leader:
+            group.signal_stop()  # the others need not finish preparing a job that will not run
+
+        def leader_cancels() -> None:  # rank 0 waiting for a slower rank still takes a cancel
+            if group.is_leader and cb.should_cancel():
+                group.signal_stop()
+
+        views = group.agree(mine, "the job's start", on_wait=leader_cancels)
         failed = [r for r, v in enumerate(views) if v[0] == 2]
         if failed:
             if failure is not None:
                 raise failure
             errors = group.errors_of(group.command_number)
             raise PeerFailed("; ".join(f"rank {r}: {errors.get(r, 'failed to prepare the job')}" for r in failed))
+        leaving = [r for r, v in enumerate(views) if v[0] == 3]
+        if leaving:
+            group.mark_broken(f"rank(s) {', '.join(map(str, leaving))} shut down (they left the group)")
+            raise JobError(
+                f"rank(s) {', '.join(map(str, leaving))} shut down while the job prepared its data; it starts "
+                "when every rank is started again",
+                resumable=True,
+            )
         if any(v[0] == 1 for v in views):
             return None
         assert prepared is not None
@@ -547,31 +581,48 @@ class Engine:
                 "dataset files at the same paths",
                 "datasets",
             )
-        return (*prepared[:3], self._share_start_state(prepared[3]))
+        return (*prepared[:3], self._share_start_state(prepared[3], optimizer_state, control))
 
-    def _share_start_state(self, start: int) -> int:
-        """Rank 0's weights, optimizer state and first step on every rank (a resume or init_from
-        is read by rank 0 only: the other hosts need not see its output directory)."""
+    def _share_start_state(self, start: int, optimizer_state: tuple[Any, list[torch.Tensor]], control: _Control) -> int:
+        """Rank 0's weights, optimizer state (flattened by rank 0 before the ranks agreed to start)
+        and first step on every rank (a resume or init_from is read by rank 0 only: the other hosts
+        need not see its output directory); then one control all-reduce in which a rank that could
+        not load them says so."""
         group = self.group
         assert group is not None
         first = self.replicas[0]
-        assert first.optimizer is not None
-        skeleton, tensors = flatten_state(first.optimizer.state_dict()) if group.is_leader else (None, [])
+        skeleton, tensors = optimizer_state
         meta = group.broadcast_json({"start": start, "optimizer": skeleton}, "sending the start state")
         with torch.no_grad():
             group.broadcast_tensors([m for _, m in first.named_masters()], first.device, "sending the start weights")
+        error: BaseException | None = None
         if not group.is_leader:
-            tensors = empty_tensors(meta["optimizer"], first.device)
-        group.broadcast_tensors(tensors, first.device, "sending the optimizer state")
-        if not group.is_leader:
-            first.load_state(first.weights_state())  # refreshes the bf16 working copies from the masters
-            state = unflatten_state(meta["optimizer"], tensors)
-            weights = first.weights_state()
-            for rep in self.replicas:
-                if rep is not first:
-                    rep.load_state(weights)
-                assert rep.optimizer is not None
-                load_optimizer_state(rep.optimizer, state if rep is first else copy.deepcopy(state))
+            try:
+                tensors = empty_tensors(meta["optimizer"], first.device)
+            except Exception as e:  # noqa: BLE001 - voted below; the broadcast still needs this rank
+                error, tensors = e, []
+        if error is None:
+            group.broadcast_tensors(tensors, first.device, "sending the optimizer state")
+        if not group.is_leader and error is None:
+            try:
+                first.load_state(first.weights_state())  # refreshes the bf16 working copies from the masters
+                state = unflatten_state(meta["optimizer"], tensors)
+                weights = first.weights_state()
+                for rep in self.replicas:
+                    if rep is not first:
+                        rep.load_state(weights)
+                    assert rep.optimizer is not None
+                    load_optimizer_state(rep.optimizer, state if rep is first else copy.deepcopy(state))
+            except Exception as e:  # noqa: BLE001 - voted below
+                error = e
+        vote = control.new()
+        if error is not None:
+            group.report_error(group.command_number, f"loading rank 0's start state: {type(error).__name__}: {error}")
+            vote[_Control.FAILED] = 1
+        self._all_sum(control, vote, "loading the start state")
+        if error is not None:
+            error._voted = True  # type: ignore[attr-defined]
+            raise error
         return int(meta["start"])
 
     def _all_sum(self, control: _Control, vector: torch.Tensor, what: str) -> torch.Tensor:
@@ -735,10 +786,22 @@ class Engine:
         ]
         cf.wait(futures)  # every replica done (or failed) before anything else touches the grads
         votes = None
+        grads = [rep.grads() for rep in self.replicas]
         if self.group is not None:
-            votes = self._exchange_step(control, futures, cancel)
-        accs = [f.result() for f in futures]
-        self.grad_sync.average([rep.grads() for rep in self.replicas])
+            # this host's sum first (it allocates): a failure there is voted like a failed micro-step,
+            # never left for the others to find in the gradient all-reduce
+            flat, local_error = None, None
+            if all(f.exception() is None for f in futures):
+                try:
+                    flat = self.grad_sync.local_sum(grads)
+                except Exception as e:  # noqa: BLE001 - voted in the exchange
+                    local_error = e
+            votes = self._exchange_step(control, futures, cancel, local_error)
+            accs = [f.result() for f in futures]
+            self.grad_sync.finish(flat, grads)
+        else:
+            accs = [f.result() for f in futures]
+            self.grad_sync.average(grads)
         norms = [
             pool.submit(rep.clip_and_step, job.grad_clip, lr) for rep, pool in zip(self.replicas, pools, strict=True)
         ]
@@ -749,14 +812,16 @@ class Engine:
         stats = self._step_stats(accs, step, total, time.monotonic() - t, lr, norm, per_epoch, per_step, control, votes)
         return stats, votes
 
-    def _exchange_step(self, control: _Control, futures: list[cf.Future], cancel: bool) -> torch.Tensor:
+    def _exchange_step(
+        self, control: _Control, futures: list[cf.Future], cancel: bool, local_error: BaseException | None = None
+    ) -> torch.Tensor:
         """This rank's vote (stop, failure) and statistics summed with every rank's; raises this
         rank's own failure (after telling the others) or PeerFailed."""
         group = self.group
         assert group is not None
         vector = control.new()
         vector[_Control.CANCEL if group.is_leader else _Control.SHUTDOWN] = float(cancel)
-        error = next((e for f in futures if (e := f.exception()) is not None), None)
+        error = next((e for f in futures if (e := f.exception()) is not None), local_error)
         if error is not None:
             message = error.message if isinstance(error, JobError) else f"{type(error).__name__}: {error}"
             group.report_error(group.command_number, message)

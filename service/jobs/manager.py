@@ -202,8 +202,16 @@ class JobManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        for job_id in self.store.jobs_to_resume_with_group():
+        for job_id, losses in self.store.jobs_to_resume_with_group():
             # FAILED because the group lost a rank: this start is the group starting again
+            if losses > MAX_CRASH_RESUMES:
+                log.error(
+                    "job lost its group %d times in a row without a new checkpoint; not resuming it again "
+                    "(POST /jobs/{id}/resume does)",
+                    losses,
+                    extra={"fields": {"job": job_id}},
+                )
+                continue
             checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
             if self.store.requeue(
                 job_id, FAILED, checkpoint_path, checkpoint_step, reason="the multi-host group started again"
@@ -644,7 +652,7 @@ class JobManager:
             if callbacks.store_error is not None:  # not the job's failure: its progress could not be recorded
                 raise callbacks.store_error from e
             error = name_as_given(str(e), callbacks.paths)  # readable by anyone who may list the jobs
-            again = e.resumable
+            again = e.resumable and not callbacks.cancel.is_set()  # a cancelled job stays ended
             if self._record(lambda: self.store.finish(job.id, FAILED, error=error, resume_with_group=again)):
                 log.error("job failed", extra={"fields": {"job": job.id, "error": error, "resumes_with_group": again}})
             return

@@ -63,7 +63,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     data_json TEXT,
     resume_step INTEGER,                           -- the checkpoint step the current run started from
     owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: a duplicate from before output dirs were unique
-    resume_with_group INTEGER NOT NULL DEFAULT 0   -- FAILED because a multi-host group lost a rank
+    resume_with_group INTEGER NOT NULL DEFAULT 0   -- group losses in a row without a new checkpoint
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -448,13 +448,18 @@ class JobStore:
         resume_with_group: bool = False,
     ) -> None:
         """resume_with_group: a FAILED job that continues from its last checkpoint when the daemon
-        (and with it its multi-host group) starts again (jobs_to_resume_with_group)."""
+        (and with it its multi-host group) starts again (jobs_to_resume_with_group). The column
+        counts such losses in a row that found no checkpoint newer than the run started from, so
+        that a job which breaks its group every time is not started again forever."""
         assert state in TERMINAL
+        again = bool(resume_with_group and state == FAILED)
         with self._tx() as db:
             db.execute(
-                "UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error), resume_with_group = ? "
-                "WHERE id = ?",
-                (state, time.time(), error, int(resume_with_group and state == FAILED), job_id),
+                "UPDATE jobs SET state = ?, finished_at = ?, error = COALESCE(?, error), resume_with_group = CASE "
+                "WHEN NOT ? THEN 0 "
+                "WHEN COALESCE(last_checkpoint_step, 0) > COALESCE(resume_step, 0) THEN 1 "
+                "ELSE resume_with_group + 1 END WHERE id = ?",
+                (state, time.time(), error, again, job_id),
             )
             body = {"state": state, **(payload or {})}
             if error:
@@ -556,13 +561,15 @@ class JobStore:
             rows = db.execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
             return [{"step": s, "path": p, "time": t} for s, p, t in rows.fetchall()]
 
-    def jobs_to_resume_with_group(self) -> list[str]:
-        """FAILED jobs whose multi-host group lost a rank, oldest first."""
+    def jobs_to_resume_with_group(self) -> list[tuple[str, int]]:
+        """FAILED jobs whose multi-host group lost a rank, oldest first, with how many times in a
+        row that happened without a new checkpoint."""
         with self._read() as db:
             rows = db.execute(
-                "SELECT id FROM jobs WHERE state = ? AND resume_with_group = 1 ORDER BY seq", (FAILED,)
+                "SELECT id, resume_with_group FROM jobs WHERE state = ? AND resume_with_group > 0 ORDER BY seq",
+                (FAILED,),
             ).fetchall()
-        return [r[0] for r in rows]
+        return [(r[0], int(r[1])) for r in rows]
 
     def requeue(
         self,
@@ -572,6 +579,7 @@ class JobStore:
         checkpoint_step: int,
         reason: str = "resume requested",
     ) -> bool:
+        # (the group-loss count stays: finish() reads it if the group is lost again)
         """A FAILED or STOPPED job back to PENDING, asked for through the API: it keeps its id and its
         place in the submission order, and when it runs it resumes from its newest checkpoint (the
         worker tells it by its recorded checkpoints: a job that never ran has none). Clears the
@@ -581,7 +589,7 @@ class JobStore:
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE jobs SET state = ?, finished_at = NULL, error = NULL, cancel_requested = 0,"
-                " interrupted_by_shutdown = 0, crash_resumes = 0, resume_with_group = 0"
+                " interrupted_by_shutdown = 0, crash_resumes = 0"
                 " WHERE id = ? AND state = ? AND owns_output_dir = 1",
                 (PENDING, job_id, from_state),
             )

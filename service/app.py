@@ -136,7 +136,9 @@ class Daemon:
 
     def _start_follower(self) -> None:
         assert self.launch is not None
-        self.host = EngineHost(self.config, self.launch, on_group_end=self._group_ended)
+        self.host = EngineHost(
+            self.config, self.launch, on_group_end=self._group_ended, on_follower_step=self._observe_step
+        )
         self.metrics = ServiceMetrics(self.host, None, block_size=self.config.engine.block_size)
         self.host.start()
         log.info(
@@ -145,6 +147,10 @@ class Daemon:
             self.launch.world,
             extra={"fields": {"data_dir": str(self.config.data_dir)}},
         )
+
+    def _observe_step(self, stats) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_device_steps(stats)
 
     def _group_ended(self, reason: str) -> None:
         """A rank other than 0 stopped following rank 0: exit (like SIGTERM), so that the launcher

@@ -37,15 +37,15 @@ class EngineHost:
         config: ServiceConfig,
         launch: Launch | None = None,
         on_group_end: Callable[[str], None] | None = None,
-        follower_callbacks: Callable[[], JobCallbacks] | None = None,
+        on_follower_step: Callable[[Any], None] | None = None,
     ):
         """launch: this process's place in a multi-host group (None: one process). Ranks other than
-        0 call on_group_end(reason) when they stop following rank 0; follower_callbacks() makes the
-        callbacks of each job they run (their metrics)."""
+        0 call on_group_end(reason) when they stop following rank 0, and on_follower_step(stats)
+        after each step of a job rank 0 sent (their metrics)."""
         self.config = config
         self.launch = launch
         self._on_group_end = on_group_end
-        self._follower_callbacks = follower_callbacks
+        self._on_follower_step = on_follower_step
         self._stop_following = threading.Event()
         self.engine: Engine | None = None  # created by the build thread (importing torch takes seconds)
         # without explicit devices the embedded default uses exactly one drafter (cpu, cuda:0 or cuda:1)
@@ -137,7 +137,7 @@ class EngineHost:
         """Ranks other than 0: run rank 0's jobs until the group ends, then say why."""
         assert self.engine is not None
         try:
-            reason = self.engine.follow(self._stop_following, self._follower_callbacks or self._stop_on_close)
+            reason = self.engine.follow(self._stop_following, self._follower_callbacks)
         except BaseException as e:  # noqa: BLE001 - whatever ends the loop ends this rank's part
             reason = f"{type(e).__name__}: {e}"
             log.exception("following rank 0 failed")
@@ -146,14 +146,19 @@ class EngineHost:
         if self._on_group_end is not None and not self._stop_following.is_set():
             self._on_group_end(reason)
 
-    def _stop_on_close(self) -> JobCallbacks:
-        """A job's callbacks on a rank other than 0: it asks the group to stop (a checkpoint on
-        rank 0, then the job resumes with the group) once this daemon shuts down."""
+    def _follower_callbacks(self) -> JobCallbacks:
+        """A job's callbacks on a rank other than 0: its steps go to this rank's metrics, and it
+        asks the group to stop (a checkpoint on rank 0, then the job resumes with the group) once
+        this daemon shuts down."""
         from dflash_core.engine import JobCallbacks
 
-        stop = self._stop_following
+        stop, on_step = self._stop_following, self._on_follower_step
 
         class _Callbacks(JobCallbacks):
+            def on_step(self, stats) -> None:
+                if on_step is not None:
+                    on_step(stats)
+
             def should_cancel(self) -> bool:
                 return stop.is_set()
 

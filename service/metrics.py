@@ -308,6 +308,12 @@ class ServiceMetrics:
             self.accuracy.labels(job=job, position=str(position)).set(accuracy)
         self.expected_acceptance.labels(job=job).set(stats.expected_acceptance_length)
 
+    def observe_device_steps(self, stats) -> None:
+        """A step's seconds per drafter device only: a multi-host rank other than 0 (rank 0 exports
+        the job's series; the other ranks, their own devices')."""
+        for device, seconds in stats.seconds_per_device.items():
+            self.step_seconds.labels(device=device).observe(seconds)
+
     def observe_eval(self, acceptance_length: float, job: str) -> None:
         self._for_job(job)
         self.eval_acceptance.labels(job=job).set(acceptance_length)

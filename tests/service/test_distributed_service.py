@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -174,6 +175,11 @@ def test_two_hosts_train_lose_a_rank_and_resume(tmp_path):
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
         lead.wait(lambda: lead.http.get(f"/jobs/{job_id}").json()["checkpoints"], "a checkpoint", 240)
+        # rank 1's metrics: its own device's step times (the job's series are rank 0's)
+        page = other.http.get("/metrics").text
+        count = re.search(r'^dflash_train_step_seconds_count\{device="cpu"\} (\S+)$', page, re.M)
+        assert count and float(count.group(1)) > 0, page[-3000:]
+        assert "dflash_train_loss{" not in page and "dflash_jobs{" not in page
 
         os.kill(other.worker_pid(), signal.SIGKILL)
         t = time.monotonic()

@@ -56,6 +56,8 @@ CONTRACT_METRICS = {
     "dflash_train_grad_norm",
     "dflash_checkpoint_pause_seconds",
     "dflash_build_info",
+    "dflash_ranks_ready",
+    "dflash_ranks_expected",
 }
 # the gauges labelled with the job whose values they hold: a Prometheus that does not honour the
 # target's labels (the shipped configs) stores that label as exported_job, its own `job` being the

@@ -1,11 +1,17 @@
 """Followed event streams (GET /jobs/{id}/events?follow=true) served from one poller per job.
 
 Each followed job has one feed: a task that reads the job's state and its new events from the store
-every FOLLOW_POLL_SECONDS, keeps the newest of them (rendered once) in memory and wakes the
-followers. Followers read the store themselves only to catch up on history older than the feed
+every FOLLOW_POLL_SECONDS, keeps the newest of them (rendered and encoded once) in memory and wakes
+the followers. Followers read the store themselves only to catch up on history older than the feed
 holds, once. The store has one connection behind one lock, shared with the training thread's
 per-step writes, so its reads must not grow with the number of followers; the number of open
 streams is bounded by `max_event_streams` as well (HTTP 429 beyond it).
+
+A follower is sent what arrived since its last send as one chunk, so it costs one socket write per
+poll, however many events the poll brought: on the event loop's thread, each write (a system call,
+and on loopback the receiver's network processing too) costs far more than the bytes in it, and
+that thread competes with the training threads for the CPU and the GIL. The chunk is joined once
+and shared by every follower that stands at the same place, which in steady state is all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import asyncio
 import bisect
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -24,19 +29,13 @@ from .jobs.store import EventRecord, JobStore
 log = logging.getLogger("dflash.service")
 
 EVENT_PAGE = 500
-FOLLOW_POLL_SECONDS = 0.25
+FOLLOW_POLL_SECONDS = 0.5  # also how often a follower is written to at most: one chunk per poll
 FEED_WINDOW = 4096  # events a feed keeps for its followers; one further behind reads the store
+SHARED_CHUNKS = 8  # joined chunks a feed keeps between two polls (one per place followers stand at)
 
 
 class TooManyStreams(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class _Line:
-    id: int
-    kind: str
-    text: str
 
 
 class _Feed:
@@ -46,7 +45,9 @@ class _Feed:
         self.base = start_after  # events up to here are not held: a follower behind it reads the store
         self.last = start_after  # the newest event id read
         self.ids: list[int] = []
-        self.lines: list[_Line] = []
+        self.kinds: list[str] = []
+        self.lines: list[bytes] = []  # each held event as its NDJSON line
+        self._chunks: dict[int, bytes] = {}  # place -> the held lines after it, joined; until the next poll
         self.ended = False  # the job ended (or the daemon stops) and every event was read
         self.closed = False  # the poller stopped: a new follower needs a new feed
         self.followers = 0
@@ -63,19 +64,34 @@ class _Feed:
         await self._changed.wait()
 
     def _append(self, events: list[EventRecord]) -> None:
+        if not events:
+            return
         for event in events:
             self.ids.append(event.id)
-            self.lines.append(_Line(event.id, event.kind, self.hub.render(event)))
-        if events:
-            self.last = events[-1].id
+            self.kinds.append(event.kind)
+            self.lines.append(self.hub.render(event).encode())
+        self.last = events[-1].id
+        self._chunks.clear()
         excess = len(self.lines) - FEED_WINDOW
         if excess > 0:
             self.base = self.ids[excess - 1]
-            del self.ids[:excess], self.lines[:excess]
+            del self.ids[:excess], self.kinds[:excess], self.lines[:excess]
 
-    def held_after(self, last: int) -> tuple[list[_Line], int]:
-        """The held events after `last`, and the id up to which they are complete."""
-        return self.lines[bisect.bisect_right(self.ids, last) :], self.last
+    def chunk_after(self, last: int, wanted: set[str] | None) -> tuple[bytes, int]:
+        """The held events after `last` (of the `wanted` kinds; None: all) as one chunk of NDJSON
+        lines, and the id up to which it is complete. An unfiltered chunk is joined once per place
+        and shared until the next poll brings events."""
+        first = bisect.bisect_right(self.ids, last)
+        if wanted is not None:
+            return b"".join(
+                line for line, kind in zip(self.lines[first:], self.kinds[first:]) if kind in wanted
+            ), self.last
+        chunk = self._chunks.get(last)
+        if chunk is None:
+            chunk = b"".join(self.lines[first:])
+            if len(self._chunks) < SHARED_CHUNKS:
+                self._chunks[last] = chunk
+        return chunk, self.last
 
     async def run(self) -> None:
         store = self.hub.store
@@ -137,8 +153,9 @@ class EventHub:
     def close(self) -> None:
         self.open_streams -= 1
 
-    async def follow(self, job_id: str, *, after: int, kinds: list[str] | None) -> AsyncIterator[str]:
-        """NDJSON lines of the job's events after `after` until the job ends (or the daemon stops)."""
+    async def follow(self, job_id: str, *, after: int, kinds: list[str] | None) -> AsyncIterator[bytes]:
+        """NDJSON lines of the job's events after `after` until the job ends (or the daemon stops),
+        in chunks of whole lines: what arrived since the previous chunk."""
         feed = self.feeds.get(job_id)
         if feed is None or feed.closed:
             feed = self.feeds[job_id] = _Feed(self, job_id, after)
@@ -151,16 +168,15 @@ class EventHub:
                 if last < feed.base:  # older than the feed holds: from the store, once
                     base = feed.base
                     page = await self.read(self.store.events, job_id, after=last, kinds=kinds, limit=EVENT_PAGE)
-                    for event in page:
-                        last = event.id
-                        yield self.render(event)
+                    if page:
+                        last = page[-1].id
+                        yield "".join(map(self.render, page)).encode()
                     if len(page) < EVENT_PAGE:
                         last = max(last, base)  # every matching event up to `base` was in that page
                     continue
-                held, complete = feed.held_after(last)
-                for line in held:
-                    if wanted is None or line.kind in wanted:
-                        yield line.text
+                chunk, complete = feed.chunk_after(last, wanted)
+                if chunk:
+                    yield chunk
                 last = max(last, complete)
                 if feed.ended and last >= feed.last:
                     return

@@ -599,7 +599,8 @@ class Engine:
         if not group.is_leader:
             try:
                 tensors = empty_tensors(meta["optimizer"], first.device)
-            except Exception as e:  # noqa: BLE001 - voted below; the broadcast still needs this rank
+            except Exception as e:  # noqa: BLE001 - this host is out of memory: the broadcast below goes
+                # without this rank, so the others see it only at the collective timeout (then a lost rank)
                 error, tensors = e, []
         if error is None:
             group.broadcast_tensors(tensors, first.device, "sending the optimizer state")

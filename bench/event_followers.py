@@ -1,6 +1,7 @@
 """What clients following a job's events cost its training, on the CPU job of the embedded default.
 
-    python -m bench.event_followers [--followers 200] [--rounds 6] [--window 10] [--idle]
+    python -m bench.event_followers [--followers 200] [--rounds 24] [--window 10] [--idle]
+    python -m bench.event_followers --merge RUN1.json RUN2.json ...   # several runs' windows together
 
 Starts `dflash-trainer serve` on a temporary data directory with the embedded default (CPU, no
 GPU needed), runs one job long enough for the whole run, and alternates windows of --window seconds:
@@ -16,8 +17,12 @@ between two steps (from its step events; a burst of other work on the machine st
 which moves the rate more than the median), the CPU time of the daemon's event loop (its main thread,
 which serves HTTP; system time apart: the kernel's work for its socket writes), of the whole daemon,
 of the follower process, and of everything else on the machine. Each window's cost is taken against
-the no-follower windows on either side of it, since the step rate drifts. Prints the medians per
-phase and writes $OUT/event_followers.json.
+the no-follower windows on either side of it, since the step rate drifts, and only windows in which
+the rest of the machine stayed quiet count (--quiet-below). On a CPU job the step rate moves by
+several % from one window to the next by itself, so the costs come with a 95 % interval of their
+median and need many rounds; the followers of a queued job are the control: they cost the event
+loop next to nothing, so what their windows show is that noise. Prints the medians per phase and
+writes $OUT/event_followers.json.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -280,18 +286,28 @@ def paired_costs(ws: list[dict], alone: list[dict], key: str, quiet) -> list[flo
     return costs
 
 
-def summary(windows: dict[str, list[dict]], followers: int, quiet_below: float) -> list[dict]:
-    """One row per phase, from the windows in which the rest of the machine stayed quiet (other
-    programs take the CPU in bursts, and the step rate falls with them)."""
+def summary(runs: list[dict[str, list[dict]]], followers: int, quiet_below: float) -> list[dict]:
+    """One row per phase over the windows of one or more runs (each phase's windows, in order),
+    from the windows in which the rest of the machine stayed quiet (other programs take the CPU in
+    bursts, and the step rate falls with them)."""
 
     def quiet(w: dict) -> bool:
         return w["other_cpu_pct"] <= quiet_below
 
     def spread(costs: list[float]) -> str:
-        return f"{statistics.median(costs):.1f} % ({min(costs):.1f} to {max(costs):.1f})" if costs else "-"
+        """The median cost and its 95 % interval (bootstrap: the windows resampled)."""
+        if not costs:
+            return "-"
+        draw = random.Random(0)
+        medians = sorted(statistics.median(draw.choices(costs, k=len(costs))) for _ in range(2000))
+        return f"{statistics.median(costs):.1f} % [{medians[50]:.1f}, {medians[1949]:.1f}]"
+
+    def costs(phase: str, key: str) -> list[float]:  # paired within each run
+        return [c for run in runs for c in paired_costs(run[phase], run["alone"], key, quiet)]
 
     rows = []
-    for phase, all_ws in windows.items():
+    for phase in runs[0]:
+        all_ws = [w for run in runs for w in run[phase]]
         ws = [w for w in all_ws if quiet(w)] or all_ws
 
         def median(key: str, ws: list[dict] = ws) -> float:
@@ -305,10 +321,8 @@ def summary(windows: dict[str, list[dict]], followers: int, quiet_below: float) 
                 "quiet windows": f"{sum(map(quiet, all_ws))}/{len(all_ws)}",
                 "steps/s (range)": f"{statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f})",
                 "median step": f"{1000 / median('median_steps_per_s'):.1f} ms",
-                "cost: steps/s": "" if alone else spread(paired_costs(all_ws, windows["alone"], "steps_per_s", quiet)),
-                "cost: median step": ""
-                if alone
-                else spread(paired_costs(all_ws, windows["alone"], "median_steps_per_s", quiet)),
+                "cost: steps/s [95 % CI]": "" if alone else spread(costs(phase, "steps_per_s")),
+                "cost: median step [95 % CI]": "" if alone else spread(costs(phase, "median_steps_per_s")),
                 "loop CPU (system)": f"{median('loop_cpu_pct'):.1f} % ({median('loop_system_cpu_pct'):.1f} %)",
                 "daemon CPU": f"{median('daemon_cpu_pct'):.0f} %",
                 "client CPU": f"{median('client_cpu_pct'):.1f} %",
@@ -318,6 +332,17 @@ def summary(windows: dict[str, list[dict]], followers: int, quiet_below: float) 
     return rows
 
 
+def report(runs: list[dict[str, list[dict]]], args: argparse.Namespace) -> None:
+    from bench.common import print_table
+
+    rows = summary(runs, args.followers, args.quiet_below)
+    print(
+        f"\n{len(runs)} run(s) of {args.rounds} rounds of {args.window:.0f} s windows, {os.cpu_count()} CPUs; "
+        f"CPU in % of one core; quiet: other programs below {args.quiet_below:.0f} %"
+    )
+    print_table(rows, list(rows[0]))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--client"]:
@@ -325,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     p = argparse.ArgumentParser()
     p.add_argument("--followers", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=24)
     p.add_argument("--window", type=float, default=10.0, help="seconds each window lasts")
     p.add_argument("--settle", type=float, default=2.0, help="seconds between the followers' start and a window")
     p.add_argument("--warm-steps", type=int, default=30, help="steps the job runs before the first window")
@@ -336,8 +361,20 @@ def main(argv: list[str] | None = None) -> None:
         default=15.0,
         help="the costs count windows in which the rest of the machine used less CPU than this (% of a core)",
     )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: report the windows of earlier runs (their event_followers.json) together",
+    )
     args = p.parse_args(argv)
-    from bench.common import out_dir, print_table
+    from bench.common import out_dir
+
+    if args.merge:
+        records = [json.loads(Path(path).read_text()) for path in args.merge]
+        args.rounds = "/".join(str(r["args"]["rounds"]) for r in records)
+        report([r["windows"] for r in records], args)
+        return
 
     phases = ["alone", "followers"] + (["idle followers"] if args.idle else [])
     windows: dict[str, list[dict]] = {phase: [] for phase in phases}
@@ -361,14 +398,9 @@ def main(argv: list[str] | None = None) -> None:
                 bench.http.post(f"/jobs/{queued}/cancel")
         finally:
             bench.close()
-    rows = summary(windows, args.followers, args.quiet_below)
     record = {"args": vars(args), "cpus": os.cpu_count(), "windows": windows}
     (out_dir() / "event_followers.json").write_text(json.dumps(record, indent=1))
-    print(
-        f"\n{args.rounds} rounds of {args.window:.0f} s windows, {os.cpu_count()} CPUs; CPU in % of one core; "
-        f"quiet: other programs below {args.quiet_below:.0f} %"
-    )
-    print_table(rows, list(rows[0]))
+    report([windows], args)
 
 
 if __name__ == "__main__":

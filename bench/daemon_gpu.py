@@ -11,7 +11,7 @@ environment; "" is the unchanged one).
 Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
 optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
 
---gil SECONDS samples the daemon with `py-spy record --gil` (pip install py-spy; the `bench`
+--gil SECONDS samples the daemon with `py-spy record --gil` (pip install -e ".[bench]": the `bench`
 extra) for that long from the job's 20th step: the share of time some thread of the daemon held
 the GIL (samples recorded / samples taken), and how that time splits between the target's
 capture, the drafter step and the rest. The job must run that long past step 20 (--steps).

@@ -18,7 +18,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -291,6 +291,17 @@ def _error(status: int, detail: str, headers: Mapping[str, str] | None = None, *
     return JSONResponse({"detail": detail, **extra}, status_code=status, headers=headers or None)
 
 
+def _job_action(action: Callable[[str], JobRecord], job_id: str) -> JobRecord | JSONResponse:
+    """Cancel or resume: the job, or the error answer (404 unknown, 409 its state does not allow
+    it, 503 the job store cannot write: nothing was changed)."""
+    try:
+        return action(job_id)
+    except JobNotFound:
+        return _error(404, f"no job {job_id!r}")
+    except (JobConflict, Unavailable) as e:
+        return _error(409 if isinstance(e, JobConflict) else 503, str(e))
+
+
 def _invalid_query(name: str, message: str) -> JSONResponse:
     return _error(422, f"invalid request: {name}: {message}", errors=[{"field": name, "message": message}])
 
@@ -552,14 +563,9 @@ def create_app(config: ServiceConfig, launch: Launch | None = None) -> FastAPI:
         if (denied := _unauthorized(request)) is not None:
             return denied
         assert daemon.manager is not None  # set by daemon.start(), which the lifespan runs before any request
-        try:
-            job = daemon.manager.cancel(job_id)
-        except JobNotFound:
-            return _error(404, f"no job {job_id!r}")
-        except JobConflict as e:
-            return _error(409, str(e))
-        except Unavailable as e:  # the job store cannot write (a full disk): nothing was changed
-            return _error(503, str(e))
+        job = _job_action(daemon.manager.cancel, job_id)
+        if isinstance(job, JSONResponse):
+            return job
         # a queued job is STOPPED now (200); a running one stops at its next step (202)
         return JSONResponse(job_json(job), status_code=200 if job.terminal else 202)
 
@@ -577,14 +583,9 @@ def create_app(config: ServiceConfig, launch: Launch | None = None) -> FastAPI:
         if (denied := _unauthorized(request)) is not None:
             return denied
         assert daemon.manager is not None  # set by daemon.start(), which the lifespan runs before any request
-        try:
-            job = daemon.manager.resume(job_id)
-        except JobNotFound:
-            return _error(404, f"no job {job_id!r}")
-        except JobConflict as e:
-            return _error(409, str(e))
-        except Unavailable as e:
-            return _error(503, str(e))
+        job = _job_action(daemon.manager.resume, job_id)
+        if isinstance(job, JSONResponse):
+            return job
         # back in the queue (PENDING): it resumes from its newest checkpoint when its turn comes
         return JSONResponse(job_json(job), status_code=202)
 

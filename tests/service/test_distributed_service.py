@@ -144,13 +144,19 @@ def start_group(nodes: list[Node]) -> None:
         node.start(rdzv)
 
 
-def test_two_hosts_train_lose_a_rank_and_resume(tmp_path):
+def two_hosts(tmp_path: Path) -> list[Node]:
+    """Two "hosts" on 127.0.0.1, each with its own data directory, config and port."""
     nodes = []
     for rank in range(2):
         data = tmp_path / f"host{rank}"
         data.mkdir()
         config = write_config(tmp_path / f"host{rank}.toml", data)
         nodes.append(Node(f"host{rank}", config, free_port(), tmp_path / f"host{rank}.log"))
+    return nodes
+
+
+def test_two_hosts_train_lose_a_rank_and_resume(tmp_path):
+    nodes = two_hosts(tmp_path)
     lead, other = nodes
     try:
         start_group(nodes)
@@ -214,12 +220,7 @@ def test_a_rank_that_shuts_down_stops_the_job_at_a_checkpoint(tmp_path):
     """SIGTERM on another rank than 0 (a node drained): the group stops after the current step,
     rank 0 writes a checkpoint of that step, the job is FAILED to resume with the group, and that
     rank exits."""
-    nodes = []
-    for rank in range(2):
-        data = tmp_path / f"host{rank}"
-        data.mkdir()
-        config = write_config(tmp_path / f"host{rank}.toml", data)
-        nodes.append(Node(f"host{rank}", config, free_port(), tmp_path / f"host{rank}.log"))
+    nodes = two_hosts(tmp_path)
     lead, other = nodes
     try:
         start_group(nodes)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_core.engine import JobCallbacks, TrainJob
+from service.demo import free_port
 from tests.test_engine import make_engine
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_engine(out: Path, spec: dict, nproc: int = 2, timeout: float = 300) -> list[dict]:

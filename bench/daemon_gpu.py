@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -127,25 +128,44 @@ def start_gil_sampler(pid: int, seconds: float, out: Path) -> subprocess.Popen:
 
 def gil_share(raw: Path, seconds: float) -> dict[str, float]:
     """From py-spy's raw (collapsed) stacks: percent of the time the GIL was held, in all and by
-    where (the target's capture, the drafter's step, building micro-batches, the rest)."""
-    where = {"target_capture": 0, "drafter_step": 0, "data": 0, "other": 0}
+    where. Per pipeline: the target's capture, the drafter's forward and backward, its optimizer
+    step, building micro-batches and the engine's per-step work; per process: the rest (HTTP,
+    events, metrics). The heaviest stacks of the engine and the rest go to gil_top.txt beside."""
+    where = {"target_capture": 0, "forward_backward": 0, "optimizer": 0, "data": 0, "engine": 0, "other": 0}
+    heavy: dict[str, Counter] = {"engine": Counter(), "other": Counter()}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
+        n = int(count)
         if "capture (" in stack and "target.py" in stack:
-            where["target_capture"] += int(count)
+            key = "target_capture"
+        elif "clip_and_step" in stack:
+            key = "optimizer"
         # the backward runs on the autograd engine's thread: its stacks start at BackwardCFunction
-        elif any(k in stack for k in ("_micro_steps", "clip_and_step", "BackwardCFunction", "backward (")):
-            where["drafter_step"] += int(count)
+        elif any(k in stack for k in ("_micro_steps", "BackwardCFunction", "backward (")):
+            key = "forward_backward"
         elif "dflash_core/data/" in stack:
-            where["data"] += int(count)
+            key = "data"
+        elif "dflash_core/engine/" in stack:
+            key = "engine"
         else:
-            where["other"] += int(count)
+            key = "other"
+        where[key] += n
+        if key in heavy:
+            frames = [f for f in stack.split(";") if "(" in f]
+            heavy[key][" < ".join(reversed(frames[-4:]))] += n
     taken = GIL_RATE * seconds
-    return {"gil_pct": round(100 * sum(where.values()) / taken, 2)} | {
-        f"gil_pct_{k}": round(100 * v / taken, 2) for k, v in where.items()
-    }
+    with open(raw.with_name("gil_top.txt"), "w") as f:
+        for key, counter in heavy.items():
+            f.write(f"## {key}\n")
+            for stack, n in counter.most_common(25):
+                f.write(f"{100 * n / taken:6.2f} %  {stack}\n")
+    shares = {k: round(100 * v / taken, 2) for k, v in where.items()}
+    return {
+        "gil_pct": round(100 * sum(where.values()) / taken, 2),
+        "gil_pct_pipeline": round(sum(v for k, v in shares.items() if k != "other"), 2),
+    } | {f"gil_pct_{k}": v for k, v in shares.items()}
 
 
 def main(argv=None):

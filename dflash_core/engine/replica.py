@@ -17,6 +17,7 @@ from ..step.loss import LOSS_KERNELS
 from ..step.micro_step import MicroStepResult, StepKernels, micro_step
 from .config import StepPlan
 from .optim import TritonAdamW, build_optimizer, clipped_step, set_lr
+from .step_graph import StepGraph
 
 # "fp32": the module's parameters are the fp32 master weights (autocast casts every matrix to
 # bf16 in every forward, and every gradient back to fp32). "bf16" (CUDA, Triton AdamW): the
@@ -91,6 +92,12 @@ class DrafterReplica:
         # an event the next optimizer step waits for on the device before it writes the weights
         # and optimizer state in place (set by a checkpoint that is still copying them)
         self.write_guard: torch.cuda.Event | None = None
+        # the micro-step as a CUDA graph (step_graph.StepGraph; set by the engine's warm-up), and
+        # with it, where a step of several micro-batches sums their gradients: fp32 buffers kept
+        # for the job, written afresh by the step's first micro-batch
+        self.step_graph: StepGraph | None = None
+        self._grad_sums: list[torch.Tensor] | None = None
+        self._sums_fresh = True
 
     def working_copies(self) -> list[torch.Tensor | None]:
         """Per master, its bf16 working copy (None where the master is the parameter itself)."""
@@ -136,6 +143,7 @@ class DrafterReplica:
         for m, p in zip(self.masters, self.params):
             p.grad = None
             m.grad = None
+        self._sums_fresh = True
 
     @torch.no_grad()
     def _sum_working_grads_in_fp32(self) -> None:
@@ -159,9 +167,15 @@ class DrafterReplica:
         return StepAccumulator(z(()), z(b), z(b))
 
     def forward_backward(
-        self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator
-    ) -> MicroStepResult:
-        """Loss and gradients of one micro-batch; gradients accumulate into .grad."""
+        self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator, graphed: bool = True
+    ) -> MicroStepResult | None:
+        """Loss and gradients of one micro-batch; gradients accumulate into .grad. Replayed from
+        the step's CUDA graph where one was recorded for these shapes (graphed=False: eagerly);
+        the per-token result is returned by the eager step only."""
+        graph = self.step_graph
+        if graphed and graph is not None and graph.fits(batch, features):
+            self._replay(graph, batch, features, loss_scale, acc)
+            return None
         self.drafter.train()
         with self.autocast():
             res = micro_step(
@@ -185,8 +199,39 @@ class DrafterReplica:
         acc.micro_batches += 1
         return res
 
+    @torch.no_grad()
+    def _replay(
+        self, graph: StepGraph, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator
+    ) -> None:
+        """The recorded micro-step, then the gradients where the eager step leaves them: the
+        graph's own buffers for a step of one micro-batch; summed in fp32 on the masters when
+        the step has several (sum_grads_in_fp32), as the eager step sums them."""
+        graph.replay(batch, features, loss_scale, self.gamma)
+        holders = graph.grads
+        if self.sum_grads_in_fp32:
+            if self._grad_sums is None:
+                self._grad_sums = [torch.empty_like(g, dtype=torch.float32) for g in graph.grads]
+            if self._sums_fresh:
+                torch._foreach_copy_(self._grad_sums, graph.grads)
+            else:
+                torch._foreach_add_(self._grad_sums, graph.grads)
+            self._sums_fresh = False
+            holders = self._grad_sums
+        for m, p, h in zip(self.masters, self.params, holders, strict=True):
+            if m is p:
+                p.grad = h
+            elif self.sum_grads_in_fp32:
+                m.grad, p.grad = h, None
+            else:
+                m.grad, p.grad = None, h
+        acc.loss_sum += graph.loss
+        acc.correct += graph.correct
+        acc.counted += graph.counted
+        acc.micro_batches += 1
+
     def new_optimizer(self, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
         """AdamW over the masters (writing the working copies too, in bf16 mode), as self.optimizer."""
+        self._grad_sums = None  # the previous job's, if it summed micro-batches
         copies = self.working_copies() if self.working_weights == "bf16" else None
         self.optimizer = build_optimizer(self.masters, lr, weight_decay, betas, self.device, working_copies=copies)
         return self.optimizer

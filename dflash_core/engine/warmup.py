@@ -29,6 +29,7 @@ from .config import EngineConfig, StepPlan, step_plan
 from .grad_sync import GradSync
 from .pipeline import capture
 from .replica import DrafterReplica
+from .step_graph import StepGraph, matches_eager
 
 log = logging.getLogger("dflash.engine")
 
@@ -185,6 +186,8 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         t = time.monotonic()
         before = compile_snapshot() if plan.compiled else {}
         warm_replica(rep, batch, features)
+        if plan.compiled:
+            _record_step_graph(rep, batch, features, timeline)
         timeline.record("drafter", rep.device, t)
         if plan.compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
             log.info(
@@ -305,6 +308,36 @@ def _record_target_graph(
     log.warning(
         "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
         extra={"fields": {"device": target.label}},
+    )
+
+
+def _record_step_graph(rep: DrafterReplica, batch: MicroBatch, features: torch.Tensor, timeline: Timeline) -> None:
+    """The replica's micro-step as a CUDA graph (step_graph.StepGraph), kept only if its replay
+    of the warm-up micro-batch gives the eager step's loss, statistics and gradients bit for bit.
+    CUDA with bf16 working weights only (the engine's CUDA plan); elsewhere the step stays eager."""
+    if rep.device.type != "cuda" or rep.working_weights != "bf16":
+        return
+    feats, mb = features.to(rep.device), batch.to(rep.device)
+    try:
+        graph = StepGraph(rep, mb, feats)
+        kept = matches_eager(graph, rep, mb, feats)
+    except RuntimeError as e:  # torch.OutOfMemoryError too: the graph's memory pool did not fit
+        rep.zero_grad()
+        _sync(rep.device)
+        log.warning(
+            "the drafter step could not be recorded as a CUDA graph; stepping eagerly",
+            extra={"fields": {"device": str(rep.device), "error": f"{type(e).__name__}: {e}"}},
+        )
+        return
+    rep.zero_grad()
+    if kept:
+        rep.step_graph = graph
+        timeline.mark(f"build:step_graph:{rep.device}")
+        return
+    del graph
+    log.warning(
+        "the drafter step's CUDA graph does not reproduce its eager step; stepping eagerly",
+        extra={"fields": {"device": str(rep.device)}},
     )
 
 

@@ -155,6 +155,7 @@ class TritonAdamW(torch.optim.Optimizer):
             # constant), which would be another kernel to compile in the middle of a job
             lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
             beta1, beta2 = (float(b) for b in group["betas"])
+            work = []  # (param, its gradient, its working copy): the host's per-tensor work in one pass
             for p in group["params"]:
                 working = self.working_copies.get(p)
                 grad = p.grad if p.grad is not None or working is None else working.grad
@@ -166,11 +167,20 @@ class TritonAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                step = float(state["step"])
-                grad = grad if grad.is_contiguous() else grad.contiguous()
-                n = p.numel()
-                with triton_launch_device(p.device):
+                work.append((p, grad if grad.is_contiguous() else grad.contiguous(), working))
+            if not work:
+                continue
+            steps = [self.state[p]["step"] for p, _, _ in work]
+            torch._foreach_add_(steps, 1.0)  # one call: this loop runs on the drafter's thread, holding the GIL
+            corrections: dict[float, tuple[float, float]] = {}
+            with triton_launch_device(work[0][0].device):
+                for (p, grad, working), step_tensor in zip(work, steps, strict=True):
+                    step = float(step_tensor)
+                    if step not in corrections:
+                        corrections[step] = (1.0 - beta1**step, math.sqrt(1.0 - beta2**step))
+                    bias_correction1, bias_correction2_sqrt = corrections[step]
+                    state = self.state[p]
+                    n = p.numel()
                     _adamw_kernel[(triton.cdiv(n, self.block),)](
                         p,
                         grad,
@@ -184,8 +194,8 @@ class TritonAdamW(torch.optim.Optimizer):
                         beta2,
                         eps,
                         weight_decay,
-                        1.0 - beta1**step,
-                        math.sqrt(1.0 - beta2**step),
+                        bias_correction1,
+                        bias_correction2_sqrt,
                         HAS_WORKING=working is not None,
                         BLOCK=self.block,
                         num_warps=self.num_warps,

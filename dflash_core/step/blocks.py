@@ -31,8 +31,11 @@ def position_decay(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return w
 
 
-def block_labels(batch: MicroBatch, block_size: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(labels int64 [N*B], weights float32 [N*B])."""
+def block_labels(
+    batch: MicroBatch, block_size: int, gamma: float, decay: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels int64 [N*B], weights float32 [N*B]). decay: position_decay(block_size, gamma) when
+    the caller keeps it in a tensor of its own (a recorded step reads it from a fixed buffer)."""
     seq_len = batch.input_ids.shape[0]
     offsets = torch.arange(block_size, device=batch.anchors.device)
     target_pos = batch.anchors.unsqueeze(1) + offsets  # [N, B]
@@ -41,7 +44,9 @@ def block_labels(batch: MicroBatch, block_size: int, gamma: float) -> tuple[torc
     labels = batch.input_ids[target_pos]
     same_doc = batch.doc_ids[target_pos] == batch.doc_ids[batch.anchors].unsqueeze(1)
     valid = in_range & same_doc & batch.loss_mask[target_pos] & batch.anchor_valid.unsqueeze(1)
-    weights = position_decay(block_size, gamma, batch.anchors.device) * valid
+    if decay is None:
+        decay = position_decay(block_size, gamma, batch.anchors.device)
+    weights = decay * valid
     return labels.reshape(-1), weights.reshape(-1)
 
 

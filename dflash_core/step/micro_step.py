@@ -86,12 +86,15 @@ def micro_step(
     gamma: float,
     chunk_size: int,
     kernels: StepKernels = EAGER,
+    decay: torch.Tensor | None = None,
 ) -> MicroStepResult:
+    """decay: the loss's position weights (blocks.position_decay of gamma) as a tensor the caller
+    holds, else computed from gamma."""
     cfg = drafter.config
     hidden = drafter_forward(
         drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels
     )
-    labels, weights = block_labels(batch, cfg.block_size, gamma)
+    labels, weights = block_labels(batch, cfg.block_size, gamma, decay)
     n, b = batch.anchors.shape[0], cfg.block_size
 
     def predicting(t: torch.Tensor) -> torch.Tensor:

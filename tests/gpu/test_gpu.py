@@ -74,6 +74,7 @@ def test_replicas_identical_and_no_runtime_compile(tmp_path):
     )
     assert res.status == "SUCCEEDED" and len(steps) == 50
     assert engine.status().compiles["runtime"] == 0
+    assert all(rep.step_graph is not None for rep in engine.replicas)  # the job replayed graphs
     first = [p.detach().cpu() for p in engine.replicas[0].drafter.parameters()]
     masters = {k: v.cpu() for k, v in engine.replicas[0].weights_state().items()}
     for rep in engine.replicas[1:]:
@@ -216,3 +217,52 @@ def test_target_cuda_graph_reproduces_the_eager_capture(tmp_path):
         outputs.append(graphed.data_ptr())
         assert torch.equal(graphed, eager), seed
     assert len(set(outputs)) == 1  # one output buffer: the caller copies features out
+
+
+def test_step_graph_trains_like_the_eager_step():
+    """A replica replaying its recorded micro-step ends every step bit-identical to a twin that
+    steps eagerly: one micro-batch per step, then two summed in fp32 (gradient accumulation),
+    then another gamma; other micro-batches than the recorded one, the engine's CUDA plan."""
+    from dflash_core.config import ShapeConfig
+    from dflash_core.data.batches import synthetic_micro_batch
+    from dflash_core.drafter import FrozenHead
+    from dflash_core.engine.config import step_plan
+    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.step_graph import StepGraph, matches_eager
+    from tests.helpers import tiny_drafter_config
+
+    cfg = tiny_drafter_config(vocab_size=4096, block_size=16, hidden=256, heads=4, kv_heads=2, layers=2)
+    shape = ShapeConfig(seq_len=512, num_anchors=32, block_size=16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    head = FrozenHead(
+        torch.randn(4096, 256, device="cuda", generator=g), torch.randn(4096, 256, device="cuda", generator=g) * 0.05
+    )
+    plan = step_plan(["cuda:0"])
+    graphed, eager = (DrafterReplica(i, cfg, "cuda:0", head, plan, gamma=7.0, chunk_size=128) for i in range(2))
+    batches = [synthetic_micro_batch(shape, 4096, 0, seed=i).to("cuda") for i in range(12)]
+    feats = [torch.randn(512, 2 * 256, device="cuda", generator=g).bfloat16() for _ in batches]
+    for rep in (graphed, eager):
+        rep.init_weights(3)
+    graph = StepGraph(graphed, batches[0], feats[0])
+    assert graph.grads[0].data_ptr() != 0
+    assert matches_eager(graph, graphed, batches[1], feats[1])
+    graphed.step_graph = graph
+    for rep in (graphed, eager):
+        rep.new_optimizer(1e-3, 0.1, (0.9, 0.95))
+    k = 0
+    for accum, gamma in ((1, 7.0), (1, 7.0), (2, 7.0), (2, 4.0), (1, 4.0)):
+        stats = []
+        for rep in (graphed, eager):
+            rep.gamma, rep.sum_grads_in_fp32 = gamma, accum > 1
+            acc = rep.new_accumulator()
+            for j in range(accum):
+                rep.forward_backward(batches[k + j], feats[k + j], 1.0 / accum, acc, graphed=rep is graphed)
+            rep.clip_and_step(0.5, 1e-3)
+            stats.append((acc.loss_sum.clone(), acc.correct.clone(), acc.counted.clone()))
+        k += accum
+        for a, b in zip(*stats):
+            assert torch.equal(a, b), (accum, gamma)
+        for (name, a), (_, b) in zip(graphed.named_masters(), eager.named_masters()):
+            assert torch.equal(a, b), (name, accum, gamma)
+        for a, b in zip(graphed.params, eager.params):
+            assert torch.equal(a, b)

@@ -1,0 +1,125 @@
+"""A drafter replica's micro-step (forward, loss, backward) recorded as one CUDA graph.
+
+Why: even compiled, one micro-step launches hundreds of kernels from Python: the compiled
+layers' wrappers, flex_attention's, the BlockMask's small ops, the loss chunks, and the
+backward on autograd's device thread. Every launch holds the GIL, and one process drives every
+GPU of a host from threads, so that host time bounds how many pipelines a process can run.
+Replaying the graph costs the host a few copies into fixed input buffers and one launch.
+
+What the graph holds: `micro_step` on fixed input buffers (the micro-batch's tensors, the target
+features, the loss scale and the position decay, so one graph serves any job's gradient
+accumulation and gamma), its backward, and the per-block statistics the step's accumulator sums.
+The parameters' gradients are buffers of the graph: each replay overwrites them with that
+micro-batch's gradient (the replica sums them itself when a step has several micro-batches).
+
+Rules the recording relies on: shapes are fixed (the engine's production shape; other shapes run
+eagerly); nothing in the step waits for the host; the recording thread is the only one working
+on the device (the engine records during warm-up, in its main thread, before any worker
+exists); autocast's cast cache is off inside the graph (cached casts would be freed with the
+autocast region yet replayed). The engine keeps a graph only when its replay reproduces the
+eager step bit for bit (`matches_eager`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.batches import MicroBatch
+from ..step.blocks import position_decay
+from ..step.micro_step import micro_step
+
+_BATCH_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask", "anchors", "anchor_valid")
+
+
+class StepGraph:
+    def __init__(self, rep, batch: MicroBatch, features: torch.Tensor):
+        """Record `rep`'s micro-step at the shapes of `batch` and `features` (on rep.device).
+        Leaves rep's gradients unset; raises what the recording raised (the caller falls back to
+        the eager step)."""
+        dev = rep.device
+        self.device = dev
+        self.batch = MicroBatch(*(getattr(batch, f).to(dev).clone() for f in _BATCH_FIELDS))
+        self.features = features.to(dev).clone()
+        self.scale = torch.ones((), dtype=torch.float32, device=dev)
+        self._scale_value = 1.0
+        self.gamma = float(rep.gamma)
+        self.decay = position_decay(rep.config.block_size, self.gamma, dev)
+        current = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # lazy initialisations (handles, workspaces) outside the graph
+            self._run(rep)
+        current.wait_stream(side)
+        rep.zero_grad()  # unset: the backward inside the graph allocates them in the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.loss, self.correct, self.counted = self._run(rep)
+        finally:
+            self.grads: list[torch.Tensor] = [p.grad for p in rep.params]
+            rep.zero_grad()
+        if any(g is None for g in self.grads):
+            raise RuntimeError("the recorded backward left a parameter without a gradient")
+        self.graph = graph
+        torch.cuda.synchronize(dev)
+
+    def _run(self, rep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rep.drafter.train()
+        with torch.autocast("cuda", dtype=rep.compute_dtype, cache_enabled=False):
+            res = micro_step(
+                rep.drafter,
+                rep.head,
+                self.batch,
+                self.features,
+                attention=rep.attention,
+                gamma=self.gamma,
+                chunk_size=rep.chunk_size,
+                kernels=rep.kernels,
+                decay=self.decay,
+            )
+        (res.loss * self.scale).backward()
+        with torch.no_grad():
+            counted = res.weights > 0
+            return res.loss.detach(), (res.correct & counted).sum(0).float(), counted.sum(0).float()
+
+    def fits(self, batch: MicroBatch, features: torch.Tensor) -> bool:
+        """Whether this micro-batch has the recorded shapes (else it runs eagerly)."""
+        return (
+            features.shape == self.features.shape
+            and features.dtype == self.features.dtype
+            and all(getattr(batch, f).shape == getattr(self.batch, f).shape for f in _BATCH_FIELDS)
+        )
+
+    def replay(self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, gamma: float) -> None:
+        """One micro-step on this micro-batch: copies into the input buffers (ordered on the
+        current stream, like the replay) and the graph. Overwrites self.grads, loss, correct, counted."""
+        for f in _BATCH_FIELDS:
+            getattr(self.batch, f).copy_(getattr(batch, f), non_blocking=True)
+        self.features.copy_(features, non_blocking=True)
+        if loss_scale != self._scale_value:
+            self.scale.fill_(loss_scale)
+            self._scale_value = loss_scale
+        if gamma != self.gamma:
+            self.decay.copy_(position_decay(self.decay.shape[0], gamma, self.device))
+            self.gamma = gamma
+        self.graph.replay()
+
+
+@torch.no_grad()
+def matches_eager(graph: StepGraph, rep, batch: MicroBatch, features: torch.Tensor) -> bool:
+    """Replay against the eager step on one micro-batch: the same loss, statistics and
+    gradients, bit for bit (rep's gradients are left unset)."""
+    with torch.enable_grad():
+        rep.zero_grad()
+        acc = rep.new_accumulator()
+        rep.forward_backward(batch, features, 1.0, acc, graphed=False)
+    eager = [p.grad.clone() for p in rep.params]
+    rep.zero_grad()
+    graph.replay(batch, features, 1.0, float(rep.gamma))
+    same = (
+        torch.equal(graph.loss, acc.loss_sum)
+        and torch.equal(graph.correct, acc.correct)
+        and torch.equal(graph.counted, acc.counted)
+        and all(torch.equal(a, b) for a, b in zip(eager, graph.grads, strict=True))
+    )
+    return bool(same)

@@ -1,4 +1,5 @@
-"""AdamW as one Triton kernel per parameter tensor, with gradient clipping folded in.
+"""AdamW as one Triton kernel launch over all parameter tensors of a kind, with gradient
+clipping folded in.
 
 Why not torch's fused AdamW: at drafter sizes (about a billion fp32 parameters) the step is
 memory-bound, 28 bytes moved per parameter, so the only question is how close a kernel gets to
@@ -19,11 +20,18 @@ write), and the forward need not cast every weight matrix, nor the backward ever
 The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps added to
 the corrected sqrt), in fp32; its state uses AdamW's names ("step", "exp_avg", "exp_avg_sq"),
 so checkpoints from either optimizer load into the other.
+
+One launch, not one per tensor: the launch is the host's part of the step, and it runs on a
+drafter thread that holds the GIL while it launches (one process drives every GPU of a host).
+Every program updates BLOCK elements of one tensor, found through a table of the tensors'
+addresses; tensors are grouped by kind (gradient dtype, working copy dtype), so a drafter's step
+is two or three launches instead of one per tensor, with the same memory traffic.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -35,15 +43,17 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 
+# a launch's tensor table: one int64 row per tensor, the addresses of its parameter, gradient,
+# exp_avg, exp_avg_sq and working copy (0: none), then its number of elements
+_NUMEL = 5
+
+
 @triton.jit
 def _adamw_kernel(
-    param_ptr,
-    grad_ptr,
-    exp_avg_ptr,
-    exp_avg_sq_ptr,
+    table_ptr,
+    block_tensor_ptr,
+    block_start_ptr,
     grad_scale_ptr,
-    working_ptr,
-    n_elements,
     lr,
     beta1,
     beta2,
@@ -51,10 +61,20 @@ def _adamw_kernel(
     weight_decay,
     bias_correction1,
     bias_correction2_sqrt,
+    GRAD_TYPE: tl.constexpr,
+    WORKING_TYPE: tl.constexpr,
     HAS_WORKING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # one program per BLOCK elements of one tensor: which tensor and where, from the launch's tables
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(block_tensor_ptr + pid).to(tl.int64) * 6
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_TYPE))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    n_elements = tl.load(row + 5)
+    offsets = tl.load(block_start_ptr + pid) + tl.arange(0, BLOCK)
     in_range = offsets < n_elements
     param = tl.load(param_ptr + offsets, mask=in_range)
     grad = tl.load(grad_ptr + offsets, mask=in_range).to(tl.float32) * tl.load(grad_scale_ptr)
@@ -71,7 +91,37 @@ def _adamw_kernel(
     tl.store(exp_avg_ptr + offsets, exp_avg, mask=in_range)
     tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=in_range)
     if HAS_WORKING:  # round to nearest even, as tensor.to(torch.bfloat16)
-        tl.store(working_ptr + offsets, param.to(working_ptr.dtype.element_ty), mask=in_range)
+        working_ptr = tl.load(row + 4).to(tl.pointer_type(WORKING_TYPE))
+        tl.store(working_ptr + offsets, param.to(WORKING_TYPE), mask=in_range)
+
+
+_TRITON_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class _Launch:
+    """One kernel launch over tensors of one kind (gradient dtype, working copy dtype): the
+    tensor table, and per program the tensor it updates and where in it it starts. The table
+    is rebuilt only when an address changes (a recorded step's gradients never move; eager ones
+    may); the block tables depend on the sizes alone."""
+
+    def __init__(self, rows: Sequence[tuple[int, ...]], block: int, device: torch.device):
+        self.key = tuple(rows)
+        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        numel = self.table[:, _NUMEL]
+        blocks = (numel + block - 1) // block
+        self.programs = int(blocks.sum())
+        self.block_tensor = torch.repeat_interleave(torch.arange(len(rows), device=device, dtype=torch.int32), blocks)
+        first = torch.cumsum(blocks, 0) - blocks  # each tensor's first program
+        index = torch.arange(self.programs, device=device, dtype=torch.int64)
+        self.block_start = (index - first.repeat_interleave(blocks)) * block
+
+    def same_sizes(self, rows: Sequence[tuple[int, ...]]) -> bool:
+        return len(rows) == len(self.key) and all(a[_NUMEL] == b[_NUMEL] for a, b in zip(rows, self.key))
+
+    def retarget(self, rows: Sequence[tuple[int, ...]]) -> None:
+        """New addresses, the same sizes: only the table changes."""
+        self.key = tuple(rows)
+        self.table.copy_(torch.tensor(rows, dtype=torch.int64))
 
 
 # torch.optim.AdamW's implementation switches: a loaded torch state brings them, they mean nothing here
@@ -118,12 +168,11 @@ class TritonAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.block, self.num_warps = block, num_warps  # launch settings, not state
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._launches: dict[tuple, _Launch] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float32 or not p.is_contiguous():
                     raise ValueError(f"TritonAdamW needs contiguous fp32 parameters, got {p.dtype} {tuple(p.shape)}")
-                if p.numel() >= 2**31:
-                    raise ValueError(f"parameter of {p.numel()} elements: over the kernel's int32 offsets")
         params = [p for group in self.param_groups for p in group["params"]]
         working_copies = list(working_copies) if working_copies is not None else [None] * len(params)
         if len(working_copies) != len(params):
@@ -155,7 +204,10 @@ class TritonAdamW(torch.optim.Optimizer):
             # constant), which would be another kernel to compile in the middle of a job
             lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
             beta1, beta2 = (float(b) for b in group["betas"])
-            work = []  # (param, its gradient, its working copy): the host's per-tensor work in one pass
+            # per launch kind: (param, gradient, working copy) of each tensor; the host's work is
+            # per tensor only in building these lists, since it runs on a drafter thread holding the GIL
+            kinds: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+            steps = []
             for p in group["params"]:
                 working = self.working_copies.get(p)
                 grad = p.grad if p.grad is not None or working is None else working.grad
@@ -167,36 +219,47 @@ class TritonAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                work.append((p, grad if grad.is_contiguous() else grad.contiguous(), working))
-            if not work:
+                steps.append(state["step"])
+                grad = grad if grad.is_contiguous() else grad.contiguous()
+                kind = (grad.dtype, None if working is None else working.dtype, float(state["step"]) + 1)
+                kinds.setdefault(kind, []).append((p, grad, working))
+            if not steps:
                 continue
-            steps = [self.state[p]["step"] for p, _, _ in work]
-            torch._foreach_add_(steps, 1.0)  # one call: this loop runs on the drafter's thread, holding the GIL
-            corrections: dict[float, tuple[float, float]] = {}
-            with triton_launch_device(work[0][0].device):
-                for (p, grad, working), step_tensor in zip(work, steps, strict=True):
-                    step = float(step_tensor)
-                    if step not in corrections:
-                        corrections[step] = (1.0 - beta1**step, math.sqrt(1.0 - beta2**step))
-                    bias_correction1, bias_correction2_sqrt = corrections[step]
-                    state = self.state[p]
-                    n = p.numel()
-                    _adamw_kernel[(triton.cdiv(n, self.block),)](
-                        p,
-                        grad,
-                        state["exp_avg"],
-                        state["exp_avg_sq"],
-                        grad_scale if grad_scale is not None else self._one(p.device),
-                        working if working is not None else p,
-                        n,
+            torch._foreach_add_(steps, 1.0)
+            for (grad_dtype, working_dtype, step), members in kinds.items():
+                device = members[0][0].device
+                rows = [
+                    (
+                        p.data_ptr(),
+                        g.data_ptr(),
+                        self.state[p]["exp_avg"].data_ptr(),
+                        self.state[p]["exp_avg_sq"].data_ptr(),
+                        w.data_ptr() if w is not None else 0,
+                        p.numel(),
+                    )
+                    for p, g, w in members
+                ]
+                launch = self._launches.get((device, grad_dtype, working_dtype))
+                if launch is None or not launch.same_sizes(rows):
+                    launch = self._launches[(device, grad_dtype, working_dtype)] = _Launch(rows, self.block, device)
+                elif launch.key != tuple(rows):
+                    launch.retarget(rows)
+                with triton_launch_device(device):
+                    _adamw_kernel[(launch.programs,)](
+                        launch.table,
+                        launch.block_tensor,
+                        launch.block_start,
+                        grad_scale if grad_scale is not None else self._one(device),
                         lr,
                         beta1,
                         beta2,
                         eps,
                         weight_decay,
-                        bias_correction1,
-                        bias_correction2_sqrt,
-                        HAS_WORKING=working is not None,
+                        1.0 - beta1**step,
+                        math.sqrt(1.0 - beta2**step),
+                        GRAD_TYPE=_TRITON_TYPES[grad_dtype],
+                        WORKING_TYPE=_TRITON_TYPES[working_dtype or torch.float32],
+                        HAS_WORKING=working_dtype is not None,
                         BLOCK=self.block,
                         num_warps=self.num_warps,
                     )

@@ -49,6 +49,59 @@ _NUMEL = 5
 
 
 @triton.jit
+def _address(raw, TYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """A table entry as a pointer. ALIGNED (checked on the host): every address of the launch is
+    a multiple of 16 bytes, which lets the compiler vectorize the loads and stores, as it does for
+    a tensor passed as a kernel argument."""
+    if ALIGNED:
+        raw = tl.multiple_of(raw, 16)
+    return raw.to(tl.pointer_type(TYPE))
+
+
+@triton.jit
+def _adamw_block(
+    row,
+    offsets,
+    n_elements,
+    grad_scale,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bias_correction1,
+    bias_correction2_sqrt,
+    GRAD_TYPE: tl.constexpr,
+    WORKING_TYPE: tl.constexpr,
+    HAS_WORKING: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    param_ptr = _address(tl.load(row + 0), tl.float32, ALIGNED)
+    grad_ptr = _address(tl.load(row + 1), GRAD_TYPE, ALIGNED)
+    exp_avg_ptr = _address(tl.load(row + 2), tl.float32, ALIGNED)
+    exp_avg_sq_ptr = _address(tl.load(row + 3), tl.float32, ALIGNED)
+    in_range = offsets < n_elements if MASKED else None
+    param = tl.load(param_ptr + offsets, mask=in_range)
+    grad = tl.load(grad_ptr + offsets, mask=in_range).to(tl.float32) * grad_scale
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=in_range)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=in_range)
+
+    param = param * (1.0 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+    param = param - (lr / bias_correction1) * exp_avg / denom
+
+    tl.store(param_ptr + offsets, param, mask=in_range)
+    tl.store(exp_avg_ptr + offsets, exp_avg, mask=in_range)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=in_range)
+    if HAS_WORKING:  # round to nearest even, as tensor.to(torch.bfloat16)
+        working_ptr = _address(tl.load(row + 4), WORKING_TYPE, ALIGNED)
+        tl.store(working_ptr + offsets, param.to(WORKING_TYPE), mask=in_range)
+
+
+@triton.jit
 def _adamw_kernel(
     table_ptr,
     block_tensor_ptr,
@@ -64,38 +117,35 @@ def _adamw_kernel(
     GRAD_TYPE: tl.constexpr,
     WORKING_TYPE: tl.constexpr,
     HAS_WORKING: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # one program per BLOCK elements of one tensor: which tensor and where, from the launch's tables
     pid = tl.program_id(0)
     row = table_ptr + tl.load(block_tensor_ptr + pid).to(tl.int64) * 6
-    param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
-    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_TYPE))
-    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     n_elements = tl.load(row + 5)
-    offsets = tl.load(block_start_ptr + pid) + tl.arange(0, BLOCK)
-    in_range = offsets < n_elements
-    param = tl.load(param_ptr + offsets, mask=in_range)
-    grad = tl.load(grad_ptr + offsets, mask=in_range).to(tl.float32) * tl.load(grad_scale_ptr)
-    exp_avg = tl.load(exp_avg_ptr + offsets, mask=in_range)
-    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=in_range)
-
-    param = param * (1.0 - lr * weight_decay)
-    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-    denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-    param = param - (lr / bias_correction1) * exp_avg / denom
-
-    tl.store(param_ptr + offsets, param, mask=in_range)
-    tl.store(exp_avg_ptr + offsets, exp_avg, mask=in_range)
-    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=in_range)
-    if HAS_WORKING:  # round to nearest even, as tensor.to(torch.bfloat16)
-        working_ptr = tl.load(row + 4).to(tl.pointer_type(WORKING_TYPE))
-        tl.store(working_ptr + offsets, param.to(WORKING_TYPE), mask=in_range)
+    start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)
+    offsets = start + tl.arange(0, BLOCK)
+    scale = tl.load(grad_scale_ptr)
+    # a whole block (all but a tensor's last, when its size is not a multiple of BLOCK) needs no
+    # mask: unmasked accesses vectorize without knowing the tensor's size
+    if start + BLOCK <= n_elements:
+        _adamw_block(
+            row, offsets, n_elements, scale, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+            bias_correction2_sqrt, GRAD_TYPE, WORKING_TYPE, HAS_WORKING, ALIGNED, False,
+        )  # fmt: skip
+    else:
+        _adamw_block(
+            row, offsets, n_elements, scale, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+            bias_correction2_sqrt, GRAD_TYPE, WORKING_TYPE, HAS_WORKING, ALIGNED, True,
+        )  # fmt: skip
 
 
 _TRITON_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _aligned(rows: Sequence[tuple[int, ...]]) -> bool:
+    return all(address % 16 == 0 for row in rows for address in row[:_NUMEL])
 
 
 class _Launch:
@@ -106,6 +156,7 @@ class _Launch:
 
     def __init__(self, rows: Sequence[tuple[int, ...]], block: int, device: torch.device):
         self.key = tuple(rows)
+        self.aligned = _aligned(rows)
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
         numel = self.table[:, _NUMEL]
         blocks = (numel + block - 1) // block
@@ -116,7 +167,12 @@ class _Launch:
         self.block_start = (index - first.repeat_interleave(blocks)) * block
 
     def same_sizes(self, rows: Sequence[tuple[int, ...]]) -> bool:
-        return len(rows) == len(self.key) and all(a[_NUMEL] == b[_NUMEL] for a, b in zip(rows, self.key))
+        """The same sizes and alignment: only the addresses may change."""
+        return (
+            len(rows) == len(self.key)
+            and all(a[_NUMEL] == b[_NUMEL] for a, b in zip(rows, self.key))
+            and _aligned(rows) == self.aligned
+        )
 
     def retarget(self, rows: Sequence[tuple[int, ...]]) -> None:
         """New addresses, the same sizes: only the table changes."""
@@ -260,6 +316,7 @@ class TritonAdamW(torch.optim.Optimizer):
                         GRAD_TYPE=_TRITON_TYPES[grad_dtype],
                         WORKING_TYPE=_TRITON_TYPES[working_dtype or torch.float32],
                         HAS_WORKING=working_dtype is not None,
+                        ALIGNED=launch.aligned,
                         BLOCK=self.block,
                         num_warps=self.num_warps,
                     )

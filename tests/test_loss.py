@@ -51,6 +51,10 @@ def test_block_inputs_and_labels_by_hand():
     assert labels[1, 1:3].tolist() == [22, 23]
     assert torch.allclose(weights[1], torch.tensor([0.0, 1.0, math.exp(-0.5), 0.0]))
     assert weights[2].tolist() == [0.0] * 4  # padding block
+    # the position weights given as a tensor (a recorded step keeps them in a buffer of its own)
+    # are the ones gamma gives, and they, not gamma, decide
+    given = block_labels(mb, block_size=4, gamma=0.1, decay=position_decay(4, 2.0))
+    assert torch.equal(given[0].view(3, 4), labels) and torch.equal(given[1].view(3, 4), weights)
 
 
 def test_known_loss_value():

@@ -37,6 +37,14 @@ class StepAccumulator:
     micro_batches: int = 0
     extra: dict = field(default_factory=dict)
 
+    @torch.no_grad()
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor) -> None:
+        """One micro-batch's statistics (DrafterReplica.loss_and_backward's)."""
+        self.loss_sum += loss
+        self.correct += correct
+        self.counted += counted
+        self.micro_batches += 1
+
 
 class DrafterReplica:
     def __init__(
@@ -156,9 +164,11 @@ class DrafterReplica:
                 m.grad.add_(p.grad)
             p.grad = None
 
-    def autocast(self):
+    def autocast(self, cache_enabled: bool = True):
+        """cache_enabled=False inside a CUDA graph: cached casts would be freed with the region
+        yet replayed."""
         if self.device.type == "cuda" and self.compute_dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.compute_dtype)
+            return torch.autocast("cuda", dtype=self.compute_dtype, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
 
     def new_accumulator(self) -> StepAccumulator:
@@ -176,8 +186,25 @@ class DrafterReplica:
         if graphed and graph is not None and graph.fits(batch, features):
             self._replay(graph, batch, features, loss_scale, acc)
             return None
+        res, stats = self.loss_and_backward(batch, features, loss_scale)
+        if self.sum_grads_in_fp32 and self.working_weights == "bf16":
+            self._sum_working_grads_in_fp32()
+        acc.add(*stats)
+        return res
+
+    def loss_and_backward(
+        self,
+        batch: MicroBatch,
+        features: torch.Tensor,
+        loss_scale: float | torch.Tensor,
+        decay: torch.Tensor | None = None,
+        cast_cache: bool = True,
+    ) -> tuple[MicroStepResult, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """micro_step and its backward, as the eager step and the recorded one (step_graph) run
+        them: the result and what the step's accumulator sums of it (loss, right predictions
+        [B], weighted positions [B]). decay: micro_step's; cast_cache: autocast's."""
         self.drafter.train()
-        with self.autocast():
+        with self.autocast(cast_cache):
             res = micro_step(
                 self.drafter,
                 self.head,
@@ -187,17 +214,12 @@ class DrafterReplica:
                 gamma=self.gamma,
                 chunk_size=self.chunk_size,
                 kernels=self.kernels,
+                decay=decay,
             )
         (res.loss * loss_scale).backward()
-        if self.sum_grads_in_fp32 and self.working_weights == "bf16":
-            self._sum_working_grads_in_fp32()
         with torch.no_grad():
             counted = res.weights > 0
-            acc.loss_sum += res.loss.detach()
-            acc.correct += (res.correct & counted).sum(0).float()
-            acc.counted += counted.sum(0).float()
-        acc.micro_batches += 1
-        return res
+            return res, (res.loss.detach(), (res.correct & counted).sum(0).float(), counted.sum(0).float())
 
     @torch.no_grad()
     def _replay(
@@ -224,10 +246,7 @@ class DrafterReplica:
                 m.grad, p.grad = h, None
             else:
                 m.grad, p.grad = None, h
-        acc.loss_sum += graph.loss
-        acc.correct += graph.correct
-        acc.counted += graph.counted
-        acc.micro_batches += 1
+        acc.add(graph.loss, graph.correct, graph.counted)
 
     def new_optimizer(self, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
         """AdamW over the masters (writing the working copies too, in bf16 mode), as self.optimizer."""

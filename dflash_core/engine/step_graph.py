@@ -26,7 +26,6 @@ import torch
 
 from ..data.batches import MicroBatch
 from ..step.blocks import position_decay
-from ..step.micro_step import micro_step
 
 _BATCH_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask", "anchors", "anchor_valid")
 
@@ -64,23 +63,8 @@ class StepGraph:
         torch.cuda.synchronize(dev)
 
     def _run(self, rep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rep.drafter.train()
-        with torch.autocast("cuda", dtype=rep.compute_dtype, cache_enabled=False):
-            res = micro_step(
-                rep.drafter,
-                rep.head,
-                self.batch,
-                self.features,
-                attention=rep.attention,
-                gamma=self.gamma,
-                chunk_size=rep.chunk_size,
-                kernels=rep.kernels,
-                decay=self.decay,
-            )
-        (res.loss * self.scale).backward()
-        with torch.no_grad():
-            counted = res.weights > 0
-            return res.loss.detach(), (res.correct & counted).sum(0).float(), counted.sum(0).float()
+        _, stats = rep.loss_and_backward(self.batch, self.features, self.scale, decay=self.decay, cast_cache=False)
+        return stats
 
     def fits(self, batch: MicroBatch, features: torch.Tensor) -> bool:
         """Whether this micro-batch has the recorded shapes (else it runs eagerly)."""

@@ -259,7 +259,8 @@ class TargetModel:
                 self._capture(*inputs)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # the device's own capture stream, and the device current (as step_graph.StepGraph)
+        with torch.cuda.device(dev), torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
             output = self._capture(*inputs)
         torch.cuda.synchronize(dev)
         self._graph, self._graph_inputs, self._graph_output = graph, inputs, output

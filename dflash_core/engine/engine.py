@@ -379,10 +379,7 @@ class Engine:
                 raise JobError(f"{type(e).__name__}: {e}") from e
             finally:
                 for rep in self.replicas:
-                    rep.zero_grad()
-                    rep.optimizer = None
-                    rep.sum_grads_in_fp32 = False
-                    rep.write_guard = None
+                    rep.end_job()
                 if any(r.device.type == "cuda" for r in self.replicas):
                     torch.cuda.empty_cache()
 

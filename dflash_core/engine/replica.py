@@ -105,7 +105,9 @@ class DrafterReplica:
         # for the job, written afresh by the step's first micro-batch
         self.step_graph: StepGraph | None = None
         self._grad_sums: list[torch.Tensor] | None = None
-        self._sums_fresh = True
+        # this step's micro-batches so far, and whether they were replayed (a step never mixes)
+        self._step_micro_batches = 0
+        self._step_replayed = False
 
     def working_copies(self) -> list[torch.Tensor | None]:
         """Per master, its bf16 working copy (None where the master is the parameter itself)."""
@@ -151,7 +153,7 @@ class DrafterReplica:
         for m, p in zip(self.masters, self.params):
             p.grad = None
             m.grad = None
-        self._sums_fresh = True
+        self._step_micro_batches = 0
 
     @torch.no_grad()
     def _sum_working_grads_in_fp32(self) -> None:
@@ -183,7 +185,14 @@ class DrafterReplica:
         the step's CUDA graph where one was recorded for these shapes (graphed=False: eagerly);
         the per-token result is returned by the eager step only."""
         graph = self.step_graph
-        if graphed and graph is not None and graph.fits(batch, features):
+        replay = graphed and graph is not None and graph.fits(batch, features)
+        if self._step_micro_batches and replay != self._step_replayed:
+            # the replay's gradients live in the graph's buffers, the eager step's in .grad
+            raise RuntimeError("a step's micro-batches must all have the recorded shapes, or none of them")
+        self._step_micro_batches += 1
+        self._step_replayed = replay
+        if replay:
+            assert graph is not None
             self._replay(graph, batch, features, loss_scale, acc)
             return None
         res, stats = self.loss_and_backward(batch, features, loss_scale)
@@ -228,16 +237,19 @@ class DrafterReplica:
         """The recorded micro-step, then the gradients where the eager step leaves them: the
         graph's own buffers for a step of one micro-batch; summed in fp32 on the masters when
         the step has several (sum_grads_in_fp32), as the eager step sums them."""
+        first = self._step_micro_batches == 1
+        if not (first or self.sum_grads_in_fp32):
+            # each replay overwrites the graph's gradient buffers: a sum needs the fp32 buffers
+            raise RuntimeError("a replayed step of several micro-batches sums them in fp32: set sum_grads_in_fp32")
         graph.replay(batch, features, loss_scale, self.gamma)
         holders = graph.grads
         if self.sum_grads_in_fp32:
             if self._grad_sums is None:
                 self._grad_sums = [torch.empty_like(g, dtype=torch.float32) for g in graph.grads]
-            if self._sums_fresh:
+            if first:
                 torch._foreach_copy_(self._grad_sums, graph.grads)
             else:
                 torch._foreach_add_(self._grad_sums, graph.grads)
-            self._sums_fresh = False
             holders = self._grad_sums
         for m, p, h in zip(self.masters, self.params, holders, strict=True):
             if m is p:
@@ -250,10 +262,17 @@ class DrafterReplica:
 
     def new_optimizer(self, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
         """AdamW over the masters (writing the working copies too, in bf16 mode), as self.optimizer."""
-        self._grad_sums = None  # the previous job's, if it summed micro-batches
         copies = self.working_copies() if self.working_weights == "bf16" else None
         self.optimizer = build_optimizer(self.masters, lr, weight_decay, betas, self.device, working_copies=copies)
         return self.optimizer
+
+    def end_job(self) -> None:
+        """Drop what a job kept: gradients, optimizer state, the fp32 gradient sums, the flags."""
+        self.zero_grad()
+        self.optimizer = None
+        self._grad_sums = None
+        self.sum_grads_in_fp32 = False
+        self.write_guard = None
 
     def clip_and_step(self, max_norm: float, lr: float) -> torch.Tensor:
         assert self.optimizer is not None, "new_optimizer() first"

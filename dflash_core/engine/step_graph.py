@@ -52,7 +52,12 @@ class StepGraph:
         rep.zero_grad()  # unset: the backward inside the graph allocates them in the graph's pool
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # the device's own capture stream, and the device current: torch's default capture
+            # stream belongs to whichever device was current when the first graph was recorded
+            with (
+                torch.cuda.device(dev),
+                torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"),
+            ):
                 self.loss, self.correct, self.counted = self._run(rep)
         finally:
             self.grads: list[torch.Tensor] = [p.grad for p in rep.params]
@@ -92,14 +97,17 @@ class StepGraph:
 @torch.no_grad()
 def matches_eager(graph: StepGraph, rep, batch: MicroBatch, features: torch.Tensor) -> bool:
     """Replay against the eager step on one micro-batch: the same loss, statistics and
-    gradients, bit for bit (rep's gradients are left unset)."""
+    gradients, bit for bit (rep's gradients are left unset). Give it another micro-batch than
+    the recorded one: a graph that recorded nothing would still hold the recorded batch's
+    gradients and pass on that one."""
     with torch.enable_grad():
         rep.zero_grad()
         acc = rep.new_accumulator()
         rep.forward_backward(batch, features, 1.0, acc, graphed=False)
     eager = [p.grad.clone() for p in rep.params]
     rep.zero_grad()
-    graph.replay(batch, features, 1.0, float(rep.gamma))
+    with torch.cuda.device(graph.device):
+        graph.replay(batch, features, 1.0, float(rep.gamma))
     same = (
         torch.equal(graph.loss, acc.loss_sum)
         and torch.equal(graph.correct, acc.correct)

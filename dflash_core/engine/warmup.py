@@ -187,7 +187,8 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         before = compile_snapshot() if plan.compiled else {}
         warm_replica(rep, batch, features)
         if plan.compiled:
-            _record_step_graph(rep, batch, features, timeline)
+            check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
+            _record_step_graph(rep, batch, features, check, timeline)
         timeline.record("drafter", rep.device, t)
         if plan.compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
             log.info(
@@ -311,16 +312,19 @@ def _record_target_graph(
     )
 
 
-def _record_step_graph(rep: DrafterReplica, batch: MicroBatch, features: torch.Tensor, timeline: Timeline) -> None:
-    """The replica's micro-step as a CUDA graph (step_graph.StepGraph), kept only if its replay
-    of the warm-up micro-batch gives the eager step's loss, statistics and gradients bit for bit.
-    CUDA with bf16 working weights only (the engine's CUDA plan); elsewhere the step stays eager."""
+def _record_step_graph(
+    rep: DrafterReplica, batch: MicroBatch, features: torch.Tensor, check: MicroBatch, timeline: Timeline
+) -> None:
+    """The replica's micro-step as a CUDA graph (step_graph.StepGraph) recorded on `batch`, kept
+    only if its replay of another micro-batch (`check`, with the features shifted) gives the
+    eager step's loss, statistics and gradients bit for bit. CUDA with bf16 working weights only
+    (the engine's CUDA plan); elsewhere the step stays eager."""
     if rep.device.type != "cuda" or rep.working_weights != "bf16":
         return
     feats, mb = features.to(rep.device), batch.to(rep.device)
     try:
         graph = StepGraph(rep, mb, feats)
-        kept = matches_eager(graph, rep, mb, feats)
+        kept = matches_eager(graph, rep, check.to(rep.device), torch.roll(feats, 1, 0))
     except RuntimeError as e:  # torch.OutOfMemoryError too: the graph's memory pool did not fit
         rep.zero_grad()
         _sync(rep.device)

@@ -266,3 +266,13 @@ def test_step_graph_trains_like_the_eager_step():
             assert torch.equal(a, b), (name, accum, gamma)
         for a, b in zip(graphed.params, eager.params):
             assert torch.equal(a, b)
+    # a step never mixes replayed and eager micro-batches (their gradients live apart), and a
+    # replayed step of several micro-batches needs the fp32 sums
+    graphed.sum_grads_in_fp32 = False
+    acc = graphed.new_accumulator()
+    graphed.forward_backward(batches[0], feats[0], 0.5, acc)
+    with pytest.raises(RuntimeError, match="recorded shapes"):
+        graphed.forward_backward(batches[1], feats[1], 0.5, acc, graphed=False)
+    with pytest.raises(RuntimeError, match="sums them in fp32"):
+        graphed.forward_backward(batches[1], feats[1], 0.5, acc)
+    graphed.zero_grad()

@@ -34,6 +34,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
+from service.bytecode import BYTECODE_DIR
 from service.demo import free_port, stop_daemon
 
 
@@ -216,7 +217,10 @@ inductor_cache_dir = "{work / "inductor"}"
     url = f"http://127.0.0.1:{port}"
     out = out_dir()
     rows, record = [], {"args": vars(args), "drafter_device": drafter_dev}
-    shutil.rmtree(work / "inductor", ignore_errors=True)  # "cold" is a new cache directory
+    # "cold" is empty caches: compiled kernels and the libraries' Python bytecode (the daemon keeps
+    # it in the data directory where it cannot keep it beside the sources)
+    shutil.rmtree(work / "inductor", ignore_errors=True)
+    shutil.rmtree(work / "data" / BYTECODE_DIR, ignore_errors=True)
     variants = [v.strip() for v in args.warm_env.split(";")] if args.warm_env else [""]
     envs = {v: parse_env(v) for v in variants}
     phases = ["cold"] + ["warm" if args.warm_starts == 1 else f"warm{i + 1}" for i in range(args.warm_starts)]

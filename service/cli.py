@@ -44,6 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .bytecode import BYTECODE_DIR, use_bytecode_cache
     from .config import ConfigError, is_loopback_host, is_wildcard_host, load_config
     from .http_guard import MAX_REQUEST_HEAD_BYTES, bounded_h11_protocol
     from .logs import configure_logging
@@ -79,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
     log = logging.getLogger("dflash.service")
+    use_bytecode_cache(config.data_dir / BYTECODE_DIR)  # before the engine's thread imports torch
     if not is_loopback_host(config.host) and config.auth_token is None:
         log.warning(
             "listening on %s without auth_token (allow_unauthenticated): anyone who reaches this port can "
@@ -135,6 +137,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     """Build and warm the engine of a config without serving: fills the data directory's compile
     cache (and writes torch's portable compile artifacts there) for an image build stage or an
     init container, so that `serve` on that data directory starts warm."""
+    from .bytecode import BYTECODE_DIR, use_bytecode_cache
     from .config import ConfigError, load_config
     from .logs import configure_logging
 
@@ -145,6 +148,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         return 2
     configure_logging(json_lines=config.log_json, level=config.log_level)
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    use_bytecode_cache(config.data_dir / BYTECODE_DIR)  # what `serve` on this data directory reads
     from dflash_core.engine import Engine
 
     t = time.monotonic()

@@ -166,6 +166,14 @@ class DrafterReplica:
                 m.grad.add_(p.grad)
             p.grad = None
 
+    @property
+    def _default_cast_cache(self) -> bool:
+        """Autocast's cast cache only saves re-casting fp32 weights; bf16 working weights have
+        none to cast, and the recorded step must run with it off. The cache setting is part of
+        dynamo's guards, so the eager step runs with it off too: both then share one set of
+        compiled graphs instead of compiling (and, on a warm start, tracing) everything twice."""
+        return self.working_weights != "bf16"
+
     def autocast(self, cache_enabled: bool = True):
         """cache_enabled=False inside a CUDA graph: cached casts would be freed with the region
         yet replayed."""
@@ -207,13 +215,14 @@ class DrafterReplica:
         features: torch.Tensor,
         loss_scale: float | torch.Tensor,
         decay: torch.Tensor | None = None,
-        cast_cache: bool = True,
+        cast_cache: bool | None = None,
     ) -> tuple[MicroStepResult, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """micro_step and its backward, as the eager step and the recorded one (step_graph) run
         them: the result and what the step's accumulator sums of it (loss, right predictions
-        [B], weighted positions [B]). decay: micro_step's; cast_cache: autocast's."""
+        [B], weighted positions [B]). decay: micro_step's; cast_cache: autocast's, by default
+        off with bf16 working weights (`_default_cast_cache`)."""
         self.drafter.train()
-        with self.autocast(cast_cache):
+        with self.autocast(self._default_cast_cache if cast_cache is None else cast_cache):
             res = micro_step(
                 self.drafter,
                 self.head,

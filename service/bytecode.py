@@ -45,7 +45,7 @@ def use_bytecode_cache(directory: Path, probes: dict[str, tuple[str, ...]] = PRO
     have no current bytecode beside them that Python could read or write (module docstring). Must
     run before those packages are imported. Logs where bytecode is kept and why."""
     if sys.pycache_prefix is not None:
-        out = BytecodeCache(sys.pycache_prefix, "PYTHONPYCACHEPREFIX is exported")
+        out = BytecodeCache(sys.pycache_prefix, "the user's: PYTHONPYCACHEPREFIX exported or -X pycache_prefix")
     else:
         missing = [str(src) for src in _probe_sources(probes) if not _current(src)]
         unwritable = [src for src in missing if not _writable_beside(Path(src))]
@@ -54,12 +54,21 @@ def use_bytecode_cache(directory: Path, probes: dict[str, tuple[str, ...]] = PRO
         elif not unwritable:
             out = BytecodeCache(None, "Python writes the libraries' bytecode beside their sources")
         else:
-            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # the daemon reports an unusable data directory itself, by its own rules
+                log.warning("python bytecode: cannot create %s (%s); compiling the libraries' sources", directory, e)
+                return BytecodeCache(None, f"cannot create {directory}: {e}")
+            if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+                why = "PYTHONDONTWRITEBYTECODE is set"
+            elif sys.dont_write_bytecode:
+                why = "python -B"
+            else:
+                why = "read-only"
             sys.pycache_prefix = str(directory)
             os.environ["PYTHONPYCACHEPREFIX"] = str(directory)  # inductor's compile workers and other children
             # a prefix writes nothing beside the sources, which is what PYTHONDONTWRITEBYTECODE protects
             sys.dont_write_bytecode = False
-            why = "PYTHONDONTWRITEBYTECODE is set" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "read-only"
             out = BytecodeCache(
                 str(directory), f"no current bytecode beside {unwritable[0]} and Python cannot write it there ({why})"
             )

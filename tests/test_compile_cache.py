@@ -76,6 +76,7 @@ def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_p
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["data_dir"] == str(data) and summary["compiled_graphs"] == 0 and summary["drafters"] == ["cpu"]
     assert (data / "inductor-cache").is_dir()
+    assert "python bytecode: " in out.stderr  # where the libraries' bytecode is kept, and why
     (data / "compile-artifacts.bin").write_bytes(b"not artifacts")
     out = precompile("--data-dir", str(data), cwd=tmp_path)
     assert out.returncode == 0 and "not loaded" in out.stderr, out.stderr[-3000:]

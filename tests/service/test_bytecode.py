@@ -106,3 +106,13 @@ def test_an_exported_prefix_is_kept(tmp_path):
     used = start(site, tmp_path / "data" / "python-cache", PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(mine))
     assert used["directory"] == str(mine) and "exported" in used["reason"]
     assert not (tmp_path / "data").exists()
+
+
+def test_a_data_dir_that_cannot_hold_the_cache_leaves_python_as_it_is(tmp_path):
+    site = tmp_path / "site"
+    fake_package(site)
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the data directory should be")
+    used = start(site, blocker / "python-cache", PYTHONDONTWRITEBYTECODE="1")
+    assert used["directory"] is None and "cannot create" in used["reason"]
+    assert used["x"] == 1 and used["child_prefix"] == "None"

@@ -56,18 +56,20 @@ def use_bytecode_cache(directory: Path, probes: dict[str, tuple[str, ...]] = PRO
         else:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
+                usable = os.access(directory, os.W_OK | os.X_OK)
+                problem = "not writable by this process"
             except OSError as e:  # the daemon reports an unusable data directory itself, by its own rules
-                log.warning("python bytecode: cannot create %s (%s); compiling the libraries' sources", directory, e)
-                return BytecodeCache(None, f"cannot create {directory}: {e}")
-            if os.environ.get("PYTHONDONTWRITEBYTECODE"):
-                why = "PYTHONDONTWRITEBYTECODE is set"
-            elif sys.dont_write_bytecode:
-                why = "python -B"
-            else:
-                why = "read-only"
+                usable, problem = False, f"cannot create it: {e}"
+            if not usable:
+                # a prefix Python cannot write would also hide the bytecode beside every other source
+                log.warning("python bytecode: %s: %s; compiling the libraries' sources", directory, problem)
+                return BytecodeCache(None, f"{directory}: {problem}")
+            why = "bytecode writing is off: PYTHONDONTWRITEBYTECODE or -B" if sys.dont_write_bytecode else "read-only"
             sys.pycache_prefix = str(directory)
-            os.environ["PYTHONPYCACHEPREFIX"] = str(directory)  # inductor's compile workers and other children
-            # a prefix writes nothing beside the sources, which is what PYTHONDONTWRITEBYTECODE protects
+            # a prefix writes nothing beside the sources, which is what PYTHONDONTWRITEBYTECODE
+            # protects; children (inductor's compile workers) write to it too
+            os.environ["PYTHONPYCACHEPREFIX"] = str(directory)
+            os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
             sys.dont_write_bytecode = False
             out = BytecodeCache(
                 str(directory), f"no current bytecode beside {unwritable[0]} and Python cannot write it there ({why})"
@@ -97,8 +99,9 @@ def _probe_sources(probes: dict[str, tuple[str, ...]]) -> list[Path]:
 
 
 def _current(source: Path) -> bool:
-    """Whether the bytecode beside `source` is what Python would accept for it: its magic number,
-    and the source's mtime and size (or a hash-based pyc, which Python checks itself)."""
+    """Whether the bytecode beside `source` is what Python would accept for it (PEP 552): its
+    magic number and flags, then the source's mtime and size, or for a checked hash-based pyc the
+    source's hash (an unchecked one is accepted as it is)."""
     try:
         pyc = importlib.util.cache_from_source(str(source))
         with open(pyc, "rb") as f:
@@ -108,8 +111,16 @@ def _current(source: Path) -> bool:
         return False
     if len(head) < 16 or head[:4] != importlib.util.MAGIC_NUMBER:
         return False
-    if int.from_bytes(head[4:8], "little") & 1:
-        return True
+    flags = int.from_bytes(head[4:8], "little")
+    if flags & ~0b11:
+        return False
+    if flags & 0b1:  # hash-based
+        if not flags & 0b10:
+            return True
+        try:
+            return importlib.util.source_hash(source.read_bytes()) == head[8:16]
+        except OSError:
+            return False
     mtime, size = int.from_bytes(head[8:12], "little"), int.from_bytes(head[12:16], "little")
     return mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF
 

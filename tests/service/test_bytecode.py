@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import py_compile
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,10 @@ from pathlib import Path
 from service.bytecode import use_bytecode_cache
 used = use_bytecode_cache(Path(sys.argv[1]), {"fakepkg": ("__init__.py",)})
 import fakepkg
-child = subprocess.run([sys.executable, "-c", "import sys; print(sys.pycache_prefix)"], capture_output=True, text=True)
+child = subprocess.run([sys.executable, "-c", "import sys; print(sys.pycache_prefix, sys.dont_write_bytecode)"],
+                       capture_output=True, text=True).stdout.split()
 print(json.dumps({"directory": used.directory, "reason": used.reason, "x": fakepkg.X,
-                  "child_prefix": child.stdout.strip()}))
+                  "child_prefix": child[0], "child_writes": child[1] == "False"}))
 """
 
 
@@ -58,6 +60,7 @@ def test_without_bytecode_beside_the_sources_a_restart_reads_the_data_dirs(tmp_p
     first = start(site, cache, PYTHONDONTWRITEBYTECODE="1")
     assert first["directory"] == str(cache) and "PYTHONDONTWRITEBYTECODE" in first["reason"]
     assert first["x"] == 1 and first["child_prefix"] == str(cache)  # children (compile workers) too
+    assert first["child_writes"]
     assert list(cache.rglob("fakepkg/__init__*.pyc")), "nothing was written to the data dir"
     assert not (pkg / "__pycache__").exists(), "bytecode was written beside the sources"
 
@@ -83,8 +86,6 @@ def test_a_read_only_site_packages_uses_the_data_dir(tmp_path):
 def test_current_bytecode_beside_the_sources_changes_nothing(tmp_path):
     site, cache = tmp_path / "site", tmp_path / "data" / "python-cache"
     pkg = fake_package(site)
-    import py_compile
-
     py_compile.compile(str(pkg / "__init__.py"), doraise=True)  # as pip does at install
     used = start(site, cache, PYTHONDONTWRITEBYTECODE="1")
     assert used["directory"] is None and "beside" in used["reason"] and not cache.exists()
@@ -116,3 +117,37 @@ def test_a_data_dir_that_cannot_hold_the_cache_leaves_python_as_it_is(tmp_path):
     used = start(site, blocker / "python-cache", PYTHONDONTWRITEBYTECODE="1")
     assert used["directory"] is None and "cannot create" in used["reason"]
     assert used["x"] == 1 and used["child_prefix"] == "None"
+
+
+@pytest.mark.parametrize(
+    ("mode", "edit", "redirected"),
+    [
+        (py_compile.PycInvalidationMode.TIMESTAMP, True, True),  # the source changed since: stale
+        (py_compile.PycInvalidationMode.CHECKED_HASH, False, False),
+        (py_compile.PycInvalidationMode.CHECKED_HASH, True, True),  # Python checks the hash: stale
+        (py_compile.PycInvalidationMode.UNCHECKED_HASH, True, False),  # Python uses it as it is
+    ],
+)
+def test_bytecode_beside_the_sources_is_judged_as_python_judges_it(tmp_path, mode, edit, redirected):
+    site, cache = tmp_path / "site", tmp_path / "data" / "python-cache"
+    pkg = fake_package(site)
+    py_compile.compile(str(pkg / "__init__.py"), doraise=True, invalidation_mode=mode)
+    if edit:
+        (pkg / "__init__.py").write_text("X = 1  # edited\n")
+    used = start(site, cache, PYTHONDONTWRITEBYTECODE="1")
+    assert (used["directory"] == str(cache)) is redirected, used["reason"]
+
+
+def test_serve_decides_before_it_imports_the_libraries():
+    """What `serve` imports before its bytecode decision must not import the probed packages
+    (the decision would come too late for them)."""
+    code = (
+        "import sys, uvicorn, service.cli, service.app, service.bytecode, service.http_guard, service.logs\n"
+        "from service.config import load_config\n"
+        "load_config(None)\n"
+        "print(sorted(set(service.bytecode.PROBES) & set(sys.modules)))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

@@ -89,7 +89,7 @@ def _probe_sources(probes: dict[str, tuple[str, ...]]) -> list[Path]:
     for package, files in probes.items():
         try:
             spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
+        except (ImportError, ValueError):  # a broken install, or a module already imported without a spec
             continue
         if spec is None or spec.origin is None or spec.submodule_search_locations is None:
             continue
@@ -107,7 +107,7 @@ def _current(source: Path) -> bool:
         with open(pyc, "rb") as f:
             head = f.read(16)
         st = source.stat()
-    except (OSError, NotImplementedError, ValueError):
+    except (OSError, NotImplementedError):  # no readable pyc, or an interpreter that caches no bytecode
         return False
     if len(head) < 16 or head[:4] != importlib.util.MAGIC_NUMBER:
         return False

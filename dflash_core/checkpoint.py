@@ -84,7 +84,11 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "input_embedding_scale": cfg.input_embedding_scale,
+        },
     }
 
 
@@ -112,6 +116,7 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=d.get("max_position_embeddings", 40960),
+        input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
     )
 
 

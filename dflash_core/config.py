@@ -96,6 +96,9 @@ class DrafterConfig:
     # normalize_rope_scaling); None: default RoPE
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 40960
+    # what the target's embedding module multiplies its table by (parity.input_embedding_scale):
+    # the block inputs are the table's rows times this, in training and in serving
+    input_embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

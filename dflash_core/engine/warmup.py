@@ -10,6 +10,7 @@ device, so each replica compiles (or loads from the cache) its own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ import torch
 from ..config import DrafterConfig, LossConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
 from ..devices import CudaContexts, default_devices
+from ..parity import check_serving_parity
 from ..target import TargetModel
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
@@ -142,6 +144,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         )
         timeline.record("target_load", device_label(dev), t)
         timeline.mark(f"build:target_loaded:{device_label(dev)}")
+    drafter_config = serving_inputs(drafter_config, targets[0])
 
     timeline.enter("warming_target")
     batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
@@ -228,6 +231,13 @@ def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int]
     # the tiny target's own ids: the rule would pick the same layer twice for its depth
     ids = config.target_layer_ids or list(DEFAULT_TARGET_LAYER_IDS)
     return str(ensure_default_assets(data_dir).target), ids
+
+
+def serving_inputs(drafter_config: DrafterConfig, target: TargetModel) -> DrafterConfig:
+    """The drafter config with the target's embedding scale, after refusing (TargetRefused) a
+    target whose drafter inputs the serving loops compute otherwise (parity.py)."""
+    check_serving_parity(target.config, len(target.decoder_layers()), drafter_config.target_layer_ids)
+    return dataclasses.replace(drafter_config, input_embedding_scale=target.embedding_scale)
 
 
 def check_rope_positions(cfg: DrafterConfig, seq_len: int, block_size: int) -> None:

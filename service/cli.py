@@ -474,11 +474,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not path.exists():
             print(f"error: {label}: {path} does not exist", file=sys.stderr)
             return 2
+    target = args.target
+    if target is None and args.config:  # the daemon's target
+        from .config import ConfigError, load_config
+
+        try:
+            target_dir = load_config(Path(args.config)).engine.target_path
+        except (ConfigError, OSError, ValueError) as e:
+            print(f"error: --config: {e}", file=sys.stderr)
+            return 2
+        target = str(target_dir) if target_dir is not None else None
     try:
         summary = evaluate_checkpoint(
             args.checkpoint,
             prompts,
-            target_path=args.target,
+            target_path=target,
             device=args.device,
             max_prompts=args.max_prompts,
             max_new_tokens=args.max_new_tokens,
@@ -492,6 +502,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"checkpoint {summary['checkpoint']}\ntarget     {summary['target']}")
+    if summary.get("target_matches") is False:
+        print("warning: this target's config differs from the one the drafter was trained with", file=sys.stderr)
     print(
         f"tau (mean acceptance length) = {summary['acceptance_length']:.3f} over {summary['blocks']} blocks, "
         f"{summary['prompts']} prompts"
@@ -576,7 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT")
     export.add_argument("out", metavar="OUT", help="a directory that does not exist yet")
-    export.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights dtype (default fp32)")
+    export.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="weights dtype (default auto: the dtype of the target the checkpoint was trained for)",
+    )
     export.set_defaults(handler=cmd_export)
 
     submit = register_client_command(sub, "submit", cmd_submit, "submit a job file (JSON job spec)")
@@ -614,8 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSONL conversations (prompt = up to the first assistant turn), or builtin://heldout",
     )
     ev.add_argument(
-        "--target", help="target model dir (default: the one recorded in the checkpoint, else the embedded default)"
+        "--target", help="target model dir (default: the --config daemon's target, else the embedded default)"
     )
+    ev.add_argument("--config", help="the daemon's config file: evaluate with its engine.target_path")
     ev.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     ev.add_argument("--max-prompts", type=int, default=32)
     ev.add_argument("--max-new-tokens", type=int, default=64)

@@ -118,14 +118,16 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     hf_cfg = AutoConfig.from_pretrained(target_path)
     timeline.mark("build:tokenizer_and_config")
+    mask_id = mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token)
     drafter_config = DrafterConfig.from_target_config(
         hf_cfg,
         num_hidden_layers=config.drafter_layers,
         block_size=config.block_size,
-        mask_token_id=mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token),
+        mask_token_id=mask_id,
         target_layer_ids=layer_ids,
         intermediate_size=config.drafter_intermediate_size,
     )
+    drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     cuda.wait()

@@ -78,8 +78,10 @@ class JobSpec(BaseModel):
         description="experiment trackers for this job (TensorBoard event files under output_dir/tensorboard; "
         "wandb or mlflow where installed); default: the daemon's report_to",
     )
-    export_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="dtype of each checkpoint's model.safetensors (resume always has the fp32 masters)"
+    export_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="dtype of each checkpoint's model.safetensors; auto: the target's (bf16 for a bf16 target); "
+        "resume always has the fp32 masters",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description='options the chat template reads, e.g. {"enable_thinking": false}'

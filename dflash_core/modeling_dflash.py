@@ -157,7 +157,12 @@ class DFlashDraftModel(PreTrainedModel):
         top_k: int = 0,
     ) -> torch.LongTensor:
         """Speculative decoding of one sequence (input_ids [1, n]) with `target`, a transformers
-        causal LM (the one this drafter was trained for)."""
+        causal LM (the one this drafter was trained for). input_ids may also be what a tokenizer's
+        `apply_chat_template(..., return_tensors="pt")` returns (a BatchEncoding in transformers 5)."""
+        if not isinstance(input_ids, torch.Tensor) and "input_ids" in input_ids:
+            input_ids = input_ids["input_ids"]
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:

@@ -88,6 +88,27 @@ def test_greedy_spec_generate_is_the_target_greedy_output(zlab_usage, default_as
     assert generated > verify_calls  # blocks were accepted: more tokens than target verifications
 
 
+def test_the_zlab_readme_lines_run_as_written(trained, default_assets, zlab_usage):
+    """z-lab's README "Transformers" example with our checkpoint and the tiny target (device_map
+    left out: it needs accelerate): the chat template's output goes in as it comes."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    draft = AutoModel.from_pretrained(str(trained), trust_remote_code=True, dtype="auto").eval()
+    target = AutoModelForCausalLM.from_pretrained(str(default_assets.target), dtype="auto").eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
+    messages = [{"role": "user", "content": "count to five"}]
+    input_ids = tokenizer.apply_chat_template(messages, return_tensors="pt", add_generation_prompt=True).to(
+        draft.device
+    )
+    output = draft.spec_generate(
+        input_ids=input_ids, max_new_tokens=32, temperature=0.0, target=target, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    text = tokenizer.decode(output[0], skip_special_tokens=False)
+    ids = input_ids["input_ids"]
+    assert torch.equal(output[:, : ids.shape[1]], ids) and len(text) > 0
+    assert torch.equal(output, greedy(target, ids, 32, tokenizer.eos_token_id))
+
+
 def test_stop_tokens_end_the_output(zlab_usage, default_assets):
     draft, target, tokenizer = zlab_usage
     ids = prompts(default_assets, tokenizer, 1)[0]

@@ -149,13 +149,13 @@ class DFlashDraftModel(PreTrainedModel):
     def spec_generate(
         self,
         target: nn.Module,
-        input_ids: torch.LongTensor,
+        input_ids: torch.Tensor,
         max_new_tokens: int,
         stop_token_ids: list[int] | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-    ) -> torch.LongTensor:
+    ) -> torch.Tensor:
         """Speculative decoding of one sequence (input_ids [1, n]) with `target`, a transformers
         causal LM (the one this drafter was trained for). input_ids may also be what a tokenizer's
         `apply_chat_template(..., return_tensors="pt")` returns (a BatchEncoding in transformers 5)."""
@@ -183,8 +183,8 @@ class DFlashDraftModel(PreTrainedModel):
         out[0, prompt_len] = sampling.sample(logits[:, -1])[0]
         start = prompt_len  # index of the newest token: generated, not yet seen by the target
         stopped = bool(torch.isin(out[0, start], stops))
-        embed = target.get_input_embeddings().weight
-        head = target.get_output_embeddings()
+        embed = target.get_input_embeddings().weight  # type: ignore[operator]
+        head = target.get_output_embeddings()  # type: ignore[operator]
         while start + 1 < max_len and not stopped:
             size = min(block, max_len - start)
             ids = out[:, start : start + size].clone()

@@ -231,11 +231,15 @@ class _TargetRunner:
         return output.logits, features
 
     def keep(self, length: int, tokens: torch.Tensor) -> None:
-        """Drop the cache entries past `length` (the rejected drafts); a cache that cannot be cut
-        (sliding-window layers) is rebuilt from the accepted tokens."""
+        """Drop the cache entries past `length` (the rejected drafts). A cache that cannot be cut
+        (sliding-window layers past their window keep no more than the window) is rebuilt from
+        the accepted tokens: one prefill per block, correct if slower."""
+        remove = self.cache.get_seq_length() - length
+        if remove <= 0:
+            return
         try:
-            self.cache.crop(length)
-        except (NotImplementedError, ValueError, AttributeError, TypeError):
+            self.cache.crop(-remove)  # a negative count: tokens to drop, in every transformers version
+        except (RuntimeError, NotImplementedError, ValueError, AttributeError, TypeError):
             self.cache = self._new_cache()
             self.forward(tokens[:, :length], 0)
 

@@ -188,3 +188,44 @@ def test_top_k_and_top_p_keep_the_most_likely_tokens():
     full = torch.softmax(logits[0], -1)
     assert full[0] < 0.7 <= full[:2].sum()
     assert (top_p[2:] == 0).all() and top_p[:2].sum() == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_sliding", "gemma3", "gpt_oss"])
+def test_sliding_windows_and_scaled_embeddings_stay_lossless(family, default_assets, tmp_path, monkeypatch):
+    """Targets with sliding-window layers (the cache is cut back after every block) and Gemma 3's
+    scaled embedding: the output is the target's greedy output, and the block the served drafter
+    gets is exactly the target's embedding module's output (what training fed it)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_core.checkpoint import save_checkpoint
+    from dflash_core.config import DrafterConfig
+    from dflash_core.drafter import DFlashDrafter
+    from dflash_core.engine.warmup import serving_inputs
+    from dflash_core.target import TargetModel
+    from tests.test_serving_parity import parity_config
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    tok = AutoTokenizer.from_pretrained(str(default_assets.target))
+    torch.manual_seed(0)
+    target_dir = tmp_path / "target"
+    AutoModelForCausalLM.from_config(parity_config(family, tok)).save_pretrained(str(target_dir))
+    tok.save_pretrained(str(target_dir))
+    ours = TargetModel(target_dir, [1, 2], "cpu")
+    cfg = DrafterConfig.from_target_config(
+        ours.config, num_hidden_layers=1, block_size=4, mask_token_id=5, target_layer_ids=[1, 2]
+    )
+    drafter = DFlashDrafter(serving_inputs(cfg, ours))
+    drafter.init_weights(0)
+    ckpt = save_checkpoint(tmp_path / "ckpt", drafter)
+
+    draft = AutoModel.from_pretrained(str(ckpt), trust_remote_code=True).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    seen = []
+    draft.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(args[0] if args else kwargs), with_kwargs=True)
+    prompt = torch.randint(6, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    out = draft.spec_generate(target=target, input_ids=prompt, max_new_tokens=24, stop_token_ids=[tok.eos_token_id])
+    assert torch.equal(out, greedy(target, prompt, 24, tok.eos_token_id))
+    block = torch.tensor([[int(out[0, 12])] + [5] * 3])
+    with torch.no_grad():
+        assert torch.equal(seen[0], target.get_input_embeddings()(block))

@@ -239,7 +239,15 @@ def serving_inputs(drafter_config: DrafterConfig, target: TargetModel) -> Drafte
     """The drafter config with the target's embedding scale, after refusing (TargetRefused) a
     target whose drafter inputs the serving loops compute otherwise (parity.py)."""
     check_serving_parity(target.config, len(target.decoder_layers()), drafter_config.target_layer_ids)
-    return dataclasses.replace(drafter_config, input_embedding_scale=target.embedding_scale)
+    scale = target.embedding_scale
+    if scale != 1.0:
+        log.warning(
+            "the target's embedding scales its table: the drafter trains on the scaled rows, and its checkpoint "
+            "says so (dflash_config.input_embedding_scale); vLLM's Qwen3 DFlash model feeds unscaled rows: "
+            "serve it with SGLang or the reference",
+            extra={"fields": {"input_embedding_scale": scale}},
+        )
+    return dataclasses.replace(drafter_config, input_embedding_scale=scale)
 
 
 def check_rope_positions(cfg: DrafterConfig, seq_len: int, block_size: int) -> None:

@@ -1,6 +1,6 @@
 """The README's job-spec table, generated from the schema (`python -m service.jobs.spec_table`),
 so that it lists every field with its type and default as POST /jobs validates them;
-tests/service/test_readme.py fails when the README's copy differs."""
+tests/test_readme.py fails when the README's copy differs."""
 
 from __future__ import annotations
 

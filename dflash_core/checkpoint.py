@@ -28,7 +28,7 @@ TRAINING_STATE_FILE = "training_state.pt"
 TRAINING_DIR = "training_state"
 MASTER_WEIGHTS_FILE = "master_weights.safetensors"
 MODELING_FILE = "modeling_dflash.py"
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METADATA_FILE = "dflash_metadata.json"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -84,7 +84,16 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "input_embedding_scale": cfg.input_embedding_scale,
+        },
+        # vLLM's spelling of the captured layers (the input of layer id + 1 = the output of id)
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        # every drafter layer attends both ways within a block (vLLM and the reference read it)
+        "is_causal": False,
     }
 
 
@@ -112,6 +121,8 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=d.get("max_position_embeddings", 40960),
+        input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+        mask_token=dflash.get("mask_token"),
     )
 
 
@@ -232,16 +243,24 @@ def _publish(directory: ConfinedDir) -> None:
             os.close(fd)
 
 
-def export_checkpoint(src: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+def export_checkpoint(src: str | Path, out: str | Path, dtype: str = "auto") -> Path:
     """A serving directory (config.json with auto_map, modeling_dflash.py, model.safetensors in
     `dtype`, no training state) from any drafter checkpoint, older layouts included; `out` must
-    not exist."""
+    not exist. "auto": the dtype of the target the checkpoint records (fp32 where it records
+    none). A target recorded by a path (older checkpoints) is recorded by its identity instead."""
+    from .target_identity import resolve_export_dtype, target_identity
+
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; export writes a new directory")
     cfg = read_config(src)
     weights = load_weights(src, cfg.num_hidden_layers, masters=True)
     metadata = read_metadata(src) or None
+    if metadata is not None and isinstance(metadata.get("target"), str):
+        old = Path(metadata["target"])
+        metadata["target"] = target_identity(old) if (old / CONFIG_FILE).is_file() else None
+    recorded = (metadata or {}).get("target") or {}
+    dtype = resolve_export_dtype(dtype, recorded.get("dtype") if isinstance(recorded, dict) else None)
     return write_checkpoint(out, cfg, weights, metadata=metadata, export_dtype=dtype)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -96,6 +96,12 @@ class DrafterConfig:
     # normalize_rope_scaling); None: default RoPE
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 40960
+    # what the target's embedding module multiplies its table by (parity.input_embedding_scale):
+    # the block inputs are the table's rows times this, in training and in serving
+    input_embedding_scale: float = 1.0
+    # the mask token's text (SGLang resolves the mask by it where no id is given); it names
+    # mask_token_id, so two configs differing only here describe the same drafter
+    mask_token: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

@@ -186,7 +186,10 @@ def evaluate_checkpoint(
 ) -> dict:
     """Load a drafter checkpoint and its target, measure tau on a JSONL of conversations.
 
-    The target defaults to the one recorded in the checkpoint's metadata (or the embedded default).
+    target_path: the target's directory (the caller's --target, or the daemon's configured one);
+    None: the embedded default. Checkpoints record their target by identity, never by a path, so
+    the summary says whether this target's config is the one the drafter was trained with
+    (`target_matches`: None where the checkpoint records none).
     With check_lossless, every speculative output is compared with target-only greedy decoding.
     """
     from pathlib import Path
@@ -195,15 +198,23 @@ def evaluate_checkpoint(
 
     from .checkpoint import load_drafter, read_metadata
     from .data.conversations import read_conversations
+    from .target_identity import target_identity
 
+    if target_path is not None and not (Path(target_path) / "config.json").is_file():
+        raise ValueError(f"target {target_path}: not a model directory (no config.json)")
     if target_path is None:
-        target_path = read_metadata(checkpoint).get("target")
-    if target_path is None or not Path(target_path).exists():
         from .defaults import ensure_default_assets
 
         target_path = str(ensure_default_assets(data_dir or Path.home() / ".local/share/dflash-trainer").target)
     drafter = load_drafter(checkpoint, device)
     target = TargetModel(target_path, drafter.config.target_layer_ids, device)
+    cfg = drafter.config
+    fits = (target.hidden_size, int(target.config.vocab_size), len(target.decoder_layers()))
+    if fits != (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers):
+        raise ValueError(
+            f"target {target_path} does not fit the drafter: hidden_size, vocab_size, layers {fits}, "
+            f"the drafter was trained for {(cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers)}"
+        )
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     convs = list(read_conversations(prompts))[:max_prompts]
     result = evaluate_acceptance(
@@ -217,4 +228,9 @@ def evaluate_checkpoint(
     if check_lossless:
         summary["lossless_mismatches"] = result.lossless_mismatches
     summary["checkpoint"], summary["target"] = str(checkpoint), str(target_path)
+    recorded = read_metadata(checkpoint).get("target")
+    if isinstance(recorded, dict) and recorded.get("config_sha256"):
+        summary["target_matches"] = recorded["config_sha256"] == target_identity(target_path)["config_sha256"]
+    else:
+        summary["target_matches"] = None
     return summary

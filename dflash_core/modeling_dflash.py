@@ -13,6 +13,12 @@ over the context positions then the block positions, and the queries over the bl
 (`position_ids`, [B, S + Q]). Returns the final normed hidden states of the block, [B, Q, H],
 for the target's LM head. Attention is bidirectional within what it is given: an inference
 caller passes the context before the anchor and one block.
+
+`spec_generate(target, input_ids, max_new_tokens, stop_token_ids, temperature, top_p, top_k)`
+decodes with the target verifying each drafted block, as the z-lab reference's does: greedy
+(temperature 0) gives exactly the target's greedy output; with temperature > 0, speculative
+rejection sampling gives exactly the target's sampling distribution. It returns the prompt and
+the generated ids, [1, n], ending at the first stop token or after max_new_tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, Qwen3Config
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 
@@ -135,3 +141,155 @@ class DFlashDraftModel(PreTrainedModel):
         for layer in self.layers:
             h = layer(h, context, rope_q, rope_k, attention_mask)
         return self.norm(h)
+
+    def _dflash(self, name: str, default=None):
+        return (getattr(self.config, "dflash_config", None) or {}).get(name, getattr(self.config, name, default))
+
+    @torch.no_grad()
+    def spec_generate(
+        self,
+        target: nn.Module,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> torch.Tensor:
+        """Speculative decoding of one sequence (input_ids [1, n]) with `target`, a transformers
+        causal LM (the one this drafter was trained for). input_ids may also be what a tokenizer's
+        `apply_chat_template(..., return_tensors="pt")` returns (a BatchEncoding in transformers 5)."""
+        if not isinstance(input_ids, torch.Tensor) and "input_ids" in input_ids:
+            input_ids = input_ids["input_ids"]
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError("temperature and top_k must be >= 0 and top_p in (0, 1]")
+        self.eval()
+        layer_ids = list(self._dflash("target_layer_ids"))
+        block = int(self._dflash("block_size", 16))
+        mask_id = int(self._dflash("mask_token_id"))
+        scale = float(self._dflash("input_embedding_scale", 1.0))
+        sampling = _Sampling(temperature, top_p, top_k)
+        device, prompt_len = input_ids.device, input_ids.shape[1]
+        max_len = prompt_len + max_new_tokens
+        stops = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
+        runner = _TargetRunner(target, layer_ids)
+        out = torch.full((1, max_len + 1), mask_id, dtype=torch.long, device=device)
+        out[:, :prompt_len] = input_ids
+        logits, context = runner.forward(input_ids, 0)
+        out[0, prompt_len] = sampling.sample(logits[:, -1])[0]
+        start = prompt_len  # index of the newest token: generated, not yet seen by the target
+        stopped = bool(torch.isin(out[0, start], stops))
+        embed = target.get_input_embeddings().weight  # type: ignore[operator]
+        head = target.get_output_embeddings()  # type: ignore[operator]
+        while start + 1 < max_len and not stopped:
+            size = min(block, max_len - start)
+            ids = out[:, start : start + size].clone()
+            noise = F.embedding(ids, embed) * scale
+            positions = torch.arange(start + size, device=device).unsqueeze(0)
+            hidden = self(noise.to(self.dtype), context.to(self.dtype), positions)[:, 1:]
+            draft_logits = head(hidden.to(embed.dtype)).float()
+            draft_probs = sampling.probs(draft_logits)
+            ids[:, 1:] = sampling.sample(draft_logits) if draft_probs is None else _draw(draft_probs)
+            logits, features = runner.forward(ids, start)
+            accepted, bonus = sampling.verify(ids[0, 1:], draft_probs, logits[0].float())
+            out[0, start : start + accepted + 1] = ids[0, : accepted + 1]
+            out[0, start + accepted + 1] = bonus
+            produced = min(accepted + 1, max_len - start - 1)
+            hits = torch.isin(out[0, start + 1 : start + produced + 1], stops).nonzero()
+            if hits.numel():
+                produced, stopped = int(hits[0, 0]) + 1, True
+            context = torch.cat([context, features[:, :produced]], dim=1)
+            start += produced
+            runner.keep(start, out)
+        return out[:, : min(start + 1, max_len)]
+
+
+class _TargetRunner:
+    """The target with a KV cache of the accepted tokens; returns logits and the captured layers'
+    hidden states (`hidden_states[id + 1]`, as the drafter was trained on) of the tokens it is given."""
+
+    def __init__(self, target: nn.Module, layer_ids: list[int]):
+        self.target, self.layer_ids = target, layer_ids
+        self.cache = self._new_cache()
+
+    def _new_cache(self):
+        try:
+            return DynamicCache(config=self.target.config)
+        except TypeError:  # transformers before caches took the config
+            return DynamicCache()
+
+    def forward(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
+        output = self.target(
+            input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, output_hidden_states=True
+        )
+        features = torch.cat([output.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        return output.logits, features
+
+    def keep(self, length: int, tokens: torch.Tensor) -> None:
+        """Drop the cache entries past `length` (the rejected drafts). A cache that cannot be cut
+        (sliding-window layers past their window keep no more than the window) is rebuilt from
+        the accepted tokens: one prefill per block, correct if slower."""
+        remove = self.cache.get_seq_length() - length
+        if remove <= 0:
+            return
+        try:
+            self.cache.crop(-remove)  # a negative count: tokens to drop, in every transformers version
+        except (RuntimeError, NotImplementedError, ValueError, AttributeError, TypeError):
+            self.cache = self._new_cache()
+            self.forward(tokens[:, :length], 0)
+
+
+class _Sampling:
+    def __init__(self, temperature: float, top_p: float, top_k: int):
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The sampling distribution of logits [..., V] (None when greedy): temperature, then the
+        top_k most likely tokens, then the smallest set whose mass reaches top_p."""
+        if self.temperature <= 0:
+            return None
+        scores = logits.float() / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        probs = self.probs(logits)
+        return logits.argmax(-1) if probs is None else _draw(probs)
+
+    def verify(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
+        """(drafts accepted, the token after them) for drafts [k] verified by the target's logits
+        [k + 1, V]. Greedy: the longest prefix equal to the target's argmax. Sampling: draft i is
+        kept with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw
+        from max(p - q, 0), renormalised, so every emitted token is distributed as the target's."""
+        target_probs = self.probs(logits)
+        if target_probs is None or draft_probs is None:
+            posterior = logits.argmax(-1)
+            accepted = int((drafts == posterior[:-1]).int().cumprod(0).sum())
+            return accepted, int(posterior[accepted])
+        q = draft_probs[0] if draft_probs.dim() == 3 else draft_probs
+        for i, token in enumerate(drafts.tolist()):
+            p_x, q_x = target_probs[i, token], q[i, token]
+            if torch.rand((), device=logits.device) * q_x < p_x:  # u < p/q, without dividing by q
+                continue
+            residual = (target_probs[i] - q[i]).clamp_min(0)
+            residual = residual if residual.sum() > 0 else target_probs[i]
+            return i, int(_draw(residual / residual.sum()))
+        return len(drafts), int(_draw(target_probs[len(drafts)]))
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [..., V]."""
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])

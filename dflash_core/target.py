@@ -13,6 +13,7 @@ from torch import nn
 
 from .devices import compute_dtype
 from .drafter import FrozenHead
+from .parity import input_embedding_scale, scaled_table
 
 
 class _StopForward(Exception):
@@ -156,6 +157,7 @@ class TargetModel:
         if len(stages) > 1:
             self._place_stages(decoder_layers)
         self._local = threading.local()
+        self._embedding_scale: float | None = None
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph
         self._graph_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._graph_output: torch.Tensor | None = None
@@ -216,8 +218,21 @@ class TargetModel:
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
 
+    @property
+    def embedding_scale(self) -> float:
+        """The constant the target's embedding module multiplies its table by (Gemma 3:
+        sqrt(hidden_size) in the model's dtype; 1.0 for most families), read from the module and
+        checked against its output (parity.input_embedding_scale; raises TargetRefused)."""
+        if self._embedding_scale is None:
+            self._embedding_scale = input_embedding_scale(self.model)
+        return self._embedding_scale
+
     def frozen_head(self) -> FrozenHead:
-        return FrozenHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
+        """The drafter's embedding table is the target's with its embedding scale folded in, so
+        a block's embedding is one lookup that equals the target's embedding module's output (and
+        the reference loop's input); the LM head is the target's as it is."""
+        embed = scaled_table(self.model.get_input_embeddings().weight, self.embedding_scale)
+        return FrozenHead(embed, self.model.get_output_embeddings().weight)
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:

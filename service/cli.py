@@ -20,7 +20,8 @@ from dflash_core.engine.launch import Launch
 
 from .client import DaemonClient, DaemonError, default_token, default_url
 from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
-from .jobs.store import TERMINAL
+from .jobs.store import STATES, TERMINAL
+from .progress import StepRate, progress_line
 
 if TYPE_CHECKING:
     from .config import ServiceConfig
@@ -195,41 +196,6 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "--:--"
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
-
-
-def progress_line(event: dict[str, Any], elapsed: float | None = None, eta: float | None = None) -> str:
-    step, total = event.get("step") or 0, event.get("total_steps") or 0
-    width = 24
-    filled = int(width * step / total) if total else 0
-    bar = "#" * filled + "-" * (width - filled)
-    timing = f"  {_duration(elapsed)} elapsed, ETA {_duration(eta)}" if elapsed is not None else ""
-    return (
-        f"step {step}/{total} [{bar}] {100 * step / total if total else 0:5.1f}%  loss {_fmt(event.get('loss'), '.4f')}"
-        f"  {_fmt(event.get('tokens_per_second'), ',.0f')} tok/s{timing}"
-    )
-
-
-class _Clock:
-    """Elapsed time of what this follower saw, and the ETA from the recent step rate."""
-
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-        self.first: tuple[float, int] | None = None
-
-    def times(self, step: int, total: int) -> tuple[float, float | None]:
-        now = time.monotonic()
-        if self.first is None:
-            self.first = (now, step)
-        t1, s1 = self.first
-        rate = (step - s1) / (now - t1) if now > t1 and step > s1 else None
-        return now - self.t0, (total - step) / rate if rate else None
-
-
 def _events_reconnecting(
     client: DaemonClient, job_id: str, out: TextIO, reconnect_seconds: float
 ) -> Iterator[dict[str, Any]]:
@@ -277,11 +243,12 @@ def follow_job(
     tty = out.isatty()
     last_print = 0.0
     pending_line = ""
-    clock = _Clock()
+    rate = StepRate()  # on the events' timestamps: a re-attached follower gets the past in one burst
     for event in _events_reconnecting(client, job_id, out, reconnect_seconds):
         kind = event["kind"]
+        rate.observe(event)
         if kind == "step":
-            elapsed, eta = clock.times(event.get("step") or 0, event.get("total_steps") or 0)
+            elapsed, eta = rate.times(event.get("total_steps") or 0)
             pending_line = progress_line(event, elapsed, eta)
             now = time.monotonic()
             if tty:
@@ -381,7 +348,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if job.get("error"):
                     print(f"error       {job['error']}")
             return 0
-        jobs = client.jobs()
+        jobs = client.jobs(state=args.state, limit=args.limit)
         if args.json:
             print(json.dumps(jobs, indent=2))
             return 0
@@ -391,7 +358,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{health.get('drafters_ready')}/{health.get('drafters_total')} drafters)"
         )
         if not jobs:
-            print("no jobs")
+            print(f"no {args.state.upper()} jobs" if args.state else "no jobs")
             return 0
         print(f"{'ID':<18} {'STATE':<10} {'STEP':>13} {'LOSS':>8} {'TOK/S':>9}  NAME")
         for job in jobs:
@@ -402,6 +369,34 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{_fmt(p['tokens_per_second'], ',.0f'):>9}  {job['name'] or ''}"
             )
         return 0
+
+
+def _job_state(value: str) -> str:
+    if value.upper() not in STATES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(STATES)}")
+    return value.upper()
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return n
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """POST /jobs/{id}/resume; with --follow, the job's progress until it ends."""
+    with _client(args) as client:
+        job = client.resume(args.job_id)
+        print(f"{job['id']} {job['state']}: resumes from its newest checkpoint when its turn comes")
+        if not args.follow:
+            return EXIT_OK
+        job = follow_job(client, job["id"])
+        _print_outcome(job)
+        return EXIT_CODES.get(job["state"], EXIT_JOB_FAILED)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -474,11 +469,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not path.exists():
             print(f"error: {label}: {path} does not exist", file=sys.stderr)
             return 2
+    target = args.target
+    if target is None and args.config:  # the daemon's target
+        from .config import ConfigError, load_config
+
+        try:
+            target_dir = load_config(Path(args.config)).engine.target_path
+        except (ConfigError, OSError, ValueError) as e:
+            print(f"error: --config: {e}", file=sys.stderr)
+            return 2
+        target = str(target_dir) if target_dir is not None else None
     try:
         summary = evaluate_checkpoint(
             args.checkpoint,
             prompts,
-            target_path=args.target,
+            target_path=target,
             device=args.device,
             max_prompts=args.max_prompts,
             max_new_tokens=args.max_new_tokens,
@@ -492,6 +497,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"checkpoint {summary['checkpoint']}\ntarget     {summary['target']}")
+    if summary.get("target_matches") is False:
+        print("warning: this target's config differs from the one the drafter was trained with", file=sys.stderr)
     print(
         f"tau (mean acceptance length) = {summary['acceptance_length']:.3f} over {summary['blocks']} blocks, "
         f"{summary['prompts']} prompts"
@@ -576,7 +583,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT")
     export.add_argument("out", metavar="OUT", help="a directory that does not exist yet")
-    export.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights dtype (default fp32)")
+    export.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="weights dtype (default auto: the dtype of the target the checkpoint was trained for)",
+    )
     export.set_defaults(handler=cmd_export)
 
     submit = register_client_command(sub, "submit", cmd_submit, "submit a job file (JSON job spec)")
@@ -588,6 +600,17 @@ def build_parser() -> argparse.ArgumentParser:
     status = register_client_command(sub, "status", cmd_status, "show the daemon's jobs, or one job")
     status.add_argument("job_id", nargs="?", metavar="JOB_ID")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--state", type=_job_state, help="only jobs in this state (" + ", ".join(STATES) + ")")
+    status.add_argument("--limit", type=_positive_int, metavar="N", help="only the newest N jobs")
+
+    resume = register_client_command(
+        sub,
+        "resume",
+        cmd_resume,
+        "put a FAILED or STOPPED job back in the queue: it resumes from its newest checkpoint",
+    )
+    resume.add_argument("job_id", metavar="JOB_ID")
+    resume.add_argument("--follow", "-f", action="store_true", help="follow the job until it ends")
 
     logs = register_client_command(sub, "logs", cmd_logs, "print a job's events; --follow re-attaches to a running job")
     logs.add_argument("job_id", metavar="JOB_ID")
@@ -614,8 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSONL conversations (prompt = up to the first assistant turn), or builtin://heldout",
     )
     ev.add_argument(
-        "--target", help="target model dir (default: the one recorded in the checkpoint, else the embedded default)"
+        "--target", help="target model dir (default: the --config daemon's target, else the embedded default)"
     )
+    ev.add_argument("--config", help="the daemon's config file: evaluate with its engine.target_path")
     ev.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     ev.add_argument("--max-prompts", type=int, default=32)
     ev.add_argument("--max-new-tokens", type=int, default=64)

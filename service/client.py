@@ -86,11 +86,17 @@ class DaemonClient:
     def job(self, job_id: str) -> dict[str, Any]:
         return self._check(self._http.get(f"/jobs/{job_id}"))
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return self._check(self._http.get("/jobs"))["jobs"]
+    def jobs(self, *, state: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """The jobs, oldest first: only those in `state`, the newest `limit` of them."""
+        params = {k: v for k, v in (("state", state), ("limit", limit)) if v is not None}
+        return self._check(self._http.get("/jobs", params=params))["jobs"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._check(self._http.post(f"/jobs/{job_id}/cancel"), ok=(200, 202))
+
+    def resume(self, job_id: str) -> dict[str, Any]:
+        """A FAILED or STOPPED job back in the queue; it resumes from its newest checkpoint."""
+        return self._check(self._http.post(f"/jobs/{job_id}/resume"), ok=(202,))
 
     def events(self, job_id: str, *, follow: bool = False, after: int = 0) -> Iterator[dict[str, Any]]:
         params = {"follow": "true" if follow else "false", "after": after}

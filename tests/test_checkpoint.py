@@ -37,7 +37,11 @@ def test_round_trip_and_exact_key_set(tmp_path):
     conf = json.loads((path / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
     assert conf["block_size"] == cfg.block_size and conf["num_target_layers"] == cfg.num_target_layers
-    assert conf["dflash_config"] == {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    assert conf["dflash_config"] == {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "input_embedding_scale": 1.0,
+    }
     assert conf["num_hidden_layers"] == 3 and len(conf["layer_types"]) == 3
 
     loaded = load_drafter(path)

@@ -35,6 +35,7 @@ import torch
 
 from ..checkpoint import write_checkpoint
 from ..confine import ConfinedDir, OutsideRoots
+from ..target_identity import resolve_export_dtype, target_identity
 from .api import JobCallbacks, JobError, StepStats
 from .config import TrainJob
 from .replica import DrafterReplica
@@ -228,7 +229,13 @@ class Checkpointer:
         self.total = total_steps
         self.per_step = micro_batches_per_step
         self.replicas = replicas
-        self.target_path = target_path
+        # what the checkpoints record of the target (never its path on this host), and the
+        # dtype "auto" exports in
+        self.target = target_identity(target_path)
+        try:
+            self.export_dtype = resolve_export_dtype(job.export_dtype, self.target["dtype"])
+        except ValueError as e:
+            raise JobError(str(e), "export_dtype") from None
         self.directory = job.output_path() / "checkpoints"
         try:  # checked now, not at the first checkpoint: an unusable output_dir fails the job before it trains
             self._dir = ConfinedDir(self.directory, job.output_roots, "output_dir")
@@ -250,7 +257,7 @@ class Checkpointer:
         except BaseException:
             self._dir.close()
             raise
-        self.checkpoint_bytes = checkpoint_size(replica, job.export_dtype)
+        self.checkpoint_bytes = checkpoint_size(replica, self.export_dtype)
         self.last_path: str | None = resumed_from
         self._last_step: int | None = None
         self._writer = CheckpointWriter()
@@ -349,7 +356,7 @@ class Checkpointer:
             "loss": stats.loss if stats else None,
             "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
             "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
-            "target": self.target_path,
+            "target": self.target,
             "time": time.time(),
         }
         config = rep.drafter.config
@@ -361,7 +368,7 @@ class Checkpointer:
                 f"a checkpoint needs about {self.checkpoint_bytes / 2**30:.1f} GiB (ENOSPC)"
             )
         directory = self._dir
-        export_dtype = self.job.export_dtype
+        export_dtype = self.export_dtype
 
         def write() -> str:
             try:
@@ -397,7 +404,7 @@ def _expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype,
 
 def checkpoint_size(rep: DrafterReplica, export_dtype: str = "fp32") -> int:
     """Bytes a checkpoint of this replica takes on disk: the fp32 masters and AdamW's two fp32
-    moments (12 bytes per parameter), plus the bf16 export beside the masters (2 more), plus a
-    margin for the small files."""
-    per_param = 12 + (2 if export_dtype == "bf16" else 0)
+    moments (12 bytes per parameter), plus a 16-bit export beside the masters (2 more; "auto"
+    counts as one), plus a margin for the small files."""
+    per_param = 12 + (2 if export_dtype != "fp32" else 0)
     return per_param * sum(m.numel() for _, m in rep.named_masters()) + (1 << 20)

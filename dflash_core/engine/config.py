@@ -133,7 +133,8 @@ class TrainJob:
     skip_bad_lines: bool = False
     chat_template: str | None = None  # a Jinja template file; None: the tokenizer's template
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # options the template reads
-    export_dtype: str = "fp32"  # model.safetensors of each checkpoint: the masters' dtype, or "bf16"
+    # model.safetensors of each checkpoint: "auto" (the target's declared dtype), "fp32" or "bf16"
+    export_dtype: str = "auto"
     # where reads and writes must stay when they happen (the service's roots; empty: unconfined)
     dataset_roots: list[str] = field(default_factory=list)
     output_roots: list[str] = field(default_factory=list)

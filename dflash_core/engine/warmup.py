@@ -10,6 +10,7 @@ device, so each replica compiles (or loads from the cache) its own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ import torch
 from ..config import DrafterConfig, LossConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
 from ..devices import CudaContexts, default_devices
+from ..parity import check_serving_parity
 from ..target import TargetModel
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
@@ -116,14 +118,16 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     hf_cfg = AutoConfig.from_pretrained(target_path)
     timeline.mark("build:tokenizer_and_config")
+    mask_id = mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token)
     drafter_config = DrafterConfig.from_target_config(
         hf_cfg,
         num_hidden_layers=config.drafter_layers,
         block_size=config.block_size,
-        mask_token_id=mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token),
+        mask_token_id=mask_id,
         target_layer_ids=layer_ids,
         intermediate_size=config.drafter_intermediate_size,
     )
+    drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     cuda.wait()
@@ -142,6 +146,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         )
         timeline.record("target_load", device_label(dev), t)
         timeline.mark(f"build:target_loaded:{device_label(dev)}")
+    drafter_config = serving_inputs(drafter_config, targets[0])
 
     timeline.enter("warming_target")
     batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
@@ -228,6 +233,21 @@ def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int]
     # the tiny target's own ids: the rule would pick the same layer twice for its depth
     ids = config.target_layer_ids or list(DEFAULT_TARGET_LAYER_IDS)
     return str(ensure_default_assets(data_dir).target), ids
+
+
+def serving_inputs(drafter_config: DrafterConfig, target: TargetModel) -> DrafterConfig:
+    """The drafter config with the target's embedding scale, after refusing (TargetRefused) a
+    target whose drafter inputs the serving loops compute otherwise (parity.py)."""
+    check_serving_parity(target.config, len(target.decoder_layers()), drafter_config.target_layer_ids)
+    scale = target.embedding_scale
+    if scale != 1.0:
+        log.warning(
+            "the target's embedding scales its table: the drafter trains on the scaled rows, and its checkpoint "
+            "says so (dflash_config.input_embedding_scale); vLLM's Qwen3 DFlash model feeds unscaled rows: "
+            "serve it with SGLang or the reference",
+            extra={"fields": {"input_embedding_scale": scale}},
+        )
+    return dataclasses.replace(drafter_config, input_embedding_scale=scale)
 
 
 def check_rope_positions(cfg: DrafterConfig, seq_len: int, block_size: int) -> None:

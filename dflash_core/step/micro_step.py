@@ -56,6 +56,13 @@ def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: 
     )
 
 
+def block_embeddings(head: FrozenHead, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's input for block tokens ids [Q]: [1, Q, H]. One lookup in the frozen table,
+    which holds the target's embedding with its scale folded in (TargetModel.frozen_head), so it
+    equals what the serving loop feeds the drafter (tests/test_serving_parity.py)."""
+    return torch.nn.functional.embedding(ids, head.embed_weight).unsqueeze(0)
+
+
 def drafter_forward(
     drafter: DFlashDrafter,
     head: FrozenHead,
@@ -67,7 +74,7 @@ def drafter_forward(
     """Training-time forward of all blocks: final hidden states [Q, H]."""
     cfg = drafter.config
     ids, positions = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
-    embeds = torch.nn.functional.embedding(ids, head.embed_weight).unsqueeze(0)
+    embeds = block_embeddings(head, ids)
     feats = features.unsqueeze(0) if features.dim() == 2 else features
     if kernels.forward is not None:
         return kernels.forward(embeds, feats, positions, batch.position_ids, attend)[0]
@@ -120,7 +127,7 @@ def inference_block_forward(
     masked). Returns the final hidden states [B, H]."""
     b = block_ids.shape[0]
     device = block_ids.device
-    embeds = torch.nn.functional.embedding(block_ids, head.embed_weight).unsqueeze(0)
+    embeds = block_embeddings(head, block_ids)
     block_pos = torch.arange(anchor_position, anchor_position + b, device=device)
     ctx_pos = torch.arange(context_features.shape[0], device=device)
     return drafter(embeds, context_features.unsqueeze(0), block_pos, ctx_pos, DenseAttention(None))[0]

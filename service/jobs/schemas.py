@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .suggest import unknown_field_message
+
 BUILTIN_SCHEME = "builtin://"
 BUILTIN_DATASETS = ("train", "heldout")
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
@@ -78,8 +80,10 @@ class JobSpec(BaseModel):
         description="experiment trackers for this job (TensorBoard event files under output_dir/tensorboard; "
         "wandb or mlflow where installed); default: the daemon's report_to",
     )
-    export_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="dtype of each checkpoint's model.safetensors (resume always has the fp32 masters)"
+    export_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="dtype of each checkpoint's model.safetensors; auto: the target's (bf16 for a bf16 target); "
+        "resume always has the fp32 masters",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description='options the chat template reads, e.g. {"enable_thinking": false}'
@@ -139,7 +143,9 @@ def spec_errors(err: ValidationError) -> list[dict[str, str]]:
             continue
         name = field_path(tuple(e["loc"]))
         if e["type"] == "extra_forbidden":
-            out.append({"field": name, "message": "unknown field (not part of the job spec)"})
+            # a top-level field: suggest one of the spec's (a nested one has no fields of its own here)
+            fields = JobSpec.model_fields if len(e["loc"]) == 1 else ()
+            out.append({"field": name, "message": unknown_field_message(str(e["loc"][-1]), fields)})
         else:
             out.append({"field": name or "body", "message": e["msg"]})
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -634,8 +635,12 @@ class JobManager:
             name=job.name,
             output_dir=job.output_dir,
             spec=job.spec,
+            roots=train_job.output_roots,
         )
         callbacks = _RunCallbacks(self, job.id, tracker, given_paths(job.spec, train_job, job.id))
+        for refused in tracker.errors:  # said where the job's reader sees it, not only in the daemon's log
+            payload = {**refused, "error": name_as_given(refused["error"], callbacks.paths)}
+            self._record(functools.partial(self.store.add_event, job.id, "tracking", payload))
         with self._current_lock:
             self._current = callbacks
         if self.metrics is not None:  # the last job's series give way to this one's

@@ -37,6 +37,7 @@ from ..checkpoint import write_checkpoint
 from ..confine import ConfinedDir, OutsideRoots
 from .api import JobCallbacks, JobError, StepStats
 from .config import TrainJob
+from .guards import check_checkpoint_weights
 from .replica import DrafterReplica
 
 log = logging.getLogger("dflash.engine")
@@ -364,9 +365,10 @@ class Checkpointer:
         export_dtype = self.job.export_dtype
 
         def write() -> str:
+            if copied is not None:
+                copied.synchronize()
+            check_checkpoint_weights(step, weights)  # never a non-finite checkpoint, which rotation would keep
             try:
-                if copied is not None:
-                    copied.synchronize()
                 return str(
                     write_checkpoint(
                         path,

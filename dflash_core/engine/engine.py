@@ -45,6 +45,7 @@ from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_t
 from .config import EngineConfig, TrainJob, job_template
 from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .grad_sync import GradSync
+from .guards import check_data_tokens, check_step, check_trained
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
@@ -401,6 +402,7 @@ class Engine:
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
         status = "SUCCEEDED"
+        trained = 0  # context tokens this run trained on
         peer_left: str | None = None
         last: str | None = None
         self.rate.reset()
@@ -439,6 +441,8 @@ class Engine:
                     pipeline, job, step + 1, total, lr, stream.per_epoch, per_step, control, cancel
                 )
                 step += 1
+                check_step(stats)  # before the step is recorded or checkpointed
+                trained += stats.context_tokens
                 cb.on_step(stats)
                 stopping = votes is not None and bool(votes[_Control.CANCEL] or votes[_Control.SHUTDOWN])
                 if group is not None and (stopping or checkpoint_due(job, step, total)):
@@ -454,6 +458,8 @@ class Engine:
                     if votes[_Control.SHUTDOWN] and not votes[_Control.CANCEL]:
                         peer_left = "a rank is shutting down"
                     break
+            if status == "SUCCEEDED":
+                check_trained(step - start, trained)
             if checkpointer is not None:
                 last = checkpointer.finish(
                     step, stats, eval_result, stopped_early=status == "STOPPED", first_step=start
@@ -509,6 +515,7 @@ class Engine:
                 exclude=data.exclude,
             )
             total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
+            check_data_tokens(int(data.corpus.lengths.sum()))
             cb.on_event(
                 "data",
                 {

@@ -58,14 +58,18 @@ class JobSpec(BaseModel):
     )
     steps: int | None = Field(None, ge=1, le=10**9)
     epochs: float | None = Field(None, gt=0, le=10**6)
-    learning_rate: float = Field(6e-4, gt=0, le=10)
+    # bounded so that no setting alone can make the weights non-finite: lr * weight_decay <= 1 keeps
+    # AdamW's decay factor in [0, 1]; a loss_gamma below float32's range makes the position weights NaN
+    learning_rate: float = Field(6e-4, gt=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="max gradient norm; 0 disables clipping")
     adam_betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     grad_accum: int = Field(1, ge=1, le=4096)
-    loss_gamma: float | None = Field(None, gt=0, le=1e6, description="position-weight decay; default by block size")
+    loss_gamma: float | None = Field(
+        None, ge=0.01, le=1e6, description="position-weight decay; default by block size"
+    )
     seed: int = Field(0, ge=0, le=2**32 - 1)
     output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
     checkpoint_interval: int = Field(100, ge=1, le=10**9)

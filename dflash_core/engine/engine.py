@@ -693,6 +693,7 @@ class Engine:
                         "tokens": p.tokens,
                         "seconds": round(p.seconds, 3),
                         "done": done,
+                        **({"rebuilt_cache_entries": p.rebuilt} if p.rebuilt else {}),
                     }
                 )
 

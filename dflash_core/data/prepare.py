@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..confine import resolved_under
+from .bounded import bounded_lines, count_newlines, next_line_start
 from .cache_entry import (
     BadEntry,
     file_digest,
@@ -49,6 +50,7 @@ from .cache_entry import (
 )
 from .conversations import Conversation, DatasetError, parse_conversation
 from .sources import (
+    MAX_RECORD_BYTES,
     SourceFile,
     _jsonl_lines,
     conversation_column,
@@ -207,12 +209,9 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
         _, start, end, first_line = task
         with src.path.open("rb") as f:
             f.seek(start)
-            data = f.read(end - start)
-        # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
-        # would also split on a bare carriage return and shift every later line number)
-        parts = data.split(b"\n")
-        lines = [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
-        yield from _jsonl_lines(src.name, lines, first_line)
+            # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
+            # would also split on a bare carriage return and shift every later line number)
+            yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
     elif kind == "rows":
         _, start, stop = task
         yield from _rows(src, start, stop)
@@ -298,11 +297,9 @@ def _tasks(src: SourceFile) -> Iterator[tuple[tuple, int]]:
         with src.path.open("rb") as f:
             start, line = 0, 1
             while start < size:
-                f.seek(min(size, start + CHUNK_BYTES))
-                f.readline()  # to the end of the line the boundary falls in
-                end = min(size, f.tell()) if start + CHUNK_BYTES < size else size
-                f.seek(start)
-                lines = f.read(end - start).count(b"\n")
+                # to the end of the line the boundary falls in (scanned, never read whole)
+                end = next_line_start(f, start + CHUNK_BYTES, size) if start + CHUNK_BYTES < size else size
+                lines = count_newlines(f, start, end)
                 yield ("bytes", start, end, line), end - start
                 start, line = end, line + lines
     elif src.kind in ("parquet", "arrow"):

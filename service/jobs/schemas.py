@@ -67,9 +67,7 @@ class JobSpec(BaseModel):
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="max gradient norm; 0 disables clipping")
     adam_betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     grad_accum: int = Field(1, ge=1, le=4096)
-    loss_gamma: float | None = Field(
-        None, ge=0.01, le=1e6, description="position-weight decay; default by block size"
-    )
+    loss_gamma: float | None = Field(None, ge=0.01, le=1e6, description="position-weight decay; default by block size")
     seed: int = Field(0, ge=0, le=2**32 - 1)
     output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
     checkpoint_interval: int = Field(100, ge=1, le=10**9)
@@ -153,6 +151,12 @@ def parse_spec(body: Any) -> JobSpec:
     """Validate a decoded JSON body; raises InvalidSpec listing every problem."""
     if not isinstance(body, dict):
         raise InvalidSpec([{"field": "body", "message": f"expected a JSON object, got {type(body).__name__}"}])
+    # before anything walks the values recursively (validation, the fingerprint's JSON encoding)
+    from dflash_core.data.bounded import MAX_JSON_DEPTH, too_deep
+
+    deep = [str(k) for k, v in body.items() if too_deep(v, MAX_JSON_DEPTH - 1)]
+    if deep:
+        raise InvalidSpec([{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
     try:
         return JobSpec.model_validate(body)
     except ValidationError as e:
@@ -229,9 +233,11 @@ def resolve_template(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
     try:
         if not path.is_file():
             raise SpecError("chat_template", f"{raw!r} is not a file")
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        with path.open("rb") as f:  # bounded while reading, whatever its size says
+            text = f.read(MAX_TEMPLATE_BYTES + 1)
+        if len(text) > MAX_TEMPLATE_BYTES:
             raise SpecError("chat_template", f"{raw!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
-        path.read_text(encoding="utf-8")
+        text.decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
     except OSError as e:

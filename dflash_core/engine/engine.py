@@ -41,7 +41,16 @@ from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
 from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size
-from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_times, save_artifacts, use_cache_dir
+from .compile import (
+    ARTIFACTS_FILE,
+    CompileGuard,
+    load_artifacts,
+    log_compile_times,
+    save_artifacts,
+    trusted_artifacts,
+    trusted_cache_dir,
+    use_cache_dir,
+)
 from .config import EngineConfig, TrainJob, job_template
 from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .grad_sync import GradSync
@@ -99,7 +108,7 @@ class Engine:
         if config.inductor_cache_dir is not None:
             use_cache_dir(str(config.inductor_cache_dir), "engine.inductor_cache_dir")
         else:
-            use_cache_dir(str(self.data_dir / "inductor-cache"), "the data directory's default")
+            use_cache_dir(*trusted_cache_dir(self.data_dir / "inductor-cache", self.data_dir))
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())
         self._cuda_contexts = CudaContexts(flat_devices(target_devices) + self.drafter_devices)
@@ -134,7 +143,9 @@ class Engine:
             backend = "nccl" if any(d.startswith("cuda") for d in self.drafter_devices) else "gloo"
             self.group.join(backend)
             self.timeline.mark("build:group_joined")
-        if load_artifacts(self.data_dir / ARTIFACTS_FILE):
+        if trusted_artifacts(self.data_dir / ARTIFACTS_FILE, self.data_dir) and load_artifacts(
+            self.data_dir / ARTIFACTS_FILE
+        ):
             self.timeline.mark("build:compile_artifacts_loaded")
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.grad_sync)
         if self.group is not None:

@@ -74,8 +74,8 @@ def parse_conversation(obj: object, path: str | Path, line: int, unit: str = "li
         if not isinstance(m, dict):
             raise error(f"message {i} is not an object")
         role = ROLE_ALIASES.get(str(m.get(role_key, "")).lower())
-        if role is None:
-            raise error(f"message {i} has unknown {role_key!r} {m.get(role_key)!r}")
+        if role is None:  # the value itself is not echoed: errors are shown to whoever may list the jobs
+            raise error(f"message {i} has an unknown {role_key!r} (expected one of: {', '.join(sorted(ROLE_ALIASES))})")
         text = m.get(text_key)
         if not isinstance(text, str):
             raise error(f"message {i} has no string {text_key!r}")

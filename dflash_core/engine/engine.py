@@ -40,7 +40,7 @@ from ..step.blocks import expected_acceptance_length
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
-from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size
+from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size, human_bytes
 from .compile import (
     ARTIFACTS_FILE,
     CompileGuard,
@@ -306,8 +306,8 @@ class Engine:
         free, need = st.f_bavail * st.f_frsize, checkpoint_size(self.replicas[0], job.export_dtype)
         if free < need:
             raise JobError(
-                f"{job.output_dir!r}: {free / 2**30:.2f} GiB free on its file system, a checkpoint needs about "
-                f"{need / 2**30:.2f} GiB (ENOSPC)",
+                f"{job.output_dir!r}: {human_bytes(free)} free on its file system, a checkpoint needs about "
+                f"{human_bytes(need)} (ENOSPC)",
                 "output_dir",
             )
 

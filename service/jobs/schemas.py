@@ -170,6 +170,9 @@ def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path)
         raise SpecError(field_name, "empty path")
     if "\x00" in raw:
         raise SpecError(field_name, "path contains a NUL byte")
+    if raw.startswith("~") and not (raw == "~" or raw.startswith("~/")):
+        # the same answer whether or not that user exists: no account names are probed through paths
+        raise SpecError(field_name, f"{raw[:200]!r}: '~user' paths are not accepted; give the path itself")
     try:
         candidate = Path(raw).expanduser()
         if ".." in candidate.parts:

@@ -69,3 +69,18 @@ def test_nan_init_from_fails_at_step_1_without_a_checkpoint(engine, default_asse
     assert "diverged at step 1" in str(e.value) and "not finite" in str(e.value), e.value
     assert watch.steps == [] and watch.checkpoints == []
     assert not any(Path(tmp_path / "bad" / "checkpoints").glob("step-*"))
+
+
+def test_a_job_that_trained_on_nothing_fails(engine, default_assets, tmp_path):
+    """Empty assistant turns: every document is packed, yet no block position has a label, so the
+    loss is 0 by construction. The job fails saying so instead of succeeding."""
+    import json
+
+    empty = tmp_path / "empty-answers.jsonl"
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    empty.write_text("".join(json.dumps(record) + "\n" for _ in range(50)))
+    watch = Watch()
+    with pytest.raises(JobError) as e:
+        engine.run_job(job(default_assets, tmp_path / "out", steps=3, datasets=[str(empty)]), watch)
+    assert "trained on 0 tokens" in str(e.value), e.value
+    assert watch.steps == [1, 2, 3]

@@ -413,7 +413,7 @@ class Engine:
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
         status = "SUCCEEDED"
-        trained = 0  # context tokens this run trained on
+        trained = 0  # labelled block positions this run trained on
         peer_left: str | None = None
         last: str | None = None
         self.rate.reset()
@@ -453,7 +453,7 @@ class Engine:
                 )
                 step += 1
                 check_step(stats)  # before the step is recorded or checkpointed
-                trained += stats.context_tokens
+                trained += stats.labels
                 cb.on_step(stats)
                 stopping = votes is not None and bool(votes[_Control.CANCEL] or votes[_Control.SHUTDOWN])
                 if group is not None and (stopping or checkpoint_due(job, step, total)):
@@ -930,6 +930,7 @@ class Engine:
             lr,
             norm,
             step * per_step / per_epoch,
+            int(counted[1:].sum().item()),
         )
 
     # ------------------------------------------------------------------ evaluation

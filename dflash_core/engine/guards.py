@@ -62,7 +62,11 @@ def check_data_tokens(tokens: int) -> None:
         )
 
 
-def check_trained(steps: int, tokens: int) -> None:
-    """After the job's steps of this run: raise when steps ran but no token was trained."""
-    if steps > 0 and tokens <= 0:
-        raise JobError(f"the job ran {steps} steps but trained on 0 tokens; it did not train")
+def check_trained(steps: int, labels: int) -> None:
+    """After the job's steps of this run: raise when steps ran but no position had a label (the
+    loss was 0 by construction: e.g. every assistant turn empty)."""
+    if steps > 0 and labels <= 0:
+        raise JobError(
+            f"the job ran {steps} steps but trained on 0 tokens: no block position had a label (are the "
+            "assistant turns empty?); it did not train"
+        )

@@ -33,6 +33,7 @@ from ..checkpoint import load_training_state, load_weights, read_config
 from ..config import DrafterConfig, LossConfig
 from ..confine import OutsideRoots, resolved_under
 from ..data.batches import MicroBatchStream
+from ..data.cache_entry import sweep_partial
 from ..data.job import JobData, load_job_data
 from ..data.prepare import PrepareCancelled, PrepareProgress, Tokenization, save_tokenizer
 from ..devices import CudaContexts
@@ -147,6 +148,8 @@ class Engine:
             self.data_dir / ARTIFACTS_FILE
         ):
             self.timeline.mark("build:compile_artifacts_loaded")
+        for partial in ("tokens", "tokens/tokenizers"):  # what a killed daemon's tokenization left
+            sweep_partial(self.data_dir / "cache" / partial)
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.grad_sync)
         if self.group is not None:
             # only now: each rank warms on its own time (a cold cache, a slow disk), so warm-up's

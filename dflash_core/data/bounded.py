@@ -29,12 +29,12 @@ def bounded_lines(f: IO[bytes], limit: int, end: int | None = None) -> Iterator[
         if len(line) <= limit:
             yield line
             continue
+        yield None  # first: a reader that stops at this error never reads the rest of the line
         while not line.endswith(b"\n"):  # the rest of the long line, block by block
             line = f.readline(SCAN_BLOCK if end is None else min(SCAN_BLOCK, max(0, end - pos)))
             if not line:
                 break
             pos += len(line)
-        yield None
 
 
 def next_line_start(f: IO[bytes], offset: int, size: int) -> int:

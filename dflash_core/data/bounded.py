@@ -15,10 +15,13 @@ SCAN_BLOCK = 1 << 20
 MAX_JSON_DEPTH = 32
 
 
-def bounded_lines(f: IO[bytes], limit: int, end: int | None = None) -> Iterator[bytes | None]:
+def bounded_lines(
+    f: IO[bytes], limit: int, end: int | None = None, *, partial_last: bool = True
+) -> Iterator[bytes | None]:
     """The lines of binary file `f` from its position up to byte offset `end` (None: its end), each
     with its newline; None in place of a line longer than `limit` bytes, which is skipped without
-    being held in memory."""
+    being held in memory. partial_last=False: a last line that `end` cuts (no newline) is dropped,
+    for a reader that looks at a window of the file rather than a range ending on a line."""
     pos = f.tell()
     while end is None or pos < end:
         want = limit + 1 if end is None else min(limit + 1, end - pos)
@@ -27,7 +30,8 @@ def bounded_lines(f: IO[bytes], limit: int, end: int | None = None) -> Iterator[
             return
         pos += len(line)
         if len(line) <= limit:
-            yield line
+            if partial_last or line.endswith(b"\n") or end is None:
+                yield line
             continue
         yield None  # first: a reader that stops at this error never reads the rest of the line
         while not line.endswith(b"\n"):  # the rest of the long line, block by block

@@ -106,11 +106,12 @@ def _first_char(path: Path) -> str:
     return text[:1]
 
 
-def iter_records(src: SourceFile) -> Iterator[tuple[int, object]]:
-    """(position, record or DatasetError) for every record of the file, in order."""
+def iter_records(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
+    """(position, record or DatasetError) for every record of the file, in order. window: JSONL
+    lines are read from the file's first `window` bytes only (a line the window cuts is not read)."""
     try:
         if src.kind == "jsonl":
-            yield from _jsonl(src)
+            yield from _jsonl(src, window)
         elif src.kind == "json_array":
             yield from _json_array(src)
         elif src.kind == "parquet":
@@ -121,9 +122,9 @@ def iter_records(src: SourceFile) -> Iterator[tuple[int, object]]:
         raise unreadable(src.name, e) from None
 
 
-def _jsonl(src: SourceFile) -> Iterator[tuple[int, object]]:
+def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
     with src.path.open("rb") as f:
-        yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES), 1)
+        yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
 
 
 def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:

@@ -173,6 +173,12 @@ class _RunCallbacks:
         log.info("evaluation", extra={"fields": {"job": self.job_id, "step": step, "acceptance_length": tau}})
 
     def on_data_progress(self, progress: dict) -> None:
+        if progress.get("rebuilt_cache_entries"):  # the datasets named as the client named them
+            rebuilt = [
+                {**r, "dataset": name_as_given(str(r["dataset"]), self.paths)}
+                for r in progress["rebuilt_cache_entries"]
+            ]
+            progress = {**progress, "rebuilt_cache_entries": rebuilt}
         self._store(self.manager.store.set_phase, self.job_id, "preparing_data", progress)
         self._store(self.manager.store.add_event, self.job_id, "preparing_data", progress)
         if self.manager.metrics is not None:

@@ -83,4 +83,4 @@ def test_a_job_that_trained_on_nothing_fails(engine, default_assets, tmp_path):
     with pytest.raises(JobError) as e:
         engine.run_job(job(default_assets, tmp_path / "out", steps=3, datasets=[str(empty)]), watch)
     assert "trained on 0 tokens" in str(e.value), e.value
-    assert watch.steps == [1, 2, 3]
+    assert watch.steps == [1, 2, 3] and watch.checkpoints == []  # not even the last step's

@@ -458,6 +458,8 @@ class Engine:
                 check_step(stats)  # before the step is recorded or checkpointed
                 trained += stats.labels
                 cb.on_step(stats)
+                if step == total:  # before the last checkpoint: a job that trained on nothing writes none
+                    check_trained(step - start, trained)
                 stopping = votes is not None and bool(votes[_Control.CANCEL] or votes[_Control.SHUTDOWN])
                 if group is not None and (stopping or checkpoint_due(job, step, total)):
                     self._compare_weights(control, step)
@@ -472,8 +474,6 @@ class Engine:
                     if votes[_Control.SHUTDOWN] and not votes[_Control.CANCEL]:
                         peer_left = "a rank is shutting down"
                     break
-            if status == "SUCCEEDED":
-                check_trained(step - start, trained)
             if checkpointer is not None:
                 last = checkpointer.finish(
                     step, stats, eval_result, stopped_early=status == "STOPPED", first_step=start

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bounded import MAX_JSON_DEPTH, too_deep
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -61,6 +63,8 @@ def parse_conversation(obj: object, path: str | Path, line: int, unit: str = "li
 
     if not isinstance(obj, dict):
         raise error(f"expected a JSON object, got {type(obj).__name__}")
+    if too_deep(obj):  # from any layout (parquet and save_to_disk rows too), before anything recurses into it
+        raise error(f"nested deeper than {MAX_JSON_DEPTH} levels")
     if "messages" in obj:
         raw, role_key, text_key = obj["messages"], "role", "content"
     elif "conversations" in obj:

@@ -96,8 +96,11 @@ def test_a_group_writable_fsgroup_volume_is_trusted(tmp_path):
     assert problem(cache / "m.pyc", data_dir) is None
 
 
-def test_a_planted_inductor_cache_is_not_used(tmp_path):
+def test_a_planted_inductor_cache_is_not_used(tmp_path, monkeypatch):
     from dflash_core.engine.compile import trusted_cache_dir
+
+    # as in a fresh daemon: an exported variable (torch sets one once it compiled) would win over the default
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
 
     data_dir = tmp_path / "data"
     kernel = data_dir / "inductor-cache" / "ab" / "kernel.py"

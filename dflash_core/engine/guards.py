@@ -32,15 +32,16 @@ def check_step(stats: StepStats) -> None:
 
 
 def non_finite_weights(weights: dict[str, Any]) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity. A float64 sum per tensor finds them
-    without a mask as large as the tensor (NaN and +-inf survive a sum; finite fp32 values cannot
-    overflow a float64 one)."""
+    """Names of the tensors holding a NaN or an infinity. A tensor's sum in its own dtype finds
+    them at memory speed (NaN and +-inf survive a sum); only a sum that is not finite, which
+    finite values overflowing could also give, is confirmed element by element."""
     return [
         name
         for name, t in weights.items()
         if isinstance(t, torch.Tensor)
         and t.is_floating_point()
-        and not bool(torch.isfinite(t.sum(dtype=torch.float64)))
+        and not bool(torch.isfinite(t.sum()))
+        and not bool(torch.isfinite(t).all())
     ]
 
 

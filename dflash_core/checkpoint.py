@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -309,10 +310,12 @@ def load_training_state(path: str | Path) -> dict[str, Any] | None:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's own message advises loading with weights_only=False, which would run the file's code
+        needs = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f" (it needs {needs.group(1)[:200]})" if needs else ""
         raise UnsafeTrainingState(
-            f"{p}: not loaded: it holds objects other than tensors and plain values ({first[:300]}); "
-            "a training state written by this trainer never does"
+            f"{p}: not loaded: it holds objects other than tensors and plain values{what}; "
+            "a training state written by this trainer never does, so it is not loaded at all"
         ) from None
     if not isinstance(state, dict):
         raise UnsafeTrainingState(f"{p}: not a training state (a {type(state).__name__})")

@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_core.trust import tree_problem
+
 log = logging.getLogger("dflash.service")
 BYTECODE_DIR = "python-cache"  # under the data directory
 
@@ -64,6 +66,15 @@ def use_bytecode_cache(directory: Path, probes: dict[str, tuple[str, ...]] = PRO
                 # a prefix Python cannot write would also hide the bytecode beside every other source
                 log.warning("python bytecode: %s: %s; compiling the libraries' sources", directory, problem)
                 return BytecodeCache(None, f"{directory}: {problem}")
+            # bytecode read from the data volume runs as the daemon: only what the daemon's user wrote
+            if (untrusted := tree_problem(directory, directory.parent)) is not None:
+                log.error(
+                    "python bytecode: refusing %s: %s (see the README's trust boundary); compiling the libraries' "
+                    "sources",
+                    directory,
+                    untrusted,
+                )
+                return BytecodeCache(None, f"refused: {untrusted}")
             why = "bytecode writing is off: PYTHONDONTWRITEBYTECODE or -B" if sys.dont_write_bytecode else "read-only"
             sys.pycache_prefix = str(directory)
             # a prefix writes nothing beside the sources, which is what PYTHONDONTWRITEBYTECODE

@@ -41,6 +41,18 @@ RECONNECT_SECONDS = 900.0
 
 
 # --------------------------------------------------------------------------- serve
+def untrusted_store(config: Any) -> str | None:
+    """Why the job store in the data directory must not be used (its records name the paths and
+    roots jobs write under): see dflash_core.trust."""
+    from dflash_core.trust import problem
+
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        path = config.database_path.with_name(config.database_path.name + suffix)
+        if (why := problem(path, config.data_dir)) is not None:
+            return f"the job store {why}; the data directory must be as trusted as the daemon (see the README)"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -77,6 +89,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if launch is not None:
         config = for_rank(config, launch)
     if (launch is None or launch.rank == 0) and (problem := config.exposure_problem()) is not None:
+        print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
+        return 2
+    if (problem := untrusted_store(config)) is not None:
         print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
         return 2
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)

@@ -2,14 +2,24 @@
 files under the job's output directory (no network), and Weights & Biases or MLflow where their
 package is installed (their own configuration applies: WANDB_MODE=offline, MLFLOW_TRACKING_URI,
 ...). One Tracker per job run; every backend gets the same scalars.
+
+The trackers write files, so they write where the checkpoints do: into the job's output directory
+opened from its root without following a symlink (dflash_core.confine.ConfinedDir) and held open,
+reached through its descriptor's /proc/self/fd path. A `tensorboard` symlink planted in the
+output directory, or an output directory swapped for a symlink while the job waited, is refused
+(the job's `tracking` event says why), never followed out of the roots. MLflow without a tracking
+URI of its own writes its file store under the output directory too, not into the current one.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 from typing import Any
+
+from dflash_core.confine import ConfinedDir
 
 log = logging.getLogger("dflash.tracking")
 
@@ -38,14 +48,45 @@ def step_scalars(stats: Any) -> dict[str, float]:
 
 
 class Tracker:
-    def __init__(self, backends: list[str], *, job_id: str, name: str | None, output_dir: str, spec: dict[str, Any]):
+    def __init__(
+        self,
+        backends: list[str],
+        *,
+        job_id: str,
+        name: str | None,
+        output_dir: str,
+        spec: dict[str, Any],
+        roots: list[str] | list[Path] | None = None,
+    ):
+        """roots: the output roots the job's directories must stay under (None or empty: unconfined,
+        for a caller outside the daemon)."""
         self._writers: list[Any] = []
+        self._dirs: list[ConfinedDir] = []
+        self.errors: list[dict[str, str]] = []  # {backend, error} of each backend not started
         self.directory = Path(output_dir) / "tensorboard"
         for backend in backends:
             try:
-                self._writers.append(_open(backend, job_id, name, output_dir, spec, self.directory))
+                self._writers.append(self._open(backend, job_id, name, output_dir, spec, list(roots or [])))
             except Exception as e:  # noqa: BLE001 - tracking must never stop a job
                 log.warning("report_to %s: not started (%s)", backend, e, extra={"fields": {"job": job_id}})
+                self.errors.append({"backend": backend, "error": str(e)})
+
+    def _confined(self, path: Path, roots: list[Any]) -> str:
+        """`path` opened without following a symlink below its root, held open until close(); the
+        path of its descriptor, which a later swap of a component cannot redirect."""
+        directory = ConfinedDir(path, roots, "output_dir")
+        self._dirs.append(directory)
+        return f"/proc/self/fd/{directory.fd}"
+
+    def _open(self, backend: str, job_id: str, name: str | None, output_dir: str, spec: dict[str, Any], roots):
+        if backend == "tensorboard":
+            return _TensorBoard(self._confined(self.directory, roots))
+        if backend == "wandb":
+            return _Wandb(job_id, name, self._confined(Path(output_dir), roots), spec)
+        if backend == "mlflow":
+            uri = None if os.environ.get("MLFLOW_TRACKING_URI") else "file://" + self._confined(Path(output_dir), roots)
+            return _MLflow(job_id, name, spec, None if uri is None else uri + "/mlruns")
+        raise ValueError(f"unknown report_to backend {backend!r}")
 
     def step(self, stats: Any) -> None:
         self._log(step_scalars(stats), stats.step)
@@ -74,13 +115,16 @@ class Tracker:
                 except Exception as e:  # noqa: BLE001 - tracking must never stop a job
                     log.warning("closing experiment tracking failed: %s", e)
         self._writers = []
+        for directory in self._dirs:
+            directory.close()
+        self._dirs = []
 
 
 class _TensorBoard:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: str):
         from tensorboardX import SummaryWriter
 
-        self._w = SummaryWriter(logdir=str(directory), flush_secs=10)
+        self._w = SummaryWriter(logdir=directory, flush_secs=10)
 
     def __call__(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
@@ -104,10 +148,12 @@ class _Wandb:
 
 
 class _MLflow:
-    def __init__(self, job_id: str, name: str | None, spec: dict[str, Any]):
+    def __init__(self, job_id: str, name: str | None, spec: dict[str, Any], tracking_uri: str | None):
         import mlflow
 
         self._mlflow = mlflow
+        if tracking_uri is not None:  # its default is ./mlruns: the current directory, outside the roots
+            mlflow.set_tracking_uri(tracking_uri)
         self._run = mlflow.start_run(run_name=name or job_id, tags={"dflash.job_id": job_id})
         mlflow.log_params({k: str(v)[:500] for k, v in spec.items()})
 
@@ -116,13 +162,3 @@ class _MLflow:
 
     def close(self) -> None:
         self._mlflow.end_run()
-
-
-def _open(backend: str, job_id: str, name: str | None, output_dir: str, spec: dict[str, Any], directory: Path):
-    if backend == "tensorboard":
-        return _TensorBoard(directory)
-    if backend == "wandb":
-        return _Wandb(job_id, name, output_dir, spec)
-    if backend == "mlflow":
-        return _MLflow(job_id, name, spec)
-    raise ValueError(f"unknown report_to backend {backend!r}")

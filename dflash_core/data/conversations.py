@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bounded import MAX_JSON_DEPTH, too_deep
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -61,6 +63,8 @@ def parse_conversation(obj: object, path: str | Path, line: int, unit: str = "li
 
     if not isinstance(obj, dict):
         raise error(f"expected a JSON object, got {type(obj).__name__}")
+    if too_deep(obj):  # from any layout (parquet and save_to_disk rows too), before anything recurses into it
+        raise error(f"nested deeper than {MAX_JSON_DEPTH} levels")
     if "messages" in obj:
         raw, role_key, text_key = obj["messages"], "role", "content"
     elif "conversations" in obj:
@@ -74,8 +78,8 @@ def parse_conversation(obj: object, path: str | Path, line: int, unit: str = "li
         if not isinstance(m, dict):
             raise error(f"message {i} is not an object")
         role = ROLE_ALIASES.get(str(m.get(role_key, "")).lower())
-        if role is None:
-            raise error(f"message {i} has unknown {role_key!r} {m.get(role_key)!r}")
+        if role is None:  # the value itself is not echoed: errors are shown to whoever may list the jobs
+            raise error(f"message {i} has an unknown {role_key!r} (expected one of: {', '.join(sorted(ROLE_ALIASES))})")
         text = m.get(text_key)
         if not isinstance(text, str):
             raise error(f"message {i} has no string {text_key!r}")

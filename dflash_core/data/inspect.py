@@ -7,9 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .conversations import DatasetError, parse_conversation
-from .sources import conversation_column, dataset_files, iter_records
+from .sources import MAX_RECORD_BYTES, conversation_column, dataset_files, iter_records
 
 FIRST_RECORDS = 20  # records read per file
+# bytes of a JSONL file looked at, whatever its records: skipping an over-long line (skip_bad_lines)
+# would otherwise read a huge newline-free file to its end while the submission waits
+INSPECT_BYTES = 4 * MAX_RECORD_BYTES
 
 
 def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False, name: str | None = None) -> int:
@@ -23,7 +26,7 @@ def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False, name: str 
             conversation_column(src)
         first_error: DatasetError | None = None
         usable = seen = 0
-        for position, record in iter_records(src):
+        for position, record in iter_records(src, INSPECT_BYTES):
             seen += 1
             try:
                 if isinstance(record, DatasetError):

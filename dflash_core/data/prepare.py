@@ -3,9 +3,11 @@
 Every source file (sources.py) is tokenized into a cache entry under the data directory: the
 token ids, the loss mask and the length and position (line or row) of every document, as flat
 arrays that later jobs memory-map instead of reading into host memory. An entry's key is the
-file's identity (path, size, modification time), the tokenizer's files, the chat template and its
-options, and the sequence length (documents are truncated to it when tokenized); a changed file
-gets a new key, so an edited dataset is tokenized again and an unchanged one never is. An entry
+file's identity (path, size, modification time and a digest of its content), the tokenizer's
+files, the chat template and its options, and the sequence length (documents are truncated to it
+when tokenized); a changed file gets a new key, so an edited dataset is tokenized again (even one
+edited in place with its size and mtime kept) and an unchanged one never is. Entries are written
+durably with a manifest and verified whenever they are opened (cache_entry.py). An entry
 holds no name of its file: errors are named by the source that opens it (two jobs can reach one
 file through different names).
 
@@ -23,11 +25,9 @@ import concurrent.futures as cf
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,8 +36,21 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..confine import resolved_under
+from .bounded import bounded_lines, count_newlines, next_line_start
+from .cache_entry import (
+    BadEntry,
+    file_digest,
+    quarantine,
+    sweep_partial,
+    sync_dir,
+    sync_files,
+    temp_name,
+    verified_meta,
+    write_meta,
+)
 from .conversations import Conversation, DatasetError, parse_conversation
 from .sources import (
+    MAX_RECORD_BYTES,
     SourceFile,
     _jsonl_lines,
     conversation_column,
@@ -49,15 +62,17 @@ from .sources import (
     unreadable,
 )
 from .tokenize import ChatTemplate, encode_conversation
+from .workers import result_or_stop, stop_workers, worker_pool
 
 log = logging.getLogger("dflash.data")
 
-CACHE_VERSION = 2  # bump when the entry layout or the tokenization changes
+CACHE_VERSION = 3  # bump when the entry layout or the tokenization changes
 CHUNK_BYTES = 4 << 20  # JSONL bytes per task
 CHUNK_ROWS = 4096  # parquet / save_to_disk rows per task
 ARRAY_BATCH = 1024  # JSON array elements per task
 IN_PROCESS_BYTES = 8 << 20  # below this much data, tokenize here
 MAX_REPORTED_ERRORS = 10
+STOP_CHECK_RECORDS = 32  # records tokenized here between two looks at should_stop
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class Tokenization:
         parts = {
             "version": CACHE_VERSION,
             "files": identity(src),
+            "content": _content(src),
             "kind": src.kind,
             "tokenizer": self.tokenizer_hash,
             "template": self.template.template,
@@ -84,8 +100,10 @@ class Tokenization:
 
 def save_tokenizer(tokenizer, cache_root: Path) -> tuple[Path, str]:
     """A copy of `tokenizer` (with any token the engine added) in the cache, and its content hash."""
-    tmp = cache_root / "tokenizers" / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    (cache_root / "tokenizers").mkdir(parents=True, exist_ok=True)
+    sweep_partial(cache_root / "tokenizers")
+    tmp = cache_root / "tokenizers" / temp_name("tokenizer")
+    tmp.mkdir()
     tokenizer.save_pretrained(str(tmp))
     digest = hashlib.sha256()
     for p in sorted(tmp.iterdir()):
@@ -121,8 +139,21 @@ class Shard:
         return [DatasetError(self.source.name, e["line"], e["reason"], e["unit"]) for e in self.meta["errors"]]
 
 
-def _open_shard(src: SourceFile, directory: Path) -> Shard:
-    meta = json.loads((directory / "meta.json").read_text())
+def _content(src: SourceFile) -> list[str]:
+    """Digests of the content of every file behind a source (identity's files, in its order)."""
+    return [file_digest(path) for path, _, _ in identity(src)]
+
+
+def _open_verified(src: SourceFile, directory: Path) -> Shard:
+    """The entry's shard once it matches its manifest; raises BadEntry."""
+    meta = verified_meta(directory)
+    try:
+        return _open_shard(src, directory, meta)
+    except (OSError, ValueError) as e:
+        raise BadEntry(f"its arrays cannot be mapped ({e})") from None
+
+
+def _open_shard(src: SourceFile, directory: Path, meta: dict) -> Shard:
 
     def mapped(name: str, dtype) -> np.ndarray:
         path = directory / name
@@ -178,12 +209,9 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
         _, start, end, first_line = task
         with src.path.open("rb") as f:
             f.seek(start)
-            data = f.read(end - start)
-        # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
-        # would also split on a bare carriage return and shift every later line number)
-        parts = data.split(b"\n")
-        lines = [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
-        yield from _jsonl_lines(src.name, lines, first_line)
+            # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
+            # would also split on a bare carriage return and shift every later line number)
+            yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
     elif kind == "rows":
         _, start, stop = task
         yield from _rows(src, start, stop)
@@ -214,8 +242,11 @@ def _column(src: SourceFile) -> str:
     return _STATE[key]
 
 
-def tokenize_chunk(src: SourceFile, task: tuple, tok: Tokenization, size: int) -> ChunkResult:
-    """Read one chunk's records and tokenize them (in a worker process, or here)."""
+def tokenize_chunk(
+    src: SourceFile, task: tuple, tok: Tokenization, size: int, should_stop: Callable[[], bool] | None = None
+) -> ChunkResult:
+    """Read one chunk's records and tokenize them (in a worker process, or here: then
+    should_stop is asked every STOP_CHECK_RECORDS records)."""
     tokenizer = _tokenizer(tok.tokenizer_dir)
     ids_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
@@ -225,6 +256,8 @@ def tokenize_chunk(src: SourceFile, task: tuple, tok: Tokenization, size: int) -
     bad = truncated = records = 0
     for position, record in _chunk_records(src, task):
         records += 1
+        if should_stop is not None and records % STOP_CHECK_RECORDS == 0 and should_stop():
+            raise PrepareCancelled
         try:
             if isinstance(record, DatasetError):
                 raise record
@@ -264,11 +297,9 @@ def _tasks(src: SourceFile) -> Iterator[tuple[tuple, int]]:
         with src.path.open("rb") as f:
             start, line = 0, 1
             while start < size:
-                f.seek(min(size, start + CHUNK_BYTES))
-                f.readline()  # to the end of the line the boundary falls in
-                end = min(size, f.tell()) if start + CHUNK_BYTES < size else size
-                f.seek(start)
-                lines = f.read(end - start).count(b"\n")
+                # to the end of the line the boundary falls in (scanned, never read whole)
+                end = next_line_start(f, start + CHUNK_BYTES, size) if start + CHUNK_BYTES < size else size
+                lines = count_newlines(f, start, end)
                 yield ("bytes", start, end, line), end - start
                 start, line = end, line + lines
     elif src.kind in ("parquet", "arrow"):
@@ -307,6 +338,7 @@ class PrepareProgress:
     documents: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    rebuilt: list[dict] = field(default_factory=list)  # corrupt cache entries set aside: {dataset, entry, reason}
 
     @property
     def fraction(self) -> float:
@@ -421,10 +453,17 @@ def prepare_corpus(
     t0 = time.monotonic()
     todo: list[tuple[SourceFile, Path]] = []
     shards: dict[int, Shard] = {}
+    cache_root.mkdir(parents=True, exist_ok=True)
+    sweep_partial(cache_root)
     for i, src in enumerate(sources):
         directory = cache_root / _reading(src, tok.key)
-        if (directory / "meta.json").is_file():
-            shards[i] = _open_shard(src, directory)
+        if os.path.lexists(directory):
+            try:
+                shards[i] = _open_verified(src, directory)
+            except BadEntry as e:
+                quarantine(directory, str(e), src.name)
+                state.rebuilt.append({"dataset": src.name, "entry": directory.name, "reason": str(e)})
+        if i in shards:
             state.files_done += 1
             state.files_cached += 1
             state.bytes_done += sizes[i]
@@ -437,13 +476,24 @@ def prepare_corpus(
     workers = workers if workers is not None else (os.cpu_count() or 1)
     pool = None
     if todo and workers > 1 and missing > IN_PROCESS_BYTES:
-        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = worker_pool(workers)
     try:
         for src, directory in todo:
             _write_entry(src, directory, tok, pool, workers, state, progress, should_stop, t0)
-            shards[sources.index(src)] = _open_shard(src, directory)
+            try:
+                shards[sources.index(src)] = _open_verified(src, directory)
+            except BadEntry as e:  # written and synced a moment ago: the cache's storage is failing
+                raise DatasetError(
+                    src.name,
+                    0,
+                    f"its tokenized cache entry {directory.name} is corrupt right after it was written: {e}",
+                ) from None
             state.files_done += 1
             progress(state)
+    except BaseException:
+        if pool is not None:  # a cancel or a failure: the workers' chunks in flight are not waited for
+            stop_workers(pool)
+        raise
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -479,7 +529,7 @@ def _write_entry(
     t0: float,
 ) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".tmp-{directory.name}-{uuid.uuid4().hex[:8]}"
+    tmp = directory.parent / temp_name(directory.name)
     tmp.mkdir()
     meta: dict[str, Any] = {
         "source": str(src.path),
@@ -498,7 +548,7 @@ def _write_entry(
             (tmp / "lengths.i64").open("wb") as f_len,
             (tmp / "positions.i64").open("wb") as f_pos,
         ):
-            for res in _results(src, tok, pool, workers):
+            for res in _results(src, tok, pool, workers, should_stop):
                 if should_stop():
                     raise PrepareCancelled
                 res.tokens.tofile(f_tok)
@@ -517,30 +567,35 @@ def _write_entry(
                 state.tokens += int(res.lengths.sum())
                 state.seconds = time.monotonic() - t0
                 progress(state)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            sync_files(f_tok, f_mask, f_len, f_pos)
+        write_meta(tmp, meta)
         try:
             os.rename(tmp, directory)
         except OSError:  # the same entry was written meanwhile: keep that one
             shutil.rmtree(tmp, ignore_errors=True)
+        sync_dir(directory.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _results(src: SourceFile, tok: Tokenization, pool, workers: int) -> Iterator[ChunkResult]:
+def _results(
+    src: SourceFile, tok: Tokenization, pool, workers: int, should_stop: Callable[[], bool] = lambda: False
+) -> Iterator[ChunkResult]:
     """Chunk results in file order; at most 2 * workers chunks in flight. Only reading happens
-    here (the caller writes), so an OSError is the source's."""
+    here (the caller writes), so an OSError is the source's. A stop is noticed while a chunk is
+    being tokenized, not only between chunks (PrepareCancelled)."""
     try:
         if pool is None:
             for task, size in _tasks(src):
-                yield tokenize_chunk(src, task, tok, size)
+                yield tokenize_chunk(src, task, tok, size, should_stop)
             return
         pending: list[cf.Future[ChunkResult]] = []
         for task, size in _tasks(src):
             pending.append(pool.submit(tokenize_chunk, src, task, tok, size))
             if len(pending) >= 2 * workers:
-                yield pending.pop(0).result()
+                yield result_or_stop(pending.pop(0), should_stop, PrepareCancelled)
         for fut in pending:
-            yield fut.result()
+            yield result_or_stop(fut, should_stop, PrepareCancelled)
     except OSError as e:
         raise unreadable(src.name, e) from None

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
 from .conversations import DatasetError
 
 SHARD_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -105,11 +106,12 @@ def _first_char(path: Path) -> str:
     return text[:1]
 
 
-def iter_records(src: SourceFile) -> Iterator[tuple[int, object]]:
-    """(position, record or DatasetError) for every record of the file, in order."""
+def iter_records(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
+    """(position, record or DatasetError) for every record of the file, in order. window: JSONL
+    lines are read from the file's first `window` bytes only (a line the window cuts is not read)."""
     try:
         if src.kind == "jsonl":
-            yield from _jsonl(src)
+            yield from _jsonl(src, window)
         elif src.kind == "json_array":
             yield from _json_array(src)
         elif src.kind == "parquet":
@@ -120,17 +122,18 @@ def iter_records(src: SourceFile) -> Iterator[tuple[int, object]]:
         raise unreadable(src.name, e) from None
 
 
-def _jsonl(src: SourceFile) -> Iterator[tuple[int, object]]:
+def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
     with src.path.open("rb") as f:
-        yield from _jsonl_lines(src.name, f, 1)
+        yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
 
 
 def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
-    """JSON lines (bytes, newline kept) numbered from `first_line`; `path` names the file in errors."""
+    """JSON lines (bytes, newline kept; None for a line over MAX_RECORD_BYTES, see bounded_lines)
+    numbered from `first_line`; `path` names the file in errors."""
     for line_no, raw in enumerate(lines, start=first_line):
-        if line_no == 1:
+        if raw is not None and line_no == 1:
             raw = raw.removeprefix(codecs.BOM_UTF8)
-        if len(raw) > MAX_RECORD_BYTES:
+        if raw is None or len(raw) > MAX_RECORD_BYTES:
             yield line_no, DatasetError(path, line_no, f"line longer than {MAX_RECORD_BYTES >> 20} MiB")
             continue
         try:
@@ -141,9 +144,19 @@ def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, objec
         if not text.strip():
             continue
         try:
-            yield line_no, json.loads(text)
+            record = json.loads(text)
         except json.JSONDecodeError as e:
             yield line_no, DatasetError(path, line_no, f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        except RecursionError:
+            record = _DEEP
+        if record is _DEEP or too_deep(record):
+            yield line_no, DatasetError(path, line_no, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            continue
+        yield line_no, record
+
+
+_DEEP = object()  # a value the JSON reader could not even build: nested past its recursion limit
 
 
 def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
@@ -196,6 +209,10 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
                     try:
                         obj, end = decoder.raw_decode(buf, pos)
                         break
+                    except RecursionError:  # where it ends cannot be found: the error ends the file
+                        raise DatasetError(
+                            path, start_line, f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+                        ) from None
                     except json.JSONDecodeError as e:
                         if len(buf) - pos > MAX_RECORD_BYTES:
                             raise DatasetError(
@@ -205,7 +222,10 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
                             raise DatasetError(path, start_line + e.lineno - 1, f"invalid JSON: {e.msg}") from None
                 line += buf.count("\n", pos, end)
                 pos = end
-                yield ordinal, obj
+                if too_deep(obj):
+                    yield ordinal, DatasetError(path, start_line, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+                else:
+                    yield ordinal, obj
                 skip_space()
                 sep = buf[pos : pos + 1]
                 if sep == "]":

@@ -69,6 +69,7 @@ class StepStats:
     learning_rate: float
     grad_norm: float
     epoch: float
+    labels: int = 0  # block positions with a label (a weight in the loss): what the step trained on
 
 
 class JobCallbacks:

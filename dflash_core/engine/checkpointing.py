@@ -38,6 +38,7 @@ from ..confine import ConfinedDir, OutsideRoots
 from ..target_identity import resolve_export_dtype, target_identity
 from .api import JobCallbacks, JobError, StepStats
 from .config import TrainJob
+from .guards import check_checkpoint_weights
 from .replica import DrafterReplica
 
 log = logging.getLogger("dflash.engine")
@@ -364,16 +365,17 @@ class Checkpointer:
         free = self._dir.free_bytes()
         if free < self.checkpoint_bytes:  # refuse before writing, rather than fail mid-file
             raise JobError(
-                f"checkpoint {path} not written: {free / 2**30:.1f} GiB free on the output_dir's file system, "
-                f"a checkpoint needs about {self.checkpoint_bytes / 2**30:.1f} GiB (ENOSPC)"
+                f"checkpoint {path} not written: {human_bytes(free)} free on the output_dir's file system, "
+                f"a checkpoint needs about {human_bytes(self.checkpoint_bytes)} (ENOSPC)"
             )
         directory = self._dir
         export_dtype = self.export_dtype
 
         def write() -> str:
+            if copied is not None:
+                copied.synchronize()
+            check_checkpoint_weights(step, weights)  # never a non-finite checkpoint, which rotation would keep
             try:
-                if copied is not None:
-                    copied.synchronize()
                 return str(
                     write_checkpoint(
                         path,
@@ -400,6 +402,16 @@ def _expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype,
     for m in masters:
         likes += [(m.shape, torch.float32, m.device)] * 2
     return likes
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB': readable for a tiny drafter's checkpoint and a large one alike."""
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def checkpoint_size(rep: DrafterReplica, export_dtype: str = "fp32") -> int:

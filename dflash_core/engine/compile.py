@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from ..trust import problem, tree_problem
 
 log = logging.getLogger("dflash.engine")
 _SET_HERE: dict[str, str] = {}  # cache variables this process set itself (not exported by the user)
@@ -89,6 +92,29 @@ def load_artifacts(path: Path) -> bool:
         return False
     log.info("compile artifacts loaded from %s", path)
     return True
+
+
+def trusted_artifacts(path: Path, data_dir: Path) -> bool:
+    """Whether the compile artifacts at `path` may be loaded (they hold code the process runs):
+    owned by the daemon's user and writable by no other (dflash_core.trust); logs why not."""
+    why = problem(path, data_dir)
+    if why is not None:
+        log.error("compile artifacts refused: %s (see the README's trust boundary); compiling as usual", why)
+    return why is None
+
+
+def trusted_cache_dir(directory: Path, data_dir: Path) -> tuple[str, str]:
+    """(the compile cache directory to use, why) for the data directory's default: a private
+    temporary directory instead where the default's tree fails the trust check (its kernels are
+    loaded and run), so the daemon starts cold rather than running what another user put there."""
+    exported = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if exported is not None and _SET_HERE.get("TORCHINDUCTOR_CACHE_DIR") != exported:
+        return str(directory), "the data directory's default"  # not used: the exported one wins
+    why = tree_problem(directory, data_dir)
+    if why is None:
+        return str(directory), "the data directory's default"
+    log.error("compile cache refused: %s (see the README's trust boundary); compiling into a temporary one", why)
+    return tempfile.mkdtemp(prefix="dflash-inductor-"), f"the default was refused: {why}"
 
 
 def start_compile_workers() -> bool:

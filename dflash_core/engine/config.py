@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..config import ShapeConfig
 from ..confine import resolved_under
 from ..data.tokenize import ChatTemplate
+from .api import JobError
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
 
@@ -162,7 +163,16 @@ class TrainJob:
         return cls(**fields)
 
 
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KiB of Jinja
+
+
 def job_template(job: TrainJob) -> ChatTemplate:
     path = resolved_under(job.chat_template, job.dataset_roots, "chat_template") if job.chat_template else None
-    text = path.read_text(encoding="utf-8") if path else None
+    text = None
+    if path is not None:
+        with path.open("rb") as f:  # bounded while reading: the file may have grown since submission
+            raw = f.read(MAX_TEMPLATE_BYTES + 1)
+        if len(raw) > MAX_TEMPLATE_BYTES:
+            raise JobError(f"chat_template is larger than {MAX_TEMPLATE_BYTES >> 20} MiB", "chat_template")
+        text = raw.decode("utf-8")
     return ChatTemplate.of(text, job.chat_template_kwargs)

@@ -33,6 +33,7 @@ from ..checkpoint import load_training_state, load_weights, read_config
 from ..config import DrafterConfig, LossConfig
 from ..confine import OutsideRoots, resolved_under
 from ..data.batches import MicroBatchStream
+from ..data.cache_entry import sweep_partial
 from ..data.job import JobData, load_job_data
 from ..data.prepare import PrepareCancelled, PrepareProgress, Tokenization, save_tokenizer
 from ..devices import CudaContexts
@@ -40,11 +41,21 @@ from ..step.blocks import expected_acceptance_length
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
-from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size
-from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_times, save_artifacts, use_cache_dir
+from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size, human_bytes
+from .compile import (
+    ARTIFACTS_FILE,
+    CompileGuard,
+    load_artifacts,
+    log_compile_times,
+    save_artifacts,
+    trusted_artifacts,
+    trusted_cache_dir,
+    use_cache_dir,
+)
 from .config import EngineConfig, TrainJob, job_template
 from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .grad_sync import GradSync
+from .guards import check_data_tokens, check_step, check_trained
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
@@ -98,7 +109,7 @@ class Engine:
         if config.inductor_cache_dir is not None:
             use_cache_dir(str(config.inductor_cache_dir), "engine.inductor_cache_dir")
         else:
-            use_cache_dir(str(self.data_dir / "inductor-cache"), "the data directory's default")
+            use_cache_dir(*trusted_cache_dir(self.data_dir / "inductor-cache", self.data_dir))
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())
         self._cuda_contexts = CudaContexts(flat_devices(target_devices) + self.drafter_devices)
@@ -133,8 +144,12 @@ class Engine:
             backend = "nccl" if any(d.startswith("cuda") for d in self.drafter_devices) else "gloo"
             self.group.join(backend)
             self.timeline.mark("build:group_joined")
-        if load_artifacts(self.data_dir / ARTIFACTS_FILE):
+        if trusted_artifacts(self.data_dir / ARTIFACTS_FILE, self.data_dir) and load_artifacts(
+            self.data_dir / ARTIFACTS_FILE
+        ):
             self.timeline.mark("build:compile_artifacts_loaded")
+        for partial in ("tokens", "tokens/tokenizers"):  # what a killed daemon's tokenization left
+            sweep_partial(self.data_dir / "cache" / partial)
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.grad_sync)
         if self.group is not None:
             # only now: each rank warms on its own time (a cold cache, a slow disk), so warm-up's
@@ -294,8 +309,8 @@ class Engine:
         free, need = st.f_bavail * st.f_frsize, checkpoint_size(self.replicas[0], job.export_dtype)
         if free < need:
             raise JobError(
-                f"{job.output_dir!r}: {free / 2**30:.2f} GiB free on its file system, a checkpoint needs about "
-                f"{need / 2**30:.2f} GiB (ENOSPC)",
+                f"{job.output_dir!r}: {human_bytes(free)} free on its file system, a checkpoint needs about "
+                f"{human_bytes(need)} (ENOSPC)",
                 "output_dir",
             )
 
@@ -401,6 +416,7 @@ class Engine:
         stats: StepStats | None = None
         eval_result: dict[str, Any] | None = None
         status = "SUCCEEDED"
+        trained = 0  # labelled block positions this run trained on
         peer_left: str | None = None
         last: str | None = None
         self.rate.reset()
@@ -439,7 +455,11 @@ class Engine:
                     pipeline, job, step + 1, total, lr, stream.per_epoch, per_step, control, cancel
                 )
                 step += 1
+                check_step(stats)  # before the step is recorded or checkpointed
+                trained += stats.labels
                 cb.on_step(stats)
+                if step == total:  # before the last checkpoint: a job that trained on nothing writes none
+                    check_trained(step - start, trained)
                 stopping = votes is not None and bool(votes[_Control.CANCEL] or votes[_Control.SHUTDOWN])
                 if group is not None and (stopping or checkpoint_due(job, step, total)):
                     self._compare_weights(control, step)
@@ -509,6 +529,7 @@ class Engine:
                 exclude=data.exclude,
             )
             total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
+            check_data_tokens(int(data.corpus.lengths.sum()))
             cb.on_event(
                 "data",
                 {
@@ -686,6 +707,7 @@ class Engine:
                         "tokens": p.tokens,
                         "seconds": round(p.seconds, 3),
                         "done": done,
+                        **({"rebuilt_cache_entries": p.rebuilt} if p.rebuilt else {}),
                     }
                 )
 
@@ -911,6 +933,7 @@ class Engine:
             lr,
             norm,
             step * per_step / per_epoch,
+            int(counted[1:].sum().item()),
         )
 
     # ------------------------------------------------------------------ evaluation

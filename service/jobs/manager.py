@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -172,6 +173,12 @@ class _RunCallbacks:
         log.info("evaluation", extra={"fields": {"job": self.job_id, "step": step, "acceptance_length": tau}})
 
     def on_data_progress(self, progress: dict) -> None:
+        if progress.get("rebuilt_cache_entries"):  # the datasets named as the client named them
+            rebuilt = [
+                {**r, "dataset": name_as_given(str(r["dataset"]), self.paths)}
+                for r in progress["rebuilt_cache_entries"]
+            ]
+            progress = {**progress, "rebuilt_cache_entries": rebuilt}
         self._store(self.manager.store.set_phase, self.job_id, "preparing_data", progress)
         self._store(self.manager.store.add_event, self.job_id, "preparing_data", progress)
         if self.manager.metrics is not None:
@@ -634,8 +641,12 @@ class JobManager:
             name=job.name,
             output_dir=job.output_dir,
             spec=job.spec,
+            roots=train_job.output_roots,
         )
         callbacks = _RunCallbacks(self, job.id, tracker, given_paths(job.spec, train_job, job.id))
+        for refused in tracker.errors:  # said where the job's reader sees it, not only in the daemon's log
+            payload = {**refused, "error": name_as_given(refused["error"], callbacks.paths)}
+            self._record(functools.partial(self.store.add_event, job.id, "tracking", payload))
         with self._current_lock:
             self._current = callbacks
         if self.metrics is not None:  # the last job's series give way to this one's

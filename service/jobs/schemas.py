@@ -60,14 +60,16 @@ class JobSpec(BaseModel):
     )
     steps: int | None = Field(None, ge=1, le=10**9)
     epochs: float | None = Field(None, gt=0, le=10**6)
-    learning_rate: float = Field(6e-4, gt=0, le=10)
+    # bounded so that no setting alone can make the weights non-finite: lr * weight_decay <= 1 keeps
+    # AdamW's decay factor in [0, 1]; a loss_gamma below float32's range makes the position weights NaN
+    learning_rate: float = Field(6e-4, gt=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="max gradient norm; 0 disables clipping")
     adam_betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     grad_accum: int = Field(1, ge=1, le=4096)
-    loss_gamma: float | None = Field(None, gt=0, le=1e6, description="position-weight decay; default by block size")
+    loss_gamma: float | None = Field(None, ge=0.01, le=1e6, description="position-weight decay; default by block size")
     seed: int = Field(0, ge=0, le=2**32 - 1)
     output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
     checkpoint_interval: int = Field(100, ge=1, le=10**9)
@@ -155,6 +157,12 @@ def parse_spec(body: Any) -> JobSpec:
     """Validate a decoded JSON body; raises InvalidSpec listing every problem."""
     if not isinstance(body, dict):
         raise InvalidSpec([{"field": "body", "message": f"expected a JSON object, got {type(body).__name__}"}])
+    # before anything walks the values recursively (validation, the fingerprint's JSON encoding)
+    from dflash_core.data.bounded import MAX_JSON_DEPTH, too_deep
+
+    deep = [str(k) for k, v in body.items() if too_deep(v, MAX_JSON_DEPTH - 1)]
+    if deep:
+        raise InvalidSpec([{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
     try:
         return JobSpec.model_validate(body)
     except ValidationError as e:
@@ -168,6 +176,9 @@ def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path)
         raise SpecError(field_name, "empty path")
     if "\x00" in raw:
         raise SpecError(field_name, "path contains a NUL byte")
+    if raw.startswith("~") and not (raw == "~" or raw.startswith("~/")):
+        # the same answer whether or not that user exists: no account names are probed through paths
+        raise SpecError(field_name, f"{raw[:200]!r}: '~user' paths are not accepted; give the path itself")
     try:
         candidate = Path(raw).expanduser()
         if ".." in candidate.parts:
@@ -231,9 +242,11 @@ def resolve_template(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
     try:
         if not path.is_file():
             raise SpecError("chat_template", f"{raw!r} is not a file")
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        with path.open("rb") as f:  # bounded while reading, whatever its size says
+            text = f.read(MAX_TEMPLATE_BYTES + 1)
+        if len(text) > MAX_TEMPLATE_BYTES:
             raise SpecError("chat_template", f"{raw!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
-        path.read_text(encoding="utf-8")
+        text.decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
     except OSError as e:

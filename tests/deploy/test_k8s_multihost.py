@@ -76,3 +76,21 @@ def test_services_give_the_rendezvous_a_stable_name_and_the_api_to_rank_0():
         if e["name"] == "DFLASH_ALLOWED_HOSTS"
     )
     assert api["metadata"]["name"] in allowed.split(",")
+
+
+def test_network_policy_admits_the_rendezvous_only_from_the_group():
+    """The rendezvous store is unauthenticated and torch binds it on every interface: only the group's
+    own pods may reach any port but HTTP."""
+    (sts,) = kind("StatefulSet")
+    (policy,) = kind("NetworkPolicy")
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["policyTypes"] == ["Ingress"]
+    from_group, http = spec["ingress"]
+    (peer,) = from_group["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= labels.items() and "ports" not in from_group
+    ports = sts["spec"]["template"]["spec"]["containers"][0]["ports"]
+    http_port = next(p["containerPort"] for p in ports if p["name"] == "http")
+    rendezvous = next(p["containerPort"] for p in ports if p["name"] == "rendezvous")
+    assert "from" not in http and [p["port"] for p in http["ports"]] == [http_port] != [rendezvous]

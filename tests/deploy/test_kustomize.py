@@ -78,6 +78,7 @@ def test_every_overlay_the_readme_names_builds(kubectl_bin, overlay):
         "docker/k8s/monitoring": [("PodMonitor", "dflash-trainer"), ("PrometheusRule", "dflash-trainer")],
         "docker/k8s/multihost": [
             ("ConfigMap", "dflash-trainer-config"),
+            ("NetworkPolicy", "dflash-group"),
             ("Service", "dflash-group"),
             ("Service", "dflash-group-api"),
             ("StatefulSet", "dflash-group"),

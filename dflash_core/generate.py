@@ -201,9 +201,7 @@ class SlotDecoder:
         cfg = self.config
         heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.cache = SlotCache(
-            int(cfg.num_hidden_layers), slots, length, heads, head_dim, self.device, self.dtype
-        )
+        self.cache = SlotCache(int(cfg.num_hidden_layers), slots, length, heads, head_dim, self.device, self.dtype)
         dev = self.device
         self.vocab = int(self.head.weight.shape[0])
         # the decode step's inputs and outputs: fixed tensors a recorded graph reads and writes
@@ -236,9 +234,7 @@ class SlotDecoder:
                 m = m & (key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - int(self.window))
             m = m.unsqueeze(1)  # [N, 1, Q, K]
             if not self.boolean_masks:
-                m = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(
-                    ~m, torch.finfo(self.dtype).min
-                )
+                m = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, torch.finfo(self.dtype).min)
             masks[kind] = m
         return masks
 
@@ -431,4 +427,3 @@ def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 25
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-

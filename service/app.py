@@ -212,6 +212,7 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "id": job.id,
         "name": job.name,
         "submission_id": job.submission_id,
+        "kind": job.spec.get("kind", "train"),
         "state": job.state,
         "created_at": _iso(job.created_at),
         "started_at": _iso(job.started_at),

@@ -39,6 +39,39 @@ _PREFILL_TOKENS_CUDA = 16384
 _PREFILL_TOKENS_CPU = 2048
 
 
+SLOT_ATTENTION = "dflash_slots"
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of the slot decoder, registered with transformers as SLOT_ATTENTION: with one
+    query per slot, the query heads of each key-value head are multiplied against that head's
+    keys in one batched GEMM, so the cache is read once per step (SDPA given a mask repeats the
+    keys and values for every query head: a copy of the whole cache per layer and step). With
+    several queries (a prefill) it is SDPA over keys repeated per head. attention_mask: boolean
+    [N, 1, Q, K], True where a query sees a key."""
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise ValueError("regeneration does not decode attention with sinks")
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    scale = scaling if scaling is not None else d**-0.5
+    if q == 1:
+        scores = torch.matmul(query.view(b, hkv, groups, d), key.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~attention_mask.view(b, 1, 1, -1), float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # [b, hkv, groups, d]
+        return out.view(b, hq, 1, d).transpose(1, 2).contiguous(), None
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen: temperature 0 is greedy; top_k 0 and top_p 1 disable those
@@ -197,7 +230,7 @@ class SlotDecoder:
         self.slots, self.length = slots, length
         self.kinds = layer_kinds(self.config)
         self.window = getattr(self.config, "sliding_window", None)
-        self.boolean_masks = getattr(self.config, "_attn_implementation", "sdpa") in ("sdpa", "flex_attention")
+        _register_attention()
         cfg = self.config
         heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -223,7 +256,7 @@ class SlotDecoder:
     # ------------------------------------------------------------------ the model
     def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None):
         """Per layer kind: query at query_pos [N, Q] sees keys at key_pos [K] up to itself (and
-        within the sliding window); key_valid [N, K] drops padding. Boolean for SDPA, additive else."""
+        within the sliding window); key_valid [N, K] drops padding. Boolean, as slot_attention takes."""
         causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [N, Q, K]
         if key_valid is not None:
             causal = causal & key_valid.unsqueeze(1)
@@ -232,20 +265,24 @@ class SlotDecoder:
             m = causal
             if kind == "sliding_attention" and self.window:
                 m = m & (key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - int(self.window))
-            m = m.unsqueeze(1)  # [N, 1, Q, K]
-            if not self.boolean_masks:
-                m = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, torch.finfo(self.dtype).min)
-            masks[kind] = m
+            masks[kind] = m.unsqueeze(1)  # [N, 1, Q, K]
         return masks
 
     def _hidden(self, input_ids, position_ids, masks) -> torch.Tensor:
-        out = self.decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=masks,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        # the model's attention layers read the implementation from the config at every call:
+        # slot_attention for this forward only (the engine's other users of the target keep theirs)
+        saved = self.config._attn_implementation
+        self.config._attn_implementation = SLOT_ATTENTION
+        try:
+            out = self.decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=masks,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.config._attn_implementation = saved
         return out.last_hidden_state
 
     def _decode_step(self, greedy: bool) -> None:

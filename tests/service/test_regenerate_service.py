@@ -110,3 +110,19 @@ def test_killed_regeneration_resumes_without_loss_or_duplicates(daemon):
         assert ended["state"] == "SUCCEEDED", ended
         data = next(e for e in d.events(train["id"]) if e["kind"] == "data")
         assert data["documents"] == 64
+
+
+def test_cli_regenerates_then_trains_on_the_output(daemon):
+    """The README's example: the example job files, submitted and followed with the CLI."""
+    from tests.service.test_cli import REPO_ROOT, cli
+
+    examples = REPO_ROOT / "examples"
+    done = cli("submit", str(examples / "regenerate-job.json"), "--follow", url=daemon.url, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "prompts 64/64" in done.stdout and "SUCCEEDED" in done.stdout
+    job_id = done.stdout.split()[0]
+    status = cli("status", job_id, url=daemon.url)
+    assert "kind        regenerate" in status.stdout and "prompts 64/64" in status.stdout
+    trained = cli("submit", str(examples / "train-on-regenerated.json"), "--follow", url=daemon.url, timeout=600)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert "SUCCEEDED at step 40/40" in trained.stdout

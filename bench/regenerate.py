@@ -94,7 +94,9 @@ def main(argv=None) -> None:
     print(f"target built in {time.perf_counter() - t:.1f} s", flush=True)
     rows = []
     for slots in (int(s) for s in args.slots.split(",")):
-        rows.append(run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, QWEN3_8B["vocab_size"]))
+        rows.append(
+            run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, int(target.config.vocab_size))
+        )
         torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
         print(rows[-1], flush=True)
     report(

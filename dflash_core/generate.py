@@ -26,6 +26,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -220,11 +221,11 @@ class SlotDecoder:
     """Decodes requests with `slots` sequences at a time in a cache of `length` positions per slot
     (prompt plus generated tokens). use_graph: record the decode step as a CUDA graph (CUDA only)."""
 
-    def __init__(self, model: nn.Module, slots: int, length: int, use_graph: bool | None = None):
-        self.model = model
-        self.config = model.config
-        self.decoder = model.get_decoder()
-        self.head = model.get_output_embeddings()
+    def __init__(self, model: Any, slots: int, length: int, use_graph: bool | None = None):
+        self.model: Any = model  # a transformers causal LM
+        self.config: Any = self.model.config
+        self.decoder: Any = self.model.get_decoder()
+        self.head: Any = self.model.get_output_embeddings()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.slots, self.length = slots, length

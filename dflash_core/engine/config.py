@@ -64,7 +64,9 @@ class EngineConfig(BaseModel):
         None, ge=1, le=4096, description="sequences a regeneration job decodes at once; unset: from the memory left"
     )
     generate_max_len: int | None = Field(
-        None, ge=2, description="cache positions per sequence (prompt plus new tokens) of a regeneration; unset: seq_len"
+        None,
+        ge=2,
+        description="cache positions per sequence (prompt plus new tokens) of a regeneration; unset: seq_len",
     )
     debug_eager: bool = Field(
         False,

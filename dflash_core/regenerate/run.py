@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -278,7 +278,9 @@ class RegenerationRun:
         tokenizer = self.engine.tokenizer
         stops = self._stop_tokens()
         sampling = Sampling(job.temperature, job.top_p, job.top_k, stops)
-        pending = {i: [None] * len(shard) for i, shard in enumerate(shards) if i not in done}
+        pending: dict[int, list[dict[str, Any] | None]] = {
+            i: [None] * len(shard) for i, shard in enumerate(shards) if i not in done
+        }
         missing = {i: len(shards[i]) for i in pending}
 
         def requests() -> Iterator[Request]:
@@ -291,7 +293,7 @@ class RegenerationRun:
         if stopped:
             return True
         for completion in decoder.generate(requests(), sampling, should_stop=cb.should_cancel):
-            i, j = completion.key  # type: ignore[misc]
+            i, j = cast(tuple[int, int], completion.key)
             p, s = shards[i][j]
             tokens = completion.tokens
             if completion.finish_reason == "stop" and tokens and tokens[-1] in stops:
@@ -307,7 +309,7 @@ class RegenerationRun:
             missing[i] -= 1
             meter.row(decoder.tokens_generated)
             if missing[i] == 0:
-                path = output.write_shard(i, pending.pop(i))  # type: ignore[arg-type]
+                path = output.write_shard(i, [r for r in pending.pop(i) if r is not None])
                 cb.on_checkpoint(path, int(output.manifest["counts"]["rows"]))
             meter.report(decoder.tokens_generated)
         stopped = bool(pending)

@@ -285,7 +285,11 @@ def to_train_job(
         from .regenerate_spec import to_regenerate_job
 
         return to_regenerate_job(
-            spec, job_id=job_id, data_dir=data_dir, dataset_roots=dataset_roots, output_roots=output_roots
+            spec,  # type: ignore[arg-type]  # a RegenerateSpec (its kind says so)
+            job_id=job_id,
+            data_dir=data_dir,
+            dataset_roots=dataset_roots,
+            output_roots=output_roots,
         )
     jobs_read = _job_datasets(spec.datasets, job_outputs)
     dataset_roots = [*dataset_roots, *jobs_read.values()]

@@ -164,3 +164,40 @@ def test_shapes_beyond_the_engine_are_refused(engine, default_assets, tmp_path):
     with pytest.raises(JobError) as e:
         engine.validate_job(_job([default_assets.heldout], tmp_path, chat_template_kwargs={"x": 1}, kind="distill"))
     assert e.value.field == "kind"
+
+
+def test_a_full_disk_fails_the_job_before_a_shard_and_a_rerun_completes(engine, prompts, tmp_path):
+    """The disk fills after the first shard: the job fails naming ENOSPC, leaves the manifest's
+    complete shards only, and a rerun once there is room writes the rest."""
+    from tests.helpers import mount_tmpfs, unmount
+
+    data = _write_jsonl(tmp_path / "p.jsonl", [{"messages": conv} for conv in prompts])
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "size=4m")
+    try:
+        out = disk / "out"
+        filler = disk / "filler"
+
+        class FillAfterFirstShard(Recorder):
+            def on_checkpoint(self, path, step, pause_seconds=0.0):
+                super().on_checkpoint(path, step, pause_seconds)
+                with open(filler, "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * 65536)
+                            f.flush()
+                    except OSError:
+                        pass
+
+        with pytest.raises(JobError) as e:
+            engine.run_job(_job([data], out), FillAfterFirstShard())
+        assert "ENOSPC" in e.value.message
+        manifest, rows = _rows(out)
+        assert len(manifest["shards"]) == 1 and len(rows) == manifest["shards"][0]["rows"] > 0
+        assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, manifest["shards"][0]["file"]])
+        filler.unlink()
+        assert engine.run_job(_job([data], out), Recorder()).status == "SUCCEEDED"
+        manifest, rows = _rows(out)
+        assert manifest["complete"] and len({r["source"] for r in rows}) == len(rows) == 8
+    finally:
+        unmount(disk)

@@ -19,12 +19,15 @@ a CUDA graph). Per slot count:
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
 from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, out_dir, report, write_target_dir
-from dflash_core.generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, weight_bytes
+from dflash_core.generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory, weight_bytes
 from dflash_core.target import TargetModel
 
 
@@ -36,9 +39,11 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * (gib << 30) / (ms * 1e-3)
 
 
-def run_slots(model, slots: int, prompt_len: int, new_tokens: int, bandwidth: float, vocab: int) -> dict:
+def run_slots(
+    model, slots: int, prompt_len: int, new_tokens: int, bandwidth: float, vocab: int, use_graph: bool = True
+) -> dict:
     length = prompt_len + new_tokens
-    dec = SlotDecoder(model, slots, length)
+    dec = SlotDecoder(model, slots, length, use_graph=use_graph)
     gen = torch.Generator().manual_seed(slots)
     prompts = torch.randint(10, vocab, (slots, prompt_len), generator=gen).tolist()
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts)]
@@ -65,6 +70,7 @@ def run_slots(model, slots: int, prompt_len: int, new_tokens: int, bandwidth: fl
     bound_valid = slots / ((weights + kv_valid) / bandwidth)
     row = {
         "slots": slots,
+        "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
         "decode_ms": round(decode_ms, 3),
         "sampled_ms": round(sampled_ms, 3),
@@ -85,18 +91,27 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     args = p.parse_args(argv)
-    out = out_dir()
+    out_dir()
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     t = time.perf_counter()
-    target = TargetModel(write_target_dir(out / "target", QWEN3_8B), [1], "cuda:0", random_init=True)
+    target_dir = write_target_dir(Path(tempfile.mkdtemp()) / "target", QWEN3_8B)
+    target = TargetModel(target_dir, [1], "cuda:0", random_init=True)
     print(f"target built in {time.perf_counter() - t:.1f} s", flush=True)
+    free, _ = torch.cuda.mem_get_info()
+    per_token = kv_bytes_per_token(target.config, target.dtype)
+    derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
+    print(f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True)
     rows = []
+    vocab = int(target.config.vocab_size)
     for slots in (int(s) for s in args.slots.split(",")):
-        rows.append(
-            run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, int(target.config.vocab_size))
-        )
+        try:
+            rows.append(run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, vocab))
+        except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
+            traceback.print_exc()
+            torch.cuda.empty_cache()
+            rows.append(run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, vocab, False))
         torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
         print(rows[-1], flush=True)
     report(

@@ -39,6 +39,7 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * (gib << 30) / (ms * 1e-3)
 
 
+@torch.no_grad()
 def run_slots(
     model, slots: int, prompt_len: int, new_tokens: int, bandwidth: float, vocab: int, use_graph: bool = True
 ) -> dict:

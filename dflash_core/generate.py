@@ -48,8 +48,9 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     query per slot, the query heads of each key-value head are multiplied against that head's
     keys in one batched GEMM, so the cache is read once per step (SDPA given a mask repeats the
     keys and values for every query head: a copy of the whole cache per layer and step). With
-    several queries (a prefill) it is SDPA over keys repeated per head. attention_mask: boolean
-    [N, 1, Q, K], True where a query sees a key."""
+    several queries (a prefill) it is SDPA over keys repeated per head. attention_mask [N, 1, Q, K]:
+    boolean (True where a query sees a key), or additive in the model's dtype (0 or -inf): a
+    decode step builds it once for every layer, and the scores then take one pass to mask."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise ValueError("regeneration does not decode attention with sinks")
     b, hq, q, d = query.shape
@@ -57,9 +58,11 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     groups = hq // hkv
     scale = scaling if scaling is not None else d**-0.5
     if q == 1:
-        scores = torch.matmul(query.view(b, hkv, groups, d), key.transpose(-1, -2)).float() * scale
-        scores = scores.masked_fill(~attention_mask.view(b, 1, 1, -1), float("-inf"))
-        out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # [b, hkv, groups, d]
+        scores = torch.matmul((query * scale).view(b, hkv, groups, d), key.transpose(-1, -2))
+        mask = attention_mask.view(b, 1, 1, -1)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = scores.softmax(dim=-1)  # accumulates in fp32 for 16-bit scores
+        out = torch.matmul(probs, value)  # [b, hkv, groups, d]
         return out.view(b, hq, 1, d).transpose(1, 2).contiguous(), None
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -291,7 +294,10 @@ class SlotDecoder:
         the inputs move on by one (what the next step reads). Fixed shapes: a graph records it."""
         cache = self.cache
         cache.rows, cache.positions = None, self.positions
-        masks = self._mask(self.positions.unsqueeze(-1), self.key_index)
+        masks = {
+            kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
+            for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
+        }
         hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
         logits = self.head(hidden[:, -1]).float()
         chosen = choose_tokens(logits, self.seeds, self.steps, greedy, self.temperature, self.top_k, self.top_p)

@@ -316,7 +316,10 @@ class SlotDecoder:
                 self._decode_step(greedy)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(dev), torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
+        # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may make
+        # CUDA calls meanwhile; they are not part of this capture
+        capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
+        with torch.cuda.device(dev), capture:
             self._decode_step(greedy)
         torch.cuda.synchronize(dev)
         for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from ..confine import OutsideRoots, resolved_under
@@ -181,13 +182,13 @@ class RegenerationRun:
 
     def _prompts(
         self, job: RegenerateJob, length: int, cb: JobCallbacks
-    ) -> tuple[list[tuple[list[dict[str, str]], str]], list[list[int]], list[dict[str, Any]], int]:
+    ) -> tuple[list[tuple[list[dict[str, str]], str]], list[np.ndarray], list[dict[str, Any]], int]:
         """The prompts' messages and token ids in reading order, the sources with their hashes,
         and the records skipped. A prompt that leaves no room for one new token is a bad record."""
         tokenizer = self.engine.tokenizer
         template = job_template(job)  # type: ignore[arg-type]
         messages: list[tuple[list[dict[str, str]], str]] = []
-        ids: list[list[int]] = []
+        ids: list[np.ndarray] = []  # int32 arrays: a large dataset's token ids stay compact
         sources: list[dict[str, Any]] = []
         report = ReadReport()
         for i, entry in enumerate(job.datasets):
@@ -209,7 +210,7 @@ class RegenerationRun:
                         report.note_skip(err)
                         continue
                     messages.append((prompt.messages, prompt.source))
-                    ids.append(list(tokens))
+                    ids.append(np.asarray(tokens, dtype=np.int32))
             except DatasetError as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
         if report.skipped:
@@ -268,7 +269,7 @@ class RegenerationRun:
         decoder: SlotDecoder,
         output: ShardOutput,
         prompts: list[tuple[list[dict[str, str]], str]],
-        ids: list[list[int]],
+        ids: list[np.ndarray],
         shards: list[list[tuple[int, int]]],
         done: set[int],
         rows_done: int,
@@ -286,7 +287,7 @@ class RegenerationRun:
         def requests() -> Iterator[Request]:
             for i in sorted(pending):
                 for j, (p, s) in enumerate(shards[i]):
-                    yield Request((i, j), ids[p], job.max_new_tokens, row_seed(job.seed, p, s))
+                    yield Request((i, j), ids[p].tolist(), job.max_new_tokens, row_seed(job.seed, p, s))
 
         meter = _Progress(cb, len(ids) * job.samples_per_prompt, rows_done, job.samples_per_prompt)
         stopped = cb.should_cancel()

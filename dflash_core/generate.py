@@ -254,8 +254,8 @@ class SlotDecoder:
         self.use_graph = (dev.type == "cuda") if use_graph is None else (use_graph and dev.type == "cuda")
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
+        self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
-        self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ the model
     def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None):
@@ -405,7 +405,9 @@ class SlotDecoder:
                     exhausted = True
                 else:
                     pending.append(nxt)
-            if free and pending:
+            # prompts go in once a few slots are free (each prefill is an eager forward: one per
+            # freed slot would cost more host time than the idle slots cost steps), or when none runs
+            if free and pending and (len(free) >= self.admit_batch or not active):
                 yield from self._admit(active, free, pending, greedy, stops)
             if not active:
                 if exhausted and not pending:

@@ -123,3 +123,17 @@ def test_sampler_follows_the_distribution():
     picks = choose_tokens(logits, seeds, steps, False, one, torch.zeros(1, dtype=torch.long), torch.tensor([0.7]))
     freq = torch.bincount(picks, minlength=4).float() / n
     assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.015, freq
+
+
+def test_slots_refilled_in_batches(target, prompts, reference):
+    """More requests than slots, with slots refilled a few at a time (slots // 16 of them)."""
+    from dflash_core.generate import Request, SlotDecoder
+
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    decoder = SlotDecoder(model, slots=32, length=160)
+    assert decoder.admit_batch == 2
+    requests = [Request((k, c), prompts[k], MAX_NEW) for c in range(6) for k in range(len(prompts))]
+    done = list(decoder.generate(requests, Sampling(stop_token_ids=(eos,))))
+    assert sorted(c.key for c in done) == sorted(r.key for r in requests)
+    assert all(c.tokens == reference[c.key[0]] for c in done)

@@ -465,10 +465,11 @@ class SlotDecoder:
         return Completion(state.request.key, state.tokens, "stop" if stopped else "length", len(state.request.prompt))
 
 
-def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 256, share: float = 0.85) -> int:
+def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 512, share: float = 0.85) -> int:
     """Slots whose cache of `length` positions fits `share` of `free_bytes` (what the device has
     left: the decode step's activations and the sampler's scratch need the rest), a multiple of
-    8, at most `cap` (beyond it a step reads more cache than it gains), at least 1."""
+    8, at most `cap` (the weights are read once per step whatever the slots: past a few hundred
+    slots the cache dominates the bytes a step reads, and more slots add little), at least 1."""
     n = int(free_bytes * share) // max(1, per_token * length)
     n = min(cap, n)
     return max(1, n - n % 8 if n >= 8 else n)

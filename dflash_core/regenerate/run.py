@@ -89,6 +89,30 @@ class RegenerationRun:
             )
         if engine.parts is not None:
             self._check_template(job)
+            self._check_first_prompts(job, length)
+
+    def _check_first_prompts(self, job: RegenerateJob, length: int) -> None:
+        """The first prompt of each dataset fits the generation length, so that a dataset of prompts
+        too long is refused at submission; a later one fails the job naming its place (or is
+        skipped with skip_bad_lines). What cannot be read is the dataset check's to report."""
+        if job.skip_bad_lines:
+            return
+        tokenizer = self.engine.tokenizer
+        template = job_template(job)  # type: ignore[arg-type]
+        for i, entry in enumerate(job.datasets):
+            try:
+                first = next(read_prompts(resolved_under(entry, job.dataset_roots, "dataset")), None)
+            except (OutsideRoots, DatasetError, OSError):
+                continue
+            if first is None:
+                continue
+            n = len(tokenizer(template.render(tokenizer, first.messages, True), add_special_tokens=False)["input_ids"])
+            if n >= length:
+                raise JobError(
+                    f"its first prompt has {n} tokens with the chat template; the generation length is {length} "
+                    "(prompt plus new tokens; [engine] generate_max_len)",
+                    f"datasets[{i}]",
+                )
 
     def _check_template(self, job: RegenerateJob) -> None:
         field = "chat_template" if job.chat_template else "chat_template_kwargs"

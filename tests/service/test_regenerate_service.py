@@ -52,6 +52,9 @@ def test_bad_specs_name_the_field(daemon, tmp_path):
     no_user.write_text(json.dumps({"messages": [{"role": "system", "content": "hi"}]}) + "\n")
     message = _errors(http.post("/jobs", json=_spec(datasets=[str(no_user)])))["datasets[0]"]
     assert "no_user.jsonl:1" in message and "no user turn" in message
+    too_long = daemon.data_dir / "too_long.jsonl"
+    too_long.write_text(json.dumps({"prompt": " ".join(["apple"] * 600)}) + "\n")
+    assert "generation length" in _errors(http.post("/jobs", json=_spec(datasets=[str(too_long)])))["datasets[0]"]
     unknown = _errors(http.post("/jobs", json={"datasets": ["job://job-nope"], "steps": 2}))
     assert "no job" in unknown["datasets[0]"]
 

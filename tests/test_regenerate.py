@@ -98,6 +98,7 @@ def test_prompt_layouts(engine, prompts, tmp_path):
     assert all(len(answers) == 1 for answers in by_prompt.values())
 
 
+@pytest.mark.slow
 def test_cancel_keeps_complete_shards_and_a_resumed_sampled_run_equals_an_uninterrupted_one(engine, prompts, tmp_path):
     data = _write_jsonl(tmp_path / "p.jsonl", [{"messages": conv} for conv in prompts])
     sampled = dict(temperature=1.0, top_p=0.95, seed=5, samples_per_prompt=2)
@@ -166,6 +167,7 @@ def test_shapes_beyond_the_engine_are_refused(engine, default_assets, tmp_path):
     assert e.value.field == "kind"
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_job_before_a_shard_and_a_rerun_completes(engine, prompts, tmp_path):
     """The disk fills after the first shard: the job fails naming ENOSPC, leaves the manifest's
     complete shards only, and a rerun once there is room writes the rest."""

@@ -5,8 +5,9 @@ fixed length per slot, allocated once. Every decode step runs all slots with the
 (one new token each, attention over the whole static cache under a per-slot mask), so on CUDA
 the step is recorded once as a CUDA graph and replayed; on the CPU the same step runs eagerly
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
-slot at once and the next prompt is prefilled into it (continuous batching); prompts are
-prefilled several at a time, right-padded, with only the last prompt position's logits computed.
+slot, and the next prompts go into the free slots while the others keep decoding (continuous
+batching); prompts are prefilled several at a time, right-padded, with only the last prompt
+position's logits computed.
 
 The model is driven through its own decoder: the cache is an object with transformers' `update`
 method that writes each slot's keys and values at that slot's position, the positions go in as

@@ -45,8 +45,11 @@ class Checkpoint(_Open):
 
 
 class Progress(_Open):
-    phase: str | None = Field(description="preparing_data or training while RUNNING")
-    data: dict[str, Any] | None = Field(description="the last data preparation progress")
+    phase: str | None = Field(description="preparing_data, training or (a regeneration) generating while RUNNING")
+    data: dict[str, Any] | None = Field(
+        description="the last data preparation progress; a regeneration's progress (rows_done, rows_total, "
+        "prompts_done, prompts_total, tokens_generated, tokens_per_second, eta_seconds)"
+    )
     step: int
     total_steps: int | None
     fraction: float | None
@@ -64,6 +67,7 @@ class Job(_Open):
     id: str
     name: str | None
     submission_id: str | None
+    kind: Literal["train", "regenerate"] = "train"
     state: JobState
     created_at: datetime
     started_at: datetime | None

@@ -42,6 +42,7 @@ from .engine_host import EngineHost
 from .event_feed import EVENT_PAGE, EventHub, TooManyStreams
 from .http_guard import MAX_BODY_BYTES, SAFE_METHODS, UNGUARDED_READS, RequestGuard, token_matches
 from .jobs.manager import JobConflict, JobManager, JobNotFound, Unavailable
+from .jobs.regenerate_spec import RegenerateSpec
 from .jobs.schemas import InvalidSpec, JobSpec, SpecError, field_path, parse_spec
 from .jobs.store import STATES, EventRecord, JobRecord, JobStore, SubmissionConflict
 from .metrics import CONTENT_TYPE, ServiceMetrics
@@ -212,6 +213,7 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "id": job.id,
         "name": job.name,
         "submission_id": job.submission_id,
+        "kind": job.spec.get("kind", "train"),
         "state": job.state,
         "created_at": _iso(job.created_at),
         "started_at": _iso(job.started_at),
@@ -680,6 +682,10 @@ def _openapi(app: FastAPI, config: ServiceConfig) -> dict[str, Any]:
     spec_schema["properties"]["datasets"]["uniqueItems"] = True
     spec_schema["properties"]["adam_betas"]["items"].update(minimum=0, exclusiveMaximum=1)
     schemas["JobSpec"] = spec_schema
+    # a body with "kind": "regenerate" is validated as this one instead (service.jobs.regenerate_spec)
+    regenerate = RegenerateSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(regenerate.pop("$defs", {}))
+    schemas["RegenerateSpec"] = regenerate
     for name, model in (("Error", models.Error), ("InvalidRequest", models.InvalidRequest), ("Event", models.Event)):
         if name not in schemas:
             model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -689,7 +695,8 @@ def _openapi(app: FastAPI, config: ServiceConfig) -> dict[str, Any]:
     submit = schema["paths"]["/jobs"]["post"]
     submit["requestBody"] = {
         "required": True,
-        "description": 'the job spec (README, HTTP API), e.g. {"datasets": ["builtin://train"], "steps": 20}',
+        "description": 'the job spec (README, HTTP API), e.g. {"datasets": ["builtin://train"], "steps": 20}; '
+        'a body with "kind": "regenerate" is a RegenerateSpec (README, Regeneration)',
         "content": {"application/json": {"schema": _ref("JobSpec")}},
     }
 

@@ -21,7 +21,7 @@ from dflash_core.engine.launch import Launch
 from .client import DaemonClient, DaemonError, default_token, default_url
 from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
 from .jobs.store import STATES, TERMINAL
-from .progress import StepRate, progress_line
+from .progress import StepRate, duration, progress_line
 
 if TYPE_CHECKING:
     from .config import ServiceConfig
@@ -301,11 +301,29 @@ def _event_message(event: dict[str, Any]) -> str | None:
             f"data: {event.get('documents')} documents, {event.get('micro_batches_per_epoch')} micro-batches per epoch,"
             f" {event.get('total_steps')} steps"
         )
+    if kind == "generate":
+        return generation_line(event)
+    if kind == "decoder":
+        return (
+            f"decoder: {event.get('slots')} slots x {event.get('length')} positions, KV cache "
+            f"{(event.get('kv_cache_bytes') or 0) / 2**30:.2f} GiB, CUDA graph {'yes' if event.get('cuda_graph') else 'no'}"
+        )
+    if kind == "prompts":
+        return f"prompts: {event.get('prompts')}, {event.get('rows')} rows in {event.get('shards')} shards"
     if kind == "skipped_lines":
         return f"skipped {event.get('count')} bad dataset lines, first: {event.get('first')}"
     if kind in ("cancel_requested", "interrupted"):
         return kind.replace("_", " ")
     return None
+
+
+def generation_line(p: dict[str, Any]) -> str:
+    """A regeneration's progress (a `generate` event, or a job's progress.data)."""
+    return (
+        f"prompts {p.get('prompts_done')}/{p.get('prompts_total')}  rows {p.get('rows_done')}/{p.get('rows_total')}"
+        f"  {p.get('tokens_generated')} tokens  {_fmt(p.get('tokens_per_second'), ',.0f')} tok/s"
+        f"  ETA {duration(p.get('eta_seconds'))}"
+    )
 
 
 def _client(args: argparse.Namespace) -> DaemonClient:
@@ -357,6 +375,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 p = job["progress"]
                 print(f"id          {job['id']}\nname        {job['name'] or '-'}\nstate       {job['state']}")
+                if job.get("kind") == "regenerate":
+                    print(f"kind        regenerate\nprogress    {generation_line(p.get('data') or {})}")
+                    print(f"output      {job['output_dir']}")
+                    if job.get("error"):
+                        print(f"error       {job['error']}")
+                    return 0
                 print(f"step        {p['step']}/{p['total_steps'] or '?'}\nloss        {_fmt(p['loss'], '.4f')}")
                 print(f"tokens/s    {_fmt(p['tokens_per_second'], ',.0f')}\ncheckpoint  {p['last_checkpoint'] or '-'}")
                 print(f"eval tau    {_fmt(p['eval_acceptance_length'], '.3f')}\noutput      {job['output_dir']}")

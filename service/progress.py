@@ -83,3 +83,10 @@ def progress_line(event: dict[str, Any], elapsed: float | None = None, eta: floa
     bar_format = f"step {{n_fmt}}/{{total_fmt}} [{{bar:24}}] {{percentage:5.1f}}%  {stats}{timing}"
     line = tqdm.format_meter(min(step, total), total, elapsed or 0, rate=rate, ascii=" #", bar_format=bar_format)
     return line if eta is not None or elapsed is None else line.replace("ETA ?", "ETA --:--")
+
+
+def duration(seconds: float | None) -> str:
+    """`01:23` (tqdm's format) for a time in seconds; `--:--` where it is not known."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "--:--"
+    return tqdm.format_interval(seconds)

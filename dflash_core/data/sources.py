@@ -6,7 +6,8 @@ A dataset entry is one of
   * a parquet file (`.parquet`),
   * a directory written by `datasets.Dataset.save_to_disk` (or a `DatasetDict`, whose `train`
     split is used),
-  * a directory of shards: its `*.jsonl`, `*.json` and `*.parquet` files, in sorted order.
+  * a directory of shards: its `*.jsonl`, `*.json` and `*.parquet` files, in sorted order,
+  * a regeneration job's output directory: the complete shards its manifest lists (regenerated.py).
 Every record is a conversation in OpenAI `messages` or ShareGPT `conversations` form
 (conversations.py). Parquet and `save_to_disk` data are read with pyarrow and HF `datasets`;
 JSON text is read here, line by line or element by element, because a broken record must be
@@ -67,6 +68,10 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
     label = str(entry) if name is None else name
     try:
         if path.is_dir():
+            from .regenerated import MANIFEST, regenerated_sources
+
+            if (path / MANIFEST).is_file():  # a regeneration job's output: its complete shards
+                return regenerated_sources(path, label)
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
                 return [SourceFile(path, "arrow", label)]
             shards = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
@@ -106,18 +111,21 @@ def _first_char(path: Path) -> str:
     return text[:1]
 
 
-def iter_records(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
-    """(position, record or DatasetError) for every record of the file, in order. window: JSONL
-    lines are read from the file's first `window` bytes only (a line the window cuts is not read)."""
+def iter_records(
+    src: SourceFile, window: int | None = None, columns: tuple[str, ...] = CONVERSATION_COLUMNS
+) -> Iterator[tuple[int, object]]:
+    """(position, record or DatasetError) for every record of the file, in order; of a table,
+    the first of `columns` it has (JSON records come whole). window: JSONL lines are read from the
+    file's first `window` bytes only (a line the window cuts is not read)."""
     try:
         if src.kind == "jsonl":
             yield from _jsonl(src, window)
         elif src.kind == "json_array":
             yield from _json_array(src)
         elif src.kind == "parquet":
-            yield from _parquet(src)
+            yield from _parquet(src, columns)
         else:
-            yield from _arrow(src)
+            yield from _arrow(src, columns)
     except OSError as e:
         raise unreadable(src.name, e) from None
 
@@ -238,11 +246,12 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
             yield err.line, err  # the rest of the file cannot be located: the error ends it
 
 
-def _conversation_column(names: list[str], path: str) -> str:
-    for column in CONVERSATION_COLUMNS:
+def _conversation_column(names: list[str], path: str, columns: tuple[str, ...] = CONVERSATION_COLUMNS) -> str:
+    for column in columns:
         if column in names:
             return column
-    raise DatasetError(path, 0, f"no 'messages' or 'conversations' column (columns: {', '.join(names) or 'none'})")
+    wanted = " or ".join(repr(c) for c in columns)
+    raise DatasetError(path, 0, f"no {wanted} column (columns: {', '.join(names) or 'none'})")
 
 
 def conversation_column(src: SourceFile) -> str:
@@ -263,14 +272,14 @@ def _named(error: BaseException, src: SourceFile) -> str:
     return str(error).replace(str(src.path), src.name)
 
 
-def _parquet(src: SourceFile) -> Iterator[tuple[int, object]]:
+def _parquet(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(src.path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
         raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
-    column = _conversation_column(pf.schema_arrow.names, src.name)
+    column = _conversation_column(pf.schema_arrow.names, src.name, columns)
     row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[column]):
         for value in batch.column(0).to_pylist():
@@ -278,9 +287,9 @@ def _parquet(src: SourceFile) -> Iterator[tuple[int, object]]:
             yield row, {column: value}
 
 
-def _arrow(src: SourceFile) -> Iterator[tuple[int, object]]:
+def _arrow(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:
     dataset = load_arrow_dataset(src.path, src.name)
-    column = _conversation_column(list(dataset.column_names), src.name)
+    column = _conversation_column(list(dataset.column_names), src.name, columns)
     row = 0
     for batch in dataset.select_columns([column]).iter(batch_size=1024):
         for value in batch[column]:

@@ -61,6 +61,14 @@ class EngineConfig(BaseModel):
     inductor_cache_dir: Path | None = Field(
         None, description="torch.compile's cache; unset: <data_dir>/inductor-cache (an exported variable wins)"
     )
+    generate_slots: int | None = Field(
+        None, ge=1, le=4096, description="sequences a regeneration job decodes at once; unset: from the memory left"
+    )
+    generate_max_len: int | None = Field(
+        None,
+        ge=2,
+        description="cache positions per sequence (prompt plus new tokens) of a regeneration; unset: seq_len",
+    )
     debug_eager: bool = Field(
         False,
         description="run the step without torch.compile or hand-written kernels (SDPA with a dense mask, fp32 "

@@ -56,6 +56,7 @@ from .config import EngineConfig, TrainJob, job_template
 from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .grad_sync import GradSync
 from .guards import check_data_tokens, check_step, check_trained
+from .kinds import run_class
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
@@ -262,6 +263,8 @@ class Engine:
     def validate_job(self, job: TrainJob) -> None:
         """Raise JobError(message, field) for a job this engine cannot run as warmed. Works before
         the engine is built (shape checks), so jobs can be queued while it warms."""
+        if (run := run_class(job)) is not None:  # another kind of job (kinds.py)
+            return run(self).validate(job)
         shape = self.config.shape
         for name, want in (
             ("seq_len", shape.seq_len),
@@ -341,6 +344,9 @@ class Engine:
         In a group, called on rank 0 only: the job goes to the other ranks from here."""
         if not self.ready:
             raise JobError("engine is not ready")
+        if (run := run_class(job)) is not None:  # another kind of job (kinds.py)
+            with self._lock:
+                return run(self).execute(job, callbacks or JobCallbacks(), resume_from)
         group = self.group
         if group is not None:
             if not group.is_leader:

@@ -184,6 +184,11 @@ class _RunCallbacks:
         if self.manager.metrics is not None:
             self.manager.metrics.observe_data_progress(progress, self.job_id)
 
+    def on_generate(self, progress: dict) -> None:
+        self._store(self.manager.store.update_generation, self.job_id, progress)
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_generate(progress, self.job_id)
+
     def should_cancel(self) -> bool:
         return self.cancel.is_set() or self.manager.shutting_down
 
@@ -299,6 +304,7 @@ class JobManager:
             data_dir=self.config.data_dir,
             dataset_roots=self._dataset_roots,
             output_roots=self._output_roots,
+            job_outputs=self._job_output,
         )
         self._validate_with_engine(engine, train_job)
         out = str(Path(train_job.output_dir))
@@ -325,6 +331,11 @@ class JobManager:
             with self._wake:
                 self._wake.notify_all()
         return job, created
+
+    def _job_output(self, job_id: str) -> tuple[str, str, str] | None:
+        """(kind, state, output_dir) of a stored job (a job:// dataset), None if unknown."""
+        job = self.store.get_job(job_id, with_checkpoints=False)
+        return None if job is None else (job.spec.get("kind", "train"), job.state, job.output_dir)
 
     def _validate_with_engine(self, engine, train_job) -> None:
         from dflash_core.engine import JobError
@@ -403,10 +414,10 @@ class JobManager:
         return self._job(job_id)
 
     def _newest_checkpoint(self, job_id: str) -> tuple[str | None, int]:
-        """The job's newest recorded checkpoint that still exists (the engine rotates old ones away),
-        else (None, 0)."""
+        """The job's newest recorded checkpoint that still exists (the engine rotates old ones away;
+        a regeneration's are its shard files), else (None, 0)."""
         for ckpt in sorted(self.store.checkpoints(job_id), key=lambda c: c["step"], reverse=True):
-            if Path(ckpt["path"]).is_dir():
+            if Path(ckpt["path"]).exists():
                 return ckpt["path"], int(ckpt["step"])
         return None, 0
 

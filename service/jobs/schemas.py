@@ -153,8 +153,9 @@ def spec_errors(err: ValidationError) -> list[dict[str, str]]:
     return out
 
 
-def parse_spec(body: Any) -> JobSpec:
-    """Validate a decoded JSON body; raises InvalidSpec listing every problem."""
+def parse_spec(body: Any) -> Any:
+    """Validate a decoded JSON body: a JobSpec (`kind` "train", the default) or a RegenerateSpec
+    (`kind` "regenerate"); raises InvalidSpec listing every problem."""
     if not isinstance(body, dict):
         raise InvalidSpec([{"field": "body", "message": f"expected a JSON object, got {type(body).__name__}"}])
     # before anything walks the values recursively (validation, the fingerprint's JSON encoding)
@@ -163,8 +164,15 @@ def parse_spec(body: Any) -> JobSpec:
     deep = [str(k) for k, v in body.items() if too_deep(v, MAX_JSON_DEPTH - 1)]
     if deep:
         raise InvalidSpec([{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
+    kind = body.get("kind", "train")
     try:
-        return JobSpec.model_validate(body)
+        if kind == "regenerate":
+            from .regenerate_spec import RegenerateSpec
+
+            return RegenerateSpec.model_validate(body)
+        if kind != "train":
+            raise InvalidSpec([{"field": "kind", "message": f"{kind!r}: the job kinds are 'train' and 'regenerate'"}])
+        return JobSpec.model_validate({k: v for k, v in body.items() if k != "kind"})
     except ValidationError as e:
         raise InvalidSpec(spec_errors(e)) from None
 
@@ -278,9 +286,32 @@ def resolve_checkpoint(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
     return path
 
 
-def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: list[Path], output_roots: list[Path]):
-    """The engine's TrainJob for this spec: every path absolute and checked."""
+def to_train_job(
+    spec: JobSpec,
+    *,
+    job_id: str,
+    data_dir: Path,
+    dataset_roots: list[Path],
+    output_roots: list[Path],
+    job_outputs: Any = None,
+):
+    """The engine's job for this spec (a TrainJob, or a RegenerateJob for a RegenerateSpec): every
+    path absolute and checked. job_outputs(id) -> (kind, state, output_dir) of a stored job, for
+    datasets named job://<id> (a regeneration's output)."""
     from dflash_core.engine import TrainJob
+
+    if getattr(spec, "kind", "train") == "regenerate":
+        from .regenerate_spec import to_regenerate_job
+
+        return to_regenerate_job(
+            spec,  # type: ignore[arg-type]  # a RegenerateSpec (its kind says so)
+            job_id=job_id,
+            data_dir=data_dir,
+            dataset_roots=dataset_roots,
+            output_roots=output_roots,
+        )
+    jobs_read = _job_datasets(spec.datasets, job_outputs)
+    dataset_roots = [*dataset_roots, *jobs_read.values()]
 
     if spec.report_to:
         from ..tracking import unavailable
@@ -289,7 +320,7 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         if missing:
             raise SpecError("report_to", f"{', '.join(missing)}: not installed in the daemon's environment")
     resolved = [
-        resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir)
+        jobs_read.get(i) or resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir)
         for i, d in enumerate(spec.datasets)
     ]
     seen: dict[Path, int] = {}
@@ -324,6 +355,19 @@ def to_train_job(spec: JobSpec, *, job_id: str, data_dir: Path, dataset_roots: l
         adam_betas=tuple(spec.adam_betas),
     )
     return TrainJob(**values)
+
+
+def _job_datasets(datasets: list[str], job_outputs: Any) -> dict[int, Path]:
+    """{index: output directory} of the datasets named job://<id>."""
+    from .regenerate_spec import JOB_SCHEME, resolve_job_dataset
+
+    out = {}
+    for i, raw in enumerate(datasets):
+        if raw.startswith(JOB_SCHEME):
+            if job_outputs is None:
+                raise SpecError(f"datasets[{i}]", "job:// datasets are resolved by the daemon")
+            out[i] = resolve_job_dataset(raw, f"datasets[{i}]", job_outputs).resolve()
+    return out
 
 
 def given_paths(spec: Mapping[str, Any], train_job, job_id: str) -> dict[str, str]:
@@ -367,6 +411,10 @@ def train_job_from_json(text: str):
     from dflash_core.engine import TrainJob
 
     data = json.loads(text)
+    if data.get("kind") == "regenerate":
+        from dflash_core.regenerate.job import RegenerateJob
+
+        return RegenerateJob.from_dict(data)
     known = {f.name for f in fields(TrainJob)}
     values = {k: v for k, v in data.items() if k in known}
     if "adam_betas" in values:

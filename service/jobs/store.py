@@ -520,6 +520,22 @@ class JobStore:
             )
             self._event(db, job_id, "step", step, event_payload)
 
+    def update_generation(self, job_id: str, progress: dict[str, Any]) -> None:
+        """A regeneration's progress: rows done of total as its step, the progress as its data."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET step = ?, total_steps = ?, tokens_per_second = ?, phase = 'generating', data_json = ?"
+                " WHERE id = ?",
+                (
+                    int(progress["rows_done"]),
+                    int(progress["rows_total"]),
+                    progress.get("tokens_per_second"),
+                    json.dumps(progress),
+                    job_id,
+                ),
+            )
+            self._event(db, job_id, "generate", int(progress["rows_done"]), progress)
+
     def set_phase(self, job_id: str, phase: str, data: dict[str, Any] | None = None) -> None:
         """The running job's phase, with the data preparation's progress while it prepares."""
         with self._tx() as db:

@@ -58,6 +58,8 @@ CONTRACT_METRICS = {
     "dflash_build_info",
     "dflash_ranks_ready",
     "dflash_ranks_expected",
+    "dflash_generate_tokens_total",
+    "dflash_generate_tokens_per_second",
 }
 # the gauges labelled with the job whose values they hold: a Prometheus that does not honour the
 # target's labels (the shipped configs) stores that label as exported_job, its own `job` being the
@@ -69,6 +71,8 @@ PER_JOB_METRICS = {
     "dflash_train_grad_norm",
     "dflash_train_expected_acceptance_length",
     "dflash_eval_acceptance_length",
+    "dflash_generate_tokens_total",
+    "dflash_generate_tokens_per_second",
 }
 
 

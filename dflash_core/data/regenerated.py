@@ -1,0 +1,36 @@
+"""The output of a regeneration job read as a dataset: a directory with a manifest that lists its
+complete parquet shards (the shards a run wrote to the end; a shard being written is a hidden
+temporary file the manifest does not name). A training job that names such a directory reads
+exactly the shards of its manifest, in order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .conversations import DatasetError
+
+MANIFEST = "regeneration.json"
+FORMAT = "dflash-regeneration"
+
+
+def read_manifest(directory: Path, label: str | None = None) -> dict:
+    label = str(directory) if label is None else label
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{label}/{MANIFEST}", 0, f"not a readable regeneration manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DatasetError(f"{label}/{MANIFEST}", 0, f"not a regeneration manifest (format != {FORMAT!r})")
+    return manifest
+
+
+def regenerated_sources(directory: Path, label: str) -> list:
+    """The SourceFiles of a regeneration output directory's complete shards."""
+    from .sources import SourceFile, child_name
+
+    manifest = read_manifest(directory, label)
+    shards = sorted(manifest.get("shards") or [], key=lambda s: int(s["index"]))
+    if not shards:
+        raise DatasetError(label, 0, "the regeneration has written no complete shard yet")
+    return [SourceFile(directory / s["file"], "parquet", child_name(label, s["file"])) for s in shards]

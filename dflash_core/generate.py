@@ -1,0 +1,480 @@
+"""Batched decoding of a transformers causal LM with a static KV cache and continuous batching.
+
+`SlotDecoder` holds a fixed number of slots (sequences decoded together) and a KV cache of a
+fixed length per slot, allocated once. Every decode step runs all slots with the same shapes
+(one new token each, attention over the whole static cache under a per-slot mask), so on CUDA
+the step is recorded once as a CUDA graph and replayed; on the CPU the same step runs eagerly
+(the tests compare that loop with transformers' own `generate`). A finished sequence frees its
+slot, and the next prompts go into the free slots while the others keep decoding (continuous
+batching); prompts are prefilled several at a time, right-padded, with only the last prompt
+position's logits computed.
+
+The model is driven through its own decoder: the cache is an object with transformers' `update`
+method that writes each slot's keys and values at that slot's position, the positions go in as
+`position_ids` (RoPE), and the masks as the per-layer-type dict the model's forward takes in
+place of `attention_mask` (what `generate` passes it). So any decoder whose attention layers
+call `past_key_values.update` and whose layers are full or sliding attention runs unchanged.
+
+Sampling is counter based: the noise of a token is a hash of the sequence's own seed, its
+position among the generated tokens and the vocabulary index (Gumbel-max over the temperature-
+scaled, top-k / top-p filtered logits), so a sequence's output depends on its seed alone, never
+on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `generate`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("dflash.generate")
+
+_M32 = 0xFFFFFFFF
+# bytes of scratch per prefilled token (activations of one layer, the gathered rows): prefill
+# chunks are sized so that a chunk's transient memory stays small next to the cache
+_PREFILL_TOKENS_CUDA = 16384
+_PREFILL_TOKENS_CPU = 2048
+
+
+SLOT_ATTENTION = "dflash_slots"
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of the slot decoder, registered with transformers as SLOT_ATTENTION: with one
+    query per slot, the query heads of each key-value head are multiplied against that head's
+    keys in one batched GEMM, so the cache is read once per step (SDPA given a mask repeats the
+    keys and values for every query head: a copy of the whole cache per layer and step). With
+    several queries (a prefill) it is SDPA over keys repeated per head. attention_mask [N, 1, Q, K]:
+    boolean (True where a query sees a key), or additive in the model's dtype (0 or -inf): a
+    decode step builds it once for every layer, and the scores then take one pass to mask."""
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise ValueError("regeneration does not decode attention with sinks")
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    scale = scaling if scaling is not None else d**-0.5
+    if q == 1:
+        scores = torch.matmul((query * scale).view(b, hkv, groups, d), key.transpose(-1, -2))
+        mask = attention_mask.view(b, 1, 1, -1)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = scores.softmax(dim=-1)  # accumulates in fp32 for 16-bit scores
+        out = torch.matmul(probs, value)  # [b, hkv, groups, d]
+        return out.view(b, hq, 1, d).transpose(1, 2).contiguous(), None
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: temperature 0 is greedy; top_k 0 and top_p 1 disable those
+    filters. Stop tokens end a sequence (kept in its output); ignore_stop decodes through them
+    (benchmarks)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_stop: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass
+class Request:
+    key: object  # the caller's name for it, handed back with the result
+    prompt: list[int]
+    max_new_tokens: int
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    key: object
+    tokens: list[int]
+    finish_reason: str  # stop | length
+    prompt_tokens: int
+
+
+@dataclass
+class _Slot:
+    request: Request
+    limit: int  # tokens it may generate (max_new_tokens, or what the cache has room for)
+    tokens: list[int] = field(default_factory=list)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values below 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [N, vocab] that depends only on each row's (seed, step) and the index."""
+    base = _mix32((_mix32(seeds & _M32) + steps) & _M32).unsqueeze(-1)
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64).unsqueeze(0)
+    h = _mix32((base ^ _mix32((idx * 0x9E3779B9) & _M32)) & _M32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    greedy: bool,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """The next token of each row of logits [N, V] (fp32): argmax when greedy, else Gumbel-max
+    over the logits scaled by 1/temperature, cut to the top_k largest (0: all) and then to the
+    smallest set whose probability reaches top_p (the order transformers applies them in)."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    scaled = logits / temperature
+    values, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab)
+    values = values.masked_fill(rank >= k, float("-inf"))
+    probs = values.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    keep_sorted = (before < top_p) | (rank == 0)
+    keep_sorted &= rank < k
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    filtered = scaled.masked_fill(~keep, float("-inf"))
+    return (filtered + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1)
+
+
+class SlotCache:
+    """Static keys and values [slots, kv_heads, length, head_dim] per layer, behind transformers'
+    `Cache.update`: while prefilling, the given rows' keys go to positions 0..T-1 of their slots
+    and attention sees only the prompt; while decoding, every slot's one new key goes to that
+    slot's position and attention sees the whole cache (the mask says which positions count)."""
+
+    def __init__(self, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, device, dtype):
+        shape = (slots, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.slot_index = torch.arange(slots, device=device)
+        self.rows: torch.Tensor | None = None  # prefill: the slots of the rows
+        self.positions: torch.Tensor | None = None  # decode: [slots] the position written
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self.rows is not None:
+            t = key_states.shape[2]
+            k[self.rows, :, :t] = key_states
+            v[self.rows, :, :t] = value_states
+            return key_states, value_states
+        assert self.positions is not None
+        k[self.slot_index, :, self.positions] = key_states[:, :, 0]
+        v[self.slot_index, :, self.positions] = value_states[:, :, 0]
+        return k, v
+
+    # what transformers may ask a cache besides update()
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def layer_kinds(config) -> list[str]:
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if not kinds:
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+        kinds = ["sliding_attention" if sliding else "full_attention"] * int(config.num_hidden_layers)
+    bad = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ValueError(f"regeneration decodes full and sliding attention layers only, not {bad}")
+    return kinds
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes over every layer (keys and values)."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return 2 * int(config.num_hidden_layers) * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class SlotDecoder:
+    """Decodes requests with `slots` sequences at a time in a cache of `length` positions per slot
+    (prompt plus generated tokens). use_graph: record the decode step as a CUDA graph (CUDA only)."""
+
+    def __init__(self, model: Any, slots: int, length: int, use_graph: bool | None = None):
+        self.model: Any = model  # a transformers causal LM
+        self.config: Any = self.model.config
+        self.decoder: Any = self.model.get_decoder()
+        self.head: Any = self.model.get_output_embeddings()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.slots, self.length = slots, length
+        self.kinds = layer_kinds(self.config)
+        self.window = getattr(self.config, "sliding_window", None)
+        _register_attention()
+        cfg = self.config
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.cache = SlotCache(int(cfg.num_hidden_layers), slots, length, heads, head_dim, self.device, self.dtype)
+        dev = self.device
+        self.vocab = int(self.head.weight.shape[0])
+        # the decode step's inputs and outputs: fixed tensors a recorded graph reads and writes
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.steps = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.seeds = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.next_tokens = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.temperature = torch.ones(1, device=dev)
+        self.top_k = torch.zeros(1, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(1, device=dev)
+        self.key_index = torch.arange(length, device=dev)
+        self.use_graph = (dev.type == "cuda") if use_graph is None else (use_graph and dev.type == "cuda")
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
+        self.admit_batch = max(1, slots // 16)
+        self.tokens_generated = 0
+
+    # ------------------------------------------------------------------ the model
+    def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None):
+        """Per layer kind: query at query_pos [N, Q] sees keys at key_pos [K] up to itself (and
+        within the sliding window); key_valid [N, K] drops padding. Boolean, as slot_attention takes."""
+        causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [N, Q, K]
+        if key_valid is not None:
+            causal = causal & key_valid.unsqueeze(1)
+        masks = {}
+        for kind in dict.fromkeys(self.kinds):
+            m = causal
+            if kind == "sliding_attention" and self.window:
+                m = m & (key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - int(self.window))
+            masks[kind] = m.unsqueeze(1)  # [N, 1, Q, K]
+        return masks
+
+    def _hidden(self, input_ids, position_ids, masks) -> torch.Tensor:
+        # the model's attention layers read the implementation from the config at every call:
+        # slot_attention for this forward only (the engine's other users of the target keep theirs)
+        saved = self.config._attn_implementation
+        self.config._attn_implementation = SLOT_ATTENTION
+        try:
+            out = self.decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=masks,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.config._attn_implementation = saved
+        return out.last_hidden_state
+
+    def _decode_step(self, greedy: bool) -> None:
+        """One token for every slot from self.tokens at self.positions into self.next_tokens; then
+        the inputs move on by one (what the next step reads). Fixed shapes: a graph records it."""
+        cache = self.cache
+        cache.rows, cache.positions = None, self.positions
+        masks = {
+            kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
+            for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
+        }
+        hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
+        logits = self.head(hidden[:, -1]).float()
+        chosen = choose_tokens(logits, self.seeds, self.steps, greedy, self.temperature, self.top_k, self.top_p)
+        self.next_tokens.copy_(chosen)
+        self.tokens.copy_(chosen)
+        self.positions.add_(1).clamp_(max=self.length - 1)  # an idle slot's position must stay in the cache
+        self.steps.add_(1)
+
+    def _record(self, greedy: bool) -> torch.cuda.CUDAGraph:
+        dev = self.device
+        saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) outside the graph
+            for _ in range(2):
+                self._decode_step(greedy)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may make
+        # CUDA calls meanwhile; they are not part of this capture
+        capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
+        with torch.cuda.device(dev), capture:
+            self._decode_step(greedy)
+        torch.cuda.synchronize(dev)
+        for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
+            t.copy_(s)
+        return graph
+
+    def warm(self, sampling: Sampling) -> None:
+        """Record (CUDA) or run once (CPU) the decode step for this sampling mode."""
+        with torch.no_grad():
+            self._set_sampling(sampling)
+            if self.use_graph:
+                if sampling.greedy not in self._graphs:
+                    self._graphs[sampling.greedy] = self._record(sampling.greedy)
+            else:
+                saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
+                self._decode_step(sampling.greedy)
+                for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
+                    t.copy_(s)
+
+    def _set_sampling(self, sampling: Sampling) -> None:
+        self.temperature.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
+        self.top_k.fill_(max(0, sampling.top_k))
+        self.top_p.fill_(sampling.top_p)
+
+    def _step(self, greedy: bool) -> None:
+        graph = self._graphs.get(greedy) if self.use_graph else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode_step(greedy)
+
+    def _prefill(self, admitted: list[tuple[int, Request]], greedy: bool) -> list[int]:
+        """Prompts into their slots' caches; their first generated tokens."""
+        dev = self.device
+        lengths = [len(r.prompt) for _, r in admitted]
+        width = max(lengths)
+        ids = torch.zeros(len(admitted), width, dtype=torch.long)
+        for i, (_, r) in enumerate(admitted):
+            ids[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
+        ids = ids.to(dev)
+        lens = torch.tensor(lengths, dtype=torch.long, device=dev)
+        pos = torch.arange(width, device=dev).unsqueeze(0).expand(len(admitted), -1)
+        valid = pos < lens.unsqueeze(-1)
+        self.cache.rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
+        self.cache.positions = None
+        try:
+            hidden = self._hidden(ids, pos, self._mask(pos, pos[0], valid))
+        finally:
+            self.cache.rows = None
+        last = hidden[torch.arange(len(admitted), device=dev), lens - 1]
+        logits = self.head(last).float()
+        seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
+        steps = torch.zeros(len(admitted), dtype=torch.long, device=dev)
+        return choose_tokens(logits, seeds, steps, greedy, self.temperature, self.top_k, self.top_p).tolist()
+
+    # ------------------------------------------------------------------ the loop
+    def generate(
+        self,
+        requests: Iterable[Request],
+        sampling: Sampling,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[Completion]:
+        """Completions in the order they finish. Requests are taken in the given order as slots
+        free up (sort them by prompt length for even prefills). should_stop() is read between
+        steps: the sequences in flight are dropped."""
+        with torch.no_grad():
+            self.warm(sampling)
+            yield from self._generate(iter(requests), sampling, should_stop)
+
+    def _generate(self, pending_iter: Iterator[Request], sampling: Sampling, should_stop) -> Iterator[Completion]:
+        greedy = sampling.greedy
+        stops = set() if sampling.ignore_stop else set(sampling.stop_token_ids)
+        active: dict[int, _Slot] = {}
+        free = deque(range(self.slots))
+        pending: deque[Request] = deque()
+        exhausted = False
+        while True:
+            if should_stop():
+                return
+            while not exhausted and len(pending) < len(free):
+                nxt = next(pending_iter, None)
+                if nxt is None:
+                    exhausted = True
+                else:
+                    pending.append(nxt)
+            # prompts go in once a few slots are free (each prefill is an eager forward: one per
+            # freed slot would cost more host time than the idle slots cost steps), or when none runs
+            if free and pending and (len(free) >= self.admit_batch or not active):
+                yield from self._admit(active, free, pending, greedy, stops)
+            if not active:
+                if exhausted and not pending:
+                    return
+                continue
+            self._step(greedy)
+            chosen = self.next_tokens.tolist()
+            self.tokens_generated += len(active)
+            for slot in list(active):
+                state = active[slot]
+                token = chosen[slot]
+                state.tokens.append(token)
+                if token in stops or len(state.tokens) >= state.limit:
+                    del active[slot]
+                    free.append(slot)
+                    yield self._done(state, token in stops)
+
+    def _admit(self, active, free, pending, greedy, stops) -> Iterator[Completion]:
+        """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
+        batch: list[tuple[int, Request]] = []
+        while free and pending:
+            request = pending.popleft()
+            if not request.prompt or len(request.prompt) >= self.length:
+                raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a cache of {self.length}")
+            batch.append((free.popleft(), request))
+        dev = self.device
+        start = 0
+        while start < len(batch):
+            width = len(batch[start][1].prompt)
+            end = start + 1
+            while end < len(batch) and (end - start + 1) * max(width, len(batch[end][1].prompt)) <= self.prefill_tokens:
+                width = max(width, len(batch[end][1].prompt))
+                end += 1
+            chunk = batch[start:end]
+            firsts = self._prefill(chunk, greedy)
+            slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
+            n = len(chunk)
+            self.tokens[slots] = torch.tensor(firsts, dtype=torch.long, device=dev)
+            self.positions[slots] = torch.tensor([len(r.prompt) for _, r in chunk], dtype=torch.long, device=dev)
+            self.steps[slots] = torch.ones(n, dtype=torch.long, device=dev)
+            self.seeds[slots] = torch.tensor([r.seed & _M32 for _, r in chunk], dtype=torch.long, device=dev)
+            self.tokens_generated += n
+            for (slot, request), token in zip(chunk, firsts, strict=True):
+                limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
+                state = _Slot(request, limit, [token])
+                if token in stops or limit <= 1:
+                    free.append(slot)
+                    yield self._done(state, token in stops)
+                else:
+                    active[slot] = state
+            start = end
+
+    @staticmethod
+    def _done(state: _Slot, stopped: bool) -> Completion:
+        return Completion(state.request.key, state.tokens, "stop" if stopped else "length", len(state.request.prompt))
+
+
+def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 512, share: float = 0.85) -> int:
+    """Slots whose cache of `length` positions fits `share` of `free_bytes` (what the device has
+    left: the decode step's activations and the sampler's scratch need the rest), a multiple of
+    8, at most `cap` (the weights are read once per step whatever the slots: past a few hundred
+    slots the cache dominates the bytes a step reads, and more slots add little), at least 1."""
+    n = int(free_bytes * share) // max(1, per_token * length)
+    n = min(cap, n)
+    return max(1, n - n % 8 if n >= 8 else n)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

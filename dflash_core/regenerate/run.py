@@ -1,0 +1,396 @@
+"""The regeneration run: the engine's warm target answers every prompt of the job's datasets
+(`samples_per_prompt` times each), decoded by generate.SlotDecoder, and the answers are written
+as parquet shards of conversations with a manifest (output.py).
+
+The work is fixed before anything is generated: the prompts in reading order, each (prompt,
+sample) a row, the rows sorted by prompt length (longest first: slots prefilled together have
+similar lengths, and a prompt too large for the device fails the first shard, not the last) and
+cut into shards of `shard_rows`. The plan (sources and their hashes, target, template, sampling,
+counts) is in the manifest; a run that finds its own plan there skips the shards already written.
+
+The decode shapes (slots, cache positions per sequence) are engine settings; unset, the slots
+follow from the memory the device has left when the job starts (after the drafters), and the
+cache is allocated for the job and given back at its end, so that training jobs keep the memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+
+from ..confine import OutsideRoots, resolved_under
+from ..data.conversations import DatasetError, ReadReport
+from ..data.prompts import read_prompts
+from ..data.regenerated import MANIFEST
+from ..engine.api import JobCallbacks, JobError, JobResult
+from ..engine.config import job_template
+from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
+from .job import RegenerateJob, row_seed
+from .output import ShardOutput
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+log = logging.getLogger("dflash.regenerate")
+PROGRESS_SECONDS = 2.0  # how often a regeneration reports its progress
+CPU_SLOTS = 8
+
+
+def generation_length(engine: Engine) -> int:
+    """Cache positions per sequence: the setting, else the training context (seq_len), within
+    the target's own position limit."""
+    cfg = engine.config
+    length = cfg.generate_max_len or cfg.seq_len
+    limit = getattr(engine.targets[0].config, "max_position_embeddings", None) if engine.targets else None
+    return min(length, int(limit)) if limit else length
+
+
+def generation_slots(engine: Engine, length: int) -> int:
+    """The setting, else from the memory the target's device has free now (CUDA), else a few."""
+    if engine.config.generate_slots:
+        return engine.config.generate_slots
+    target = engine.targets[0]
+    if target.device.type != "cuda":
+        return CPU_SLOTS
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(target.device)
+    return slots_for_memory(free, kv_bytes_per_token(target.config, target.dtype), length)
+
+
+class RegenerationRun:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, job: RegenerateJob) -> None:
+        """Raise JobError(message, field) for a job this engine cannot run."""
+        engine = self.engine
+        if engine.group is not None:
+            raise JobError("regeneration runs on a daemon of one host, not in a multi-host group", "kind")
+        if engine.parts is None:
+            length = engine.config.generate_max_len or engine.config.seq_len
+        else:
+            if len(engine.targets[0].stages) > 1:
+                raise JobError("regeneration needs a target on one device (this one is split over several)", "kind")
+            length = generation_length(engine)
+        if job.max_new_tokens > length - 1:
+            raise JobError(
+                f"{job.max_new_tokens} is beyond the engine's generation length of {length} positions (prompt plus "
+                "new tokens; [engine] generate_max_len)",
+                "max_new_tokens",
+            )
+        if engine.parts is not None:
+            self._check_template(job)
+            self._check_first_prompts(job, length)
+
+    def _check_first_prompts(self, job: RegenerateJob, length: int) -> None:
+        """The first prompt of each dataset fits the generation length, so that a dataset of prompts
+        too long is refused at submission; a later one fails the job naming its place (or is
+        skipped with skip_bad_lines). What cannot be read is the dataset check's to report."""
+        if job.skip_bad_lines:
+            return
+        tokenizer = self.engine.tokenizer
+        template = job_template(job)  # type: ignore[arg-type]
+        for i, entry in enumerate(job.datasets):
+            try:
+                first = next(read_prompts(resolved_under(entry, job.dataset_roots, "dataset")), None)
+            except (OutsideRoots, DatasetError, OSError):
+                continue
+            if first is None:
+                continue
+            n = len(tokenizer(template.render(tokenizer, first.messages, True), add_special_tokens=False)["input_ids"])
+            if n >= length:
+                raise JobError(
+                    f"its first prompt has {n} tokens with the chat template; the generation length is {length} "
+                    "(prompt plus new tokens; [engine] generate_max_len)",
+                    f"datasets[{i}]",
+                )
+
+    def _check_template(self, job: RegenerateJob) -> None:
+        field = "chat_template" if job.chat_template else "chat_template_kwargs"
+        try:
+            template = job_template(job)  # type: ignore[arg-type]  # the template fields of a job
+            text = template.render(self.engine.tokenizer, [{"role": "user", "content": "ping"}], True)
+        except OutsideRoots as e:
+            raise JobError(str(e), "chat_template") from None
+        except Exception as e:  # noqa: BLE001 - any template failure is the user's to fix
+            raise JobError(f"the chat template cannot render a prompt: {type(e).__name__}: {e}", field) from None
+        if "ping" not in text:
+            raise JobError("the chat template does not render the user's message", field)
+
+    # ------------------------------------------------------------------ the run
+    def execute(self, job: RegenerateJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
+        """Run the job to its end, a cancel or a shutdown (cb.should_cancel); raises JobError.
+        resume_from is not read: the output directory's manifest says what is done."""
+        try:
+            return self._execute(job, cb)
+        except JobError:
+            raise
+        except torch.OutOfMemoryError as e:
+            raise JobError(f"out of memory: {str(e).splitlines()[0]} (set [engine] generate_slots lower)") from e
+        except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
+            raise JobError(f"{type(e).__name__}: {e}") from e
+
+    def _execute(self, job: RegenerateJob, cb: JobCallbacks) -> JobResult:
+        self.validate(job)
+        engine = self.engine
+        target = engine.targets[0]
+        length = generation_length(engine)
+        prompts, ids, sources, skipped = self._prompts(job, length, cb)
+        if not ids:
+            raise JobError("the datasets hold no usable prompt", "datasets")
+        total_rows = len(ids) * job.samples_per_prompt
+        order = sorted(
+            ((p, s) for p in range(len(ids)) for s in range(job.samples_per_prompt)), key=lambda r: -len(ids[r[0]])
+        )
+        shards = [order[i : i + job.shard_rows] for i in range(0, len(order), job.shard_rows)]
+        plan = self._plan(job, sources, len(ids), total_rows, skipped, length)
+        output = ShardOutput(job.output_dir, job.output_roots)
+        decoder: SlotDecoder | None = None
+        try:
+            output.start(plan)
+            done = output.done_shards()
+            rows_done = sum(len(shards[i]) for i in done if i < len(shards))
+            cb.on_event(
+                "prompts",
+                {
+                    "prompts": len(ids),
+                    "rows": total_rows,
+                    "skipped_lines": skipped,
+                    "shards": len(shards),
+                    "shards_done": len(done),
+                },
+            )
+            slots = min(generation_slots(engine, length), max(1, total_rows - rows_done))
+            decoder = SlotDecoder(target.model, slots, length)
+            log.info(
+                "regeneration decoder",
+                extra={
+                    "fields": {
+                        "slots": slots,
+                        "length": length,
+                        "kv_cache_bytes": decoder.cache.nbytes,
+                        "device": str(target.device),
+                        "cuda_graph": decoder.use_graph,
+                    }
+                },
+            )
+            cb.on_event(
+                "decoder",
+                {
+                    "slots": slots,
+                    "length": length,
+                    "kv_cache_bytes": decoder.cache.nbytes,
+                    "cuda_graph": decoder.use_graph,
+                },
+            )
+            stopped = self._generate(job, cb, decoder, output, prompts, ids, shards, done, rows_done, total_rows)
+            if not stopped:
+                output.finish()
+        finally:
+            output.close()
+            del decoder
+            if target.device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows = int(output.manifest["counts"]["rows"])
+        final = str(Path(job.output_dir))
+        return JobResult("STOPPED" if stopped else "SUCCEEDED", rows, total_rows, final, skipped_lines=skipped)
+
+    def _prompts(
+        self, job: RegenerateJob, length: int, cb: JobCallbacks
+    ) -> tuple[list[tuple[list[dict[str, str]], str]], list[np.ndarray], list[dict[str, Any]], int]:
+        """The prompts' messages and token ids in reading order, the sources with their hashes,
+        and the records skipped. A prompt that leaves no room for one new token is a bad record."""
+        tokenizer = self.engine.tokenizer
+        template = job_template(job)  # type: ignore[arg-type]
+        messages: list[tuple[list[dict[str, str]], str]] = []
+        ids: list[np.ndarray] = []  # int32 arrays: a large dataset's token ids stay compact
+        sources: list[dict[str, Any]] = []
+        report = ReadReport()
+        for i, entry in enumerate(job.datasets):
+            try:
+                path = resolved_under(entry, job.dataset_roots, "dataset")
+            except OutsideRoots as e:
+                raise JobError(str(e), f"datasets[{i}]") from None
+            sources.append({"dataset": entry, "sha256": _tree_hash(path)})
+            try:
+                for prompt in read_prompts(path, skip_bad_lines=job.skip_bad_lines, report=report, name=entry):
+                    text = template.render(tokenizer, prompt.messages, True)
+                    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+                    if len(tokens) >= length:
+                        err = DatasetError(
+                            prompt.source, 0, f"the prompt has {len(tokens)} tokens; the generation length is {length}"
+                        )
+                        if not job.skip_bad_lines:
+                            raise err
+                        report.note_skip(err)
+                        continue
+                    messages.append((prompt.messages, prompt.source))
+                    ids.append(np.asarray(tokens, dtype=np.int32))
+            except DatasetError as e:
+                raise JobError(str(e), f"datasets[{i}]") from None
+        if report.skipped:
+            cb.on_event("skipped_lines", {"count": report.skipped, "first": report.first_errors})
+        return messages, ids, sources, report.skipped
+
+    def _plan(
+        self, job: RegenerateJob, sources: list[dict[str, Any]], prompts: int, rows: int, skipped: int, length: int
+    ) -> dict[str, Any]:
+        """What the output is a function of: a resume continues only an output of the same plan."""
+        engine = self.engine
+        target_config = json.dumps(engine.targets[0].config.to_dict(), sort_keys=True, default=str)
+        template = job_template(job)  # type: ignore[arg-type]
+        template_text = template.template or getattr(engine.tokenizer, "chat_template", None) or ""
+        return {
+            "sources": sources,
+            "target": {
+                "path": str(engine.parts.target_path) if engine.parts else None,
+                "config_sha256": hashlib.sha256(target_config.encode()).hexdigest(),
+            },
+            "chat_template": {
+                "file": job.chat_template,
+                "sha256": hashlib.sha256(str(template_text).encode()).hexdigest(),
+                "kwargs": job.chat_template_kwargs,
+            },
+            "sampling": {
+                "temperature": job.temperature,
+                "top_p": job.top_p,
+                "top_k": job.top_k,
+                "seed": job.seed,
+                "max_new_tokens": job.max_new_tokens,
+                "stop_token_ids": list(self._stop_tokens()),
+            },
+            "samples_per_prompt": job.samples_per_prompt,
+            "shard_rows": job.shard_rows,
+            "generation_length": length,
+            "prompts": prompts,
+            "rows": rows,
+            "skipped_records": skipped,
+        }
+
+    def _stop_tokens(self) -> tuple[int, ...]:
+        """End-of-sequence tokens of the tokenizer and of the target's generation config."""
+        ids: list[int] = []
+        eos = getattr(self.engine.targets[0].model.generation_config, "eos_token_id", None)
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+        tok = getattr(self.engine.tokenizer, "eos_token_id", None)
+        if tok is not None:
+            ids.append(int(tok))
+        return tuple(sorted({int(i) for i in ids}))
+
+    def _generate(
+        self,
+        job: RegenerateJob,
+        cb: JobCallbacks,
+        decoder: SlotDecoder,
+        output: ShardOutput,
+        prompts: list[tuple[list[dict[str, str]], str]],
+        ids: list[np.ndarray],
+        shards: list[list[tuple[int, int]]],
+        done: set[int],
+        rows_done: int,
+        total_rows: int,
+    ) -> bool:
+        """Generate every shard not in `done`; True when stopped (cancel or shutdown) before the end."""
+        tokenizer = self.engine.tokenizer
+        stops = self._stop_tokens()
+        sampling = Sampling(job.temperature, job.top_p, job.top_k, stops)
+        pending: dict[int, list[dict[str, Any] | None]] = {
+            i: [None] * len(shard) for i, shard in enumerate(shards) if i not in done
+        }
+        missing = {i: len(shards[i]) for i in pending}
+
+        def requests() -> Iterator[Request]:
+            for i in sorted(pending):
+                for j, (p, s) in enumerate(shards[i]):
+                    yield Request((i, j), ids[p].tolist(), job.max_new_tokens, row_seed(job.seed, p, s))
+
+        meter = _Progress(cb, len(ids) * job.samples_per_prompt, rows_done, job.samples_per_prompt)
+        stopped = cb.should_cancel()
+        if stopped:
+            return True
+        for completion in decoder.generate(requests(), sampling, should_stop=cb.should_cancel):
+            i, j = cast(tuple[int, int], completion.key)
+            p, s = shards[i][j]
+            tokens = completion.tokens
+            if completion.finish_reason == "stop" and tokens and tokens[-1] in stops:
+                tokens = tokens[:-1]
+            pending[i][j] = {
+                "messages": [*prompts[p][0], {"role": "assistant", "content": tokenizer.decode(tokens)}],
+                "source": prompts[p][1],
+                "sample": s,
+                "prompt_tokens": completion.prompt_tokens,
+                "completion_tokens": len(completion.tokens),
+                "finish_reason": completion.finish_reason,
+            }
+            missing[i] -= 1
+            meter.row(decoder.tokens_generated)
+            if missing[i] == 0:
+                path = output.write_shard(i, [r for r in pending.pop(i) if r is not None])
+                cb.on_checkpoint(path, int(output.manifest["counts"]["rows"]))
+            meter.report(decoder.tokens_generated)
+        stopped = bool(pending)
+        meter.report(decoder.tokens_generated, force=True)
+        return stopped
+
+
+class _Progress:
+    """Rows done, tokens generated and their rates over this run, reported every few seconds."""
+
+    def __init__(self, cb: JobCallbacks, total: int, done: int, samples: int):
+        self.cb, self.total, self.rows_done, self.samples = cb, total, done, samples
+        self.first = done
+        self.started = time.monotonic()
+        self.last = 0.0
+        self.tokens = 0
+        self.reported_tokens = 0
+
+    def row(self, tokens: int) -> None:
+        self.rows_done += 1
+        self.tokens = tokens
+
+    def report(self, tokens: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < PROGRESS_SECONDS:
+            return
+        self.tokens = tokens
+        elapsed = max(now - self.started, 1e-9)
+        rows_rate = (self.rows_done - self.first) / elapsed
+        remaining = self.total - self.rows_done
+        self.cb.on_generate(
+            {
+                "rows_done": self.rows_done,
+                "rows_total": self.total,
+                "prompts_done": self.rows_done // self.samples,
+                "prompts_total": self.total // self.samples,
+                "tokens_generated": tokens,
+                "new_tokens": tokens - self.reported_tokens,
+                "tokens_per_second": round(tokens / elapsed, 3),
+                "eta_seconds": round(remaining / rows_rate, 1) if rows_rate > 0 else None,
+                "seconds": round(elapsed, 3),
+            }
+        )
+        self.reported_tokens = tokens
+        self.last = now
+
+
+def _tree_hash(path: Path) -> str:
+    """sha256 over a dataset entry's files (a directory's in sorted order, names included)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        if f.name == MANIFEST or f.name.startswith("."):
+            continue
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()

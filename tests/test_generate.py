@@ -1,0 +1,139 @@
+"""The static-cache decode loop (dflash_core.generate) on the CPU against transformers' own
+`generate`: greedy output token for token, for prompts of different lengths decoded together,
+with slots refilled as sequences finish (some early, at the end-of-turn token, some at the
+token limit); seeded sampling that depends on the seed alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_core.generate import Request, Sampling, SlotDecoder, choose_tokens
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(default_assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_assets.target))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_assets.target), dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def prompts(default_assets, target):
+    """Token ids of held-out prompts (each conversation up to its last user turn), as the chat
+    template renders them with the generation prompt."""
+    _, tok = target
+    out = []
+    with open(default_assets.heldout) as f:
+        for line in list(f)[:7]:
+            messages = json.loads(line)["messages"]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            text = tok.apply_chat_template(messages[: last + 1], tokenize=False, add_generation_prompt=True)
+            out.append(tok(text, add_special_tokens=False)["input_ids"])
+    assert len({len(p) for p in out}) > 3, "the prompts must differ in length"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """transformers' greedy generate, one prompt at a time."""
+    model, _ = target
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            full = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0)
+        out.append(full[0, len(ids) :].tolist())
+    return out
+
+
+def _run(model, prompts, sampling, slots=3, length=160, max_new=MAX_NEW, seeds=None, order=None):
+    decoder = SlotDecoder(model, slots=slots, length=length)
+    order = list(range(len(prompts))) if order is None else order
+    requests = [Request(k, prompts[k], max_new, seed=(seeds or {}).get(k, k)) for k in order]
+    return {c.key: c for c in decoder.generate(requests, sampling)}
+
+
+def test_greedy_equals_transformers_generate(target, prompts, reference):
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    done = _run(model, prompts, Sampling(stop_token_ids=(eos,)))
+    assert [done[k].tokens for k in range(len(prompts))] == reference
+    reasons = sorted(done[k].finish_reason for k in done)
+    # some stop at the end-of-turn token before the limit (their slot is refilled), some reach it
+    assert {"stop", "length"} <= set(reasons), reasons
+    assert all(len(done[k].tokens) < MAX_NEW for k in done if done[k].finish_reason == "stop")
+
+
+def test_greedy_at_the_token_limit(target, prompts, reference):
+    """A limit below every answer's length: each sequence ends at the limit, equal to the prefix."""
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    done = _run(model, prompts, Sampling(stop_token_ids=(eos,)), slots=4, max_new=5)
+    for k, ref in enumerate(reference):
+        assert done[k].tokens == ref[:5]
+        assert done[k].finish_reason == ("stop" if len(ref) <= 5 and ref[-1] == eos else "length")
+
+
+def test_one_slot_equals_many(target, prompts):
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    one = _run(model, prompts, Sampling(stop_token_ids=(eos,)), slots=1)
+    many = _run(model, prompts, Sampling(stop_token_ids=(eos,)), slots=8)
+    assert {k: c.tokens for k, c in one.items()} == {k: c.tokens for k, c in many.items()}
+
+
+def test_seeded_sampling_depends_on_the_seed_only(target, prompts):
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    sampling = Sampling(temperature=1.3, top_p=0.95, top_k=40, stop_token_ids=(eos,))
+    seeds = {k: 1000 + k for k in range(len(prompts))}
+    a = _run(model, prompts, sampling, slots=2, seeds=seeds)
+    b = _run(model, prompts, sampling, slots=5, seeds=seeds, order=list(reversed(range(len(prompts)))))
+    assert {k: c.tokens for k, c in a.items()} == {k: c.tokens for k, c in b.items()}
+    other = _run(model, prompts, sampling, slots=2, seeds={k: 7 + k for k in range(len(prompts))})
+    assert {k: c.tokens for k, c in other.items()} != {k: c.tokens for k, c in a.items()}
+
+
+def test_top_k_one_is_greedy(target, prompts, reference):
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    done = _run(model, prompts, Sampling(temperature=0.7, top_k=1, stop_token_ids=(eos,)))
+    assert [done[k].tokens for k in range(len(prompts))] == reference
+
+
+def test_sampler_follows_the_distribution():
+    """Gumbel-max over the counter-based noise draws tokens with their softmax probabilities,
+    and top_p keeps only the smallest set that reaches it."""
+    n = 20000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(n, 1)
+    seeds = torch.arange(n, dtype=torch.long)
+    steps = torch.zeros(n, dtype=torch.long)
+    one = torch.ones(1)
+    picks = choose_tokens(logits, seeds, steps, False, one, torch.zeros(1, dtype=torch.long), one)
+    freq = torch.bincount(picks, minlength=4).float() / n
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015), freq
+    picks = choose_tokens(logits, seeds, steps, False, one, torch.zeros(1, dtype=torch.long), torch.tensor([0.7]))
+    freq = torch.bincount(picks, minlength=4).float() / n
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.015, freq
+
+
+def test_slots_refilled_in_batches(target, prompts, reference):
+    """More requests than slots, with slots refilled a few at a time (slots // 16 of them)."""
+    from dflash_core.generate import Request, SlotDecoder
+
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    decoder = SlotDecoder(model, slots=32, length=160)
+    assert decoder.admit_batch == 2
+    requests = [Request((k, c), prompts[k], MAX_NEW) for c in range(6) for k in range(len(prompts))]
+    done = list(decoder.generate(requests, Sampling(stop_token_ids=(eos,))))
+    assert sorted(c.key for c in done) == sorted(r.key for r in requests)
+    assert all(c.tokens == reference[c.key[0]] for c in done)

@@ -57,6 +57,12 @@ class EngineConfig(BaseModel):
     mask_token: str | None = Field(
         None, description="the block's mask token; unset: the tokenizer's mask token, else <|mask|> added"
     )
+    teacher: bool = Field(
+        False,
+        description="run the target to its final norm and train with the objective step, so jobs may distil "
+        "the target's distribution (loss kl / tv / mixes) or use D-PACE position weights; off: the DFlash "
+        "block CE step only, the target stopping at its deepest captured layer",
+    )
     inductor_cache_dir: Path | None = Field(
         None, description="torch.compile's cache; unset: <data_dir>/inductor-cache (an exported variable wins)"
     )
@@ -126,6 +132,10 @@ class TrainJob:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_accum: int = 1
     loss_gamma: float | None = None
+    # the objective (step.objectives): {term: weight} (None: the DFlash CE), position weights
+    loss: dict[str, float] | None = None
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5
     seed: int = 0
     checkpoint_interval: int = 100
     keep_checkpoints: int = 3

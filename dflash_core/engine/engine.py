@@ -45,6 +45,7 @@ from .compile import ARTIFACTS_FILE, CompileGuard, load_artifacts, log_compile_t
 from .config import EngineConfig, TrainJob, job_template
 from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .grad_sync import GradSync
+from .objective import check_objective, job_objective
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
@@ -261,6 +262,7 @@ class Engine:
                     f"block_size={shape.block_size} and does not recompile at runtime",
                     name,
                 )
+        check_objective(job, self.config.teacher)
         if job.steps is not None and job.steps < 1:
             raise JobError("must be at least 1", "steps")
         if job.steps is None and job.epochs is None:
@@ -739,6 +741,8 @@ class Engine:
             rep.new_optimizer(job.learning_rate, job.weight_decay, job.adam_betas)
             rep.sum_grads_in_fp32 = per_step > 1 or self.grad_sync.process_group is not None
             rep.gamma = gamma
+            if rep.objective is not None:
+                rep.objective.set(job_objective(job))
         if not resume_from:
             return 0
         state = load_training_state(resume_from)

@@ -138,6 +138,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 dev,
                 random_init=config.target_random_init,
                 seed=WARMUP_SEED,
+                teacher=config.teacher,
             )
         )
         timeline.record("target_load", device_label(dev), t)
@@ -174,6 +175,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 plan,
                 gamma=loss.resolved_gamma(config.block_size),
                 chunk_size=loss.chunk_size,
+                teacher=config.teacher,
             )
         )
         timeline.mark(f"build:replica_created:{dev}")

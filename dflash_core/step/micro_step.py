@@ -12,6 +12,8 @@ from ..drafter import DFlashDrafter, FrozenHead
 from .attention import DenseAttention, training_attention
 from .blocks import block_inputs, block_labels
 from .loss import chunked_lm_head_loss
+from .objective_step import objective_loss, split_teacher
+from .objectives import ObjectiveInputs
 
 
 @dataclass
@@ -87,14 +89,26 @@ def micro_step(
     chunk_size: int,
     kernels: StepKernels = EAGER,
     decay: torch.Tensor | None = None,
+    objective: ObjectiveInputs | None = None,
 ) -> MicroStepResult:
     """decay: the loss's position weights (blocks.position_decay of gamma) as a tensor the caller
-    holds, else computed from gamma."""
+    holds, else computed from gamma. objective: the objective step (objective_step.py; the
+    features then end with the target's final hidden states), else the DFlash block CE."""
     cfg = drafter.config
+    if objective is not None:
+        drafter_features, teacher = split_teacher(features, cfg)
+    else:
+        drafter_features, teacher = features, None
     hidden = drafter_forward(
-        drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels
+        drafter, head, batch, drafter_features, step_attention(batch, cfg.block_size, attention, kernels), kernels
     )
     labels, weights = block_labels(batch, cfg.block_size, gamma, decay)
+    if objective is not None:
+        assert teacher is not None
+        loss, correct, weights = objective_loss(
+            hidden, teacher, head, batch, labels, weights, objective, chunk_size, kernels.loss
+        )
+        return MicroStepResult(loss, correct, weights)
     n, b = batch.anchors.shape[0], cfg.block_size
 
     def predicting(t: torch.Tensor) -> torch.Tensor:

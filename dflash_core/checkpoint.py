@@ -74,9 +74,9 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         **longrope,
-        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": cfg.layer_types,
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_hidden_layers,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
@@ -112,7 +112,22 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=d.get("max_position_embeddings", 40960),
+        sliding_window=_sliding_window(d),
     )
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    """The drafter's window: config.sliding_window where its layers are sliding_attention (every
+    layer: the drafter has one window for all of them)."""
+    types = d.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return None
+    if set(types) != {"sliding_attention"}:
+        raise ValueError(f"layer_types {types}: a drafter's layers must all be full or all sliding_attention")
+    window = d.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        raise ValueError("sliding_attention layers need a positive sliding_window")
+    return window
 
 
 def cpu_copy(obj: Any) -> Any:

@@ -96,6 +96,9 @@ class DrafterConfig:
     # normalize_rope_scaling); None: default RoPE
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 40960
+    # every drafter layer attends within this window (sliding_attention; step.attention says
+    # how); None: full attention
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -104,7 +107,14 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2 (an anchor and one drafted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} must be at least the block size {self.block_size}")
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling, self.rope_theta))
+
+    @property
+    def layer_types(self) -> list[str]:
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return [kind] * self.num_hidden_layers
 
     @property
     def num_target_features(self) -> int:
@@ -147,6 +157,7 @@ class DrafterConfig:
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
+        sliding_window: int | None = None,
     ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
@@ -175,6 +186,7 @@ class DrafterConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 40960)),
+            sliding_window=sliding_window,
         )
 
     def to_dict(self) -> dict[str, Any]:

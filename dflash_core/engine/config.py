@@ -51,6 +51,12 @@ class EngineConfig(BaseModel):
     block_size: int = Field(8, ge=2, description="tokens per block: the anchor and block_size - 1 drafted tokens")
     drafter_layers: int = Field(2, ge=1, description="decoder layers of the drafter")
     drafter_intermediate_size: int | None = Field(None, ge=1, description="MLP width; unset: the target's")
+    drafter_sliding_window: int | None = Field(
+        None,
+        ge=2,
+        description="the drafter's layers attend within this many positions (exported as sliding_attention "
+        "layers with this sliding_window); unset: full attention",
+    )
     target_layer_ids: list[int] | None = Field(
         None, min_length=1, description="target layers whose outputs feed the drafter; unset: the DFlash rule"
     )

@@ -123,6 +123,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         mask_token_id=mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token),
         target_layer_ids=layer_ids,
         intermediate_size=config.drafter_intermediate_size,
+        sliding_window=config.drafter_sliding_window,
     )
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

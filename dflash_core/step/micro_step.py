@@ -9,7 +9,7 @@ import torch
 
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, FrozenHead
-from .attention import DenseAttention, training_attention
+from .attention import DenseAttention, inference_mask, training_attention
 from .blocks import block_inputs, block_labels
 from .loss import chunked_lm_head_loss
 from .objective_step import objective_loss, split_teacher
@@ -43,7 +43,9 @@ class StepKernels:
 EAGER = StepKernels()
 
 
-def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: StepKernels = EAGER):
+def step_attention(
+    batch: MicroBatch, block_size: int, attention: str, kernels: StepKernels = EAGER, sliding_window: int | None = None
+):
     """The attention callable of one micro-batch, built as the step builds it."""
     return training_attention(
         attention,
@@ -55,6 +57,7 @@ def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: 
         compiled=kernels.attention,
         compiled_mask=kernels.mask,
         q_splits=kernels.q_splits,
+        sliding_window=sliding_window,
     )
 
 
@@ -100,7 +103,12 @@ def micro_step(
     else:
         drafter_features, teacher = features, None
     hidden = drafter_forward(
-        drafter, head, batch, drafter_features, step_attention(batch, cfg.block_size, attention, kernels), kernels
+        drafter,
+        head,
+        batch,
+        drafter_features,
+        step_attention(batch, cfg.block_size, attention, kernels, cfg.sliding_window),
+        kernels,
     )
     labels, weights = block_labels(batch, cfg.block_size, gamma, decay)
     if objective is not None:
@@ -137,4 +145,5 @@ def inference_block_forward(
     embeds = torch.nn.functional.embedding(block_ids, head.embed_weight).unsqueeze(0)
     block_pos = torch.arange(anchor_position, anchor_position + b, device=device)
     ctx_pos = torch.arange(context_features.shape[0], device=device)
-    return drafter(embeds, context_features.unsqueeze(0), block_pos, ctx_pos, DenseAttention(None))[0]
+    mask = inference_mask(context_features.shape[0], b, drafter.config.sliding_window, device)
+    return drafter(embeds, context_features.unsqueeze(0), block_pos, ctx_pos, DenseAttention(mask))[0]

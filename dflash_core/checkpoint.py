@@ -34,13 +34,17 @@ METADATA_FILE = "dflash_metadata.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def expected_keys(num_layers: int) -> set[str]:
+def expected_keys(num_layers: int, recipe: str = "dflash") -> set[str]:
     keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(num_layers):
         p = f"layers.{i}."
         keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         keys |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
         keys |= {p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    if recipe == "dspark":
+        from .recipes.dspark import head_keys
+
+        keys |= head_keys()
     return keys
 
 
@@ -85,6 +89,27 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        **(dspark_fields(cfg) if cfg.recipe == "dspark" else {}),
+    }
+
+
+def dspark_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """What a DSpark checkpoint's config.json says beyond a DFlash one, as SpecForge's
+    configs/qwen3-8b-dspark.json: its class, and the heads in dflash_config."""
+    return {
+        "architectures": ["DSparkDraftModel"],
+        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.DSparkDraftModel"},
+        "dflash_config": {
+            "attention_mode": "gqa" if cfg.num_key_value_heads < cfg.num_attention_heads else "mha",
+            "confidence_head_alpha": 1.0,
+            "confidence_head_with_markov": True,
+            "enable_confidence_head": True,
+            "markov_head_type": "vanilla",
+            "markov_rank": cfg.markov_rank,
+            "mask_token_id": cfg.mask_token_id,
+            "projector_type": "dspark",
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
     }
 
 
@@ -113,6 +138,8 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=d.get("max_position_embeddings", 40960),
         sliding_window=_sliding_window(d),
+        recipe="dspark" if dflash.get("projector_type") == "dspark" else "dflash",
+        markov_rank=int(dflash.get("markov_rank") or 0) if dflash.get("projector_type") == "dspark" else 0,
     )
 
 
@@ -175,7 +202,7 @@ def write_checkpoint(
     if export_dtype not in EXPORT_DTYPES:
         raise ValueError(f"export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {export_dtype!r}")
     final = Path(path)
-    missing = expected_keys(config.num_hidden_layers) ^ set(weights)
+    missing = expected_keys(config.num_hidden_layers, config.recipe) ^ set(weights)
     if missing:
         raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
     if parent is None:
@@ -272,7 +299,8 @@ def load_weights(path: str | Path, num_layers: int, *, masters: bool = False) ->
     continues from) where the exported model.safetensors holds another dtype."""
     master_file = Path(path) / TRAINING_DIR / MASTER_WEIGHTS_FILE
     state = load_file(str(master_file if masters and master_file.is_file() else Path(path) / WEIGHTS_FILE))
-    diff = expected_keys(num_layers) ^ set(state)
+    recipe = read_config(path).recipe if (Path(path) / CONFIG_FILE).is_file() else "dflash"
+    diff = expected_keys(num_layers, recipe) ^ set(state)
     if diff:
         raise ValueError(f"{path}: checkpoint keys differ from the DFlash format: {sorted(diff)[:8]}")
     return state

@@ -99,6 +99,10 @@ class DrafterConfig:
     # every drafter layer attends within this window (sliding_attention; step.attention says
     # how); None: full attention
     sliding_window: int | None = None
+    # "dflash", or "dspark": the DFlash backbone with DSpark's Markov head of this rank and its
+    # confidence head (recipes/dspark.py)
+    recipe: str = "dflash"
+    markov_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -107,6 +111,12 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2 (an anchor and one drafted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        if self.recipe not in ("dflash", "dspark"):
+            raise ValueError(f"recipe must be 'dflash' or 'dspark', got {self.recipe!r}")
+        if (self.recipe == "dspark") != (self.markov_rank > 0):
+            raise ValueError(f"markov_rank must be > 0 exactly for the dspark recipe, got {self.markov_rank}")
+        if self.markov_rank >= self.vocab_size:
+            raise ValueError(f"markov_rank {self.markov_rank} must be below the vocabulary size {self.vocab_size}")
         if self.sliding_window is not None and self.sliding_window < self.block_size:
             raise ValueError(f"sliding_window {self.sliding_window} must be at least the block size {self.block_size}")
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling, self.rope_theta))
@@ -158,6 +168,8 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
         sliding_window: int | None = None,
+        recipe: str = "dflash",
+        markov_rank: int = 0,
     ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
@@ -187,6 +199,8 @@ class DrafterConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 40960)),
             sliding_window=sliding_window,
+            recipe=recipe,
+            markov_rank=markov_rank,
         )
 
     def to_dict(self) -> dict[str, Any]:

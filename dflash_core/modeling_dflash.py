@@ -135,3 +135,54 @@ class DFlashDraftModel(PreTrainedModel):
         for layer in self.layers:
             h = layer(h, context, rope_q, rope_k, attention_mask)
         return self.norm(h)
+
+
+class DSparkMarkovHead(nn.Module):
+    """A previous-token logit bias: markov_w2(markov_w1[prev])."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def bias(self, prev_token_ids: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev_token_ids))
+
+
+class DSparkConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)
+
+
+class DSparkDraftModel(DFlashDraftModel):
+    """DSpark: the DFlash drafter with a Markov head (a previous-token logit bias inside the block,
+    `dflash_config.markov_rank`) and a confidence head on [hidden state, Markov embedding] whose
+    sigmoid predicts the chance the target accepts a drafted position. Parameter names as
+    SpecForge's DSparkDraftModel. `draft_block` drafts a block left to right with the bias."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        rank = int(config.dflash_config["markov_rank"])
+        self.markov_head = DSparkMarkovHead(config.vocab_size, rank)
+        self.confidence_head = DSparkConfidenceHead(config.hidden_size + rank)
+        self.post_init()
+
+    @torch.no_grad()
+    def draft_block(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, anchor_token_ids: torch.Tensor):
+        """hidden [B, Q, H] (this model's output for one block), lm_head_weight [V, H] (the
+        target's), anchor_token_ids [B]: greedy tokens of positions 1..Q-1 [B, Q-1] and the
+        confidence (sigmoid) of each."""
+        base = hidden[:, 1:].to(lm_head_weight.dtype) @ lm_head_weight.t()
+        prev, tokens, conf = anchor_token_ids, [], []
+        for k in range(base.shape[1]):
+            emb = self.markov_head.markov_w1(prev)
+            logits = base[:, k].float() + self.markov_head.markov_w2(emb).float()
+            c = self.confidence_head(torch.cat([hidden[:, 1 + k], emb.to(hidden.dtype)], dim=-1))
+            prev = logits.argmax(-1)
+            tokens.append(prev)
+            conf.append(torch.sigmoid(c.float()))
+        return torch.stack(tokens, 1), torch.stack(conf, 1)

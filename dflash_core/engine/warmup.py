@@ -124,6 +124,8 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         target_layer_ids=layer_ids,
         intermediate_size=config.drafter_intermediate_size,
         sliding_window=config.drafter_sliding_window,
+        recipe=config.recipe,
+        markov_rank=engine_markov_rank(config, hf_cfg),
     )
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -174,7 +176,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 dev,
                 head,
                 plan,
-                gamma=loss.resolved_gamma(config.block_size),
+                gamma=recipe_gamma(config.recipe, config.block_size),
                 chunk_size=loss.chunk_size,
                 teacher=config.teacher,
             )
@@ -220,6 +222,30 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         replicas,
         (tuple(features.shape), features.dtype),
     )
+
+
+def engine_markov_rank(config: EngineConfig, target_config) -> int:
+    """The DSpark Markov rank: the configured one (below the vocabulary size), else the public
+    default capped for the target; 0 for the dflash recipe."""
+    if config.recipe != "dspark":
+        return 0
+    from ..recipes.dspark_settings import default_markov_rank
+
+    vocab, hidden = int(target_config.vocab_size), int(target_config.hidden_size)
+    if config.markov_rank is None:
+        return default_markov_rank(vocab, hidden)
+    if config.markov_rank >= vocab:
+        raise ValueError(f"markov_rank: {config.markov_rank} must be below the target's vocabulary size {vocab}")
+    return config.markov_rank
+
+
+def recipe_gamma(recipe: str, block_size: int) -> float:
+    """The position-weight decay of a recipe's default loss."""
+    if recipe == "dspark":
+        from ..recipes.dspark_settings import DSPARK_GAMMA
+
+        return DSPARK_GAMMA
+    return LossConfig().resolved_gamma(block_size)
 
 
 def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int] | None]:

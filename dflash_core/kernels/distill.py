@@ -115,20 +115,9 @@ def _distill_rows_kernel(
             tl.store(d_ptr + idx, grad.to(zd_ptr.dtype.element_ty), mask=in_row)
 
 
-def chunk_terms(
-    hidden,
-    teacher_hidden,
-    lm_head_weight,
-    labels,
-    mix,
-    need_grad: bool,
-    *,
-    block_v: int = BLOCK_V,
-    num_warps: int = NUM_WARPS,
-):
-    """As objectives.chunk_terms_eager: (terms [rows, 3], argmax hits, unweighted row gradient)."""
-    zd = hidden @ lm_head_weight.t()
-    zt = teacher_hidden @ lm_head_weight.t()
+def logit_terms(zd, zt, labels, mix, need_grad: bool, *, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS):
+    """On given logits [rows, vocab] (drafter's, teacher's): (terms [rows, 3], argmax hits, the
+    mixed gradient written over zd (returned), or None)."""
     rows, vocab = zd.shape
     terms = torch.empty(rows, 3, dtype=torch.float32, device=zd.device)
     hits = torch.empty(rows, dtype=torch.int8, device=zd.device)
@@ -147,6 +136,14 @@ def chunk_terms(
             BLOCK_V=block_v,
             num_warps=num_warps,
         )
-    if not need_grad:
-        return terms, hits.bool(), None
-    return terms, hits.bool(), (zd @ lm_head_weight).to(hidden.dtype)
+    return terms, hits.bool(), (zd if need_grad else None)
+
+
+def chunk_terms(hidden, teacher_hidden, lm_head_weight, labels, mix, need_grad: bool, **launch):
+    """As objectives.chunk_terms_eager: (terms [rows, 3], argmax hits, unweighted row gradient)."""
+    zd = hidden @ lm_head_weight.t()
+    zt = teacher_hidden @ lm_head_weight.t()
+    terms, hits, grad = logit_terms(zd, zt, labels, mix, need_grad, **launch)
+    if grad is None:
+        return terms, hits, None
+    return terms, hits, (grad @ lm_head_weight).to(hidden.dtype)

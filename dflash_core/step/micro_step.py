@@ -114,7 +114,7 @@ def micro_step(
     if objective is not None:
         assert teacher is not None
         loss, correct, weights = objective_loss(
-            hidden, teacher, head, batch, labels, weights, objective, chunk_size, kernels.loss
+            drafter, hidden, teacher, head, batch, labels, weights, objective, chunk_size, kernels.loss
         )
         return MicroStepResult(loss, correct, weights)
     n, b = batch.anchors.shape[0], cfg.block_size

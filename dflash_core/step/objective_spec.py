@@ -8,7 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-TERMS = ("ce", "kl", "tv")
+# conf: DSpark's confidence-head BCE (a dspark engine only)
+TERMS = ("ce", "kl", "tv", "conf")
+DRAFT_TERMS = ("ce", "kl", "tv")
 POSITION_WEIGHTS = ("decay", "dpace")
 DEFAULT_DPACE_ALPHA = 0.5
 
@@ -20,17 +22,18 @@ class Objective:
     ce: float = 1.0
     kl: float = 0.0
     tv: float = 0.0
+    conf: float = 0.0
     position_weights: str = "decay"
     dpace_alpha: float = DEFAULT_DPACE_ALPHA
 
     @property
     def needs_teacher(self) -> bool:
-        return self.kl > 0 or self.tv > 0
+        return self.kl > 0 or self.tv > 0 or self.conf > 0
 
     @property
     def is_plain_ce(self) -> bool:
         """The DFlash recipe's loss: CE with decayed position weights."""
-        return self.kl == 0 and self.tv == 0 and self.position_weights == "decay"
+        return not self.needs_teacher and self.position_weights == "decay"
 
     @property
     def mix(self) -> tuple[float, float, float]:
@@ -57,8 +60,8 @@ def parse_loss(value: Any) -> dict[str, float]:
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"the weight of {name!r} must be finite and >= 0, got {weight}")
         out[name] = float(weight)
-    if not any(out.values()):
-        raise ValueError("the mix's weights are all 0")
+    if not any(out.get(t, 0.0) for t in DRAFT_TERMS):
+        raise ValueError("the mix must give ce, kl or tv a weight above 0 (they train the drafter's logits)")
     return out
 
 
@@ -72,6 +75,7 @@ def objective_of(loss: Mapping[str, float] | None, position_weights: str, dpace_
         ce=mix.get("ce", 0.0),
         kl=mix.get("kl", 0.0),
         tv=mix.get("tv", 0.0),
+        conf=mix.get("conf", 0.0),
         position_weights=position_weights,
         dpace_alpha=float(dpace_alpha),
     )

@@ -15,6 +15,7 @@ import torch
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import FrozenHead
+from ..recipes.dspark import dspark_loss, previous_tokens
 from .objectives import ObjectiveInputs, chunked_objective_terms, position_weights, weighted_objective_loss
 
 
@@ -31,6 +32,7 @@ def split_teacher(features: torch.Tensor, cfg: DrafterConfig) -> tuple[torch.Ten
 
 
 def objective_loss(
+    drafter,
     hidden: torch.Tensor,  # [N*B, H] drafter final hidden states
     teacher: torch.Tensor,  # [S, H] target final hidden states
     head: FrozenHead,
@@ -51,11 +53,29 @@ def objective_loss(
     teacher_pos = (batch.anchors.unsqueeze(1) + k - 1).clamp(max=seq_len - 1).reshape(-1)
     rows = hidden.reshape(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)
     row_labels = labels.view(n, b)[:, 1:].reshape(-1)
-    mixed, terms, hits = chunked_objective_terms(
-        rows, teacher[teacher_pos].to(rows.dtype), head.lm_head_weight, row_labels, objective.mix, chunk_size, kernel
-    )
-    weights = position_weights(decayed.view(n, b)[:, 1:], terms[:, 0].view(n, b - 1), objective)
-    loss = weighted_objective_loss(mixed, weights.reshape(-1))
+    teacher_rows = teacher[teacher_pos].to(rows.dtype)
+    if drafter.config.recipe == "dspark":  # the Markov bias in the logits, and the confidence head
+        weights = decayed.view(n, b)[:, 1:]
+        prev = previous_tokens(batch.input_ids, batch.anchors, b).reshape(-1)
+        loss, terms, hits = dspark_loss(
+            drafter,
+            rows,
+            teacher_rows,
+            head.lm_head_weight,
+            prev,
+            row_labels,
+            weights.reshape(-1),
+            objective.mix,
+            objective.conf,
+            chunk_size,
+            kernel,
+        )
+    else:
+        mixed, terms, hits = chunked_objective_terms(
+            rows, teacher_rows, head.lm_head_weight, row_labels, objective.mix, chunk_size, kernel
+        )
+        weights = position_weights(decayed.view(n, b)[:, 1:], terms[:, 0].view(n, b - 1), objective)
+        loss = weighted_objective_loss(mixed, weights.reshape(-1))
     zero = torch.zeros(n, 1, dtype=weights.dtype, device=weights.device)
     correct = torch.cat([torch.zeros(n, 1, dtype=torch.bool, device=hits.device), hits.view(n, b - 1)], dim=1)
     return loss, correct, torch.cat([zero, weights], dim=1)

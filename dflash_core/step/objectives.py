@@ -37,12 +37,14 @@ class ObjectiveInputs:
         self.mix = torch.zeros(3, dtype=torch.float32, device=device)
         self.dpace = torch.zeros((), dtype=torch.float32, device=device)  # 1.0: D-PACE weights
         self.alpha = torch.zeros((), dtype=torch.float32, device=device)
+        self.conf = torch.zeros((), dtype=torch.float32, device=device)  # DSpark's confidence BCE
         self.set(Objective())
 
     def set(self, objective: Objective) -> None:
         self.mix.copy_(torch.tensor(objective.mix, dtype=torch.float32))
         self.dpace.fill_(1.0 if objective.position_weights == "dpace" else 0.0)
         self.alpha.fill_(objective.dpace_alpha)
+        self.conf.fill_(objective.conf)
 
 
 # ----------------------------------------------------------------------------- D-PACE
@@ -70,19 +72,18 @@ def position_weights(decayed: torch.Tensor, ce: torch.Tensor, inputs: ObjectiveI
 
 
 # ----------------------------------------------------------------------------- chunk math
-def chunk_terms_eager(hidden, teacher_hidden, lm_head_weight, labels, mix, need_grad: bool):
-    """One chunk of rows: (terms [rows, 3] fp32 = ce, kl, tv; argmax hits [rows];
-    d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on the logits."""
-    zd = (hidden @ lm_head_weight.t()).float()
-    zt = (teacher_hidden @ lm_head_weight.t()).float()
-    logp_d = torch.log_softmax(zd, dim=-1)
-    logp_t = torch.log_softmax(zt, dim=-1)
+def logit_terms_eager(zd, zt, labels, mix, need_grad: bool):
+    """On given logits [rows, vocab]: (terms [rows, 3] fp32 = ce, kl, tv; argmax hits [rows];
+    d(sum_i mix_i * term_i)/d(zd) per row in zd's dtype, unweighted, or None). fp32 math."""
+    zd32, zt32 = zd.float(), zt.float()
+    logp_d = torch.log_softmax(zd32, dim=-1)
+    logp_t = torch.log_softmax(zt32, dim=-1)
     pd, pt = logp_d.exp(), logp_t.exp()
     ce = -logp_d.gather(1, labels.unsqueeze(1)).squeeze(1)
     kl = (pt * (logp_t - logp_d)).sum(-1)
     diff = pd - pt
     tv = 0.5 * diff.abs().sum(-1)
-    correct = zd.argmax(dim=-1) == labels
+    correct = zd32.argmax(dim=-1) == labels
     terms = torch.stack([ce, kl, tv], dim=1)
     if not need_grad:
         return terms, correct, None
@@ -90,10 +91,30 @@ def chunk_terms_eager(hidden, teacher_hidden, lm_head_weight, labels, mix, need_
     sigma = (sign * pd).sum(-1, keepdim=True)
     is_label = torch.arange(zd.shape[1], device=zd.device).unsqueeze(0) == labels.unsqueeze(1)
     grad = mix[0] * (pd - is_label.float()) + mix[1] * (pd - pt) + mix[2] * 0.5 * pd * (sign - sigma)
+    return terms, correct, grad.to(zd.dtype)
+
+
+def chunk_terms_eager(hidden, teacher_hidden, lm_head_weight, labels, mix, need_grad: bool):
+    """One chunk of rows: (terms [rows, 3] fp32 = ce, kl, tv; argmax hits [rows];
+    d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on the logits."""
+    zd = hidden @ lm_head_weight.t()
+    zt = teacher_hidden @ lm_head_weight.t()
+    terms, correct, grad = logit_terms_eager(zd.float(), zt.float(), labels, mix, need_grad)
+    if grad is None:
+        return terms, correct, None
     return terms, correct, (grad.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
 
 
 OBJECTIVE_KERNELS = ("eager", "triton")
+
+
+def logit_terms_function(kernel: str):
+    """The logits-level chunk: "triton" on CUDA (kernels.distill), else the eager one."""
+    if kernel == "triton":
+        from ..kernels.distill import logit_terms
+
+        return logit_terms
+    return logit_terms_eager
 
 
 def objective_chunk_function(kernel: str):

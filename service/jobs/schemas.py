@@ -69,12 +69,16 @@ class JobSpec(BaseModel):
     loss: Any = Field(
         None,
         description='"ce" (default), "kl", "tv", or a weighted mix such as {"ce": 0.1, "tv": 0.9}; kl and tv '
-        "need a daemon started with [engine] teacher = true",
+        'need a daemon started with [engine] teacher = true; "conf" (a dspark daemon) weights the confidence head. '
+        "Default: ce, or on a dspark daemon 0.1 ce + 0.9 tv + 1.0 conf",
     )
     position_weights: Literal["decay", "dpace"] = Field(
         "decay", description="decay: exp(-(k-1)/loss_gamma); dpace: D-PACE weights (teacher daemon)"
     )
     dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE smoothing alpha")
+    recipe: Literal["dflash", "dspark"] | None = Field(
+        None, description="must equal the daemon's [engine] recipe; unset: the daemon's"
+    )
     seed: int = Field(0, ge=0, le=2**32 - 1)
     output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
     checkpoint_interval: int = Field(100, ge=1, le=10**9)

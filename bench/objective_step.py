@@ -28,7 +28,7 @@ from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import FrozenHead
 from dflash_core.engine.replica import DrafterReplica
-from dflash_core.engine.step_graph import StepGraph
+from dflash_core.engine.step_graph import StepGraph, matches_eager
 from dflash_core.step.objectives import objective_of
 
 OBJECTIVES = {  # name -> (loss mix or None (the CE daemon), position weights, recipe)
@@ -43,9 +43,9 @@ OBJECTIVES = {  # name -> (loss mix or None (the CE daemon), position weights, r
 
 
 def compile_count() -> int:
-    from torch._dynamo.utils import counters
+    from dflash_core.engine.compile import compiled_graphs
 
-    return int(sum(counters["stats"].values())) if "stats" in counters else 0
+    return compiled_graphs()
 
 
 def inputs(cfg, shape, teacher: bool):
@@ -85,9 +85,13 @@ def run(name, layers, iters, chunk, graph: bool):
     step()
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
+    matches = None
     if graph:
         rep.zero_grad()
         rep.step_graph = StepGraph(rep, batch, feats)
+        # as the engine keeps a graph: its replay of another micro-batch equals the eager step
+        other = synthetic_micro_batch(shape, cfg.vocab_size, 0, seed=1).to("cuda")
+        matches = matches_eager(rep.step_graph, rep, other, torch.roll(feats, 1, 0))
     compiles_before = compile_count()
     torch.cuda.reset_peak_memory_stats()
 
@@ -106,6 +110,7 @@ def run(name, layers, iters, chunk, graph: bool):
         "recipe": recipe,
         "block_size": shape.block_size,
         "graph": graph and rep.step_graph is not None,
+        "graph_matches_eager": matches,
         "median_ms": round(median(times), 2),
         "min_ms": round(min(times), 2),
         "first_step_s": round(first_s, 1),

@@ -68,7 +68,7 @@ def inputs(cfg, shape, teacher: bool):
     return head, batch, feats
 
 
-def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0):
+def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only: bool = False):
     mix, weights, recipe = OBJECTIVES[name]
     teacher = mix is not None
     cfg = reference_drafter_config(layers)
@@ -93,6 +93,8 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0):
     step()
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
+    if compile_only:  # fills the compile caches for a later run
+        return {"objective": name, "compiled_in_s": round(first_s, 1)}
     matches = None
     if graph:
         rep.zero_grad()
@@ -139,12 +141,13 @@ def main(argv=None):
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
     p.add_argument("--graph", action="store_true", help="replay the recorded step, as the daemon does")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
+    p.add_argument("--compile-only", action="store_true", help="compile each row's step, time nothing")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     for name in args.objectives.split(","):
         try:
-            row = run(name, args.layers, args.iters, args.chunk, args.graph, args.wait_pid)
+            row = run(name, args.layers, args.iters, args.chunk, args.graph, args.wait_pid, args.compile_only)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             row = {"objective": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         rows.append(row)

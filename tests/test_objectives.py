@@ -198,3 +198,21 @@ def test_teacher_target_appends_its_final_hidden_states(default_assets):
     logits, _ = teacher.forward_logits(tokens)
     head = teacher.frozen_head()
     torch.testing.assert_close(both[:, -h:] @ head.lm_head_weight.t(), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_objective_step_with_plain_ce_equals_the_block_ce_step():
+    """A teacher engine's objective step running the default objective (CE, decayed weights)
+    computes the block CE step's loss, hits, weights and gradients."""
+    cfg, mb, head, feats = _objective_setup()
+    width = cfg.num_target_features * cfg.hidden_size
+    results = []
+    for objective in (None, ObjectiveInputs("cpu")):
+        drafter = random_drafter(cfg).float()
+        f = feats if objective is not None else feats[:, :width]
+        res = micro_step(drafter, head, mb, f, attention="dense", gamma=2.0, chunk_size=5, objective=objective)
+        results.append((res, torch.autograd.grad(res.loss, list(drafter.parameters()))))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.correct, b.correct) and torch.equal(a.weights, b.weights)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)

@@ -34,7 +34,7 @@ METADATA_FILE = "dflash_metadata.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def expected_keys(num_layers: int, recipe: str = "dflash") -> set[str]:
+def expected_keys(num_layers: int, recipe: str = "dflash", markov_head_type: str = "vanilla") -> set[str]:
     keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(num_layers):
         p = f"layers.{i}."
@@ -44,7 +44,7 @@ def expected_keys(num_layers: int, recipe: str = "dflash") -> set[str]:
     if recipe == "dspark":
         from .recipes.dspark import head_keys
 
-        keys |= head_keys()
+        keys |= head_keys(markov_head_type)
     return keys
 
 
@@ -104,7 +104,7 @@ def dspark_fields(cfg: DrafterConfig) -> dict[str, Any]:
             "confidence_head_alpha": 1.0,
             "confidence_head_with_markov": True,
             "enable_confidence_head": True,
-            "markov_head_type": "vanilla",
+            "markov_head_type": cfg.markov_head_type,
             "markov_rank": cfg.markov_rank,
             "mask_token_id": cfg.mask_token_id,
             "projector_type": "dspark",
@@ -140,6 +140,7 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         sliding_window=_sliding_window(d),
         recipe="dspark" if dflash.get("projector_type") == "dspark" else "dflash",
         markov_rank=int(dflash.get("markov_rank") or 0) if dflash.get("projector_type") == "dspark" else 0,
+        markov_head_type=str(dflash.get("markov_head_type") or "vanilla"),
     )
 
 
@@ -202,7 +203,7 @@ def write_checkpoint(
     if export_dtype not in EXPORT_DTYPES:
         raise ValueError(f"export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {export_dtype!r}")
     final = Path(path)
-    missing = expected_keys(config.num_hidden_layers, config.recipe) ^ set(weights)
+    missing = expected_keys(config.num_hidden_layers, config.recipe, config.markov_head_type) ^ set(weights)
     if missing:
         raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
     if parent is None:
@@ -299,8 +300,8 @@ def load_weights(path: str | Path, num_layers: int, *, masters: bool = False) ->
     continues from) where the exported model.safetensors holds another dtype."""
     master_file = Path(path) / TRAINING_DIR / MASTER_WEIGHTS_FILE
     state = load_file(str(master_file if masters and master_file.is_file() else Path(path) / WEIGHTS_FILE))
-    recipe = read_config(path).recipe if (Path(path) / CONFIG_FILE).is_file() else "dflash"
-    diff = expected_keys(num_layers, recipe) ^ set(state)
+    cfg = read_config(path) if (Path(path) / CONFIG_FILE).is_file() else None
+    diff = expected_keys(num_layers, *((cfg.recipe, cfg.markov_head_type) if cfg else ())) ^ set(state)
     if diff:
         raise ValueError(f"{path}: checkpoint keys differ from the DFlash format: {sorted(diff)[:8]}")
     return state

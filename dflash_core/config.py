@@ -103,6 +103,7 @@ class DrafterConfig:
     # confidence head (recipes/dspark.py)
     recipe: str = "dflash"
     markov_rank: int = 0
+    markov_head_type: str = "vanilla"  # dspark: "vanilla", "gated" or "rnn"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -115,6 +116,8 @@ class DrafterConfig:
             raise ValueError(f"recipe must be 'dflash' or 'dspark', got {self.recipe!r}")
         if (self.recipe == "dspark") != (self.markov_rank > 0):
             raise ValueError(f"markov_rank must be > 0 exactly for the dspark recipe, got {self.markov_rank}")
+        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
         if self.markov_rank >= self.vocab_size:
             raise ValueError(f"markov_rank {self.markov_rank} must be below the vocabulary size {self.vocab_size}")
         if self.sliding_window is not None and self.sliding_window < self.block_size:
@@ -170,6 +173,7 @@ class DrafterConfig:
         sliding_window: int | None = None,
         recipe: str = "dflash",
         markov_rank: int = 0,
+        markov_head_type: str = "vanilla",
     ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
@@ -201,6 +205,7 @@ class DrafterConfig:
             sliding_window=sliding_window,
             recipe=recipe,
             markov_rank=markov_rank,
+            markov_head_type=markov_head_type,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -186,7 +186,7 @@ class DFlashDrafter(nn.Module):
         if cfg.recipe == "dspark":  # the Markov and confidence heads (recipes/dspark.py)
             from .recipes.dspark import attach_heads
 
-            attach_heads(self, cfg.hidden_size, cfg.vocab_size, cfg.markov_rank)
+            attach_heads(self, cfg.hidden_size, cfg.vocab_size, cfg.markov_rank, cfg.markov_head_type)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic init (normal linears, unit norms) drawn on the parameters' device (a

@@ -39,14 +39,42 @@ PUBLIC_HEAD_KEYS = {
     "confidence_head.proj.weight",
     "confidence_head.proj.bias",
 }
+# GatedMarkovHead.gate_proj and RNNMarkovHead.joint_proj (nn.Linear with bias)
+PUBLIC_EXTRA_KEYS = {
+    "vanilla": set(),
+    "gated": {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"},
+    "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"},
+}
 
 
-def dspark_config(rank=8, **kw):
-    return replace(tiny_drafter_config(**kw), recipe="dspark", markov_rank=rank)
+def dspark_config(rank=8, kind="vanilla", **kw):
+    return replace(tiny_drafter_config(**kw), recipe="dspark", markov_rank=rank, markov_head_type=kind)
 
 
-def test_dspark_loss_matches_the_dense_reference():
-    cfg = dspark_config(block_size=4)
+def latents_by_definition(drafter, emb, hidden, kind, k):
+    """The Markov latents from the public heads' definitions (SpecForge a6b6b023 dspark.py:
+    VanillaMarkovHead, GatedMarkovHead.compute_gate, RNNMarkovHead._rnn_step), row by row."""
+    head = drafter.markov_head
+    if kind == "vanilla":
+        return emb
+    if kind == "gated":
+        return torch.sigmoid(torch.cat([hidden, emb], -1) @ head.gate_proj.weight.t() + head.gate_proj.bias) * emb
+    out = []
+    for n in range(emb.shape[0] // k):
+        state = torch.zeros_like(emb[0])
+        for j in range(k):
+            i = n * k + j
+            z = torch.cat([state, emb[i], hidden[i]]) @ head.joint_proj.weight.t() + head.joint_proj.bias
+            r = emb.shape[1]
+            gate, cand, o = torch.sigmoid(z[:r]), torch.tanh(z[r : 2 * r]), z[2 * r :]
+            out.append(torch.tanh(o))
+            state = gate * state + (1 - gate) * cand
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_dspark_loss_matches_the_dense_reference(kind):
+    cfg = dspark_config(block_size=4, kind=kind)
     drafter = random_drafter(cfg, seed=1).double()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a Markov bias and a confidence head that are not at their init
@@ -60,9 +88,14 @@ def test_dspark_loss_matches_the_dense_reference():
     weights[4] = 0
     mix, conf = torch.tensor([0.1, 0.2, 0.9], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     params = [h, *(p for n, p in drafter.named_parameters() if "head" in n)]
-    loss, terms, _ = dspark_loss(drafter, h, ht, w, prev, labels, weights, mix, conf, chunk_size=4, kernel="eager")
+    loss, terms, _ = dspark_loss(
+        drafter, h, ht, w, prev, labels, weights, mix, conf, chunk_size=4, kernel="eager", block_positions=3
+    )
     got = torch.autograd.grad(loss, params)
-    ref = reference_dspark_loss(drafter, h, ht, w, prev, labels, weights, mix, 1.0)
+    emb = drafter.markov_head.markov_w1(prev)
+    ref = reference_dspark_loss(
+        drafter, h, ht, w, prev, labels, weights, mix, 1.0, latents_by_definition(drafter, emb, h, kind, 3)
+    )
     want = torch.autograd.grad(ref, params)
     assert abs(float(loss.detach()) - float(ref.detach())) < 1e-6 * max(1.0, abs(float(ref.detach())))
     for a, b in zip(got, want, strict=True):
@@ -84,18 +117,22 @@ def test_engine_settings_of_the_dspark_recipe():
         EngineConfig(markov_rank=16)
     with pytest.raises(ValidationError, match="markov_rank"):
         EngineConfig(recipe="dspark", markov_rank=0)
+    with pytest.raises(ValidationError, match="markov_head_type"):
+        EngineConfig(markov_head_type="rnn")
+    assert EngineConfig(recipe="dspark", markov_head_type="rnn").markov_head_type == "rnn"
     assert EngineConfig().block_size == 8 and not EngineConfig().teacher  # defaults unchanged
 
 
-def test_checkpoint_has_the_public_dspark_format(tmp_path):
-    cfg = dspark_config(rank=8)
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_checkpoint_has_the_public_dspark_format(tmp_path, kind):
+    cfg = dspark_config(rank=8, kind=kind)
     drafter = DFlashDrafter(cfg)
     heads = {n for n, _ in drafter.named_parameters() if "head" in n}
-    assert heads == PUBLIC_HEAD_KEYS
+    assert heads == PUBLIC_HEAD_KEYS | PUBLIC_EXTRA_KEYS[kind]
     d = hf_config(cfg, torch.bfloat16)
     assert d["architectures"] == ["DSparkDraftModel"]
     assert set(d["dflash_config"]) == PUBLIC_DFLASH_CONFIG_KEYS
-    assert d["dflash_config"]["projector_type"] == "dspark" and d["dflash_config"]["markov_head_type"] == "vanilla"
+    assert d["dflash_config"]["projector_type"] == "dspark" and d["dflash_config"]["markov_head_type"] == kind
     assert d["dflash_config"]["markov_rank"] == 8 and d["block_size"] == cfg.block_size
     assert config_from_hf(d) == cfg
     from safetensors.torch import load_file

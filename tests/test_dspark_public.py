@@ -1,7 +1,8 @@
 """The public reference against our DSpark checkpoint: SpecForge's own `DSparkDraftModel`
 (specforge/modeling/draft/dspark.py at commit a6b6b023) loads a checkpoint the engine trained,
 strictly (no missing or unexpected keys), and its `spec_generate` decodes held-out prompts
-losslessly (the target's greedy output) in as many blocks as our evaluator, so with the same tau.
+losslessly (the target's greedy output) in as many blocks as our evaluator, so with the same tau;
+for each Markov head type (vanilla, gated, rnn).
 
 SpecForge is not a dependency (not installable in CI): the test runs when DFLASH_SPECFORGE_SRC
 names a SpecForge source tree (the directory holding the `specforge` package), e.g.
@@ -25,7 +26,8 @@ pytestmark = [
 ]
 
 
-def test_public_dspark_model_loads_and_decodes_our_checkpoint(default_assets, tmp_path):
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_public_dspark_model_loads_and_decodes_our_checkpoint(default_assets, tmp_path, kind):
     sys.path.insert(0, str(SRC))
     from safetensors.torch import load_file
     from specforge.modeling.draft.dspark import DSparkDraftModel
@@ -36,7 +38,8 @@ def test_public_dspark_model_loads_and_decodes_our_checkpoint(default_assets, tm
     from dflash_core.engine import Engine, EngineConfig, TrainJob
     from dflash_core.evaluate import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
-    engine = Engine(EngineConfig(drafter_devices=["cpu"], recipe="dspark"), default_assets.root.parent.parent).build()
+    cfg = EngineConfig(drafter_devices=["cpu"], recipe="dspark", markov_head_type=kind)
+    engine = Engine(cfg, default_assets.root.parent.parent).build()
     try:
         job = TrainJob(
             datasets=[str(default_assets.train)],

@@ -77,6 +77,11 @@ class EngineConfig(BaseModel):
     markov_rank: int | None = Field(
         None, ge=1, description="dspark: rank of the Markov head; unset: 256, capped for small vocabularies"
     )
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = Field(
+        "vanilla",
+        description="dspark: the Markov head (vanilla: a previous-token bias; gated: gated by the hidden state; "
+        "rnn: a recurrence over the block)",
+    )
     inductor_cache_dir: Path | None = Field(
         None, description="torch.compile's cache; unset: <data_dir>/inductor-cache (an exported variable wins)"
     )
@@ -100,8 +105,9 @@ class EngineConfig(BaseModel):
                 )
             self.block_size = DSPARK_BLOCK_SIZE
             self.teacher = True
-        elif self.markov_rank is not None:
-            raise ValueError('markov_rank: only the dspark recipe has a Markov head (set recipe = "dspark")')
+        elif self.markov_rank is not None or self.markov_head_type != "vanilla":
+            field = "markov_rank" if self.markov_rank is not None else "markov_head_type"
+            raise ValueError(f'{field}: only the dspark recipe has a Markov head (set recipe = "dspark")')
         return self
 
     @field_validator("target_path", "inductor_cache_dir")

@@ -126,6 +126,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         sliding_window=config.drafter_sliding_window,
         recipe=config.recipe,
         markov_rank=engine_markov_rank(config, hf_cfg),
+        markov_head_type=config.markov_head_type,
     )
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -1,18 +1,23 @@
 """DSpark: a DFlash backbone with a low-rank Markov head and a confidence head (arXiv 2607.05147;
 public definition: SpecForge `specforge/modeling/draft/dspark.py`, `DSparkDraftModel`).
 
-Markov head (vanilla): a previous-token logit bias inside the block,
-    logits_k = lm_head(h_k) + markov_w2(markov_w1[prev_k]),
-markov_w1 an Embedding(vocab, r), markov_w2 a Linear(r, vocab) without bias. In training prev_k
-is the true token before the one position k predicts (the anchor for k = 1); at inference it is
-the token drafted at k - 1, so the block is drafted left to right (`markov_draft`).
+Markov head: a previous-token logit bias inside the block,
+    logits_k = lm_head(h_k) + markov_w2(latent_k),  e_k = markov_w1[prev_k],
+markov_w1 an Embedding(vocab, r), markov_w2 a Linear(r, vocab) without bias, and latent_k by
+`markov_head_type`: vanilla e_k; gated sigmoid(gate_proj([h_k, e_k])) * e_k; rnn a gated
+recurrence over the block's positions (state_0 = 0; z = [state, e_k, h_k]; gate, candidate,
+output = joint_proj(z) in three; latent_k = tanh(output); state <- g state + (1 - g) tanh(cand)).
+In training prev_k is the true token before the one position k predicts (the anchor for k = 1);
+at inference it is the token drafted at k - 1, so the block is drafted left to right
+(`markov_draft`).
 Confidence head (`AcceptRatePredictor`): a Linear(H + r, 1) on [h_k, markov_w1[prev_k]] whose
 sigmoid predicts c* = 1 - TV(p_draft, p_target), the chance the target accepts position k's
 draft; trained with BCE against the detached c*, then calibrated on held-out data (`calibrate`).
 Loss: 0.1 CE + 0.9 TV + 1.0 confidence BCE by default (a job may set other weights).
 
 Parameter names are the public class's: markov_head.markov_w1.weight,
-markov_head.markov_w2.weight, confidence_head.proj.weight, confidence_head.proj.bias.
+markov_head.markov_w2.weight (gated: markov_head.gate_proj.*, rnn: markov_head.joint_proj.*),
+confidence_head.proj.weight, confidence_head.proj.bias.
 """
 
 from __future__ import annotations
@@ -26,13 +31,46 @@ from .dspark_settings import DSPARK_BLOCK_SIZE, DSPARK_GAMMA, DSPARK_LOSS, DSPAR
 __all__ = ["DSPARK_BLOCK_SIZE", "DSPARK_GAMMA", "DSPARK_LOSS", "DSPARK_MARKOV_RANK", "default_markov_rank"]
 
 
-class VanillaMarkovHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int):
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, kind: str = "vanilla"):
         super().__init__()
         if rank <= 0:
             raise ValueError(f"markov_rank must be > 0, got {rank}")
+        if kind not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {kind!r}")
+        self.kind = kind
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def step(self, state: torch.Tensor | None, emb: torch.Tensor, hidden: torch.Tensor):
+        """One position: (its latent [.., r], the next state or None). emb and hidden in one dtype."""
+        if self.kind == "vanilla":
+            return emb, None
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1))) * emb, None
+        assert state is not None
+        gate, cand, out = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        return torch.tanh(out), gate * state + (1.0 - gate) * torch.tanh(cand)
+
+    def latents(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Training: latents of every predicting position, emb and hidden [N, K, ...] (teacher
+        forcing: emb of the true previous tokens); [N, K, r]."""
+        if self.kind != "rnn":
+            return self.step(None, emb, hidden)[0]
+        state = torch.zeros_like(emb[:, 0])
+        out = []
+        for k in range(emb.shape[1]):
+            latent, state = self.step(state, emb[:, k], hidden[:, k])
+            out.append(latent)
+        return torch.stack(out, dim=1)
 
 
 class AcceptRatePredictor(nn.Module):
@@ -44,19 +82,21 @@ class AcceptRatePredictor(nn.Module):
         return self.proj(features).squeeze(-1)
 
 
-def attach_heads(drafter: nn.Module, hidden_size: int, vocab_size: int, rank: int) -> None:
+def attach_heads(drafter: nn.Module, hidden_size: int, vocab_size: int, rank: int, kind: str = "vanilla") -> None:
     """Give a DFlash drafter the DSpark heads (the confidence head reads the Markov embedding)."""
-    drafter.markov_head = VanillaMarkovHead(vocab_size, rank)
+    drafter.markov_head = MarkovHead(vocab_size, rank, hidden_size, kind)
     drafter.confidence_head = AcceptRatePredictor(hidden_size + rank)
 
 
-def head_keys() -> set[str]:
-    return {
+def head_keys(kind: str = "vanilla") -> set[str]:
+    keys = {
         "markov_head.markov_w1.weight",
         "markov_head.markov_w2.weight",
         "confidence_head.proj.weight",
         "confidence_head.proj.bias",
     }
+    extra = {"gated": "markov_head.gate_proj", "rnn": "markov_head.joint_proj"}.get(kind)
+    return keys | ({f"{extra}.weight", f"{extra}.bias"} if extra else set())
 
 
 # ----------------------------------------------------------------------------- training loss
@@ -139,15 +179,21 @@ def dspark_loss(
     conf_weight: torch.Tensor,  # [] the confidence BCE's weight
     chunk_size: int,
     kernel: str,
+    block_positions: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, terms [R, 3], argmax hits [R]) of the DSpark objective: the weighted mean of the
+    """(loss, terms [R, 3], argmax hits [R]) of the DSpark objective (rows: blocks of
+    block_positions predicting positions, in order): the weighted mean of the
     mixed terms plus conf_weight times the weighted mean of the confidence BCE."""
     w = weights.detach().float()
     w = w / w.sum().clamp_min(1e-6)
     emb = drafter.markov_head.markov_w1(prev)
+    k = block_positions
+    latent = drafter.markov_head.latents(
+        emb.view(-1, k, emb.shape[-1]).to(rows.dtype), rows.view(-1, k, rows.shape[-1])
+    ).reshape(-1, emb.shape[-1])
     loss, terms, hits = _MarkovObjective.apply(
         rows,
-        emb,
+        latent,
         teacher_rows,
         lm_head,
         drafter.markov_head.markov_w2.weight,
@@ -163,10 +209,11 @@ def dspark_loss(
     return loss + conf_weight * (bce * w).sum(), terms, hits
 
 
-def reference_dspark_loss(drafter, rows, teacher_rows, lm_head, prev, labels, weights, mix, conf_weight):
-    """Dense float64 reference of dspark_loss, for tests (the full [rows, vocab] logits)."""
+def reference_dspark_loss(drafter, rows, teacher_rows, lm_head, prev, labels, weights, mix, conf_weight, latent):
+    """Dense float64 reference of dspark_loss, for tests (the full [rows, vocab] logits; latent:
+    the Markov latents of the rows, computed by the caller)."""
     emb = drafter.markov_head.markov_w1(prev).double()
-    zd = rows.double() @ lm_head.double().t() + emb @ drafter.markov_head.markov_w2.weight.double().t()
+    zd = rows.double() @ lm_head.double().t() + latent.double() @ drafter.markov_head.markov_w2.weight.double().t()
     zt = teacher_rows.double() @ lm_head.double().t()
     logp_d, logp_t = torch.log_softmax(zd, -1), torch.log_softmax(zt, -1)
     ce = F.nll_loss(logp_d, labels, reduction="none")
@@ -191,9 +238,11 @@ def markov_draft(
     base = hidden[1:].to(lm_head.dtype) @ lm_head.t()  # [B-1, V]
     prev = torch.tensor([anchor_token], device=hidden.device)
     tokens, conf = [], []
+    state = torch.zeros(1, head.markov_w1.embedding_dim, dtype=hidden.dtype, device=hidden.device)
     for k in range(base.shape[0]):
         emb = head.markov_w1(prev)  # [1, r]
-        logits = base[k].float() + head.markov_w2(emb)[0].float()
+        latent, state = head.step(state, emb.to(hidden.dtype), hidden[1 + k : 2 + k])
+        logits = base[k].float() + head.markov_w2(latent.to(head.markov_w2.weight.dtype))[0].float()
         c = drafter.confidence_head(torch.cat([hidden[1 + k : 2 + k], emb.to(hidden.dtype)], -1)).float()
         tok = int(logits.argmax())
         tokens.append(tok)

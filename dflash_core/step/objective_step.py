@@ -69,6 +69,7 @@ def objective_loss(
             objective.conf,
             chunk_size,
             kernel,
+            b - 1,
         )
     else:
         mixed, terms, hits = chunked_objective_terms(

@@ -8,7 +8,7 @@ daemon steps: `ce_daemon` is the block CE step of an engine without the teacher;
 run the objective step (features with the target's final hidden states appended), with their
 mix and position weights; `dspark` runs the DSpark recipe (block 7, Markov rank 256, 512
 anchors). Reports the median ms, the ratio to ce_daemon, peak and steady reserved memory, the
-reserved swing over 30 full steps, and the compiles counted after the first row. Writes
+reserved swing over --flat-steps full steps, and the compiles counted after the first row. Writes
 $OUT/objective_step.json.
 """
 
@@ -68,7 +68,7 @@ def inputs(cfg, shape, teacher: bool):
     return head, batch, feats
 
 
-def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only: bool = False):
+def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only: bool = False, flat_steps: int = 30):
     mix, weights, recipe = OBJECTIVES[name]
     teacher = mix is not None
     cfg = reference_drafter_config(layers)
@@ -113,7 +113,7 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only
 
     times = cuda_time_ms(fwd_bwd, warmup=3, iters=iters)
     reserved = []
-    for _ in range(30):
+    for _ in range(flat_steps):
         step()
         reserved.append(torch.cuda.memory_reserved())
     torch.cuda.synchronize()
@@ -142,12 +142,15 @@ def main(argv=None):
     p.add_argument("--graph", action="store_true", help="replay the recorded step, as the daemon does")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--compile-only", action="store_true", help="compile each row's step, time nothing")
+    p.add_argument("--flat-steps", type=int, default=30, help="full steps over which the reserved swing is taken")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     for name in args.objectives.split(","):
         try:
-            row = run(name, args.layers, args.iters, args.chunk, args.graph, args.wait_pid, args.compile_only)
+            row = run(
+                name, args.layers, args.iters, args.chunk, args.graph, args.wait_pid, args.compile_only, args.flat_steps
+            )
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             row = {"objective": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         rows.append(row)

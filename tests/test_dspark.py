@@ -203,5 +203,11 @@ def test_engine_trains_a_dspark_drafter_that_decodes_losslessly(default_assets, 
         )
         assert result.lossless_mismatches == 0 and result.confidence
         assert all(1 <= n <= 7 for n in result.acceptance_lengths)
+        from dflash_core.evaluate import evaluate_checkpoint  # what `dflash-trainer eval` runs
+
+        summary = evaluate_checkpoint(
+            res.final_checkpoint, str(default_assets.heldout), max_prompts=1, max_new_tokens=12, check_lossless=True
+        )
+        assert summary["lossless_mismatches"] == 0 and summary["blocks"] > 0
     finally:
         engine.close()

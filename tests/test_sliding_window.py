@@ -6,6 +6,7 @@ checkpoint's `sliding_window` / `layer_types`."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +138,38 @@ def test_checkpoint_config_exports_the_window():
     assert plain["sliding_window"] is None and config_from_hf(plain).sliding_window is None
     with pytest.raises(ValueError):
         replace(cfg, sliding_window=3)  # smaller than the block
+
+
+@pytest.mark.slow
+def test_engine_trains_and_evaluates_a_windowed_drafter(default_assets, tmp_path):
+    import json
+
+    from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
+    from dflash_core.engine import Engine, EngineConfig, TrainJob
+
+    cfg = EngineConfig(
+        drafter_devices=["cpu"],
+        seq_len=256,
+        num_anchors=32,
+        drafter_sliding_window=16,
+        drafter_layers=DEFAULT_DRAFTER_LAYERS,
+        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
+    )
+    engine = Engine(cfg, default_assets.root.parent.parent).build()
+    try:
+        job = TrainJob(
+            datasets=[str(default_assets.train)],
+            output_dir=str(tmp_path),
+            steps=3,
+            checkpoint_interval=3,
+            eval_prompts=str(default_assets.heldout),
+            eval_interval=3,
+            eval_max_prompts=1,
+            eval_max_new_tokens=12,
+        )
+        res = engine.run_job(job)
+        assert res.status == "SUCCEEDED" and res.eval["blocks"] > 0
+        config = json.loads((Path(res.final_checkpoint) / "config.json").read_text())
+        assert config["sliding_window"] == 16 and set(config["layer_types"]) == {"sliding_attention"}
+    finally:
+        engine.close()

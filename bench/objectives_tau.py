@@ -1,7 +1,7 @@
 """Acceptance length (tau) of each objective on the embedded default, same steps, several seeds.
 
     python -m bench.objectives_tau [--device cpu|cuda:0] [--steps 150] [--seeds 0,1,2]
-                                   [--runs ce,dpace,kl,tv,ce_tv,ce_b7,dspark]
+                                   [--runs ce,dpace,kl,tv,ce_tv,ce_b7,dspark] (also dspark_ce_tv, dspark_ce)
 
 One engine per (recipe, block size), warmed once, trains a job per objective and seed from the
 same initial weights of that seed, and measures greedy tau on the held-out prompts at the end
@@ -27,6 +27,9 @@ RUNS = {  # name -> (engine key, job fields)
     "ce_tv": ("b8", {"loss": {"ce": 0.1, "tv": 0.9}}),
     "ce_b7": ("b7", {}),
     "dspark": ("dspark", {}),
+    # ablations: the DSpark heads with more CE in the mix
+    "dspark_ce_tv": ("dspark", {"loss": {"ce": 1.0, "tv": 0.9, "conf": 1.0}}),
+    "dspark_ce": ("dspark", {"loss": {"ce": 1.0, "conf": 1.0}}),
 }
 ENGINES = {"b8": {"teacher": True}, "b7": {"teacher": True, "block_size": 7}, "dspark": {"recipe": "dspark"}}
 
@@ -36,7 +39,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--runs", default="ce,dpace,kl,tv,ce_tv,ce_b7,dspark")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=48)
     p.add_argument("--data-dir", default=None)

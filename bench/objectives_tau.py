@@ -6,7 +6,7 @@
 One engine per (recipe, block size), warmed once, trains a job per objective and seed from the
 same initial weights of that seed, and measures greedy tau on the held-out prompts at the end
 (evaluate.py: speculative decoding checked by the target, Markov sampling inside the block for
-DSpark). ce_b7 is DFlash CE at DSpark's block size 7 (like for like with dspark). Prints a table of
+DSpark; with --temperature T also tau by speculative sampling at T, evaluate_sampled.py). ce_b7 is DFlash CE at DSpark's block size 7 (like for like with dspark). Prints a table of
 mean and spread (population standard deviation) per run and writes $OUT/objectives_tau<tag>.json (rows as they finish).
 """
 
@@ -49,16 +49,23 @@ def main(argv=None):
     )
     p.add_argument("--debug-eager", action="store_true", help="the engine's eager step (no compile; same math)")
     p.add_argument("--tag", default="", help="suffix of the output file")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="also tau by speculative sampling at this temperature (0: no)"
+    )
     args = p.parse_args(argv)
     from bench.common import out_dir
+    from dflash_core.data.conversations import read_conversations
     from dflash_core.defaults import ensure_default_assets
     from dflash_core.engine import Engine, EngineConfig, TrainJob
+    from dflash_core.evaluate_sampled import sampled_acceptance_length
 
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="objectives-tau-"))
     assets = ensure_default_assets(data_dir)
     names = args.runs.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict[str, list[float]] = {n: [] for n in names}
+    results_t: dict[str, list[float]] = {n: [] for n in names}
+    heldout = list(read_conversations(assets.heldout))
     rows = []
     for key, settings in ENGINES.items():
         if key not in args.engines.split(","):
@@ -93,6 +100,20 @@ def main(argv=None):
                     tau = float(res.eval["acceptance_length"])
                     results[name].append(tau)
                     row = {"run": name, "seed": seed, "tau": round(tau, 3), "seconds": round(time.monotonic() - t1, 1)}
+                    if args.temperature:
+                        rep = engine.replicas[0]
+                        tau_t = sampled_acceptance_length(
+                            engine.targets[0],
+                            rep.drafter,
+                            rep.head,
+                            engine.tokenizer,
+                            heldout[: args.eval_prompts],
+                            temperature=args.temperature,
+                            max_new_tokens=args.eval_tokens,
+                            seed=seed,
+                        )
+                        results_t[name].append(tau_t)
+                        row["tau_sampled"] = round(tau_t, 3)
                     if res.eval.get("confidence_calibration"):
                         row["calibration"] = res.eval["confidence_calibration"]
                     rows.append(row)
@@ -102,15 +123,25 @@ def main(argv=None):
             engine.close()
     table = {
         n: {"mean": round(statistics.mean(v), 3), "std": round(statistics.pstdev(v), 3), "taus": v}
+        | (
+            {
+                "sampled_mean": round(statistics.mean(results_t[n]), 3),
+                "sampled_std": round(statistics.pstdev(results_t[n]), 3),
+                "sampled": results_t[n],
+            }
+            if results_t[n]
+            else {}
+        )
         for n, v in results.items()
         if v
     }
     (out_dir() / f"objectives_tau{args.tag}.json").write_text(
         json.dumps({"args": vars(args), "table": table, "rows": rows}, indent=1)
     )
-    print("\n| run | tau mean | spread (std) | seeds |\n|---|---|---|---|")
+    print("\n| run | tau mean | spread (std) | sampled tau mean | spread | seeds |\n|---|---|---|---|---|---|")
     for n, t in table.items():
-        print(f"| {n} | {t['mean']:.3f} | {t['std']:.3f} | {len(t['taus'])} |")
+        sampled = f"{t['sampled_mean']:.3f} | {t['sampled_std']:.3f}" if "sampled" in t else "- | -"
+        print(f"| {n} | {t['mean']:.3f} | {t['std']:.3f} | {sampled} | {len(t['taus'])} |")
 
 
 if __name__ == "__main__":

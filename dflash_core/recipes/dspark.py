@@ -291,3 +291,27 @@ def expected_calibration_error(prob: torch.Tensor, outcome: torch.Tensor, bins: 
         if sel.any():
             err += float(sel.double().mean() * (prob[sel].mean() - outcome[sel].mean()).abs())
     return err
+
+
+@torch.no_grad()
+def markov_sample(
+    drafter, lm_head: torch.Tensor, hidden: torch.Tensor, anchor_token: int, temperature: float, generator
+) -> tuple[list[int], torch.Tensor]:
+    """A block sampled left to right at `temperature` with the Markov bias (as the public
+    `sample_block_tokens` with a temperature): (tokens of positions 1..B-1, the distribution
+    each was drawn from [B-1, V])."""
+    head = drafter.markov_head
+    base = hidden[1:].to(lm_head.dtype) @ lm_head.t()
+    prev = torch.tensor([anchor_token], device=hidden.device)
+    state = torch.zeros(1, head.markov_w1.embedding_dim, dtype=hidden.dtype, device=hidden.device)
+    tokens, dists = [], []
+    for k in range(base.shape[0]):
+        emb = head.markov_w1(prev)
+        latent, state = head.step(state, emb.to(hidden.dtype), hidden[1 + k : 2 + k])
+        logits = base[k].float() + head.markov_w2(latent.to(head.markov_w2.weight.dtype))[0].float()
+        q = torch.softmax(logits / temperature, dim=-1)
+        tok = int(torch.multinomial(q.cpu(), 1, generator=generator))
+        tokens.append(tok)
+        dists.append(q)
+        prev = torch.tensor([tok], device=hidden.device)
+    return tokens, torch.stack(dists)

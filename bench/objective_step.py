@@ -112,6 +112,7 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only
         rep.forward_backward(batch, feats, 1.0, rep.new_accumulator())
 
     times = cuda_time_ms(fwd_bwd, warmup=3, iters=iters)
+    rep.zero_grad()  # the timed calls leave their gradients: a step starts from none
     reserved = []
     for _ in range(flat_steps):
         step()

@@ -189,6 +189,8 @@ def main(argv=None):
         '("NAME=VALUE NAME2=VALUE"; empty = unchanged)',
     )
     p.add_argument("--gil", type=float, default=0, help="seconds of py-spy GIL sampling during the job (0: none)")
+    p.add_argument("--engine-extra", default="", help='more [engine] lines, e.g. "teacher = true"')
+    p.add_argument("--job-extra", default="{}", help='more job fields as JSON, e.g. \'{"loss": "kl"}\'')
     args = p.parse_args(argv)
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
@@ -213,6 +215,7 @@ block_size = 16
 drafter_layers = {args.layers}
 target_layer_ids = [1, 9, 17, 25, 33]
 inductor_cache_dir = "{work / "inductor"}"
+{args.engine_extra}
 """)
     url = f"http://127.0.0.1:{port}"
     out = out_dir()
@@ -242,6 +245,7 @@ inductor_cache_dir = "{work / "inductor"}"
                         "steps": args.steps,
                         "checkpoint_interval": 50,
                         "learning_rate": 6e-4,
+                        **json.loads(args.job_extra),
                     },
                     timeout=10,
                 ).json()

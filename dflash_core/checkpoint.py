@@ -35,13 +35,17 @@ METADATA_FILE = "dflash_metadata.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def expected_keys(num_layers: int) -> set[str]:
+def expected_keys(num_layers: int, recipe: str = "dflash", markov_head_type: str = "vanilla") -> set[str]:
     keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(num_layers):
         p = f"layers.{i}."
         keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         keys |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
         keys |= {p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    if recipe == "dspark":
+        from .recipes.dspark import head_keys
+
+        keys |= head_keys(markov_head_type)
     return keys
 
 
@@ -75,9 +79,9 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         **longrope,
-        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": cfg.layer_types,
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_hidden_layers,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
@@ -95,6 +99,30 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         # every drafter layer attends both ways within a block (vLLM and the reference read it)
         "is_causal": False,
+        **(dspark_fields(cfg) if cfg.recipe == "dspark" else {}),
+    }
+
+
+def dspark_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """What a DSpark checkpoint's config.json says beyond a DFlash one, as SpecForge's
+    configs/qwen3-8b-dspark.json: its class, and the heads in dflash_config (beside the fields
+    every DFlash loader reads)."""
+    return {
+        "architectures": ["DSparkDraftModel"],
+        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.DSparkDraftModel"},
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "input_embedding_scale": cfg.input_embedding_scale,
+            "attention_mode": "gqa" if cfg.num_key_value_heads < cfg.num_attention_heads else "mha",
+            "confidence_head_alpha": 1.0,
+            "confidence_head_with_markov": True,
+            "enable_confidence_head": True,
+            "markov_head_type": cfg.markov_head_type,
+            "markov_rank": cfg.markov_rank,
+            "projector_type": "dspark",
+        },
     }
 
 
@@ -124,7 +152,25 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         max_position_embeddings=d.get("max_position_embeddings", 40960),
         input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
         mask_token=dflash.get("mask_token"),
+        sliding_window=_sliding_window(d),
+        recipe="dspark" if dflash.get("projector_type") == "dspark" else "dflash",
+        markov_rank=int(dflash.get("markov_rank") or 0) if dflash.get("projector_type") == "dspark" else 0,
+        markov_head_type=str(dflash.get("markov_head_type") or "vanilla"),
     )
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    """The drafter's window: config.sliding_window where its layers are sliding_attention (every
+    layer: the drafter has one window for all of them)."""
+    types = d.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return None
+    if set(types) != {"sliding_attention"}:
+        raise ValueError(f"layer_types {types}: a drafter's layers must all be full or all sliding_attention")
+    window = d.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        raise ValueError("sliding_attention layers need a positive sliding_window")
+    return window
 
 
 def cpu_copy(obj: Any) -> Any:
@@ -172,7 +218,7 @@ def write_checkpoint(
     if export_dtype not in EXPORT_DTYPES:
         raise ValueError(f"export_dtype must be one of {sorted(EXPORT_DTYPES)}, got {export_dtype!r}")
     final = Path(path)
-    missing = expected_keys(config.num_hidden_layers) ^ set(weights)
+    missing = expected_keys(config.num_hidden_layers, config.recipe, config.markov_head_type) ^ set(weights)
     if missing:
         raise RuntimeError(f"drafter state keys differ from the checkpoint format: {sorted(missing)}")
     if parent is None:
@@ -277,7 +323,8 @@ def load_weights(path: str | Path, num_layers: int, *, masters: bool = False) ->
     continues from) where the exported model.safetensors holds another dtype."""
     master_file = Path(path) / TRAINING_DIR / MASTER_WEIGHTS_FILE
     state = load_file(str(master_file if masters and master_file.is_file() else Path(path) / WEIGHTS_FILE))
-    diff = expected_keys(num_layers) ^ set(state)
+    cfg = read_config(path) if (Path(path) / CONFIG_FILE).is_file() else None
+    diff = expected_keys(num_layers, *((cfg.recipe, cfg.markov_head_type) if cfg else ())) ^ set(state)
     if diff:
         raise ValueError(f"{path}: checkpoint keys differ from the DFlash format: {sorted(diff)[:8]}")
     return state

@@ -102,6 +102,14 @@ class DrafterConfig:
     # the mask token's text (SGLang resolves the mask by it where no id is given); it names
     # mask_token_id, so two configs differing only here describe the same drafter
     mask_token: str | None = field(default=None, compare=False)
+    # every drafter layer attends within this window (sliding_attention; step.attention says
+    # how); None: full attention
+    sliding_window: int | None = None
+    # "dflash", or "dspark": the DFlash backbone with DSpark's Markov head of this rank and its
+    # confidence head (recipes/dspark.py)
+    recipe: str = "dflash"
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"  # dspark: "vanilla", "gated" or "rnn"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -110,7 +118,22 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2 (an anchor and one drafted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
+        if self.recipe not in ("dflash", "dspark"):
+            raise ValueError(f"recipe must be 'dflash' or 'dspark', got {self.recipe!r}")
+        if (self.recipe == "dspark") != (self.markov_rank > 0):
+            raise ValueError(f"markov_rank must be > 0 exactly for the dspark recipe, got {self.markov_rank}")
+        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
+        if self.markov_rank >= self.vocab_size:
+            raise ValueError(f"markov_rank {self.markov_rank} must be below the vocabulary size {self.vocab_size}")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} must be at least the block size {self.block_size}")
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling, self.rope_theta))
+
+    @property
+    def layer_types(self) -> list[str]:
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return [kind] * self.num_hidden_layers
 
     @property
     def num_target_features(self) -> int:
@@ -153,6 +176,10 @@ class DrafterConfig:
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
+        sliding_window: int | None = None,
+        recipe: str = "dflash",
+        markov_rank: int = 0,
+        markov_head_type: str = "vanilla",
     ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
@@ -181,6 +208,10 @@ class DrafterConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 40960)),
+            sliding_window=sliding_window,
+            recipe=recipe,
+            markov_rank=markov_rank,
+            markov_head_type=markov_head_type,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -183,6 +183,10 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
+        if cfg.recipe == "dspark":  # the Markov and confidence heads (recipes/dspark.py)
+            from .recipes.dspark import attach_heads
+
+            attach_heads(self, cfg.hidden_size, cfg.vocab_size, cfg.markov_rank, cfg.markov_head_type)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic init (normal linears, unit norms) drawn on the parameters' device (a
@@ -220,6 +224,8 @@ def init_drafter_weights(named_weights, seed: int, std: float = 0.02) -> None:
     for name, p in named_weights:
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             p.fill_(1.0)
+        elif name in ("markov_head.markov_w2.weight", "confidence_head.proj.bias"):
+            p.zero_()  # DSpark starts as its DFlash backbone: no Markov bias, confidence 1/2
         else:
             p.normal_(0.0, std, generator=gen)
 

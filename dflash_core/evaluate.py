@@ -20,6 +20,7 @@ import torch
 
 from .devices import compute_dtype
 from .drafter import DFlashDrafter, FrozenHead
+from .recipes.dspark import markov_draft
 from .step.micro_step import inference_block_forward
 from .target import TargetModel
 
@@ -28,6 +29,9 @@ from .target import TargetModel
 class SpeculativeOutput:
     tokens: list[int]  # generated tokens (prompt excluded)
     acceptance_lengths: list[int]
+    # DSpark: per drafted position up to the first rejection, the confidence head's logit and
+    # whether the target accepted it (what calibration fits)
+    confidence: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -35,6 +39,7 @@ class EvalResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
     lossless_mismatches: int = 0  # counted only when asked (check_lossless)
+    confidence: list[tuple[float, float]] = field(default_factory=list)  # SpeculativeOutput.confidence
 
     @property
     def acceptance_length(self) -> float:
@@ -78,18 +83,24 @@ def speculative_generate(
     logits, feats = target.forward_logits(torch.tensor(prompt, device=tdev))
     out = list(prompt) + [_argmax_one(logits[-1])]
     lengths: list[int] = []
+    confidence: list[tuple[float, float]] = []
     while len(out) - len(prompt) < max_new_tokens and out[-1] not in stop_token_ids:
         anchor = len(out) - 1
         block = torch.full((b,), cfg.mask_token_id, dtype=torch.long, device=ddev)
         block[0] = out[anchor]
         with autocast():
             hidden = inference_block_forward(drafter, head, feats[:anchor].to(ddev), block, anchor)
-            draft = _argmax(hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.t())
+            if cfg.recipe == "dspark":  # drafted left to right with the Markov bias
+                draft, conf_logits = markov_draft(drafter, head.lm_head_weight, hidden, out[anchor])
+            else:
+                draft = _argmax(hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.t())
         logits, full_feats = target.forward_logits(torch.tensor(out + draft, device=tdev))
         posterior = _argmax(logits[anchor:])  # target's token after each block position
         accepted = 0
         while accepted < b - 1 and draft[accepted] == posterior[accepted]:
             accepted += 1
+        if cfg.recipe == "dspark":
+            confidence += [(conf_logits[k], float(k < accepted)) for k in range(min(accepted + 1, b - 1))]
         new_tokens = draft[:accepted] + [posterior[accepted]]
         out += new_tokens
         feats = full_feats[: len(out) - 1]
@@ -101,7 +112,7 @@ def speculative_generate(
         if t in stop_token_ids:
             gen = gen[: i + 1]
             break
-    return SpeculativeOutput(gen, lengths)
+    return SpeculativeOutput(gen, lengths, confidence)
 
 
 @torch.no_grad()
@@ -158,6 +169,7 @@ def evaluate_acceptance(
                 target, drafter, head, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stops, autocast=autocast
             )
             result.acceptance_lengths += spec.acceptance_lengths
+            result.confidence += spec.confidence
             result.samples.append(
                 {
                     "prompt": tokenizer.decode(prompt, skip_special_tokens=True),

@@ -293,3 +293,74 @@ class _Sampling:
 def _draw(probs: torch.Tensor) -> torch.Tensor:
     """One token per row of probs [..., V]."""
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
+
+class DSparkMarkovHead(nn.Module):
+    """A previous-token logit bias markov_w2(latent): latent = markov_w1[prev] (vanilla), gated by
+    the hidden state (gated), or a recurrence over the block (rnn)."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        elif kind != "vanilla":
+            raise ValueError(f"markov_head_type {kind!r}: vanilla, gated or rnn")
+
+    def step(self, state: torch.Tensor, emb: torch.Tensor, hidden: torch.Tensor):
+        """(latent, next state) of one position."""
+        if self.kind == "vanilla":
+            return emb, state
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1))) * emb, state
+        gate, cand, out = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        return torch.tanh(out), gate * state + (1.0 - gate) * torch.tanh(cand)
+
+
+class DSparkConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)
+
+
+class DSparkDraftModel(DFlashDraftModel):
+    """DSpark: the DFlash drafter with a Markov head (a previous-token logit bias inside the block,
+    `dflash_config.markov_rank` and `markov_head_type`) and a confidence head on [hidden state,
+    Markov embedding] whose sigmoid predicts the chance the target accepts a drafted position.
+    Parameter names as SpecForge's DSparkDraftModel. `draft_block` drafts a block left to right
+    with the bias."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        rank = int(config.dflash_config["markov_rank"])
+        kind = str(config.dflash_config.get("markov_head_type", "vanilla"))
+        self.markov_head = DSparkMarkovHead(config.vocab_size, rank, config.hidden_size, kind)
+        self.confidence_head = DSparkConfidenceHead(config.hidden_size + rank)
+        self.post_init()
+
+    @torch.no_grad()
+    def draft_block(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, anchor_token_ids: torch.Tensor):
+        """hidden [B, Q, H] (this model's output for one block), lm_head_weight [V, H] (the
+        target's), anchor_token_ids [B]: greedy tokens of positions 1..Q-1 [B, Q-1] and the
+        confidence (sigmoid) of each."""
+        head = self.markov_head
+        base = hidden[:, 1:].to(lm_head_weight.dtype) @ lm_head_weight.t()
+        prev, tokens, conf = anchor_token_ids, [], []
+        state = hidden.new_zeros(hidden.shape[0], head.markov_w1.embedding_dim)
+        for k in range(base.shape[1]):
+            emb = head.markov_w1(prev).to(hidden.dtype)
+            latent, state = head.step(state, emb, hidden[:, 1 + k])
+            logits = base[:, k].float() + head.markov_w2(latent.to(head.markov_w2.weight.dtype)).float()
+            c = self.confidence_head(torch.cat([hidden[:, 1 + k], emb], dim=-1))
+            prev = logits.argmax(-1)
+            tokens.append(prev)
+            conf.append(torch.sigmoid(c.float()))
+        return torch.stack(tokens, 1), torch.stack(conf, 1)

@@ -121,12 +121,16 @@ class TargetModel:
         dtype: torch.dtype | None = None,
         random_init: bool = False,
         seed: int = 0,
+        teacher: bool = False,
     ):
         """device: one device, or a list of devices over which the decoder layers are split in
         equal consecutive stages (a target larger than one GPU); the embedding sits on the first,
         the final norm and LM head on the last, and features come out on the first.
         random_init: build the architecture of `path`'s config.json with random weights
-        (benchmarks and dry runs of large targets without their weights)."""
+        (benchmarks and dry runs of large targets without their weights).
+        teacher: capture() runs the whole decoder and appends its final (normed) hidden state to
+        the features, for objectives that distil the target's next-token distribution; else the
+        forward stops at the deepest captured layer."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(path)
@@ -150,6 +154,7 @@ class TargetModel:
         self.model = model
         self.config = model.config
         self.layer_ids = list(layer_ids)
+        self.teacher = teacher
         decoder_layers = self.decoder_layers()
         bad = [i for i in self.layer_ids if not 0 <= i < len(decoder_layers)]
         if bad:
@@ -236,7 +241,8 @@ class TargetModel:
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-        """Features [S, n*H] of one packed sequence: concatenated outputs of the captured layers.
+        """Features [S, n*H] of one packed sequence: concatenated outputs of the captured layers
+        (a teacher target: [S, (n+1)*H], its final hidden states last).
         At the recorded length (record_graph) the result is the graph's output buffer, which the
         next capture overwrites: the caller copies it out (in stream order) before capturing again."""
         if (
@@ -287,19 +293,22 @@ class TargetModel:
     def _capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         mask = packed_masks(self.config, doc_ids, position_ids, self.dtype)
         self._local.captured = {}
-        self._local.early_stop = True
+        self._local.early_stop = not self.teacher
+        final: list[torch.Tensor] = []
         try:
-            self.decoder()(
+            out = self.decoder()(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=position_ids.unsqueeze(0),
                 attention_mask=mask,
                 use_cache=False,
             )
+            if self.teacher:
+                final.append(out.last_hidden_state[0].to(self.device))
         except _StopForward:
             pass
         finally:
             captured, self._local.captured = self._local.captured, None
-        return torch.cat([captured[i][0].to(self.device) for i in self.layer_ids], dim=-1)
+        return torch.cat([captured[i][0].to(self.device) for i in self.layer_ids] + final, dim=-1)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -357,6 +357,12 @@ class Checkpointer:
             "loss": stats.loss if stats else None,
             "expected_acceptance_length": stats.expected_acceptance_length if stats else None,
             "eval_acceptance_length": (eval_result or {}).get("acceptance_length"),
+            # DSpark: the confidence head's calibration on held-out data (recipes.dspark.calibrate)
+            **(
+                {"confidence_calibration": eval_result["confidence_calibration"]}
+                if eval_result and "confidence_calibration" in eval_result
+                else {}
+            ),
             "target": self.target,
             "time": time.time(),
         }

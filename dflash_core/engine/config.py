@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import ShapeConfig
 from ..confine import resolved_under
@@ -52,11 +52,36 @@ class EngineConfig(BaseModel):
     block_size: int = Field(8, ge=2, description="tokens per block: the anchor and block_size - 1 drafted tokens")
     drafter_layers: int = Field(2, ge=1, description="decoder layers of the drafter")
     drafter_intermediate_size: int | None = Field(None, ge=1, description="MLP width; unset: the target's")
+    drafter_sliding_window: int | None = Field(
+        None,
+        ge=2,
+        description="the drafter's layers attend within this many positions (exported as sliding_attention "
+        "layers with this sliding_window); unset: full attention",
+    )
     target_layer_ids: list[int] | None = Field(
         None, min_length=1, description="target layers whose outputs feed the drafter; unset: the DFlash rule"
     )
     mask_token: str | None = Field(
         None, description="the block's mask token; unset: the tokenizer's mask token, else <|mask|> added"
+    )
+    teacher: bool = Field(
+        False,
+        description="run the target to its final norm and train with the objective step, so jobs may distil "
+        "the target's distribution (loss kl / tv / mixes) or use D-PACE position weights; off: the DFlash "
+        "block CE step only, the target stopping at its deepest captured layer",
+    )
+    recipe: Literal["dflash", "dspark"] = Field(
+        "dflash",
+        description="the drafter recipe the engine warms: dflash (block CE), or dspark (Markov and confidence "
+        "heads, 0.1 CE + 0.9 TV + 1.0 confidence; implies teacher and block_size 7)",
+    )
+    markov_rank: int | None = Field(
+        None, ge=1, description="dspark: rank of the Markov head; unset: 256, capped for small vocabularies"
+    )
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = Field(
+        "vanilla",
+        description="dspark: the Markov head (vanilla: a previous-token bias; gated: gated by the hidden state; "
+        "rnn: a recurrence over the block)",
     )
     inductor_cache_dir: Path | None = Field(
         None, description="torch.compile's cache; unset: <data_dir>/inductor-cache (an exported variable wins)"
@@ -74,6 +99,25 @@ class EngineConfig(BaseModel):
         description="run the step without torch.compile or hand-written kernels (SDPA with a dense mask, fp32 "
         "weights): slow, for debugging a compile problem",
     )
+
+    @model_validator(mode="after")
+    def _recipe_defaults(self) -> EngineConfig:
+        """dspark: block_size 7 (the public DSpark configs) unless set, then it must be 7; the
+        teacher on (its TV and confidence terms read the target's distribution)."""
+        if self.recipe == "dspark":
+            from ..recipes.dspark_settings import DSPARK_BLOCK_SIZE
+
+            if "block_size" in self.model_fields_set and self.block_size != DSPARK_BLOCK_SIZE:
+                raise ValueError(
+                    f"block_size: the dspark recipe drafts blocks of {DSPARK_BLOCK_SIZE} (its public configs); "
+                    f"got {self.block_size}. Leave block_size unset or set it to {DSPARK_BLOCK_SIZE}"
+                )
+            self.block_size = DSPARK_BLOCK_SIZE
+            self.teacher = True
+        elif self.markov_rank is not None or self.markov_head_type != "vanilla":
+            field = "markov_rank" if self.markov_rank is not None else "markov_head_type"
+            raise ValueError(f'{field}: only the dspark recipe has a Markov head (set recipe = "dspark")')
+        return self
 
     @field_validator("target_path", "inductor_cache_dir")
     @classmethod
@@ -135,6 +179,11 @@ class TrainJob:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_accum: int = 1
     loss_gamma: float | None = None
+    # the objective (step.objectives): {term: weight} (None: the DFlash CE), position weights
+    loss: dict[str, float] | None = None
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5
+    recipe: str | None = None  # must equal the engine's (None = take the engine's)
     seed: int = 0
     checkpoint_interval: int = 100
     keep_checkpoints: int = 3

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_training_state, load_weights, read_config
-from ..config import DrafterConfig, LossConfig
+from ..config import DrafterConfig
 from ..confine import OutsideRoots, resolved_under
 from ..data.batches import MicroBatchStream
 from ..data.cache_entry import sweep_partial
@@ -57,10 +57,11 @@ from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unfl
 from .grad_sync import GradSync
 from .guards import check_data_tokens, check_step, check_trained
 from .kinds import run_class
+from .objective import check_objective, job_objective
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
-from .warmup import Parts, Timeline, build, flat_devices, reset_weights, resolve_devices
+from .warmup import Parts, Timeline, build, flat_devices, recipe_gamma, reset_weights, resolve_devices
 
 log = logging.getLogger("dflash.engine")
 DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
@@ -279,6 +280,7 @@ class Engine:
                     f"block_size={shape.block_size} and does not recompile at runtime",
                     name,
                 )
+        check_objective(job, self.config.teacher, self.config.recipe)
         if job.steps is not None and job.steps < 1:
             raise JobError("must be at least 1", "steps")
         if job.steps is None and job.epochs is None:
@@ -761,12 +763,14 @@ class Engine:
         gamma = (
             job.loss_gamma
             if job.loss_gamma is not None
-            else LossConfig().resolved_gamma(job.block_size or self.config.block_size)
+            else recipe_gamma(self.config.recipe, job.block_size or self.config.block_size)
         )
         for rep in self.replicas:
             rep.new_optimizer(job.learning_rate, job.weight_decay, job.adam_betas)
             rep.sum_grads_in_fp32 = per_step > 1 or self.grad_sync.process_group is not None
             rep.gamma = gamma
+            if rep.objective is not None:
+                rep.objective.set(job_objective(job, self.config.recipe))
         if not resume_from:
             return 0
         state = load_training_state(resume_from)
@@ -959,7 +963,14 @@ class Engine:
             drafter_device=rep.device,
             head=rep.head,
         )
-        return fut.result().summary()
+        result = fut.result()
+        summary = result.summary()
+        if result.confidence:  # DSpark: calibrate the confidence head on these held-out positions
+            from ..recipes.dspark import calibrate
+
+            logits, outcomes = zip(*result.confidence, strict=True)
+            summary["confidence_calibration"] = calibrate(torch.tensor(logits), torch.tensor(outcomes))
+        return summary
 
     def save_compile_artifacts(self) -> int:
         """Write what warm-up compiled as portable artifacts to <data_dir>/compile-artifacts.bin,

@@ -15,6 +15,7 @@ from ..devices import compute_dtype
 from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
 from ..step.loss import LOSS_KERNELS
 from ..step.micro_step import MicroStepResult, StepKernels, micro_step
+from ..step.objectives import ObjectiveInputs
 from .config import StepPlan
 from .optim import TritonAdamW, build_optimizer, clipped_step, set_lr
 from .step_graph import StepGraph
@@ -58,9 +59,12 @@ class DrafterReplica:
         gamma: float,
         chunk_size: int,
         kernels: StepKernels | None = None,
+        teacher: bool = False,
     ):
         """plan: how the step runs (engine.config.step_plan); kernels: the compiled parts of the
-        step, by default the plan's (benchmarks pass their variants)."""
+        step, by default the plan's (benchmarks pass their variants). teacher: the step is the
+        objective step (step.objective_step; features end with the target's final hidden
+        states), its objective set per job in `objective`; else the DFlash block CE."""
         device = torch.device(device)
         if plan.loss not in LOSS_KERNELS:
             raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {plan.loss!r}")
@@ -85,6 +89,7 @@ class DrafterReplica:
         self.compute_dtype = compute
         self.gamma = gamma
         self.chunk_size = chunk_size
+        self.objective = ObjectiveInputs(self.device) if teacher else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.kernels = kernels if kernels is not None else plan_kernels(plan)
         self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
@@ -233,6 +238,7 @@ class DrafterReplica:
                 chunk_size=self.chunk_size,
                 kernels=self.kernels,
                 decay=decay,
+                objective=self.objective,
             )
         (res.loss * loss_scale).backward()
         with torch.no_grad():

@@ -8,7 +8,8 @@ Replaying the graph costs the host a few copies into fixed input buffers and one
 
 What the graph holds: `micro_step` on fixed input buffers (the micro-batch's tensors, the target
 features, the loss scale and the position decay, so one graph serves any job's gradient
-accumulation and gamma), its backward, and the per-block statistics the step's accumulator sums.
+accumulation and gamma; in the objective step also the replica's ObjectiveInputs: mix weights,
+D-PACE switch and alpha, written in place per job), its backward, and the per-block statistics the step's accumulator sums.
 The parameters' gradients are buffers of the graph: each replay overwrites them with that
 micro-batch's gradient (the replica sums them itself when a step has several micro-batches).
 

@@ -126,6 +126,10 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         mask_token_id=mask_id,
         target_layer_ids=layer_ids,
         intermediate_size=config.drafter_intermediate_size,
+        sliding_window=config.drafter_sliding_window,
+        recipe=config.recipe,
+        markov_rank=engine_markov_rank(config, hf_cfg),
+        markov_head_type=config.markov_head_type,
     )
     drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
@@ -142,6 +146,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 dev,
                 random_init=config.target_random_init,
                 seed=WARMUP_SEED,
+                teacher=config.teacher,
             )
         )
         timeline.record("target_load", device_label(dev), t)
@@ -177,8 +182,9 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 dev,
                 head,
                 plan,
-                gamma=loss.resolved_gamma(config.block_size),
+                gamma=recipe_gamma(config.recipe, config.block_size),
                 chunk_size=loss.chunk_size,
+                teacher=config.teacher,
             )
         )
         timeline.mark(f"build:replica_created:{dev}")
@@ -222,6 +228,30 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         replicas,
         (tuple(features.shape), features.dtype),
     )
+
+
+def engine_markov_rank(config: EngineConfig, target_config) -> int:
+    """The DSpark Markov rank: the configured one (below the vocabulary size), else the public
+    default capped for the target; 0 for the dflash recipe."""
+    if config.recipe != "dspark":
+        return 0
+    from ..recipes.dspark_settings import default_markov_rank
+
+    vocab, hidden = int(target_config.vocab_size), int(target_config.hidden_size)
+    if config.markov_rank is None:
+        return default_markov_rank(vocab, hidden)
+    if config.markov_rank >= vocab:
+        raise ValueError(f"markov_rank: {config.markov_rank} must be below the target's vocabulary size {vocab}")
+    return config.markov_rank
+
+
+def recipe_gamma(recipe: str, block_size: int) -> float:
+    """The position-weight decay of a recipe's default loss."""
+    if recipe == "dspark":
+        from ..recipes.dspark_settings import DSPARK_GAMMA
+
+        return DSPARK_GAMMA
+    return LossConfig().resolved_gamma(block_size)
 
 
 def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int] | None]:

@@ -7,6 +7,11 @@ queries: all blocks (Q = N * B). A query of block j with anchor a_j sees
 and nothing else. Padding blocks (anchor_valid false) see only their own block, so their rows
 are never empty (no NaN) and their loss weight is zero.
 
+A sliding-window drafter (DrafterConfig.sliding_window = W; SpecForge's sliding DFlash mask,
+`create_dflash_block_mask` / `create_dflash_sdpa_mask`) narrows both: the query at block offset o
+(position a_j + o) sees context positions p >= a_j + o - (W - 1) (the query itself takes one
+slot of the window) and the positions of its own block at offsets <= o.
+
 One `mask_mod` defines the rule; `flex` turns it into a BlockMask for compiled flex_attention
 (CUDA), `dense` evaluates it into a boolean [Q, KV] matrix for SDPA (CPU: flex has no backward
 there). Tests check that both compute the same function.
@@ -45,6 +50,7 @@ def dflash_mask_mod(
     seq_len: int,
     block_size: int,
     queries_per_batch: int = 0,
+    sliding_window: int | None = None,
 ) -> MaskMod:
     """The visibility rule as a flex_attention mask_mod (also evaluable by broadcasting).
 
@@ -64,6 +70,10 @@ def dflash_mask_mod(
         block = torch.clamp(q_idx // block_size, max=num_anchors - 1)
         sees_context = (kv_idx >= lo[block]) & (kv_idx < hi[block])  # hi <= anchor < seq_len
         own_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
+        if sliding_window is not None:
+            offset = q_idx % block_size
+            sees_context = sees_context & (kv_idx >= hi[block] + offset - (sliding_window - 1))
+            own_block = own_block & ((kv_idx - seq_len) % block_size <= offset)
         return sees_context | own_block
 
     return mask_mod
@@ -176,6 +186,7 @@ def dflash_block_mask(
     block_size: int,
     mask_mod: MaskMod,
     tile: int = FLEX_TILE,
+    sliding_window: int | None = None,
 ):
     """The BlockMask of the DFlash mask, built from its closed form with a few small tensor ops:
     which KV tiles each query tile touches, and which it sees whole.
@@ -186,7 +197,10 @@ def dflash_block_mask(
     one block never join into one (the context ends before the anchor, below S; the block starts
     at S or later), so a tile is seen whole only through one of them. The same answer as
     `create_block_mask` evaluating the mask_mod on every element (tests compare them), without
-    the compiled reduction whose Triton build grows to minutes with the number of blocks."""
+    the compiled reduction whose Triton build grows to minutes with the number of blocks.
+    With a sliding window the rows of a block see different context intervals: a tile is
+    touched by their union (from the window of offset 0) and seen whole only within their
+    intersection (the window of offset B - 1); the own block, causal then, is never seen whole."""
     from torch.nn.attention.flex_attention import BlockMask
 
     n = anchors.shape[0]
@@ -196,6 +210,12 @@ def dflash_block_mask(
     own = seq_len + torch.arange(n, device=anchors.device) * block_size
     ctx_touch, ctx_full = _tile_coverage(lo, hi, kv_tiles, tile)  # [N, T]
     own_touch, own_full = _tile_coverage(own, own + block_size, kv_tiles, tile)
+    if sliding_window is not None:
+        widest = torch.maximum(lo, hi - (sliding_window - 1))
+        narrowest = torch.maximum(lo, hi + block_size - 1 - (sliding_window - 1))
+        ctx_touch, _ = _tile_coverage(widest, hi, kv_tiles, tile)
+        _, ctx_full = _tile_coverage(narrowest, hi, kv_tiles, tile)
+        own_full = torch.zeros_like(own_full)
     touches, sees_all = ctx_touch | own_touch, ctx_full | own_full  # per query block
     # query tile r holds the rows [r * tile, (r + 1) * tile), i.e. blocks first..last
     rows = torch.arange(q_tiles, device=anchors.device) * tile
@@ -251,22 +271,46 @@ def training_attention(
     compiled: bool = True,
     compiled_mask: bool = False,
     q_splits: int = 1,
+    sliding_window: int | None = None,
 ):
     """Build the attention callable for one micro-batch ("flex", "dense" or "dense_chunked")."""
     q_len = anchors.shape[0] * block_size
     kv_len = seq_len + q_len
+    window = sliding_window
     if kind in ("dense", "dense_chunked"):
         mask = dense_mask(
-            dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size), q_len, kv_len, doc_ids.device
+            dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size, sliding_window=window),
+            q_len,
+            kv_len,
+            doc_ids.device,
         )
         return DenseAttention(mask) if kind == "dense" else ChunkedDenseAttention(mask)
     if kind == "flex":
         splits = usable_q_splits(q_len, q_splits)
         per = q_len // splits
-        mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size, per if splits > 1 else 0)
+        mask_mod = dflash_mask_mod(
+            doc_ids, anchors, anchor_valid, seq_len, block_size, per if splits > 1 else 0, sliding_window=window
+        )
         if splits == 1:
-            block_mask = dflash_block_mask(doc_ids, anchors, anchor_valid, seq_len, block_size, mask_mod)
+            block_mask = dflash_block_mask(
+                doc_ids, anchors, anchor_valid, seq_len, block_size, mask_mod, sliding_window=window
+            )
         else:  # the benchmarks' query splits: the generic construction
             block_mask = build_block_mask(mask_mod, per, kv_len, doc_ids.device, compiled_mask, batches=splits)
         return FlexAttention(block_mask, compiled=compiled, q_splits=splits)
     raise ValueError(f"unknown attention kind {kind!r}; expected 'flex', 'dense' or 'dense_chunked'")
+
+
+def inference_mask(
+    context_len: int, block_size: int, sliding_window: int | None, device: torch.device | str
+) -> torch.Tensor | None:
+    """The mask of one block at inference (context = all of the past, block = the next B
+    positions): None (everything) for a full-attention drafter; with a sliding window, the
+    training rule's window and the causal own block."""
+    if sliding_window is None:
+        return None
+    o = torch.arange(block_size, device=device).view(-1, 1)
+    kv = torch.arange(context_len + block_size, device=device).view(1, -1)
+    ctx = (kv < context_len) & (kv >= context_len + o - (sliding_window - 1))
+    own = (kv >= context_len) & (kv - context_len <= o)
+    return ctx | own

@@ -9,9 +9,11 @@ import torch
 
 from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, FrozenHead
-from .attention import DenseAttention, training_attention
+from .attention import DenseAttention, inference_mask, training_attention
 from .blocks import block_inputs, block_labels
 from .loss import chunked_lm_head_loss
+from .objective_step import objective_loss, split_teacher
+from .objectives import ObjectiveInputs
 
 
 @dataclass
@@ -41,7 +43,9 @@ class StepKernels:
 EAGER = StepKernels()
 
 
-def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: StepKernels = EAGER):
+def step_attention(
+    batch: MicroBatch, block_size: int, attention: str, kernels: StepKernels = EAGER, sliding_window: int | None = None
+):
     """The attention callable of one micro-batch, built as the step builds it."""
     return training_attention(
         attention,
@@ -53,6 +57,7 @@ def step_attention(batch: MicroBatch, block_size: int, attention: str, kernels: 
         compiled=kernels.attention,
         compiled_mask=kernels.mask,
         q_splits=kernels.q_splits,
+        sliding_window=sliding_window,
     )
 
 
@@ -94,14 +99,31 @@ def micro_step(
     chunk_size: int,
     kernels: StepKernels = EAGER,
     decay: torch.Tensor | None = None,
+    objective: ObjectiveInputs | None = None,
 ) -> MicroStepResult:
     """decay: the loss's position weights (blocks.position_decay of gamma) as a tensor the caller
-    holds, else computed from gamma."""
+    holds, else computed from gamma. objective: the objective step (objective_step.py; the
+    features then end with the target's final hidden states), else the DFlash block CE."""
     cfg = drafter.config
+    if objective is not None:
+        drafter_features, teacher = split_teacher(features, cfg)
+    else:
+        drafter_features, teacher = features, None
     hidden = drafter_forward(
-        drafter, head, batch, features, step_attention(batch, cfg.block_size, attention, kernels), kernels
+        drafter,
+        head,
+        batch,
+        drafter_features,
+        step_attention(batch, cfg.block_size, attention, kernels, cfg.sliding_window),
+        kernels,
     )
     labels, weights = block_labels(batch, cfg.block_size, gamma, decay)
+    if objective is not None:
+        assert teacher is not None
+        loss, correct, weights = objective_loss(
+            drafter, hidden, teacher, head, batch, labels, weights, objective, chunk_size, kernels.loss
+        )
+        return MicroStepResult(loss, correct, weights)
     n, b = batch.anchors.shape[0], cfg.block_size
 
     def predicting(t: torch.Tensor) -> torch.Tensor:
@@ -130,4 +152,5 @@ def inference_block_forward(
     embeds = block_embeddings(head, block_ids)
     block_pos = torch.arange(anchor_position, anchor_position + b, device=device)
     ctx_pos = torch.arange(context_features.shape[0], device=device)
-    return drafter(embeds, context_features.unsqueeze(0), block_pos, ctx_pos, DenseAttention(None))[0]
+    mask = inference_mask(context_features.shape[0], b, drafter.config.sliding_window, device)
+    return drafter(embeds, context_features.unsqueeze(0), block_pos, ctx_pos, DenseAttention(mask))[0]

@@ -70,6 +70,19 @@ class JobSpec(BaseModel):
     adam_betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     grad_accum: int = Field(1, ge=1, le=4096)
     loss_gamma: float | None = Field(None, ge=0.01, le=1e6, description="position-weight decay; default by block size")
+    loss: Any = Field(
+        None,
+        description='"ce" (default), "kl", "tv", or a weighted mix such as {"ce": 0.1, "tv": 0.9}; kl and tv '
+        'need a daemon started with [engine] teacher = true; "conf" (a dspark daemon) weights the confidence head. '
+        "Default: ce, or on a dspark daemon 0.1 ce + 0.9 tv + 1.0 conf",
+    )
+    position_weights: Literal["decay", "dpace"] = Field(
+        "decay", description="decay: exp(-(k-1)/loss_gamma); dpace: D-PACE weights (teacher daemon)"
+    )
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE smoothing alpha")
+    recipe: Literal["dflash", "dspark"] | None = Field(
+        None, description="must equal the daemon's [engine] recipe; unset: the daemon's"
+    )
     seed: int = Field(0, ge=0, le=2**32 - 1)
     output_dir: str | None = Field(None, description="default <data_dir>/jobs/<job id>")
     checkpoint_interval: int = Field(100, ge=1, le=10**9)
@@ -110,6 +123,13 @@ class JobSpec(BaseModel):
             raise SpecError("steps", "give steps or epochs")
         if self.steps is not None and self.epochs is not None:
             raise SpecError("epochs", "give steps or epochs, not both")
+        if self.loss is not None:
+            from dflash_core.step.objective_spec import parse_loss
+
+            try:
+                parse_loss(self.loss)
+            except ValueError as e:
+                raise SpecError("loss", str(e)) from None
         for i, b in enumerate(self.adam_betas):
             if not 0 <= b < 1:
                 raise SpecError(f"adam_betas[{i}]", f"{b} must lie in [0, 1)")
@@ -354,6 +374,10 @@ def to_train_job(
         output_roots=[str(r) for r in output_roots],
         adam_betas=tuple(spec.adam_betas),
     )
+    if spec.loss is not None:
+        from dflash_core.step.objective_spec import parse_loss
+
+        values["loss"] = parse_loss(spec.loss)
     return TrainJob(**values)
 
 

@@ -1,0 +1,149 @@
+"""One chunk of the distillation objective (step.objectives) as a Triton kernel (CUDA).
+
+The chunk is `zd = hidden @ W^T` and `zt = teacher_hidden @ W^T` (cuBLAS), this kernel, then
+`grad_hidden = grad @ W` (cuBLAS). Per row, with p_d = softmax(zd), p_t = softmax(zt):
+  pass 1 reads both rows for their running max and sum of exponentials, the drafter's argmax
+         and the online sum  A = sum exp(zt - m_t) (zt - zd),  so KL = A / s_t - lse_t + lse_d;
+  pass 2 reads them again for TV = 1/2 sum |p_d - p_t| and sigma = sum sign(p_d - p_t) p_d
+         (TV's gradient needs it);
+  pass 3 writes d(ce_w ce + kl_w kl + tv_w tv)/d(zd)
+         = ce_w (p_d - onehot) + kl_w (p_d - p_t) + tv_w / 2 * p_d (sign(p_d - p_t) - sigma)
+         over the drafter's logits, in their dtype.
+Rows are not weighted here: the position weight enters through autograd (objectives.py).
+
+Same function as objectives.chunk_terms_eager (fp32 math on the logits, first index on argmax
+ties); tests compare them through Triton's interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..devices import triton_launch_device
+
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _distill_rows_kernel(
+    zd_ptr,
+    zt_ptr,
+    labels_ptr,
+    mix_ptr,
+    terms_ptr,
+    correct_ptr,
+    vocab,
+    zd_stride,
+    zt_stride,
+    NEED_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    d_ptr = zd_ptr + row.to(tl.int64) * zd_stride
+    t_ptr = zt_ptr + row.to(tl.int64) * zt_stride
+    label = tl.load(labels_ptr + row)
+    label_ok = (label >= 0) & (label < vocab)
+    label = tl.where(label_ok, label, 0).to(tl.int32)
+    cols = tl.arange(0, BLOCK_V)
+
+    # pass 1: both rows' max and sum of exponentials, the drafter's argmax, and A (see above)
+    m_d = tl.full([], float("-inf"), tl.float32)
+    s_d = tl.zeros([], tl.float32)
+    m_t = tl.full([], float("-inf"), tl.float32)
+    s_t = tl.zeros([], tl.float32)
+    acc = tl.zeros([], tl.float32)
+    best = tl.zeros([], tl.int32)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + cols
+        in_row = idx < vocab
+        xd = tl.load(d_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        xt = tl.load(t_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        block_max, block_best = tl.max(xd, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        best = tl.where(block_max > m_d, start + block_best, best)
+        new_d = tl.maximum(m_d, block_max)
+        s_d = s_d * tl.exp(m_d - new_d) + tl.sum(tl.exp(xd - new_d), axis=0)
+        m_d = new_d
+        new_t = tl.maximum(m_t, tl.max(xt, axis=0))
+        et = tl.exp(xt - new_t)
+        scale = tl.exp(m_t - new_t)
+        s_t = s_t * scale + tl.sum(et, axis=0)
+        acc = acc * scale + tl.sum(tl.where(in_row, et * (xt - xd), 0.0), axis=0)
+        m_t = new_t
+    lse_d = m_d + tl.log(s_d)
+    lse_t = m_t + tl.log(s_t)
+    target = tl.where(label_ok, tl.load(d_ptr + label).to(tl.float32), float("nan"))
+    ce = lse_d - target
+    kl = acc / s_t - lse_t + lse_d
+
+    # pass 2: TV and sigma
+    tv2 = tl.zeros([], tl.float32)
+    sigma = tl.zeros([], tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + cols
+        in_row = idx < vocab
+        xd = tl.load(d_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        xt = tl.load(t_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        pd = tl.exp(xd - lse_d)
+        diff = pd - tl.exp(xt - lse_t)
+        sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        tv2 += tl.sum(tl.abs(diff), axis=0)
+        sigma += tl.sum(sign * pd, axis=0)
+    tl.store(terms_ptr + row * 3 + 0, ce)
+    tl.store(terms_ptr + row * 3 + 1, kl)
+    tl.store(terms_ptr + row * 3 + 2, 0.5 * tv2)
+    tl.store(correct_ptr + row, (best == label).to(tl.int8))
+
+    # pass 3: the mixed gradient over the drafter's logits
+    if NEED_GRAD:
+        w_ce = tl.load(mix_ptr + 0)
+        w_kl = tl.load(mix_ptr + 1)
+        w_tv = tl.load(mix_ptr + 2)
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + cols
+            in_row = idx < vocab
+            xd = tl.load(d_ptr + idx, mask=in_row, other=0.0).to(tl.float32)
+            xt = tl.load(t_ptr + idx, mask=in_row, other=0.0).to(tl.float32)
+            pd = tl.exp(xd - lse_d)
+            pt = tl.exp(xt - lse_t)
+            diff = pd - pt
+            sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+            onehot = (idx == label).to(tl.float32)
+            grad = w_ce * (pd - onehot) + w_kl * diff + w_tv * 0.5 * pd * (sign - sigma)
+            tl.store(d_ptr + idx, grad.to(zd_ptr.dtype.element_ty), mask=in_row)
+
+
+def logit_terms(zd, zt, labels, mix, need_grad: bool, *, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS):
+    """On given logits [rows, vocab] (drafter's, teacher's): (terms [rows, 3], argmax hits, the
+    mixed gradient written over zd (returned), or None)."""
+    rows, vocab = zd.shape
+    terms = torch.empty(rows, 3, dtype=torch.float32, device=zd.device)
+    hits = torch.empty(rows, dtype=torch.int8, device=zd.device)
+    with triton_launch_device(zd.device):
+        _distill_rows_kernel[(rows,)](
+            zd,
+            zt,
+            labels.contiguous(),
+            mix.float().contiguous(),
+            terms,
+            hits,
+            vocab,
+            zd.stride(0),
+            zt.stride(0),
+            NEED_GRAD=need_grad,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+    return terms, hits.bool(), (zd if need_grad else None)
+
+
+def chunk_terms(hidden, teacher_hidden, lm_head_weight, labels, mix, need_grad: bool, **launch):
+    """As objectives.chunk_terms_eager: (terms [rows, 3], argmax hits, unweighted row gradient)."""
+    zd = hidden @ lm_head_weight.t()
+    zt = teacher_hidden @ lm_head_weight.t()
+    terms, hits, grad = logit_terms(zd, zt, labels, mix, need_grad, **launch)
+    if grad is None:
+        return terms, hits, None
+    return terms, hits, (grad @ lm_head_weight).to(hidden.dtype)

@@ -1,0 +1,2 @@
+"""Drafter recipes beyond the DFlash one: `dspark` (Markov and confidence heads on the DFlash
+backbone)."""

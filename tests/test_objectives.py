@@ -1,0 +1,218 @@
+"""The objectives (dflash_core/step/objectives.py): each loss and mix against a dense float64
+reference (values and gradients), D-PACE weights against the public definition (SpecForge
+`_dpace_weight`, loss_type "dpace"), the whole objective micro-step against a dense reference,
+the Triton chunk against the eager one (interpreted on CPU), and the job field's parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_core.config import ShapeConfig
+from dflash_core.drafter import FrozenHead
+from dflash_core.engine.api import JobError
+from dflash_core.engine.config import TrainJob
+from dflash_core.engine.objective import check_objective
+from dflash_core.step.blocks import block_labels
+from dflash_core.step.micro_step import micro_step
+from dflash_core.step.objectives import (
+    ObjectiveInputs,
+    chunked_objective_terms,
+    dpace_weight,
+    objective_of,
+    parse_loss,
+    reference_objective,
+    weighted_objective_loss,
+)
+from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
+
+MIXES = {
+    "ce": (1.0, 0.0, 0.0),
+    "kl": (0.0, 1.0, 0.0),
+    "tv": (0.0, 0.0, 1.0),
+    "ce+tv": (0.1, 0.0, 0.9),
+    "all": (0.2, 0.5, 0.7),
+}
+
+
+def _rows(seed=0, rows=14, hidden=16, vocab=300):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
+    ht = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
+    ht[:2] = h[:2]  # a teacher equal to the drafter: kl = tv = 0 and TV's sign is 0 everywhere
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    weights = torch.rand(rows, generator=g, dtype=torch.float64)
+    weights[3] = 0.0
+    return h, ht, w, labels, weights
+
+
+@pytest.mark.parametrize("name", list(MIXES))
+def test_each_loss_matches_the_dense_reference(name):
+    mix = MIXES[name]
+    h, ht, w, labels, weights = _rows()
+    h1 = h.clone().requires_grad_()
+    mixed, terms, _ = chunked_objective_terms(h1, ht, w, labels, torch.tensor(mix, dtype=torch.float64), chunk_size=5)
+    loss = weighted_objective_loss(mixed, weights)
+    (grad,) = torch.autograd.grad(loss, h1)
+    h2 = h.clone().requires_grad_()
+    ref = reference_objective(h2, ht, w, labels, weights, mix)
+    (ref_grad,) = torch.autograd.grad(ref, h2)
+    assert abs(float(loss.detach()) - float(ref.detach())) <= 1e-6 * max(1.0, abs(float(ref.detach())))
+    assert float((grad - ref_grad).abs().max()) <= 1e-6 * float(ref_grad.abs().max())
+    assert float(terms[:2, 1:].abs().max()) < 1e-6  # same distribution: no kl, no tv
+    assert bool((terms[:, 2] <= 1.0 + 1e-6).all()) and bool((terms[:, 1:] >= -1e-6).all())
+
+
+def _dpace_by_definition(prob: np.ndarray, valid: np.ndarray, alpha: float) -> np.ndarray:
+    """D-PACE's "dpace" weights written from their definition, one block at a time: the prefix
+    product of (1 - alpha) p + alpha over valid positions (invalid ones multiply by 1), and the
+    weight of position k is the sum of that prefix over the valid positions j >= k."""
+    out = np.zeros_like(prob)
+    for n in range(prob.shape[0]):
+        prefix, running = np.ones(prob.shape[1]), 1.0
+        for k in range(prob.shape[1]):
+            if valid[n, k]:
+                running *= (1 - alpha) * prob[n, k] + alpha
+            prefix[k] = running
+        for k in range(prob.shape[1]):
+            out[n, k] = sum(prefix[j] for j in range(k, prob.shape[1]) if valid[n, j])
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 0.9])
+def test_dpace_weights_follow_the_public_definition(alpha):
+    rng = np.random.default_rng(1)
+    prob = rng.random((6, 7))
+    valid = rng.random((6, 7)) > 0.3
+    valid[0] = False
+    got = dpace_weight(torch.tensor(prob), torch.tensor(valid), alpha).numpy()
+    np.testing.assert_allclose(got, _dpace_by_definition(prob, valid, alpha), rtol=1e-6)
+    assert (got[0] == 0).all()
+
+
+def _objective_setup(block_size=4):
+    cfg = tiny_drafter_config(block_size=block_size)
+    shape = ShapeConfig(seq_len=48, num_anchors=6, block_size=block_size)
+    mb = random_micro_batch(np.random.default_rng(4), shape, n_docs=2)
+    g = torch.Generator().manual_seed(0)
+    head = FrozenHead(torch.randn(64, cfg.hidden_size, generator=g), torch.randn(64, cfg.hidden_size, generator=g))
+    n_feats = cfg.num_target_features * cfg.hidden_size
+    feats = torch.randn(48, n_feats + cfg.hidden_size, generator=g)
+    return cfg, mb, head, feats
+
+
+@pytest.mark.parametrize(("name", "dpace"), [("ce", False), ("kl", False), ("tv", True), ("all", True)])
+def test_objective_micro_step_matches_a_dense_reference(name, dpace):
+    """The objective step's loss and drafter gradients equal a dense float64 reference computed
+    from the same drafter hidden states: teacher rows are the target's states at the position
+    before each label, block position 0 never counts, weights decayed or D-PACE."""
+    cfg, mb, head, feats = _objective_setup()
+    drafter = random_drafter(cfg).float()
+    inputs = ObjectiveInputs("cpu")
+    inputs.set(objective_of(dict(zip(("ce", "kl", "tv"), MIXES[name])), "dpace" if dpace else "decay", 0.5))
+    hidden_out = {}
+    drafter.norm.register_forward_hook(lambda _m, _i, out: hidden_out.setdefault("h", out))
+    res = micro_step(drafter, head, mb, feats, attention="dense", gamma=2.0, chunk_size=5, objective=inputs)
+    grads = torch.autograd.grad(res.loss, list(drafter.parameters()), retain_graph=True)
+
+    b, n = cfg.block_size, mb.anchors.shape[0]
+    hidden = hidden_out["h"][0]  # [N*B, H], the graph's own tensor
+    labels, decayed = block_labels(mb, b, 2.0)
+    keep = (torch.arange(n * b) % b) != 0
+    teacher_pos = (mb.anchors.unsqueeze(1) + torch.arange(b) - 1).clamp(0, 47).reshape(-1)
+    teacher = feats[:, cfg.num_target_features * cfg.hidden_size :][teacher_pos]
+    ref = reference_objective(
+        hidden[keep], teacher[keep], head.lm_head_weight, labels[keep], decayed[keep], MIXES[name], dpace, 0.5, b - 1
+    )
+    ref_grads = torch.autograd.grad(ref, list(drafter.parameters()))
+    assert abs(float(res.loss.detach()) - float(ref.detach())) <= 1e-5 * max(1.0, abs(float(ref.detach())))
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert float((got - want).abs().max()) <= 1e-4 * max(1e-8, float(want.abs().max()))
+    assert not bool((res.weights[:, 0] > 0).any())
+
+
+def test_loss_field_parsing_and_engine_checks():
+    assert parse_loss("kl") == {"kl": 1.0}
+    assert parse_loss({"ce": 0.1, "tv": 0.9}) == {"ce": 0.1, "tv": 0.9}
+    for bad in ("mse", {"ce": -1.0}, {"ce": 0.0, "tv": 0}, {}, {"lk": 1.0}, {"ce": "1"}, {"ce": float("nan")}):
+        with pytest.raises(ValueError):
+            parse_loss(bad)
+    job = TrainJob(datasets=["x"], output_dir="y", steps=1, loss={"kl": 1.0})
+    with pytest.raises(JobError) as e:
+        check_objective(job, teacher=False)
+    assert e.value.field == "loss"
+    assert check_objective(job, teacher=True).kl == 1.0
+    dpace = TrainJob(datasets=["x"], output_dir="y", steps=1, position_weights="dpace")
+    with pytest.raises(JobError) as e:
+        check_objective(dpace, teacher=False)
+    assert e.value.field == "position_weights"
+    assert check_objective(TrainJob(datasets=["x"], output_dir="y", steps=1), teacher=False).is_plain_ce
+
+
+def test_triton_objective_chunk_matches_eager_interpreted():
+    """kernels/distill.py through Triton's interpreter (tests/gpu runs it on CUDA): ce, kl, tv
+    per row, argmax hits and the mixed gradient as the eager chunk, one and several vocabulary
+    blocks."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.distill_check"],
+        cwd=root,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for case, diff in result.items():
+        assert max(diff["terms_rel"]) < 1e-5 and diff["grad_rel"] < 1e-5, (case, diff)
+        assert diff["hit_mismatches"] == 0 and diff["hits"] > 0 and diff["forward_only_same"], (case, diff)
+        assert diff["same_teacher_zero"] < 1e-6, (case, diff)
+    assert result["several_blocks"]["argmax_blocks"] >= 2
+
+
+def test_teacher_target_appends_its_final_hidden_states(default_assets):
+    """A teacher target's features are the captured layers' outputs (as without the teacher)
+    followed by the final-norm hidden states, whose lm_head gives the target's own logits."""
+    from dflash_core.defaults import DEFAULT_TARGET_LAYER_IDS
+    from dflash_core.target import TargetModel
+
+    ids = list(DEFAULT_TARGET_LAYER_IDS)
+    plain = TargetModel(default_assets.target, ids, "cpu")
+    teacher = TargetModel(default_assets.target, ids, "cpu", teacher=True)
+    tokens = torch.randint(0, 100, (20,), generator=torch.Generator().manual_seed(0))
+    pos, doc = torch.arange(20), torch.zeros(20, dtype=torch.long)
+    base, both = plain.capture(tokens, pos, doc), teacher.capture(tokens, pos, doc)
+    h = teacher.hidden_size
+    assert both.shape == (20, (len(ids) + 1) * h)
+    assert torch.equal(both[:, :-h], base)
+    logits, _ = teacher.forward_logits(tokens)
+    head = teacher.frozen_head()
+    torch.testing.assert_close(both[:, -h:] @ head.lm_head_weight.t(), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_objective_step_with_plain_ce_equals_the_block_ce_step():
+    """A teacher engine's objective step running the default objective (CE, decayed weights)
+    computes the block CE step's loss, hits, weights and gradients."""
+    cfg, mb, head, feats = _objective_setup()
+    width = cfg.num_target_features * cfg.hidden_size
+    results = []
+    for objective in (None, ObjectiveInputs("cpu")):
+        drafter = random_drafter(cfg).float()
+        f = feats if objective is not None else feats[:, :width]
+        res = micro_step(drafter, head, mb, f, attention="dense", gamma=2.0, chunk_size=5, objective=objective)
+        results.append((res, torch.autograd.grad(res.loss, list(drafter.parameters()))))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.correct, b.correct) and torch.equal(a.weights, b.weights)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)

@@ -189,6 +189,9 @@ def main(argv=None):
         '("NAME=VALUE NAME2=VALUE"; empty = unchanged)',
     )
     p.add_argument("--gil", type=float, default=0, help="seconds of py-spy GIL sampling during the job (0: none)")
+    p.add_argument(
+        "--block-size", type=int, default=16, help="0: the recipe's default (a dspark daemon refuses any but 7)"
+    )
     p.add_argument("--engine-extra", default="", help='more [engine] lines, e.g. "teacher = true"')
     p.add_argument("--job-extra", default="{}", help='more job fields as JSON, e.g. \'{"loss": "kl"}\'')
     args = p.parse_args(argv)
@@ -211,7 +214,7 @@ target_devices = ["cuda:0"]
 drafter_devices = [{drafter_devs}]
 seq_len = 3072
 num_anchors = {args.anchors}
-block_size = 16
+{f"block_size = {args.block_size}" if args.block_size else ""}
 drafter_layers = {args.layers}
 target_layer_ids = [1, 9, 17, 25, 33]
 inductor_cache_dir = "{work / "inductor"}"

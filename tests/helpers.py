@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from dflash_core.data.batches import MicroBatch, make_micro_batch
 from dflash_core.data.packing import pack_documents
 from dflash_core.data.tokenize import Document
 from dflash_core.drafter import DFlashDrafter
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_drafter_config(
@@ -71,3 +75,15 @@ def mount_tmpfs(path, options: str) -> None:
 def unmount(path) -> None:
     if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 120, drop: tuple[str, ...] = ("DFLASH_",)
+) -> subprocess.CompletedProcess:
+    """`python -m service.cli ARGS` in a fresh interpreter, as a user runs it: this checkout on the
+    path, and none of the environment variables whose names start with `drop`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers import run_cli
 
 PROBE = """
 import json, sys
@@ -54,16 +55,7 @@ def test_an_exported_variable_wins(tmp_path):
 
 def precompile(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`dflash-trainer precompile ARGS` in a fresh interpreter, with no cache variable exported."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-m", "service.cli", "precompile", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli("precompile", *args, cwd=cwd, timeout=300, drop=("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))
 
 
 def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_path):

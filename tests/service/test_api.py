@@ -28,13 +28,6 @@ SHORT_JOB = {
 
 
 @pytest.fixture(scope="module")
-def daemon(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
-
-
-@pytest.fixture(scope="module")
 def finished_job(daemon):
     """A job followed from submission to SUCCEEDED; returns (job, events streamed with follow)."""
     submitted = daemon.submit(SHORT_JOB)

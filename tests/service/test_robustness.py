@@ -104,13 +104,6 @@ def test_a_full_data_dir_is_survived(daemon_on_small_disk):
 
 
 # --------------------------------------------------------------------------- shared daemon
-@pytest.fixture(scope="module")
-def daemon(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
-
-
 def test_concurrent_submissions_for_one_output_dir_accept_exactly_one(daemon):
     """Eight submissions for the same output_dir at the same moment: the store accepts one (202)
     and refuses the others (409, naming the owner), round after round."""

@@ -15,15 +15,23 @@ import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 
+
+def dims(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """A transformer's sizes under their Hugging Face config names, in the order configs list them."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
+
+
 QWEN3_8B = dict(
     architectures=["Qwen3ForCausalLM"],
     model_type="qwen3",
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
+    **dims(4096, 12288, 36, 32, 8, 128),
     vocab_size=151936,
     rms_norm_eps=1e-6,
     rope_theta=1_000_000.0,
@@ -38,12 +46,7 @@ REFERENCE_SHAPE = ShapeConfig(seq_len=3072, num_anchors=512, block_size=16)
 
 def reference_drafter_config(layers: int = 5, mask_token_id: int = 5) -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        **dims(4096, 12288, layers, 32, 8, 128),
         vocab_size=151936,
         block_size=16,
         mask_token_id=mask_token_id,
@@ -150,6 +153,17 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def add_warm_arguments(parser, what: str) -> None:
+    """--warm-jobs and --warm-budget: compile `what` in parallel processes first (cold machines)."""
+    parser.add_argument(
+        "--warm-jobs",
+        type=int,
+        default=0,
+        help=f"first compile the {what} in this many parallel processes (cold machines)",
+    )
+    parser.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
 
 
 def warm_caches_in_parallel(

@@ -22,22 +22,14 @@ from pathlib import Path
 def child(steps: int, work: Path) -> None:
     import torch
 
-    from bench.common import write_target_dir
+    from bench.common import dims, write_target_dir
     from dflash_core.defaults import ensure_default_assets
     from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
 
     gpus = torch.cuda.device_count()
     drafters = [f"cuda:{i}" for i in range(gpus)] if gpus >= 2 else ["cuda:0"] * 4
     assets = ensure_default_assets(work / "data")
-    target = write_target_dir(
-        work / "target",
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    )
+    target = write_target_dir(work / "target", **dims(2048, 6144, 12, 16, 8, 128))
     cfg = EngineConfig(
         target_path=str(target),
         target_random_init=True,

@@ -6,10 +6,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.data.batches import MicroBatch, make_micro_batch
@@ -86,4 +88,38 @@ def run_cli(
     env["PYTHONPATH"] = str(REPO_ROOT)
     return subprocess.run(
         [sys.executable, "-m", "service.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def saved_models(tmp_path_factory, tokenizer, config_of) -> Callable[[str], Path]:
+    """name -> the directory of a tiny random model with config_of(name, tokenizer), saved by
+    transformers with the tokenizer; each name is built once."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config_of(name, tokenizer))
+            out = tmp_path_factory.mktemp(name)
+            model.save_pretrained(str(out))
+            tokenizer.save_pretrained(str(out))
+            made[name] = out
+        return made[name]
+
+    return make
+
+
+def train_spec(assets, output_dir, steps: int, *, checkpoint_interval: int | None = None, **extra) -> dict:
+    """A training job on the default train split (learning rate 3e-3, seed 1) checkpointing every
+    `checkpoint_interval` steps (default: at the end)."""
+    return dict(
+        datasets=[str(assets.train)],
+        output_dir=str(output_dir),
+        steps=steps,
+        learning_rate=3e-3,
+        checkpoint_interval=checkpoint_interval or steps,
+        seed=1,
+        **extra,
     )

@@ -10,6 +10,7 @@ from dflash_core.checkpoint import load_weights
 from dflash_core.config import ShapeConfig
 from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS
 from dflash_core.engine import Engine, EngineConfig, JobCallbacks, JobError, TrainJob
+from tests.helpers import train_spec
 
 SMALL = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 
@@ -35,14 +36,7 @@ def thread_names(engine):
 
 
 def job(default_assets, out, **kw):
-    spec = dict(
-        datasets=[str(default_assets.train)],
-        output_dir=str(out),
-        steps=12,
-        learning_rate=3e-3,
-        checkpoint_interval=1000,
-        seed=1,
-    )
+    spec = train_spec(default_assets, out, 12, checkpoint_interval=1000)
     spec.update(kw)
     return TrainJob(**spec)
 

@@ -20,6 +20,7 @@ from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
 from dflash_core.engine.warmup import check_rope_positions
 from dflash_core.evaluate import evaluate_acceptance
 from dflash_core.target import TargetModel, attention_implementation
+from tests.helpers import saved_models, train_spec
 
 SHAPE = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 HEAD_DIM = 16
@@ -84,31 +85,9 @@ def family_config(name: str, tok):
 
 
 @pytest.fixture(scope="module")
-def target_tokenizer(default_assets):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(default_assets.target))
-
-
-@pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, target_tokenizer):
     """name -> directory of a tiny random target of that family, saved by transformers."""
-    from transformers import AutoModelForCausalLM
-
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            cfg = family_config(name, target_tokenizer)
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg)
-            out = tmp_path_factory.mktemp(name)
-            model.save_pretrained(str(out))
-            target_tokenizer.save_pretrained(str(out))
-            made[name] = out
-        return made[name]
-
-    return make
+    return saved_models(tmp_path_factory, target_tokenizer, family_config)
 
 
 # --- capture: a packed sequence gives each document's own features ---------------------------
@@ -288,14 +267,7 @@ def test_engine_trains_a_lossless_drafter(target_dir, default_assets, tmp_path, 
     )
     engine = Engine(cfg, default_assets.root.parent.parent).build()
     try:
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(tmp_path),
-            steps=20,
-            learning_rate=3e-3,
-            checkpoint_interval=20,
-            seed=1,
-        )
+        job = TrainJob(**train_spec(default_assets, tmp_path, 20))
         rec = Losses()
         res = engine.run_job(job, rec)
         assert res.status == "SUCCEEDED" and res.steps_done == 20

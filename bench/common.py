@@ -69,6 +69,22 @@ def write_target_dir(out: Path, preset: dict = QWEN3_8B, **overrides) -> Path:
     return out
 
 
+def random_target_engine_config(target: Path, drafters: list[str], seq_len: int, num_anchors: int, **extra):
+    """An EngineConfig for the random-init target in `target` on cuda:0, blocks of 16."""
+    from dflash_core.engine import EngineConfig
+
+    return EngineConfig(
+        target_path=str(target),
+        target_random_init=True,
+        target_devices=["cuda:0"],
+        drafter_devices=drafters,
+        seq_len=seq_len,
+        num_anchors=num_anchors,
+        block_size=16,
+        **extra,
+    )
+
+
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
     """Per-iteration milliseconds measured with CUDA events (after warmup)."""
     for _ in range(warmup):

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from bench.common import dims
 from dflash_core.checkpoint import config_from_hf, hf_config, load_drafter
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.data.conversations import read_conversations
@@ -29,12 +30,7 @@ HEAD_DIM = 16
 def _common(tok) -> dict:
     return dict(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
+        **dims(64, 128, 4, 4, 2, HEAD_DIM),
         max_position_embeddings=1024,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
@@ -160,10 +156,7 @@ def rope_target_configs():
         "yarn": tf.Qwen3Config(**c, max_position_embeddings=1024, rope_parameters=dict(YARN)),
         "llama3": tf.LlamaConfig(**c, max_position_embeddings=1024, rope_parameters=dict(LLAMA3)),
         "longrope": tf.Phi3Config(  # Phi-3: original_max_position_embeddings beside rope_scaling, no factor
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
+            **c,
             pad_token_id=0,
             eos_token_id=1,
             bos_token_id=1,

@@ -25,24 +25,16 @@ def test_flex_matches_dense_reference_widths():
 
 
 def test_replicas_identical_and_no_runtime_compile(tmp_path):
-    from bench.common import dims, write_target_dir
+    from bench.common import dims, random_target_engine_config, write_target_dir
     from dflash_core.defaults import ensure_default_assets
-    from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
+    from dflash_core.engine import Engine, JobCallbacks, TrainJob
 
     gpus = torch.cuda.device_count()
     devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cuda:0", "cuda:0"]
     assets = ensure_default_assets(tmp_path / "data")
     target = write_target_dir(tmp_path / "target", **dims(1024, 3072, 8, 16, 8, 64), vocab_size=151936)
-    cfg = EngineConfig(
-        target_path=str(target),
-        target_random_init=True,
-        target_devices=["cuda:0"],
-        drafter_devices=devices,
-        seq_len=1024,
-        num_anchors=128,
-        block_size=16,
-        drafter_layers=2,
-        inductor_cache_dir=str(tmp_path / "inductor"),
+    cfg = random_target_engine_config(
+        target, devices, 1024, 128, drafter_layers=2, inductor_cache_dir=str(tmp_path / "inductor")
     )
     engine = Engine(cfg, tmp_path / "data").build()
     warm = engine.status().compiles["warmup"]

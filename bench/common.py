@@ -171,6 +171,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def add_shape_arguments(parser) -> None:
+    """--seq-len and --anchors, defaulting to the reference shape."""
+    parser.add_argument("--seq-len", type=int, default=REFERENCE_SHAPE.seq_len)
+    parser.add_argument("--anchors", type=int, default=REFERENCE_SHAPE.num_anchors)
+
+
 def add_warm_arguments(parser, what: str) -> None:
     """--warm-jobs and --warm-budget: compile `what` in parallel processes first (cold machines)."""
     parser.add_argument(

@@ -27,6 +27,7 @@ import traceback
 import torch
 
 from bench.common import (
+    add_shape_arguments,
     add_warm_arguments,
     cuda_time_ms,
     env_record,
@@ -159,8 +160,7 @@ def run_case(name, shape, batch, q, k, v, grad_out, reference, compile_only=Fals
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--anchors", type=int, default=512)
+    add_shape_arguments(p)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--cases", default="all")
     add_warm_arguments(p, "cases")

@@ -70,6 +70,7 @@ def precompile(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return run_cli("precompile", *args, cwd=cwd, timeout=300, drop=("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))
 
 
+@pytest.mark.slow  # two precompile runs in fresh interpreters
 def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_path):
     """`dflash-trainer precompile` warms the engine of a config into its data directory and exits
     (nothing is compiled on the CPU, so no artifacts); a later build that finds unreadable

@@ -153,6 +153,7 @@ def test_fail_on_recompile_holds_in_worker_threads():
     assert guard.counts()["runtime"] == 0
 
 
+@pytest.mark.slow  # several jobs on one engine, one cancelled and one failing
 def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeypatch):
     engine = make_engine(data_dir, ["cpu", "cpu"])
     rec = Recorder(cancel_after=2)
@@ -178,6 +179,7 @@ def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeyp
     engine.close()
 
 
+@pytest.mark.slow  # trains the same job twice, once interrupted
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path, replicas):
     engine = make_engine(data_dir, ["cpu"] * replicas)
@@ -200,6 +202,7 @@ def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path, re
     engine.close()
 
 
+@pytest.mark.slow  # fifty training steps
 def test_fifty_steps_lower_the_loss_on_the_embedded_default(data_dir, default_assets, tmp_path):
     engine = make_engine(data_dir, ["cpu"], shape=DEFAULT_SHAPE_CPU)
     rec = Recorder()
@@ -212,6 +215,7 @@ def test_fifty_steps_lower_the_loss_on_the_embedded_default(data_dir, default_as
     engine.close()
 
 
+@pytest.mark.slow  # builds a second engine with two target workers
 def test_two_target_workers_give_the_same_result(data_dir, default_assets, tmp_path):
     """One target worker per target device; each replica is fed by one worker, in order."""
     results = []

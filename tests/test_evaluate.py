@@ -76,6 +76,7 @@ def random_prompts(tokenizer, n, seed):
     return prompts
 
 
+@pytest.mark.slow  # trains a drafter, then decodes every prompt with and without it
 @pytest.mark.parametrize("which", ["untrained", "trained"])
 def test_speculative_decoding_is_lossless(engine, which, request):
     drafter = request.getfixturevalue(which)

@@ -185,6 +185,7 @@ def test_host_header_must_name_this_daemon(guarded, reader):
         assert reader.get("/jobs", headers={"Host": host}).status_code == 200, host
 
 
+@pytest.mark.slow  # starts a daemon of its own
 def test_wildcard_bind_answers_only_the_listed_names(tmp_path):
     d = _daemon(
         tmp_path,
@@ -206,6 +207,7 @@ def _serve(config: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # starts daemons of its own
 def test_non_loopback_bind_without_token_refuses_to_start(tmp_path):
     config = tmp_path / "dflash.toml"
     config.write_text(f'data_dir = "{tmp_path / "data"}"\n')
@@ -376,6 +378,7 @@ def _body_chunks(sock: socket.socket, seconds: float) -> list[bytes]:
         body = rest[size + 2 :]
 
 
+@pytest.mark.slow  # a 40-step job followed by many streams at once
 def test_followers_share_one_poller_and_are_bounded(guarded, reader):
     """200 followers of a running job: the store is polled as for one (a poll loop per follower made
     200 times the reads, under the lock the training step writes through), each follower gets what a

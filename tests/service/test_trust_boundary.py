@@ -11,6 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from dflash_core.trust import problem, tree_problem
 from tests.helpers import run_cli
 from tests.service.harness import write_config
@@ -36,6 +38,7 @@ def test_a_planted_bytecode_file_is_not_run(tmp_path):
     assert "writable by every user" in start(site, cache, PYTHONDONTWRITEBYTECODE="1")["reason"]
 
 
+@pytest.mark.slow  # starts a daemon of its own
 def test_a_planted_compile_artifacts_file_is_refused(make_daemon):
     d = make_daemon(start=False)
     d.data_dir.mkdir(parents=True, exist_ok=True)

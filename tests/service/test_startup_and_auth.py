@@ -56,8 +56,8 @@ def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon)
     assert d.http.get("/livez").status_code == 200
 
 
-def test_post_without_token_is_401(warming_daemon):
-    d = warming_daemon
+def test_post_without_token_is_401(make_daemon):
+    d = make_daemon(auth_token=TOKEN)  # no warm-up pauses: the guard answers whatever the engine's phase
     spec = {"datasets": ["builtin://train"], "steps": 2}
     r = d.http.post("/jobs", json=spec)
     assert r.status_code == 401

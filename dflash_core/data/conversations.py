@@ -11,7 +11,6 @@ from .bounded import MAX_JSON_DEPTH, too_deep
 from .errors import DatasetError
 from .sources import dataset_files, iter_records
 
-
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",

@@ -116,6 +116,7 @@ def test_split_mask_mod_is_the_mask_reshaped():
         assert torch.equal(part, whole[8 * b : 8 * (b + 1)])
 
 
+@pytest.mark.slow  # an inductor compile of a drafter layer on the CPU (about 20 s with a cold cache)
 def test_one_compiled_layer_serves_every_layer():
     """The compiled step: a 5-layer drafter compiles the layer twice (the first layer's input has
     no grad, the others' has), not once per layer; the loss chunk adds one graph."""

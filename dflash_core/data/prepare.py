@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..confine import resolved_under
-from . import sources
 from .bounded import bounded_lines, count_newlines, next_line_start
 from .cache_entry import (
     BadEntry,
@@ -50,7 +49,18 @@ from .cache_entry import (
     write_meta,
 )
 from .conversations import Conversation, DatasetError, parse_conversation
-from .sources import SourceFile, dataset_files, file_size, identity, iter_records, load_arrow_dataset, unreadable
+from .sources import (
+    MAX_RECORD_BYTES,
+    SourceFile,
+    _jsonl_lines,
+    conversation_column,
+    dataset_files,
+    file_size,
+    identity,
+    iter_records,
+    load_arrow_dataset,
+    unreadable,
+)
 from .tokenize import ChatTemplate, encode_conversation
 from .workers import result_or_stop, stop_workers, worker_pool
 
@@ -201,7 +211,7 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
             f.seek(start)
             # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
             # would also split on a bare carriage return and shift every later line number)
-            yield from sources._jsonl_lines(src.name, bounded_lines(f, sources.MAX_RECORD_BYTES, end), first_line)
+            yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
     elif kind == "rows":
         _, start, stop = task
         yield from _rows(src, start, stop)
@@ -228,7 +238,7 @@ def _column(src: SourceFile) -> str:
     """The conversation column of a parquet or save_to_disk source, looked up once per process."""
     key = ("column", str(src.path))
     if key not in _STATE:
-        _STATE[key] = sources.conversation_column(src)
+        _STATE[key] = conversation_column(src)
     return _STATE[key]
 
 

@@ -15,15 +15,23 @@ import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 
+
+def dims(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """A transformer's sizes under their Hugging Face config names, in the order configs list them."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
+
+
 QWEN3_8B = dict(
     architectures=["Qwen3ForCausalLM"],
     model_type="qwen3",
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
+    **dims(4096, 12288, 36, 32, 8, 128),
     vocab_size=151936,
     rms_norm_eps=1e-6,
     rope_theta=1_000_000.0,
@@ -38,12 +46,7 @@ REFERENCE_SHAPE = ShapeConfig(seq_len=3072, num_anchors=512, block_size=16)
 
 def reference_drafter_config(layers: int = 5, mask_token_id: int = 5) -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        **dims(4096, 12288, layers, 32, 8, 128),
         vocab_size=151936,
         block_size=16,
         mask_token_id=mask_token_id,
@@ -64,6 +67,22 @@ def write_target_dir(out: Path, preset: dict = QWEN3_8B, **overrides) -> Path:
         if src.exists():
             (out / f).write_bytes(src.read_bytes())
     return out
+
+
+def random_target_engine_config(target: Path, drafters: list[str], seq_len: int, num_anchors: int, **extra):
+    """An EngineConfig for the random-init target in `target` on cuda:0, blocks of 16."""
+    from dflash_core.engine import EngineConfig
+
+    return EngineConfig(
+        target_path=str(target),
+        target_random_init=True,
+        target_devices=["cuda:0"],
+        drafter_devices=drafters,
+        seq_len=seq_len,
+        num_anchors=num_anchors,
+        block_size=16,
+        **extra,
+    )
 
 
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
@@ -150,6 +169,23 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def add_shape_arguments(parser) -> None:
+    """--seq-len and --anchors, defaulting to the reference shape."""
+    parser.add_argument("--seq-len", type=int, default=REFERENCE_SHAPE.seq_len)
+    parser.add_argument("--anchors", type=int, default=REFERENCE_SHAPE.num_anchors)
+
+
+def add_warm_arguments(parser, what: str) -> None:
+    """--warm-jobs and --warm-budget: compile `what` in parallel processes first (cold machines)."""
+    parser.add_argument(
+        "--warm-jobs",
+        type=int,
+        default=0,
+        help=f"first compile the {what} in this many parallel processes (cold machines)",
+    )
+    parser.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
 
 
 def warm_caches_in_parallel(

@@ -23,6 +23,7 @@ import torch
 
 from bench.common import (
     REFERENCE_SHAPE,
+    add_warm_arguments,
     cuda_time_ms,
     drafter_flops,
     env_record,
@@ -231,13 +232,7 @@ def main(argv=None):
     p.add_argument(
         "--profile", action="store_true", help="device time by kernel class per variant; top kernels of the first"
     )
-    p.add_argument(
-        "--warm-jobs",
-        type=int,
-        default=0,
-        help="first compile the variants in this many parallel processes (cold machines)",
-    )
-    p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
+    add_warm_arguments(p, "variants")
     p.add_argument(
         "--compiled-optimizer",
         action="store_true",

@@ -22,33 +22,15 @@ from pathlib import Path
 def child(steps: int, work: Path) -> None:
     import torch
 
-    from bench.common import write_target_dir
+    from bench.common import dims, random_target_engine_config, write_target_dir
     from dflash_core.defaults import ensure_default_assets
-    from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
+    from dflash_core.engine import Engine, JobCallbacks, TrainJob
 
     gpus = torch.cuda.device_count()
     drafters = [f"cuda:{i}" for i in range(gpus)] if gpus >= 2 else ["cuda:0"] * 4
     assets = ensure_default_assets(work / "data")
-    target = write_target_dir(
-        work / "target",
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    )
-    cfg = EngineConfig(
-        target_path=str(target),
-        target_random_init=True,
-        target_devices=["cuda:0"],
-        drafter_devices=drafters,
-        seq_len=2048,
-        num_anchors=256,
-        block_size=16,
-        drafter_layers=3,
-        target_layer_ids=[1, 5, 9],
-    )
+    target = write_target_dir(work / "target", **dims(2048, 6144, 12, 16, 8, 128))
+    cfg = random_target_engine_config(target, drafters, 2048, 256, drafter_layers=3, target_layer_ids=[1, 5, 9])
     t0 = time.time()
     engine = Engine(cfg, work / "data").build()
     ready = time.time() - t0

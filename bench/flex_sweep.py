@@ -26,7 +26,17 @@ import traceback
 
 import torch
 
-from bench.common import cuda_time_ms, env_record, median, out_dir, pid_alive, print_table, warm_caches_in_parallel
+from bench.common import (
+    add_shape_arguments,
+    add_warm_arguments,
+    cuda_time_ms,
+    env_record,
+    median,
+    out_dir,
+    pid_alive,
+    print_table,
+    warm_caches_in_parallel,
+)
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import MicroBatch, synthetic_micro_batch
 from dflash_core.step.attention import build_block_mask, dflash_mask_mod
@@ -150,17 +160,10 @@ def run_case(name, shape, batch, q, k, v, grad_out, reference, compile_only=Fals
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--anchors", type=int, default=512)
+    add_shape_arguments(p)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--cases", default="all")
-    p.add_argument(
-        "--warm-jobs",
-        type=int,
-        default=0,
-        help="first compile the cases in this many parallel processes (cold machines)",
-    )
-    p.add_argument("--warm-budget", type=float, default=300.0, help="seconds for that phase")
+    add_warm_arguments(p, "cases")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from bench.common import env_record, out_dir, print_table, reference_drafter_config
+from bench.common import add_shape_arguments, env_record, out_dir, print_table, reference_drafter_config
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import DFlashDrafter, FrozenHead
@@ -91,8 +91,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--anchors", type=int, default=512)
+    add_shape_arguments(p)
     args = p.parse_args(argv)
     rows = run(args.layers, args.seq_len, args.anchors)
     (out_dir() / "flex_vs_dense.json").write_text(

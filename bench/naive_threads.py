@@ -24,6 +24,7 @@ import time
 def child(mode: str, threads: int) -> None:
     import torch
 
+    from bench.common import dims
     from dflash_core.config import DrafterConfig, ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.drafter import FrozenHead
@@ -31,12 +32,7 @@ def child(mode: str, threads: int) -> None:
     from dflash_core.engine.replica import DrafterReplica
 
     cfg = DrafterConfig(
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=128,
+        **dims(1024, 2048, 1, 8, 4, 128),
         vocab_size=32000,
         block_size=16,
         mask_token_id=5,

@@ -57,3 +57,11 @@ def random_target_dir(tmp_path_factory, tokenizer) -> Path:
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def target_tokenizer(default_assets):
+    """The embedded default target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_assets.target))

@@ -5,15 +5,21 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.data.batches import MicroBatch, make_micro_batch
 from dflash_core.data.packing import pack_documents
 from dflash_core.data.tokenize import Document
 from dflash_core.drafter import DFlashDrafter
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_drafter_config(
@@ -71,3 +77,49 @@ def mount_tmpfs(path, options: str) -> None:
 def unmount(path) -> None:
     if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 120, drop: tuple[str, ...] = ("DFLASH_",)
+) -> subprocess.CompletedProcess:
+    """`python -m service.cli ARGS` in a fresh interpreter, as a user runs it: this checkout on the
+    path, and none of the environment variables whose names start with `drop`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def saved_models(tmp_path_factory, tokenizer, config_of) -> Callable[[str], Path]:
+    """name -> the directory of a tiny random model with config_of(name, tokenizer), saved by
+    transformers with the tokenizer; each name is built once."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config_of(name, tokenizer))
+            out = tmp_path_factory.mktemp(name)
+            model.save_pretrained(str(out))
+            tokenizer.save_pretrained(str(out))
+            made[name] = out
+        return made[name]
+
+    return make
+
+
+def train_spec(assets, output_dir, steps: int, *, checkpoint_interval: int | None = None, **extra) -> dict:
+    """A training job on the default train split (learning rate 3e-3, seed 1) checkpointing every
+    `checkpoint_interval` steps (default: at the end)."""
+    return dict(
+        datasets=[str(assets.train)],
+        output_dir=str(output_dir),
+        steps=steps,
+        learning_rate=3e-3,
+        checkpoint_interval=checkpoint_interval or steps,
+        seed=1,
+        **extra,
+    )

@@ -21,7 +21,8 @@ def _forward_setup(seed: int, shape: ShapeConfig, n_docs: int):
     return mb, drafter, head, torch.randn(shape.seq_len, 2 * cfg.hidden_size)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+# compiled: an inductor C++ compile of flex attention, several seconds on 2 cores
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_flex_equals_sdpa_forward(compiled):
     shape = ShapeConfig(seq_len=160, num_anchors=12, block_size=4)
     mb, drafter, head, feats = _forward_setup(1, shape, n_docs=6)
@@ -44,6 +45,7 @@ def test_flex_equals_sdpa_forward(compiled):
     assert rel < 1e-5, rel
 
 
+@pytest.mark.slow  # compiles a drafter step with inductor on the CPU
 @pytest.mark.parametrize("scope", ["layer", "step"])
 def test_compiled_step_equals_eager_step(scope):
     """The engine's compiled step ("layer": compiled layers, their backward, compiled loss chunks)
@@ -76,7 +78,8 @@ def test_compiled_step_equals_eager_step(scope):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+# compiled: an inductor C++ compile of flex attention, several seconds on 2 cores
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_flex_with_query_splits_equals_sdpa(compiled):
     """Queries run as batch entries against one broadcast K, V (FlexAttention.q_splits): the same
     function as one entry and as the dense mask."""
@@ -113,6 +116,7 @@ def test_split_mask_mod_is_the_mask_reshaped():
         assert torch.equal(part, whole[8 * b : 8 * (b + 1)])
 
 
+@pytest.mark.slow  # an inductor compile of a drafter layer on the CPU (about 20 s with a cold cache)
 def test_one_compiled_layer_serves_every_layer():
     """The compiled step: a 5-layer drafter compiles the layer twice (the first layer's input has
     no grad, the others' has), not once per layer; the loss chunk adds one graph."""

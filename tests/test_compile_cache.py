@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+
+from tests.helpers import REPO_ROOT as REPO
+from tests.helpers import run_cli
 
 PROBE = """
 import json, sys
@@ -19,21 +22,30 @@ Engine(EngineConfig(drafter_devices=["cpu"], target_devices=["cpu"]), sys.argv[1
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir
-fn = torch.compile(lambda x: torch.sin(x) * 3 + x.cos(), dynamic=False)
-fn(torch.randn(16))
+if "--resolve-only" not in sys.argv:
+    fn = torch.compile(lambda x: torch.sin(x) * 3 + x.cos(), dynamic=False)
+    fn(torch.randn(16))
 print(json.dumps({"cache_dir": cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
-def run_probe(data_dir: Path, env: dict[str, str]) -> dict:
+def run_probe(data_dir: Path, env: dict[str, str], *flags: str) -> dict:
+    """An engine created in a fresh interpreter, then inductor's cache directory and its hits and
+    misses for one compiled function (--resolve-only: the directory alone, nothing compiled)."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(data_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", PROBE, str(data_dir), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two fresh interpreters and a C++ compile: about 20 s on 2 cores
 def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["PYTHONPATH"] = str(REPO)
@@ -48,24 +60,17 @@ def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
 def test_an_exported_variable_wins(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env.update(PYTHONPATH=str(REPO), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
-    assert Path(run_probe(tmp_path / "data", env)["cache_dir"]) == tmp_path / "mine"
+    # inductor writes where cache_dir() points (test_the_data_dirs_cache_is_filled_then_hit): no compile needed
+    assert Path(run_probe(tmp_path / "data", env, "--resolve-only")["cache_dir"]) == tmp_path / "mine"
     assert not (tmp_path / "data" / "inductor-cache").exists()
 
 
 def precompile(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`dflash-trainer precompile ARGS` in a fresh interpreter, with no cache variable exported."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))}
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-m", "service.cli", "precompile", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli("precompile", *args, cwd=cwd, timeout=300, drop=("DFLASH_", "TORCHINDUCTOR_", "TRITON_"))
 
 
+@pytest.mark.slow  # two precompile runs in fresh interpreters
 def test_precompile_builds_without_serving_and_stale_artifacts_are_skipped(tmp_path):
     """`dflash-trainer precompile` warms the engine of a config into its data directory and exits
     (nothing is compiled on the CPU, so no artifacts); a later build that finds unreadable

@@ -26,10 +26,12 @@ def started(**env: str) -> bool:
     return out.stdout.strip().splitlines()[-1] == "True"
 
 
+@pytest.mark.slow  # a fresh interpreter per case
 @pytest.mark.parametrize("env", [{"TORCHINDUCTOR_COMPILE_THREADS": "1"}, {"TORCH_WARM_POOL": "0"}])
 def test_no_pool_where_torch_uses_none(env):
     assert started(**env) is False
 
 
+@pytest.mark.slow  # a fresh interpreter that starts inductor's compile pool
 def test_pool_starts_with_two_compile_threads():
     assert started(TORCHINDUCTOR_COMPILE_THREADS="2", TORCH_WARM_POOL="1") is True

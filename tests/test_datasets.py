@@ -102,6 +102,7 @@ def test_corpus_equals_in_memory_tokenization_and_is_cached(layouts, records, to
         assert again[-1].files_cached == again[-1].files_total  # nothing tokenized the second time
 
 
+@pytest.mark.slow  # tokenizes the dataset twice, once in a worker pool
 def test_workers_give_the_same_tokens_as_one_process(layouts, tokenization, tmp_path, monkeypatch):
     one = prepare_corpus([str(layouts["shards"])], tokenization, tmp_path / "one", workers=1)
     monkeypatch.setattr(prepare, "IN_PROCESS_BYTES", 0)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from dflash_core.engine import JobCallbacks, TrainJob
 from service.demo import free_port
+from tests.helpers import train_spec
 from tests.test_engine import make_engine
 
 pytestmark = pytest.mark.slow
@@ -58,15 +59,13 @@ class Losses(JobCallbacks):
         self.losses.append(stats.loss)
 
 
+def six_steps(assets, output_dir, **extra) -> dict:
+    """A 6-step job checkpointing at steps 3 and 6."""
+    return train_spec(assets, output_dir, 6, checkpoint_interval=3, **extra)
+
+
 def test_two_ranks_equal_one_process_with_the_same_global_batch(default_assets, tmp_path):
-    spec = dict(
-        datasets=[str(default_assets.train)],
-        output_dir=str(tmp_path / "dist-job"),
-        steps=6,
-        learning_rate=3e-3,
-        checkpoint_interval=3,
-        seed=1,
-    )
+    spec = six_steps(default_assets, tmp_path / "dist-job")
     ranks = torchrun_engine(tmp_path, spec)
     assert ranks[0]["status"] == "SUCCEEDED", ranks[0]
     assert ranks[1]["ended"] == "rank 0 shut the group down"
@@ -91,15 +90,7 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(default_assets, 
 
 
 def test_ranks_whose_weights_diverge_fail_the_job_before_a_checkpoint(default_assets, tmp_path):
-    spec = dict(
-        datasets=[str(default_assets.train)],
-        output_dir=str(tmp_path / "job"),
-        steps=6,
-        learning_rate=3e-3,
-        checkpoint_interval=3,
-        seed=1,
-        diverge_rank_1_at_step=4,
-    )
+    spec = six_steps(default_assets, tmp_path / "job", diverge_rank_1_at_step=4)
     lead, _ = torchrun_engine(tmp_path, spec)
     assert lead["status"] == "FAILED", lead
     assert "step 6: the weights of rank(s) 1 differ from rank 0's" in lead["error"], lead["error"]

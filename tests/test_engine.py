@@ -10,6 +10,7 @@ from dflash_core.checkpoint import load_weights
 from dflash_core.config import ShapeConfig
 from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_SHAPE_CPU, DEFAULT_TARGET_LAYER_IDS
 from dflash_core.engine import Engine, EngineConfig, JobCallbacks, JobError, TrainJob
+from tests.helpers import train_spec
 
 SMALL = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 
@@ -35,14 +36,7 @@ def thread_names(engine):
 
 
 def job(default_assets, out, **kw):
-    spec = dict(
-        datasets=[str(default_assets.train)],
-        output_dir=str(out),
-        steps=12,
-        learning_rate=3e-3,
-        checkpoint_interval=1000,
-        seed=1,
-    )
+    spec = train_spec(default_assets, out, 12, checkpoint_interval=1000)
     spec.update(kw)
     return TrainJob(**spec)
 
@@ -159,6 +153,7 @@ def test_fail_on_recompile_holds_in_worker_threads():
     assert guard.counts()["runtime"] == 0
 
 
+@pytest.mark.slow  # several jobs on one engine, one cancelled and one failing
 def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeypatch):
     engine = make_engine(data_dir, ["cpu", "cpu"])
     rec = Recorder(cancel_after=2)
@@ -184,6 +179,7 @@ def test_cancel_failure_and_recovery(data_dir, default_assets, tmp_path, monkeyp
     engine.close()
 
 
+@pytest.mark.slow  # trains the same job twice, once interrupted
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path, replicas):
     engine = make_engine(data_dir, ["cpu"] * replicas)
@@ -206,6 +202,7 @@ def test_resume_matches_uninterrupted_run(data_dir, default_assets, tmp_path, re
     engine.close()
 
 
+@pytest.mark.slow  # fifty training steps
 def test_fifty_steps_lower_the_loss_on_the_embedded_default(data_dir, default_assets, tmp_path):
     engine = make_engine(data_dir, ["cpu"], shape=DEFAULT_SHAPE_CPU)
     rec = Recorder()
@@ -218,6 +215,7 @@ def test_fifty_steps_lower_the_loss_on_the_embedded_default(data_dir, default_as
     engine.close()
 
 
+@pytest.mark.slow  # builds a second engine with two target workers
 def test_two_target_workers_give_the_same_result(data_dir, default_assets, tmp_path):
     """One target worker per target device; each replica is fed by one worker, in order."""
     results = []

@@ -76,7 +76,8 @@ def random_prompts(tokenizer, n, seed):
     return prompts
 
 
-@pytest.mark.parametrize("which", ["untrained", "trained"])
+# the trained drafter: the embedded default training job on the CPU (about 20 s on 2 cores)
+@pytest.mark.parametrize("which", ["untrained", pytest.param("trained", marks=pytest.mark.slow)])
 def test_speculative_decoding_is_lossless(engine, which, request):
     drafter = request.getfixturevalue(which)
     target, tok = engine.targets[0], engine.tokenizer
@@ -95,6 +96,7 @@ def test_untrained_tau_is_close_to_one(engine, untrained, heldout):
     assert 1.0 <= tau < 1.3, tau
 
 
+@pytest.mark.slow  # needs the trained drafter (the default training job)
 def test_trained_tau_on_heldout_prompts(engine, trained, heldout):
     result = evaluate_acceptance(engine.targets[0], trained, engine.tokenizer, heldout[:32], max_new_tokens=48)
     print(f"held-out tau after {DEFAULT_TRAIN_STEPS} steps: {result.acceptance_length:.2f}")
@@ -138,6 +140,7 @@ def independent_tau(target: TargetModel, drafter: DFlashDrafter, embed, lm_head,
 
 
 @torch.no_grad()
+@pytest.mark.slow  # needs the trained drafter (the default training job)
 def test_tau_matches_independent_reimplementation(engine, trained, heldout):
     target, tok = engine.targets[0], engine.tokenizer
     head = engine.replicas[0].head
@@ -154,6 +157,7 @@ def test_tau_matches_independent_reimplementation(engine, trained, heldout):
     assert sum(ours) / len(ours) == pytest.approx(sum(theirs) / len(theirs))
 
 
+@pytest.mark.slow  # needs the trained drafter (the default training job)
 def test_eval_cli_prints_tau(engine, trained, default_assets, tmp_path, capsys):
     from dflash_core.checkpoint import save_checkpoint
     from service.cli import main

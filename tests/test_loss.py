@@ -162,6 +162,7 @@ def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
     assert torch.equal(res.correct[:, 1:], argmax_hits[:, 1:])
 
 
+@pytest.mark.slow  # the Triton kernel in the (slow) interpreter
 def test_triton_chunk_matches_eager_chunk_interpreted():
     """The Triton CE kernel of kernels/ce.py (Triton's interpreter on CPU; tests/gpu runs it on
     CUDA in bf16): same loss, gradient and argmax hits as the eager chunk, ties broken to the

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 AGREEMENT = ("params", "exp_avg", "exp_avg_sq", "from_torch", "from_fused", "to_torch")
 
 
+@pytest.mark.slow  # the Triton kernel in the (slow) interpreter
 def test_triton_adamw_matches_torch_adamw_interpreted():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

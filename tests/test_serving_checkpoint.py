@@ -83,6 +83,7 @@ def test_layout_modes_and_bf16_export_with_fp32_masters_for_resume(tmp_path):
         assert mode == (0o755 if p.is_dir() else 0o644), (p, oct(mode))
 
 
+@pytest.mark.slow  # the export command in a fresh interpreter
 def test_export_command_writes_a_serving_directory(tmp_path):
     cfg = tiny_drafter_config(layers=2)
     drafter = random_drafter(cfg, seed=7).float()

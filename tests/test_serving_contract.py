@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_core.target_identity import config_sha256, hub_id, resolve_export_dtype, target_identity
+from tests.test_targets import _common
 
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 STEPS = 2
@@ -62,18 +63,7 @@ def bf16_target(tmp_path_factory, default_assets):
 
     tok = AutoTokenizer.from_pretrained(str(default_assets.target))
     torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
+    cfg = Qwen3Config(**_common(tok))
     out = tmp_path_factory.mktemp("hub") / "models--acme--tiny-qwen3" / "snapshots" / "0a1b2c"
     Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
     tok.save_pretrained(str(out))

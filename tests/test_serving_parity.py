@@ -26,6 +26,7 @@ from dflash_core.parity import TargetRefused
 from dflash_core.step.blocks import block_inputs
 from dflash_core.step.micro_step import block_embeddings
 from dflash_core.target import TargetModel
+from tests.helpers import saved_models
 from tests.test_targets import _common, family_config
 
 LAYER_IDS = [1, 2]  # of 4: the last layer is refused (its reference feature is after the final norm)
@@ -55,29 +56,8 @@ ACCEPTED += ["qwen3_moe", "gemma3", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_assets):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(default_assets.target))
-
-
-@pytest.fixture(scope="module")
-def family_dir(tmp_path_factory, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(parity_config(name, tokenizer))
-            out = tmp_path_factory.mktemp(name)
-            model.save_pretrained(str(out))
-            tokenizer.save_pretrained(str(out))
-            made[name] = out
-        return made[name]
-
-    return make
+def family_dir(tmp_path_factory, target_tokenizer):
+    return saved_models(tmp_path_factory, target_tokenizer, parity_config)
 
 
 def exported_config(target: TargetModel, layer_ids=LAYER_IDS) -> dict:

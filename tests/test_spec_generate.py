@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_core.modeling_dflash import _Sampling
+from tests.helpers import train_spec
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +21,7 @@ def trained(default_assets, tmp_path_factory):
     engine = Engine(cfg, default_assets.root.parent.parent).build()
     out = tmp_path_factory.mktemp("spec_generate")
     try:
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(out),
-            steps=60,
-            learning_rate=3e-3,
-            checkpoint_interval=60,
-            seed=1,
-        )
+        job = TrainJob(**train_spec(default_assets, out, 60))
         res = engine.run_job(job)
         assert res.status == "SUCCEEDED"
         return res.final_checkpoint

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from bench.common import dims
 from dflash_core.checkpoint import config_from_hf, hf_config, load_drafter
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.data.conversations import read_conversations
@@ -20,6 +21,7 @@ from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
 from dflash_core.engine.warmup import check_rope_positions
 from dflash_core.evaluate import evaluate_acceptance
 from dflash_core.target import TargetModel, attention_implementation
+from tests.helpers import saved_models, train_spec
 
 SHAPE = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 HEAD_DIM = 16
@@ -28,12 +30,7 @@ HEAD_DIM = 16
 def _common(tok) -> dict:
     return dict(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=HEAD_DIM,
+        **dims(64, 128, 4, 4, 2, HEAD_DIM),
         max_position_embeddings=1024,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
@@ -84,31 +81,9 @@ def family_config(name: str, tok):
 
 
 @pytest.fixture(scope="module")
-def target_tokenizer(default_assets):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(default_assets.target))
-
-
-@pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, target_tokenizer):
     """name -> directory of a tiny random target of that family, saved by transformers."""
-    from transformers import AutoModelForCausalLM
-
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            cfg = family_config(name, target_tokenizer)
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg)
-            out = tmp_path_factory.mktemp(name)
-            model.save_pretrained(str(out))
-            target_tokenizer.save_pretrained(str(out))
-            made[name] = out
-        return made[name]
-
-    return make
+    return saved_models(tmp_path_factory, target_tokenizer, family_config)
 
 
 # --- capture: a packed sequence gives each document's own features ---------------------------
@@ -181,10 +156,7 @@ def rope_target_configs():
         "yarn": tf.Qwen3Config(**c, max_position_embeddings=1024, rope_parameters=dict(YARN)),
         "llama3": tf.LlamaConfig(**c, max_position_embeddings=1024, rope_parameters=dict(LLAMA3)),
         "longrope": tf.Phi3Config(  # Phi-3: original_max_position_embeddings beside rope_scaling, no factor
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
+            **c,
             pad_token_id=0,
             eos_token_id=1,
             bos_token_id=1,
@@ -288,14 +260,7 @@ def test_engine_trains_a_lossless_drafter(target_dir, default_assets, tmp_path, 
     )
     engine = Engine(cfg, default_assets.root.parent.parent).build()
     try:
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(tmp_path),
-            steps=20,
-            learning_rate=3e-3,
-            checkpoint_interval=20,
-            seed=1,
-        )
+        job = TrainJob(**train_spec(default_assets, tmp_path, 20))
         rec = Losses()
         res = engine.run_job(job, rec)
         assert res.status == "SUCCEEDED" and res.steps_done == 20

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bounded import MAX_JSON_DEPTH, too_deep
+from .errors import DatasetError
+from .sources import dataset_files, iter_records
 
 ROLE_ALIASES = {
     "system": "system",
@@ -19,20 +21,6 @@ ROLE_ALIASES = {
     "model": "assistant",
     "bing": "assistant",
 }
-
-
-class DatasetError(ValueError):
-    """A dataset record that cannot be used; str() names the file and the line or row."""
-
-    def __init__(self, path: str | Path, line: int, reason: str, unit: str = "line"):
-        self.path, self.line, self.reason, self.unit = str(path), line, reason, unit
-        super().__init__(f"{self.where}: {reason}")
-
-    @property
-    def where(self) -> str:
-        if self.line <= 0:
-            return self.path
-        return f"{self.path}:{self.line}" if self.unit == "line" else f"{self.path} {self.unit} {self.line}"
 
 
 @dataclass
@@ -94,8 +82,6 @@ def read_conversations(
 ) -> Iterator[Conversation]:
     """The conversations of one dataset entry (any layout sources.py reads), in order; `name`
     names the entry in errors (default: the path)."""
-    from .sources import dataset_files, iter_records
-
     report = report if report is not None else ReadReport()
     for src in dataset_files(path, name):
         for position, record in iter_records(src):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
-from .conversations import DatasetError
+from .errors import DatasetError
 
 SHARD_SUFFIXES = (".jsonl", ".json", ".parquet")
 # One record larger than this is refused: a single conversation of that size is a broken file,

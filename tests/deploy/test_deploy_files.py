@@ -24,56 +24,13 @@ from tests.deploy.panels_check import (
     iter_panels,
     metric_families,
 )
+from tests.metric_names import CONTRACT_METRICS, PER_JOB_GAUGES, PER_JOB_GENERATE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER = REPO_ROOT / "docker"
 K8S = DOCKER / "k8s"
 
-# the metric contract (docs/design.md), the names as exported (counters with _total)
-CONTRACT_METRICS = {
-    "dflash_ready",
-    "dflash_drafters_ready",
-    "dflash_drafters_expected",
-    "dflash_warmup_seconds",
-    "dflash_compiles_total",
-    "dflash_train_tokens_total",
-    "dflash_train_tokens_per_second",
-    "dflash_train_step_seconds",
-    "dflash_train_loss",
-    "dflash_train_accuracy",
-    "dflash_train_expected_acceptance_length",
-    "dflash_eval_acceptance_length",
-    "dflash_queue_depth",
-    "dflash_jobs",
-    "dflash_cuda_allocated_bytes",
-    "dflash_cuda_reserved_bytes",
-    "dflash_cuda_active_bytes",
-    "dflash_cuda_inactive_split_bytes",
-    "dflash_cuda_peak_reserved_bytes",
-    "dflash_cuda_alloc_retries_total",
-    "dflash_cuda_ooms_total",
-    "dflash_train_learning_rate",
-    "dflash_train_grad_norm",
-    "dflash_checkpoint_pause_seconds",
-    "dflash_build_info",
-    "dflash_ranks_ready",
-    "dflash_ranks_expected",
-    "dflash_generate_tokens_total",
-    "dflash_generate_tokens_per_second",
-}
-# the gauges labelled with the job whose values they hold: a Prometheus that does not honour the
-# target's labels (the shipped configs) stores that label as exported_job, its own `job` being the
-# scrape job's name
-PER_JOB_METRICS = {
-    "dflash_train_loss",
-    "dflash_train_accuracy",
-    "dflash_train_learning_rate",
-    "dflash_train_grad_norm",
-    "dflash_train_expected_acceptance_length",
-    "dflash_eval_acceptance_length",
-    "dflash_generate_tokens_total",
-    "dflash_generate_tokens_per_second",
-}
+PER_JOB_METRICS = CONTRACT_METRICS & {*PER_JOB_GAUGES, *PER_JOB_GENERATE}
 
 
 # --------------------------------------------------------------------------- Dockerfile

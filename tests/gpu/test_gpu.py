@@ -25,33 +25,16 @@ def test_flex_matches_dense_reference_widths():
 
 
 def test_replicas_identical_and_no_runtime_compile(tmp_path):
-    from bench.common import write_target_dir
+    from bench.common import dims, random_target_engine_config, write_target_dir
     from dflash_core.defaults import ensure_default_assets
-    from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
+    from dflash_core.engine import Engine, JobCallbacks, TrainJob
 
     gpus = torch.cuda.device_count()
     devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cuda:0", "cuda:0"]
     assets = ensure_default_assets(tmp_path / "data")
-    target = write_target_dir(
-        tmp_path / "target",
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=151936,
-    )
-    cfg = EngineConfig(
-        target_path=str(target),
-        target_random_init=True,
-        target_devices=["cuda:0"],
-        drafter_devices=devices,
-        seq_len=1024,
-        num_anchors=128,
-        block_size=16,
-        drafter_layers=2,
-        inductor_cache_dir=str(tmp_path / "inductor"),
+    target = write_target_dir(tmp_path / "target", **dims(1024, 3072, 8, 16, 8, 64), vocab_size=151936)
+    cfg = random_target_engine_config(
+        target, devices, 1024, 128, drafter_layers=2, inductor_cache_dir=str(tmp_path / "inductor")
     )
     engine = Engine(cfg, tmp_path / "data").build()
     warm = engine.status().compiles["warmup"]
@@ -190,21 +173,12 @@ def test_checkpoint_snapshot_is_one_steps_state_and_reuses_its_buffers():
 def test_target_cuda_graph_reproduces_the_eager_capture(tmp_path):
     """The target's capture recorded as a CUDA graph gives the eager features bit for bit, for
     micro-batches other than the one it was recorded with, and its output buffer is reused."""
-    from bench.common import write_target_dir
+    from bench.common import dims, write_target_dir
     from dflash_core.config import ShapeConfig
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.target import TargetModel
 
-    path = write_target_dir(
-        tmp_path / "target",
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        vocab_size=4096,
-    )
+    path = write_target_dir(tmp_path / "target", **dims(512, 1536, 6, 8, 4, 64), vocab_size=4096)
     target = TargetModel(path, [1, 3, 5], "cuda:0", random_init=True)
     shape = ShapeConfig(seq_len=512, num_anchors=32, block_size=16)
     assert target.record_graph(shape.seq_len)

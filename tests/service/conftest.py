@@ -27,3 +27,12 @@ def make_daemon(tmp_path_factory):
     yield make
     for daemon in started:
         daemon.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(make_daemon):
+    """A ready daemon with the default configuration, shared by a module's tests (a module that
+    needs another configuration defines its own `daemon`)."""
+    d = make_daemon()
+    d.wait_ready()
+    return d

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_core.defaults import ASSETS_VERSION
+from tests.metric_names import CONTRACT_METRICS, PER_JOB_GAUGES
 from tests.service.harness import step_numbers
 
 SHORT_JOB = {
@@ -24,13 +25,6 @@ SHORT_JOB = {
     "eval_max_prompts": 2,
     "eval_max_new_tokens": 16,
 }
-
-
-@pytest.fixture(scope="module")
-def daemon(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -234,19 +228,6 @@ def test_cancel_pending_job_stops_it_without_running(daemon):
     assert step_numbers(daemon.events(pending["id"])) == []
 
 
-# the gauges labelled with the job whose values they hold (service/metrics.py)
-PER_JOB_GAUGES = (
-    "dflash_train_loss",
-    "dflash_train_accuracy",
-    "dflash_train_learning_rate",
-    "dflash_train_grad_norm",
-    "dflash_train_expected_acceptance_length",
-    "dflash_eval_acceptance_length",
-    "dflash_data_prepare_progress_ratio",
-    "dflash_data_prepare_tokens",
-)
-
-
 def _metrics(daemon) -> tuple[dict, str]:
     r = daemon.http.get("/metrics", follow_redirects=False)
     assert r.status_code == 200
@@ -269,30 +250,8 @@ def _value(families, name, **labels) -> float:
 def test_metrics_after_a_job(finished_job, daemon):
     families, text = _metrics(daemon)
     # every contract name (docs/design.md) is exported; the parser strips _total from counter names
-    for name in (
-        "dflash_ready",
-        "dflash_drafters_ready",
-        "dflash_drafters_expected",
-        "dflash_warmup_seconds",
-        "dflash_compiles",
-        "dflash_train_tokens",
-        "dflash_train_tokens_per_second",
-        "dflash_train_step_seconds",
-        "dflash_train_loss",
-        "dflash_train_accuracy",
-        "dflash_train_expected_acceptance_length",
-        "dflash_eval_acceptance_length",
-        "dflash_queue_depth",
-        "dflash_jobs",
-        "dflash_cuda_allocated_bytes",
-        "dflash_cuda_reserved_bytes",
-        "dflash_cuda_active_bytes",
-        "dflash_cuda_inactive_split_bytes",
-        "dflash_cuda_peak_reserved_bytes",
-        "dflash_cuda_alloc_retries",
-        "dflash_cuda_ooms",
-    ):
-        assert name in families, name
+    for name in CONTRACT_METRICS:
+        assert name.removesuffix("_total") in families, name
     for counter in (
         "dflash_compiles_total",
         "dflash_train_tokens_total",

@@ -4,7 +4,10 @@ real tokens. Real daemon, real cache files."""
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
 def test_an_emptied_tokens_file_is_rebuilt_not_trained_on(make_daemon):
     d = make_daemon()
     d.wait_ready()

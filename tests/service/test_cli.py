@@ -10,25 +10,13 @@ import time
 
 import pytest
 
-from tests.service.harness import REPO_ROOT
+from tests.helpers import REPO_ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 def cli(*args: str, url: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    extra = ["--url", url] if url else []
-    return subprocess.run(
-        [sys.executable, "-m", "service.cli", *args, *extra], capture_output=True, text=True, env=env, timeout=timeout
-    )
-
-
-@pytest.fixture(scope="module")
-def daemon(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
+    return run_cli(*args, *(["--url", url] if url else []), timeout=timeout)
 
 
 def test_version_and_exit_codes(daemon, tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from service.tracking import Tracker
 
 
@@ -40,6 +42,7 @@ def test_tracker_writes_through_the_directory_it_opened(tmp_path):
     assert list((root / "moved" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # a daemon of its own and a job writing TensorBoard events
 def test_daemon_tensorboard_never_escapes(make_daemon, tmp_path):
     d = make_daemon()
     d.wait_ready()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -184,6 +185,7 @@ def test_host_header_must_name_this_daemon(guarded, reader):
         assert reader.get("/jobs", headers={"Host": host}).status_code == 200, host
 
 
+@pytest.mark.slow  # starts a daemon of its own
 def test_wildcard_bind_answers_only_the_listed_names(tmp_path):
     d = _daemon(
         tmp_path,
@@ -205,6 +207,7 @@ def _serve(config: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # starts daemons of its own
 def test_non_loopback_bind_without_token_refuses_to_start(tmp_path):
     config = tmp_path / "dflash.toml"
     config.write_text(f'data_dir = "{tmp_path / "data"}"\n')
@@ -290,29 +293,37 @@ def test_large_bodies_do_not_grow_the_daemon(guarded):
 
 
 def test_half_sent_requests_are_closed(guarded):
+    """Three slow clients at once (each is closed by its own idle timer, so they need not wait for
+    one another): a head that never ends, a body that never ends, a head trickled byte by byte."""
     bound = REQUEST_TIMEOUT + 3
-    with _connect(guarded) as sock:  # a request head that never ends
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: 1\r\n")
-        took = _closed_within(sock, bound + 5)
+
+    def closed_after(first: bytes) -> float | None:
+        with _connect(guarded) as sock:
+            sock.sendall(first)
+            return _closed_within(sock, bound + 5)
+
+    def trickled() -> float | None:
+        with _connect(guarded) as sock:
+            t0 = time.monotonic()
+            for byte in b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n":
+                # the server's close shows as an EOF, or as a reset in either call: each is the outcome wanted
+                try:
+                    sock.sendall(bytes([byte]))
+                    if select.select([sock], [], [], 0.25)[0] and not sock.recv(65536):
+                        return time.monotonic() - t0
+                except (BrokenPipeError, ConnectionResetError):
+                    return time.monotonic() - t0
+            return None
+
+    with ThreadPoolExecutor(3) as pool:
+        head = pool.submit(closed_after, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: 1\r\n")
+        body = pool.submit(
+            closed_after, _head("POST", "/jobs", {**WRITE, **JSON, "Content-Length": "1000"}) + b'{"datasets": '
+        )
+        trickle = pool.submit(trickled)
+    for case in (head, body, trickle):
+        took = case.result()
         assert took is not None and took <= bound, took
-    with _connect(guarded) as sock:  # a body that never ends
-        sock.sendall(_head("POST", "/jobs", {**WRITE, **JSON, "Content-Length": "1000"}) + b'{"datasets": ')
-        took = _closed_within(sock, bound + 5)
-        assert took is not None and took <= bound, took
-    with _connect(guarded) as sock:  # trickled one byte at a time, each in time for an idle timer
-        t0 = time.monotonic()
-        closed = False
-        for byte in b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n":
-            # the server's close shows as an EOF, or as a reset in either call: each is the outcome wanted
-            try:
-                sock.sendall(bytes([byte]))
-                if select.select([sock], [], [], 0.25)[0] and not sock.recv(65536):
-                    closed = True
-            except (BrokenPipeError, ConnectionResetError):
-                closed = True
-            if closed:
-                break
-        assert closed and time.monotonic() - t0 <= bound
 
 
 def test_oversized_request_head_is_refused(guarded):
@@ -367,6 +378,7 @@ def _body_chunks(sock: socket.socket, seconds: float) -> list[bytes]:
         body = rest[size + 2 :]
 
 
+@pytest.mark.slow  # a 40-step job followed by many streams at once
 def test_followers_share_one_poller_and_are_bounded(guarded, reader):
     """200 followers of a running job: the store is polled as for one (a poll loop per follower made
     200 times the reads, under the lock the training step writes through), each follower gets what a

@@ -10,13 +10,6 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="module")
-def daemon(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
-
-
 def _refused(daemon, spec, field):
     r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, **spec})
     assert r.status_code == 422, r.text

@@ -14,6 +14,7 @@ from service.config import ServiceConfig
 from service.engine_host import EngineHost
 from service.jobs.store import JobStore
 from service.metrics import ServiceMetrics
+from tests.metric_names import PER_JOB_GAUGES
 
 BLOCK_SIZE = 4  # accuracy positions 1..3
 
@@ -47,18 +48,6 @@ def _samples(metrics: ServiceMetrics) -> dict[str, dict[tuple[str, ...], float]]
     return out
 
 
-PER_JOB = {
-    "dflash_train_loss",
-    "dflash_train_accuracy",
-    "dflash_train_learning_rate",
-    "dflash_train_grad_norm",
-    "dflash_train_expected_acceptance_length",
-    "dflash_eval_acceptance_length",
-    "dflash_data_prepare_progress_ratio",
-    "dflash_data_prepare_tokens",
-}
-
-
 def test_no_job_series_before_the_first_job():
     assert _samples(_metrics()) == {}
 
@@ -67,7 +56,7 @@ def test_a_job_holds_the_series_until_the_next_job_starts():
     metrics = _metrics()
     metrics.start_job("job-a")
     started = _samples(metrics)
-    assert set(started) == PER_JOB
+    assert set(started) == set(PER_JOB_GAUGES)
     # present from the start, not measured yet; nothing prepared yet
     assert math.isnan(started["dflash_train_loss"][("job-a",)])
     assert sorted(started["dflash_train_accuracy"]) == [("job-a", "1"), ("job-a", "2"), ("job-a", "3")]

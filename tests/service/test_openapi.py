@@ -157,6 +157,7 @@ def test_answers_match_their_documented_bodies(daemon, schema):
             _check(schema, "JobSpec", bad)
 
 
+@pytest.mark.slow  # generates and sends hundreds of requests
 def test_schemathesis_finds_no_difference(daemon, tmp_path):
     finished = daemon.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 2})
     assert daemon.wait_terminal(finished["id"])["state"] == "SUCCEEDED"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from tests.service.harness import step_numbers
 
 STEPS = 80
@@ -20,6 +22,7 @@ def _db_state(daemon, job_id: str) -> tuple[str, int, int | None]:
         db.close()
 
 
+@pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
 def test_job_survives_sigterm_and_sigkill(make_daemon):
     d = make_daemon()
     d.wait_ready()
@@ -84,6 +87,7 @@ def test_job_survives_sigterm_and_sigkill(make_daemon):
     assert d.job(queued_behind["id"])["started_at"] >= final["finished_at"]
 
 
+@pytest.mark.slow  # starts a second daemon
 def test_second_daemon_on_same_data_dir_refuses_to_start(make_daemon):
     from tests.service.harness import Daemon
 

@@ -55,6 +55,7 @@ def daemon_on_small_disk(tmp_path):
         unmount(data_dir)
 
 
+@pytest.mark.slow  # fills a tmpfs during a job, then restarts the daemon
 def test_a_full_data_dir_is_survived(daemon_on_small_disk):
     """While the data directory's disk is full the job store cannot write: the worker lives
     (/livez 200), submissions are 503 with the reason, the running job waits; once space is
@@ -104,13 +105,7 @@ def test_a_full_data_dir_is_survived(daemon_on_small_disk):
 
 
 # --------------------------------------------------------------------------- shared daemon
-@pytest.fixture(scope="module")
-def daemon(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
-
-
+@pytest.mark.slow  # many concurrent submissions, each job runs
 def test_concurrent_submissions_for_one_output_dir_accept_exactly_one(daemon):
     """Eight submissions for the same output_dir at the same moment: the store accepts one (202)
     and refuses the others (409, naming the owner), round after round."""
@@ -135,6 +130,7 @@ def test_concurrent_submissions_for_one_output_dir_accept_exactly_one(daemon):
         assert daemon.wait_terminal(job_id)["state"] == "SUCCEEDED"
 
 
+@pytest.mark.slow  # a job stopped and run to its end
 def test_a_stopped_job_resumes_through_the_api(daemon):
     """POST /jobs/{id}/resume puts a cancelled job back in the queue under its id; it resumes from
     its checkpoint (a partial write left beside it is removed first) and its steps continue from
@@ -182,6 +178,7 @@ def test_resume_is_refused_without_a_checkpoint(daemon):
 
 
 # --------------------------------------------------------------------------- restarts
+@pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
 def test_partial_checkpoint_writes_are_removed_at_start(make_daemon):
     """At start the daemon removes the temporary directories of interrupted checkpoint writes from
     the output directory of every job it knows, and nothing else."""

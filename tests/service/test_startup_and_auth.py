@@ -17,6 +17,7 @@ def warming_daemon(make_daemon):
     return make_daemon(auth_token=TOKEN, warmup_pause=1.5)
 
 
+@pytest.mark.slow  # a daemon held in each warm-up phase for a while
 def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon):
     d = warming_daemon
     seen: list[tuple[int, str, str]] = []
@@ -55,8 +56,8 @@ def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon)
     assert d.http.get("/livez").status_code == 200
 
 
-def test_post_without_token_is_401(warming_daemon):
-    d = warming_daemon
+def test_post_without_token_is_401(make_daemon):
+    d = make_daemon(auth_token=TOKEN)  # no warm-up pauses: the guard answers whatever the engine's phase
     spec = {"datasets": ["builtin://train"], "steps": 2}
     r = d.http.post("/jobs", json=spec)
     assert r.status_code == 401
@@ -79,6 +80,7 @@ def test_post_without_token_is_401(warming_daemon):
     d.wait_terminal(job_id)
 
 
+@pytest.mark.slow  # starts a daemon of its own
 def test_engine_that_cannot_start_reports_failed(make_daemon, tmp_path):
     broken = tmp_path / "no-such-model"  # a model dir whose config no library understands
     broken.mkdir()

@@ -7,6 +7,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from service.tracking import Tracker
 
 
@@ -53,6 +55,7 @@ def test_tensorboard_events_hold_every_step(tmp_path):
     assert scalars["eval/acceptance_length"] == [(3, 3.25)] and len(scalars["checkpoint/pause_seconds"]) == 1
 
 
+@pytest.mark.slow  # jobs with TensorBoard event files
 def test_a_jobs_tensorboard_events_and_unknown_trackers(make_daemon):
     """By default (the daemon's report_to) a job writes TensorBoard events under its output
     directory with one loss per step; a tracker whose package is missing is a 422 naming report_to."""

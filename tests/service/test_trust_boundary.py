@@ -9,11 +9,13 @@ from __future__ import annotations
 import marshal
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
 from dflash_core.trust import problem, tree_problem
-from tests.service.harness import REPO_ROOT, write_config
+from tests.helpers import run_cli
+from tests.service.harness import write_config
 from tests.service.test_bytecode import fake_package, start
 
 STRANGER = 4242  # a uid that is neither root nor the daemon's user
@@ -36,6 +38,7 @@ def test_a_planted_bytecode_file_is_not_run(tmp_path):
     assert "writable by every user" in start(site, cache, PYTHONDONTWRITEBYTECODE="1")["reason"]
 
 
+@pytest.mark.slow  # starts a daemon of its own
 def test_a_planted_compile_artifacts_file_is_refused(make_daemon):
     d = make_daemon(start=False)
     d.data_dir.mkdir(parents=True, exist_ok=True)
@@ -50,16 +53,7 @@ def test_a_planted_compile_artifacts_file_is_refused(make_daemon):
 
 def _serve(data_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     config = write_config(tmp_path / "dflash.toml", data_dir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run(
-        [sys.executable, "-m", "service.cli", "serve", "--config", str(config), "--port", "0"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli("serve", "--config", str(config), "--port", "0", cwd=tmp_path)
 
 
 def test_a_foreign_or_world_writable_job_store_stops_the_daemon(tmp_path):

@@ -1,7 +1,7 @@
 """Does every panel of the Grafana dashboard show data? Checked against a real Prometheus.
 
 Starts the daemon (tests/service/harness.py: `dflash-trainer serve` as a subprocess on a free loopback
-port, temporary data dir) and a Prometheus server scraping it every second, runs a short job with
+port, temporary data dir) and a Prometheus server scraping it every second, runs a short regeneration, then a short training job with
 evaluation, waits for the scrapes, then takes every target expression of
 docker/grafana/dashboards/dflash.json, substitutes the template variables the way Grafana does ($instance
 and $device resolved from Prometheus, "All" selected; $__rate_interval and $__range fixed) and asks
@@ -56,6 +56,13 @@ CHECK_JOB: dict[str, Any] = {
     "eval_interval": 10,
     "eval_max_prompts": 2,
     "eval_max_new_tokens": 16,
+}
+# A short regeneration before it, for the regeneration panels (dflash_generate_*)
+REGENERATE_CHECK_JOB: dict[str, Any] = {
+    "name": "panels-check-regenerate",
+    "kind": "regenerate",
+    "datasets": ["builtin://heldout"],
+    "max_new_tokens": 16,
 }
 SCRAPE_INTERVAL = "1s"
 # What Grafana's built-in variables become. $__rate_interval is wide enough to hold samples from before
@@ -406,6 +413,14 @@ class Report:
         return "\n".join(lines)
 
 
+def check_panels_at(dashboard: dict[str, Any], prom: Prometheus, instants: list[float]) -> Report:
+    """check_panels at each instant (the last one's variables and devices): a target passes if it
+    shows data at one of them."""
+    reports = [check_panels(dashboard, prom, at=at) for at in instants]
+    results = [next((r for r in rs if r.ok), rs[-1]) for rs in zip(*(rep.results for rep in reports), strict=True)]
+    return Report(results, reports[-1].variables, reports[-1].devices)
+
+
 def check_panels(dashboard: dict[str, Any], prom: Prometheus, at: float | None = None) -> Report:
     variables, subst = resolve_variables(dashboard, prom)
     devices = sorted({s["metric"].get("device", "") for s in prom.query("dflash_warmup_seconds", at)} - {""})
@@ -439,6 +454,9 @@ class Scraped:
     daemon: Daemon | None  # None when checking a daemon started elsewhere
     job_id: str | None
     at: float  # evaluate queries at this instant: shortly after the job ended and was scraped
+    # shortly after each job ended and was scraped: a job's start clears the previous job's series,
+    # so the panels of each kind of job are checked at the end of a job of that kind
+    instants: list[float] = field(default_factory=list)
 
 
 @contextmanager
@@ -449,13 +467,15 @@ def scraped_daemon(
     data_dir: Path | None = None,
     url: str | None = None,
     job: dict[str, Any] | None = CHECK_JOB,
+    before: dict[str, Any] | None = REGENERATE_CHECK_JOB,
     ready_timeout: float = 120,
     job_timeout: float = 300,
     workdir: Path | None = None,
     out=sys.stdout,
 ) -> Iterator[Scraped]:
     """The daemon (started here unless `url` names a running one) with Prometheus scraping it every second,
-    after `job` ran to SUCCEEDED and Prometheus scraped the end state."""
+    after `before` (a job of another kind) and then `job` ran to SUCCEEDED and Prometheus scraped the end
+    state; `job_id` is `job`'s (the training panels show the newest job's values)."""
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dflash-panels-")))
@@ -474,19 +494,17 @@ def scraped_daemon(
         print(f"prometheus {prom.url} scraping {host_port} every {SCRAPE_INTERVAL} (log {prom.log_path})", file=out)
         _wait_ready(http, ready_timeout, daemon)
         prom.wait_for("dflash_ready == 1", timeout=60, what="a scrape of the ready daemon")
-        job_id = None
-        if job is not None:
-            r = http.post("/jobs", json=job)
-            assert r.status_code in (200, 202), f"job submission: HTTP {r.status_code}: {r.text}"
-            job_id = r.json()["id"]
-            state = _wait_terminal(http, job_id, job_timeout, daemon)
-            print(f"job {job_id} {state}", file=out)
-            assert state == "SUCCEEDED", f"job {job_id} ended {state}"
+        job_id, instants = None, []
+        for spec in (before, job):
+            if spec is None:
+                continue
+            job_id = _run_job(http, spec, job_timeout, daemon, out)
             # two scrapes after the job ended: the counters' final values and the eval gauge are in
             ended = time.time()
             prom.wait_for(f"timestamp(dflash_ready) > {ended + 1:.3f}", timeout=60, what="scrapes after the job")
             time.sleep(0.5)
-        yield Scraped(prom, http, daemon, job_id, at=time.time())
+            instants.append(time.time())
+        yield Scraped(prom, http, daemon, job_id if job is not None else None, at=time.time(), instants=instants)
 
 
 def start_daemon(
@@ -524,6 +542,16 @@ def _wait_ready(http: httpx.Client, timeout: float, daemon: Daemon | None) -> No
         if time.monotonic() > deadline:
             raise TimeoutError(f"daemon not ready after {timeout} s: {r.json()}")
         time.sleep(0.2)
+
+
+def _run_job(http: httpx.Client, spec: dict[str, Any], timeout: float, daemon: Daemon | None, out) -> str:
+    r = http.post("/jobs", json=spec)
+    assert r.status_code in (200, 202), f"job submission: HTTP {r.status_code}: {r.text}"
+    job_id = r.json()["id"]
+    state = _wait_terminal(http, job_id, timeout, daemon)
+    print(f"job {job_id} {state}", file=out)
+    assert state == "SUCCEEDED", f"job {job_id} ended {state}"
+    return job_id
 
 
 def _wait_terminal(http: httpx.Client, job_id: str, timeout: float, daemon: Daemon | None) -> str:
@@ -576,10 +604,11 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir,
         url=args.url,
         job=job,
+        before=None if args.no_job else REGENERATE_CHECK_JOB,
         ready_timeout=args.ready_timeout,
         job_timeout=args.job_timeout,
     ) as scraped:
-        report = check_panels(load_dashboard(args.dashboard), scraped.prom, at=scraped.at)
+        report = check_panels_at(load_dashboard(args.dashboard), scraped.prom, scraped.instants or [scraped.at])
     print(report.table())
     return 0 if not report.failures else 1
 

@@ -23,6 +23,7 @@ from tests.deploy.panels_check import (
     CHECK_JOB,
     Target,
     check_panels,
+    check_panels_at,
     dashboard_targets,
     find_prometheus,
     find_promtool,
@@ -59,7 +60,7 @@ def scraped(daemon, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(scraped):
-    return check_panels(load_dashboard(), scraped.prom, at=scraped.at)
+    return check_panels_at(load_dashboard(), scraped.prom, scraped.instants)
 
 
 def test_docker_healthcheck_command_fails_while_warming_and_passes_when_ready(daemon):

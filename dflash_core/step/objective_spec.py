@@ -40,6 +40,10 @@ class Objective:
         return (self.ce, self.kl, self.tv)
 
 
+# weights this large already make a bf16 loss overflow; a mix is about the ratios of its weights
+MAX_WEIGHT = 1e4
+
+
 def parse_loss(value: Any) -> dict[str, float]:
     """A job's `loss` field as {term: weight}: "ce" | "kl" | "tv", or a mix {"ce": w, ...} with
     weights >= 0, not all 0. Raises ValueError saying what is wrong."""
@@ -57,9 +61,13 @@ def parse_loss(value: Any) -> dict[str, float]:
             raise ValueError(f"unknown loss {name!r} in the mix; terms are {', '.join(TERMS)}")
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ValueError(f"the weight of {name!r} must be a number")
-        if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"the weight of {name!r} must be finite and >= 0, got {weight}")
-        out[name] = float(weight)
+        try:
+            weight = float(weight)  # an integer too large for a float overflows here
+        except OverflowError:
+            weight = math.inf
+        if not 0 <= weight <= MAX_WEIGHT:
+            raise ValueError(f"the weight of {name!r} must lie in [0, {MAX_WEIGHT:g}], got {weight:g}")
+        out[name] = weight
     if not any(out.get(t, 0.0) for t in DRAFT_TERMS):
         raise ValueError("the mix must give ce, kl or tv a weight above 0 (they train the drafter's logits)")
     return out

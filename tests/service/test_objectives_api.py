@@ -29,6 +29,8 @@ def plain(make_daemon):
         ({"loss": {"ce": 0.0, "tv": 0.0}}, "loss"),
         ({"loss": {}}, "loss"),
         ({"loss": 3}, "loss"),
+        ({"loss": {"ce": 10**400}}, "loss"),  # an integer no float holds: a 422, not a 500
+        ({"loss": {"ce": 1e308, "kl": 1e308}}, "loss"),
         ({"position_weights": "linear"}, "position_weights"),
         ({"dpace_alpha": 1.5}, "dpace_alpha"),
         ({"loss": "kl"}, "loss"),  # valid, but this daemon has no teacher

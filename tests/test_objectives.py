@@ -142,7 +142,17 @@ def test_objective_micro_step_matches_a_dense_reference(name, dpace):
 def test_loss_field_parsing_and_engine_checks():
     assert parse_loss("kl") == {"kl": 1.0}
     assert parse_loss({"ce": 0.1, "tv": 0.9}) == {"ce": 0.1, "tv": 0.9}
-    for bad in ("mse", {"ce": -1.0}, {"ce": 0.0, "tv": 0}, {}, {"lk": 1.0}, {"ce": "1"}, {"ce": float("nan")}, {"ce": 10**400}, {"ce": 1e308}):
+    for bad in (
+        "mse",
+        {"ce": -1.0},
+        {"ce": 0.0, "tv": 0},
+        {},
+        {"lk": 1.0},
+        {"ce": "1"},
+        {"ce": float("nan")},
+        {"ce": 10**400},
+        {"ce": 1e308},
+    ):
         with pytest.raises(ValueError):
             parse_loss(bad)
     job = TrainJob(datasets=["x"], output_dir="y", steps=1, loss={"kl": 1.0})

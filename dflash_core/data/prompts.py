@@ -6,7 +6,7 @@ line or row, as conversations.py does."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .conversations import ROLE_ALIASES, DatasetError, ReadReport
@@ -64,13 +64,22 @@ def parse_prompt(obj: object, path: str | Path, line: int, unit: str = "line") -
 
 
 def read_prompts(
-    path: str | Path, *, skip_bad_lines: bool = False, report: ReadReport | None = None, name: str | None = None
+    path: str | Path,
+    *,
+    skip_bad_lines: bool = False,
+    report: ReadReport | None = None,
+    name: str | None = None,
+    roots: list[str] | list[Path] | None = None,
 ) -> Iterator[Prompt]:
-    """The prompts of one dataset entry, in order; `name` names the entry in errors."""
+    """The prompts of one dataset entry, in order; `name` names the entry in errors. Each file
+    the entry holds must lie under `roots` (a symlinked file in a dataset directory is refused
+    as training refuses it); no roots: no confinement."""
+    from ..confine import resolved_under
     from .sources import dataset_files, iter_records
 
     report = report if report is not None else ReadReport()
-    for src in dataset_files(path, name):
+    for listed in dataset_files(path, name):
+        src = replace(listed, path=resolved_under(listed.path, roots or [], "a dataset file", listed.name))
         for position, record in iter_records(src, columns=PROMPT_COLUMNS):
             report.lines_read += 1
             try:

@@ -33,4 +33,8 @@ def regenerated_sources(directory: Path, label: str) -> list:
     shards = sorted(manifest.get("shards") or [], key=lambda s: int(s["index"]))
     if not shards:
         raise DatasetError(label, 0, "the regeneration has written no complete shard yet")
+    for s in shards:  # the manifest names shards beside it, never a path elsewhere
+        name = s.get("file")
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise DatasetError(f"{label}/{MANIFEST}", 0, f"shard file {name!r} is not a file name in this directory")
     return [SourceFile(directory / s["file"], "parquet", child_name(label, s["file"])) for s in shards]

@@ -30,6 +30,7 @@ from ..confine import OutsideRoots, resolved_under
 from ..data.conversations import DatasetError, ReadReport
 from ..data.prompts import read_prompts
 from ..data.regenerated import MANIFEST
+from ..data.sources import dataset_files
 from ..engine.api import JobCallbacks, JobError, JobResult
 from ..engine.config import job_template
 from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
@@ -101,7 +102,8 @@ class RegenerationRun:
         template = job_template(job)  # type: ignore[arg-type]
         for i, entry in enumerate(job.datasets):
             try:
-                first = next(read_prompts(resolved_under(entry, job.dataset_roots, "dataset")), None)
+                path = resolved_under(entry, job.dataset_roots, "dataset")
+                first = next(read_prompts(path, roots=job.dataset_roots), None)
             except (OutsideRoots, DatasetError, OSError):
                 continue
             if first is None:
@@ -220,9 +222,12 @@ class RegenerationRun:
                 path = resolved_under(entry, job.dataset_roots, "dataset")
             except OutsideRoots as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
-            sources.append({"dataset": entry, "sha256": _tree_hash(path)})
             try:
-                for prompt in read_prompts(path, skip_bad_lines=job.skip_bad_lines, report=report, name=entry):
+                sources.append({"dataset": entry, "sha256": _tree_hash(path, entry, job.dataset_roots)})
+                prompts = read_prompts(
+                    path, skip_bad_lines=job.skip_bad_lines, report=report, name=entry, roots=job.dataset_roots
+                )
+                for prompt in prompts:
                     text = template.render(tokenizer, prompt.messages, True)
                     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
                     if len(tokens) >= length:
@@ -235,7 +240,7 @@ class RegenerationRun:
                         continue
                     messages.append((prompt.messages, prompt.source))
                     ids.append(np.asarray(tokens, dtype=np.int32))
-            except DatasetError as e:
+            except (DatasetError, OutsideRoots) as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
         if report.skipped:
             cb.on_event("skipped_lines", {"count": report.skipped, "first": report.first_errors})
@@ -382,14 +387,21 @@ class _Progress:
         self.last = now
 
 
-def _tree_hash(path: Path) -> str:
-    """sha256 over a dataset entry's files (a directory's in sorted order, names included)."""
+def _tree_hash(path: Path, name: str, roots: list[str] | list[Path]) -> str:
+    """sha256 over the files a dataset entry is read from (names included), each under `roots`;
+    a datasets.save_to_disk directory's regular files in sorted order (its symlinks skipped)."""
     h = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files: list[Path] = []
+    for src in dataset_files(path, name):
+        real = resolved_under(src.path, roots, "a dataset file", src.name)
+        if real.is_dir():
+            files += sorted(p for p in real.rglob("*") if p.is_file() and not p.is_symlink())
+        else:
+            files.append(real)
     for f in files:
         if f.name == MANIFEST or f.name.startswith("."):
             continue
-        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
+        h.update(str(f.relative_to(path) if f.is_relative_to(path) else f.name).encode() + b"\0")
         with f.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)

@@ -68,16 +68,17 @@ class RegenerateSpec(BaseModel):
         return hashlib.sha256(canonical_json(self.model_dump(mode="json")).encode()).hexdigest()
 
 
-def check_prompts_readable(path: Path, field_name: str, *, skip_bad_lines: bool, given: str) -> None:
+def check_prompts_readable(path: Path, field_name: str, *, skip_bad_lines: bool, given: str, roots: list[Path]) -> None:
     """The dataset holds at least one prompt, and its records up to the first one read: what
     cannot be read is refused at submission rather than failing the job later."""
+    from dflash_core.confine import OutsideRoots
     from dflash_core.data.conversations import DatasetError
     from dflash_core.data.prompts import read_prompts
 
     try:
-        if next(read_prompts(path, skip_bad_lines=skip_bad_lines, name=given), None) is None:
+        if next(read_prompts(path, skip_bad_lines=skip_bad_lines, name=given, roots=roots), None) is None:
             raise SpecError(field_name, f"dataset {given!r} holds no prompts")
-    except DatasetError as e:
+    except (DatasetError, OutsideRoots) as e:
         raise SpecError(field_name, str(e)) from None
     except OSError as e:
         raise SpecError(field_name, f"the dataset cannot be read ({e.strerror or type(e).__name__})") from None
@@ -95,7 +96,9 @@ def to_regenerate_job(
     for i, path in enumerate(resolved):
         if path in resolved[:i]:
             raise SpecError(f"datasets[{i}]", f"the same dataset as datasets[{resolved.index(path)}]")
-        check_prompts_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i])
+        check_prompts_readable(
+            path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i], roots=dataset_roots
+        )
     chat_template = None
     if spec.chat_template is not None:
         chat_template = str(resolve_template(spec.chat_template, roots=dataset_roots, data_dir=data_dir))

@@ -1,0 +1,55 @@
+"""A regeneration reads its prompts only from files under the dataset roots: a symlinked file in
+a dataset directory, or a regeneration manifest naming a shard elsewhere, is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_core.confine import OutsideRoots
+from dflash_core.data.conversations import DatasetError
+from dflash_core.data.prompts import read_prompts
+from dflash_core.data.regenerated import FORMAT, MANIFEST
+from dflash_core.data.sources import dataset_files
+
+
+def _prompt_line(text: str) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+
+
+@pytest.fixture()
+def roots(tmp_path):
+    inside, outside = tmp_path / "data", tmp_path / "secret"
+    inside.mkdir()
+    outside.mkdir()
+    (outside / "s.jsonl").write_text(_prompt_line("a secret prompt"))
+    return inside, outside
+
+
+def test_a_symlinked_file_in_a_dataset_directory_is_refused(roots):
+    inside, outside = roots
+    ds = inside / "ds"
+    ds.mkdir()
+    (ds / "a.jsonl").write_text(_prompt_line("an allowed prompt"))
+    (ds / "b.jsonl").symlink_to(outside / "s.jsonl")
+    with pytest.raises(OutsideRoots, match=r"b\.jsonl"):
+        list(read_prompts(ds, name="ds", roots=[inside]))
+    (ds / "b.jsonl").unlink()
+    assert [p.messages[-1]["content"] for p in read_prompts(ds, name="ds", roots=[inside])] == ["an allowed prompt"]
+
+
+@pytest.mark.parametrize("file", ["SECRET", "../secret/x.parquet", "sub/x.parquet", ".."])
+def test_a_manifest_names_only_shards_beside_it(roots, file):
+    inside, outside = roots
+    out = inside / "regen"
+    out.mkdir()
+    table = pa.table({"messages": [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]})
+    pq.write_table(table, outside / "x.parquet")
+    name = str(outside / "x.parquet") if file == "SECRET" else file
+    manifest = {"format": FORMAT, "shards": [{"index": 0, "file": name}]}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match="not a file name in this directory"):
+        dataset_files(out, "regen")

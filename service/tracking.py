@@ -26,6 +26,10 @@ log = logging.getLogger("dflash.tracking")
 BACKENDS = ("tensorboard", "wandb", "mlflow")
 _PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}
 
+# the user's own MLflow server, as the daemon was started with it (read once: mlflow itself sets
+# the variable when a job points it at the job's directory)
+_USER_MLFLOW_URI = os.environ.get("MLFLOW_TRACKING_URI") or None
+
 
 def unavailable(backends: list[str]) -> list[str]:
     """The requested backends whose package is not installed."""
@@ -84,7 +88,7 @@ class Tracker:
         if backend == "wandb":
             return _Wandb(job_id, name, self._confined(Path(output_dir), roots), spec)
         if backend == "mlflow":
-            uri = None if os.environ.get("MLFLOW_TRACKING_URI") else "file://" + self._confined(Path(output_dir), roots)
+            uri = None if _USER_MLFLOW_URI else "file://" + self._confined(Path(output_dir), roots)
             return _MLflow(job_id, name, spec, None if uri is None else uri + "/mlruns")
         raise ValueError(f"unknown report_to backend {backend!r}")
 
@@ -154,6 +158,11 @@ class _MLflow:
         self._mlflow = mlflow
         if tracking_uri is not None:  # its default is ./mlruns: the current directory, outside the roots
             mlflow.set_tracking_uri(tracking_uri)
+            # mlflow exports the URI to the environment: the next job must not read this one's
+            if _USER_MLFLOW_URI is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = _USER_MLFLOW_URI
         self._run = mlflow.start_run(run_name=name or job_id, tags={"dflash.job_id": job_id})
         mlflow.log_params({k: str(v)[:500] for k, v in spec.items()})
 

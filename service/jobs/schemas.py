@@ -155,8 +155,10 @@ def field_path(loc: tuple) -> str:
     return out
 
 
-def spec_errors(err: ValidationError) -> list[dict[str, str]]:
-    """pydantic errors as [{field, message}], with our own SpecError messages unwrapped."""
+def spec_errors(err: ValidationError, model: type[BaseModel] | None = None) -> list[dict[str, str]]:
+    """pydantic errors as [{field, message}], with our own SpecError messages unwrapped; an
+    unknown field gets a suggestion from `model`'s fields (default: JobSpec's)."""
+    model = JobSpec if model is None else model
     out = []
     for e in err.errors():
         ctx_error = (e.get("ctx") or {}).get("error")
@@ -166,8 +168,9 @@ def spec_errors(err: ValidationError) -> list[dict[str, str]]:
         name = field_path(tuple(e["loc"]))
         if e["type"] == "extra_forbidden":
             # a top-level field: suggest one of the spec's (a nested one has no fields of its own here)
-            fields = JobSpec.model_fields if len(e["loc"]) == 1 else ()
-            out.append({"field": name, "message": unknown_field_message(str(e["loc"][-1]), fields)})
+            unknown = str(e["loc"][-1])
+            fields = model.model_fields if len(e["loc"]) == 1 else ()
+            out.append({"field": name, "message": unknown_field_message(unknown, fields, other_kind(model, unknown))})
         else:
             out.append({"field": name or "body", "message": e["msg"]})
     return out
@@ -185,16 +188,28 @@ def parse_spec(body: Any) -> Any:
     if deep:
         raise InvalidSpec([{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
     kind = body.get("kind", "train")
+    from .regenerate_spec import RegenerateSpec
+
+    model: type[BaseModel] = RegenerateSpec if kind == "regenerate" else JobSpec
     try:
         if kind == "regenerate":
-            from .regenerate_spec import RegenerateSpec
-
             return RegenerateSpec.model_validate(body)
         if kind != "train":
             raise InvalidSpec([{"field": "kind", "message": f"{kind!r}: the job kinds are 'train' and 'regenerate'"}])
         return JobSpec.model_validate({k: v for k, v in body.items() if k != "kind"})
     except ValidationError as e:
-        raise InvalidSpec(spec_errors(e)) from None
+        raise InvalidSpec(spec_errors(e, model)) from None
+
+
+def other_kind(model: type[BaseModel], name: str) -> str | None:
+    """The job kind whose spec has the field `name` when `model`'s has not: a train spec given a
+    regeneration's `max_new_tokens` is pointed at `"kind": "regenerate"`, and back."""
+    from .regenerate_spec import RegenerateSpec
+
+    for kind, other in (("regenerate", RegenerateSpec), ("train", JobSpec)):
+        if other is not model and name in other.model_fields and name not in model.model_fields:
+            return kind
+    return None
 
 
 # --------------------------------------------------------------------------- paths

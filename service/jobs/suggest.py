@@ -62,6 +62,9 @@ def did_you_mean(name: str, fields: Iterable[str]) -> str | None:
     return parts[0] if len(parts) == 1 else None
 
 
-def unknown_field_message(name: str, fields: Iterable[str]) -> str:
+def unknown_field_message(name: str, fields: Iterable[str], kind: str | None = None) -> str:
+    """kind: the job kind whose spec has this field, if another kind's has it."""
+    if kind is not None:
+        return f'unknown field (not part of this kind of job); it belongs to "kind": "{kind}" jobs'
     hint = did_you_mean(name, fields)
     return "unknown field (not part of the job spec)" + (f"; did you mean '{hint}'?" if hint else "")

@@ -94,6 +94,8 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
             **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
             "target_layer_ids": list(cfg.target_layer_ids),
             "input_embedding_scale": cfg.input_embedding_scale,
+            # vLLM attends within sliding_window only when this says so (its default: full attention)
+            **({"use_swa": True} if cfg.sliding_window is not None else {}),
         },
         # vLLM's spelling of the captured layers (the input of layer id + 1 = the output of id)
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
@@ -115,6 +117,8 @@ def dspark_fields(cfg: DrafterConfig) -> dict[str, Any]:
             **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
             "target_layer_ids": list(cfg.target_layer_ids),
             "input_embedding_scale": cfg.input_embedding_scale,
+            # vLLM attends within sliding_window only when this says so (its default: full attention)
+            **({"use_swa": True} if cfg.sliding_window is not None else {}),
             "attention_mode": "gqa" if cfg.num_key_value_heads < cfg.num_attention_heads else "mha",
             "confidence_head_alpha": 1.0,
             "confidence_head_with_markov": True,

@@ -132,6 +132,7 @@ def test_checkpoint_config_exports_the_window():
     cfg = replace(tiny_drafter_config(block_size=4), sliding_window=2048)
     d = hf_config(cfg, torch.float32)
     assert d["sliding_window"] == 2048 and d["use_sliding_window"] is True
+    assert d["dflash_config"]["use_swa"] is True  # vLLM's switch (docs/design.md, the serving contract)
     assert d["layer_types"] == ["sliding_attention"] * cfg.num_hidden_layers
     assert config_from_hf(d) == cfg
     plain = hf_config(tiny_drafter_config(block_size=4), torch.float32)

@@ -106,6 +106,17 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _window_mask(context_len: int, q_len: int, window: int, device) -> torch.Tensor:
+    """A sliding-window drafter's mask of one block [q_len, context_len + q_len], the rule it was
+    trained with: block position o sees the context positions p >= context_len + o - (window - 1)
+    and its own block causally."""
+    o = torch.arange(q_len, device=device).view(-1, 1)
+    kv = torch.arange(context_len + q_len, device=device).view(1, -1)
+    ctx = (kv < context_len) & (kv >= context_len + o - (window - 1))
+    own = (kv >= context_len) & (kv - context_len <= o)
+    return ctx | own
+
+
 class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = ""
@@ -134,6 +145,9 @@ class DFlashDraftModel(PreTrainedModel):
         dtype = noise_embedding.dtype
         context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         q_len = noise_embedding.shape[1]
+        window = getattr(self.config, "sliding_window", None)
+        if attention_mask is None and window and getattr(self.config, "use_sliding_window", False):
+            attention_mask = _window_mask(context.shape[1], q_len, int(window), noise_embedding.device)
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         rope_k = (cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
         rope_q = (rope_k[0][:, :, -q_len:], rope_k[1][:, :, -q_len:])

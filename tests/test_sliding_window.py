@@ -174,3 +174,39 @@ def test_engine_trains_and_evaluates_a_windowed_drafter(default_assets, tmp_path
         assert config["sliding_window"] == 16 and set(config["layer_types"]) == {"sliding_attention"}
     finally:
         engine.close()
+
+
+def test_the_shipped_modeling_file_applies_the_window(tmp_path, monkeypatch):
+    """AutoModel (the checkpoint's own modeling file, as serving loads it) computes what our
+    inference forward computes for a windowed drafter, on a context longer than the window."""
+    from transformers import AutoModel
+
+    from dflash_core.checkpoint import save_checkpoint
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    block, window, ctx_len = 4, 6, 20
+    cfg = replace(tiny_drafter_config(block_size=block), sliding_window=window)
+    drafter = random_drafter(cfg, seed=4).float()
+    model = AutoModel.from_pretrained(
+        str(save_checkpoint(tmp_path / "ck", drafter)), trust_remote_code=True, dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(1)
+    noise = torch.randn(1, block, cfg.hidden_size, generator=g)
+    feats = torch.randn(1, ctx_len, cfg.num_target_features * cfg.hidden_size, generator=g)
+    positions = torch.arange(ctx_len + block).unsqueeze(0)
+    from dflash_core.step.attention import DenseAttention, inference_mask
+
+    mask = inference_mask(ctx_len, block, window, "cpu")
+    with torch.no_grad():
+        theirs = model(noise_embedding=noise, target_hidden=feats, position_ids=positions)[0]
+        ours = drafter(
+            noise, feats, torch.arange(ctx_len, ctx_len + block), torch.arange(ctx_len), DenseAttention(mask)
+        )
+    assert (theirs - ours[0]).abs().max() <= 1e-5 * max(1.0, float(ours.abs().max()))
+    full = AutoModel.from_pretrained(
+        str(save_checkpoint(tmp_path / "full", random_drafter(replace(cfg, sliding_window=None), seed=4).float())),
+        trust_remote_code=True,
+        dtype=torch.float32,
+    )
+    with torch.no_grad():
+        assert (full(noise_embedding=noise, target_hidden=feats, position_ids=positions)[0] - theirs).abs().max() > 1e-4

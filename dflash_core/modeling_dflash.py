@@ -245,17 +245,17 @@ class _TargetRunner:
         return output.logits, features
 
     def keep(self, length: int, tokens: torch.Tensor) -> None:
-        """Drop the cache entries past `length` (the rejected drafts). A cache that cannot be cut
-        (sliding-window layers past their window keep no more than the window) is rebuilt from
-        the accepted tokens: one prefill per block, correct if slower."""
+        """Drop the cache entries past `length` (the rejected drafts). A cache with sliding-window
+        layers cannot be cut (they keep no more than the window, so the entries before the cut
+        are gone): it is rebuilt from the accepted tokens, one prefill per block, correct if slower."""
         remove = self.cache.get_seq_length() - length
         if remove <= 0:
             return
-        try:
-            self.cache.crop(-remove)  # a negative count: tokens to drop, in every transformers version
-        except (RuntimeError, NotImplementedError, ValueError, AttributeError, TypeError):
+        if any(getattr(layer, "is_sliding", False) for layer in getattr(self.cache, "layers", ())):
             self.cache = self._new_cache()
             self.forward(tokens[:, :length], 0)
+            return
+        self.cache.crop(-remove)  # a negative count: tokens to drop, in every transformers version
 
 
 class _Sampling:

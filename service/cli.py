@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 from dflash_core.engine.launch import Launch
 
 from .client import DaemonClient, DaemonError, default_token, default_url
-from .jobs.schemas import BUILTIN_SCHEME, SpecError, resolve_builtin
+from .jobs.paths import BUILTIN_SCHEME, resolve_builtin
+from .jobs.schemas import SpecError
 from .jobs.store import STATES, TERMINAL
 from .progress import StepRate, duration, progress_line
 

@@ -22,6 +22,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from .jobs.store import EventRecord, JobStore
@@ -183,3 +185,27 @@ class EventHub:
                 await feed.wait_beyond(last)
         finally:
             feed.followers -= 1
+
+
+class StreamCollector(Collector):
+    """Followed event streams: how many are open, and what they cost the store."""
+
+    def __init__(self, hub: EventHub):
+        self.hub = hub
+
+    def collect(self):
+        yield GaugeMetricFamily(
+            "dflash_event_streams",
+            "Open followed event streams (GET /jobs/{id}/events?follow=true)",
+            value=self.hub.open_streams,
+        )
+        yield GaugeMetricFamily(
+            "dflash_event_streams_max",
+            "Followed event streams served at most (max_event_streams)",
+            value=self.hub.max_streams,
+        )
+        yield CounterMetricFamily(
+            "dflash_event_stream_store_reads",
+            "Store queries made for followed event streams (one poller per followed job, plus catch-ups)",
+            value=self.hub.store_reads,
+        )

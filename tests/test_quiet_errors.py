@@ -13,7 +13,8 @@ import torch
 from dflash_core.checkpoint import TRAINING_STATE_FILE, UnsafeTrainingState, load_training_state
 from dflash_core.data.conversations import DatasetError, parse_conversation
 from dflash_core.engine.checkpointing import human_bytes
-from service.jobs.schemas import SpecError, resolve_dataset
+from service.jobs.paths import Roots
+from service.jobs.schemas import SpecError
 
 
 class Planted:
@@ -43,7 +44,7 @@ def test_tilde_user_paths_get_one_answer_whether_or_not_the_user_exists(tmp_path
     answers = []
     for user in ("root", "nosuchuserxyz"):  # root exists everywhere, the other nowhere
         with pytest.raises(SpecError) as e:
-            resolve_dataset(f"~{user}/x.jsonl", "datasets[0]", roots=[tmp_path], data_dir=tmp_path)
+            Roots(tmp_path, (tmp_path,), ()).dataset(f"~{user}/x.jsonl", "datasets[0]")
         answers.append(e.value.message.replace(user, "USER"))
     assert answers[0] == answers[1] and "'~user' paths are not accepted" in answers[0], answers
     assert str(Path.home()) not in answers[0]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from service.jobs.schemas import InvalidSpec, parse_spec
+from service.jobs.schemas import SpecError, parse_spec
 
 REGEN = {"kind": "regenerate", "datasets": ["builtin://heldout"]}
 TRAIN = {"datasets": ["builtin://train"], "steps": 3}
 
 
 def _message(body: dict, field: str) -> str:
-    with pytest.raises(InvalidSpec) as e:
+    with pytest.raises(SpecError) as e:
         parse_spec(body)
     return {err["field"]: err["message"] for err in e.value.errors}[field]
 

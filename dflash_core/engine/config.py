@@ -216,7 +216,9 @@ class TrainJob:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainJob:
-        fields: dict[str, Any] = {k: tuple(v) if k == "adam_betas" else v for k, v in values.items()}
+        """The inverse of to_dict; keys this version does not know (a job stored by another) are dropped."""
+        known = set(cls.__dataclass_fields__)
+        fields: dict[str, Any] = {k: tuple(v) if k == "adam_betas" else v for k, v in values.items() if k in known}
         return cls(**fields)
 
 

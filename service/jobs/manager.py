@@ -31,15 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..tracking import Tracker
-from .schemas import (
-    JobSpec,
-    SpecError,
-    given_paths,
-    name_as_given,
-    to_train_job,
-    train_job_from_json,
-    train_job_to_json,
-)
+from .admission import job_from_json, job_to_json, to_engine_job
+from .paths import Roots, given_paths, name_as_given
+from .regenerate_spec import RegenerateSpec
+from .schemas import JobSpec, SpecError
 from .store import (
     FAILED,
     PENDING,
@@ -204,8 +199,7 @@ class JobManager:
         self._current: _RunCallbacks | None = None
         self._current_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._dataset_roots = config.resolved_dataset_roots()
-        self._output_roots = config.resolved_output_roots()
+        self.roots = Roots.of(config)
         # why a job this process stopped (the store could not write) or requeued resumes: it is not
         # a crash. Worker thread only.
         self._resume_notes: dict[str, str] = {}
@@ -268,7 +262,7 @@ class JobManager:
                 )
 
     # ------------------------------------------------------------------ requests
-    def submit(self, spec: JobSpec) -> tuple[JobRecord, bool]:
+    def submit(self, spec: JobSpec | RegenerateSpec) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (job, created). Raises SpecError (422), SubmissionConflict/JobConflict (409),
         Unavailable (503)."""
         try:
@@ -276,7 +270,9 @@ class JobManager:
         except StoreUnavailable as e:
             raise Unavailable(f"{e}; submit again once it can") from None
 
-    def _submit(self, spec: JobSpec) -> tuple[JobRecord, bool]:
+    def _submit(self, spec: JobSpec | RegenerateSpec) -> tuple[JobRecord, bool]:
+        from dflash_core.engine import JobError
+
         fingerprint = spec.fingerprint()
         if spec.submission_id is not None:
             existing = self.store.find_by_submission(spec.submission_id)
@@ -298,22 +294,15 @@ class JobManager:
                 or "the engine is still starting; try again in a moment"
             )
         job_id = f"job-{uuid.uuid4().hex[:12]}"
-        train_job = to_train_job(
-            spec,
-            job_id=job_id,
-            data_dir=self.config.data_dir,
-            dataset_roots=self._dataset_roots,
-            output_roots=self._output_roots,
-            job_outputs=self._job_output,
-        )
-        self._validate_with_engine(engine, train_job)
-        out = str(Path(train_job.output_dir))
+        engine_job = to_engine_job(spec, job_id, self.roots, self._job_output)
+        try:
+            engine.validate_job(engine_job)
+        except JobError as e:
+            raise SpecError(e.field or "spec", e.message) from None
+        out = engine_job.output_dir
         # messages name the output_dir as the client gave it, not where it resolves
         given = _given_output_dir(spec.model_dump())
-        if (other := self.store.any_job_using(out)) is not None:
-            raise _output_dir_taken(given, other)
-        if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").iterdir()):
-            raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")
+        self._check_output_dir_free(out, given)
         try:  # the store decides: a submission for the same output_dir may have been accepted since the check
             job, created = self.store.create_job(
                 job_id=job_id,
@@ -321,7 +310,7 @@ class JobManager:
                 submission_id=spec.submission_id,
                 spec=spec.model_dump(mode="json"),
                 fingerprint=fingerprint,
-                train_job_json=train_job_to_json(train_job),
+                train_job_json=job_to_json(engine_job),
                 output_dir=out,
             )
         except OutputDirInUse as e:
@@ -337,13 +326,14 @@ class JobManager:
         job = self.store.get_job(job_id, with_checkpoints=False)
         return None if job is None else (job.spec.get("kind", "train"), job.state, job.output_dir)
 
-    def _validate_with_engine(self, engine, train_job) -> None:
-        from dflash_core.engine import JobError
-
-        try:
-            engine.validate_job(train_job)
-        except JobError as e:
-            raise SpecError(e.field or "spec", e.message) from None
+    def _check_output_dir_free(self, output_dir: str, given: str) -> None:
+        """No other job owns it (the store decides again, atomically, when it records the job) and
+        no earlier run left checkpoints in it."""
+        if (other := self.store.any_job_using(output_dir)) is not None:
+            raise _output_dir_taken(given, other)
+        checkpoints = Path(output_dir) / "checkpoints"
+        if checkpoints.is_dir() and any(checkpoints.iterdir()):
+            raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")
 
     def cancel(self, job_id: str) -> JobRecord:
         """Raises JobNotFound (404), JobConflict (409), Unavailable (503)."""
@@ -533,7 +523,7 @@ class JobManager:
         directory = Path(output_dir) / "checkpoints"
         try:
             real = directory.resolve()
-            if not any(real == root or real.is_relative_to(root) for root in self._output_roots):
+            if not self.roots.holds_output(real):
                 return []
             with os.scandir(real) as it:
                 partial = [
@@ -640,7 +630,7 @@ class JobManager:
             if not run:
                 return
         try:
-            train_job = train_job_from_json(job.train_job_json)
+            train_job = job_from_json(job.train_job_json)
         except (TypeError, ValueError) as e:
             unreadable = f"stored job cannot be read by this version: {e}"
             self._record(lambda: self.store.finish(job.id, FAILED, error=unreadable))

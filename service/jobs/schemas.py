@@ -1,49 +1,114 @@
-"""What a client may submit (JobSpec), and its translation into the engine's TrainJob with every
-path checked against the configured roots."""
+"""What a client may submit: a job spec (JobSpec; RegenerateSpec for "kind": "regenerate"), parsed
+from a decoded JSON body by `parse_spec`, and SpecError, the one error that names the fields at
+fault (HTTP 422)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from collections.abc import Mapping
-from dataclasses import asdict, fields
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .suggest import unknown_field_message
 
-BUILTIN_SCHEME = "builtin://"
-BUILTIN_DATASETS = ("train", "heldout")
+if TYPE_CHECKING:
+    from .regenerate_spec import RegenerateSpec
+
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
-MAX_TEMPLATE_BYTES = 1024 * 1024
+# Characters refused in a job's name and submission_id: C0/C1 controls (NUL, escape sequences,
+# newlines) and the bidirectional controls that reorder what a terminal shows ("job-\u202egnp.exe"
+# reads as "job-exe.png"); `dflash-trainer status` prints names as they are.
+UNPRINTABLE = "\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029"
+_UNPRINTABLE_RE = re.compile(f"[{UNPRINTABLE}]")
+PRINTABLE_PATTERN = f"^[^{UNPRINTABLE}]*$"
 
 
 class SpecError(ValueError):
-    """An invalid job spec; `field` names the offending field (e.g. `datasets[0]`)."""
+    """An invalid request: every problem as {field, message}, the field named as the client wrote
+    it (`datasets[0]`, `body`, a query parameter). Raised inside a pydantic validator it travels in
+    the validation error's context, and comes out whole."""
 
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        self.message = message
-        super().__init__(f"{field_name}: {message}")
+    def __init__(self, field_name: str = "body", message: str = "", *, errors: list[dict[str, str]] | None = None):
+        self.errors = errors if errors is not None else [{"field": field_name, "message": message}]
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in self.errors))
+
+    @property
+    def field(self) -> str:
+        return self.errors[0]["field"]
+
+    @property
+    def message(self) -> str:
+        return self.errors[0]["message"]
 
 
-class InvalidSpec(ValueError):
-    """A spec that fails validation: every problem as {field, message}."""
+def _document_checks(schema: dict[str, Any]) -> None:
+    """What SpecModel's validators check, where JSON Schema can say it."""
+    for name in ("name", "submission_id"):
+        for variant in schema["properties"][name].get("anyOf", [schema["properties"][name]]):
+            if variant.get("type") == "string":
+                variant["pattern"] = PRINTABLE_PATTERN
+    schema["properties"]["datasets"]["uniqueItems"] = True
 
-    def __init__(self, errors: list[dict[str, str]]):
-        self.errors = errors
-        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
 
-
-class JobSpec(BaseModel):
-    """A training job as submitted over HTTP (POST /jobs). Unknown fields are rejected, so a typo
-    never silently falls back to a default."""
+class SpecModel(BaseModel):
+    """What every kind of job spec shares: unknown fields are refused, so a typo never silently
+    falls back to a default; names are printable; a chat_template_kwargs of bounded size; no
+    dataset twice; and the fingerprint that makes a resubmission idempotent."""
 
     # strict: "7", true or 5.0 are not a step count; a JSON number is still fine for a float field
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_strip_whitespace=True, strict=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        str_strip_whitespace=True,
+        strict=True,
+        json_schema_extra=lambda schema, cls: _document_checks(schema),
+    )
+    if TYPE_CHECKING:  # every kind declares these, each where it belongs in its own field order
+        datasets: list[str]
+        chat_template_kwargs: dict[str, Any]
+
+    @field_validator("name", "submission_id", mode="before", check_fields=False)
+    @classmethod
+    def _printable(cls, value: Any, info) -> Any:
+        """Before whitespace is stripped: a trailing newline is refused too."""
+        if isinstance(value, str) and (found := _UNPRINTABLE_RE.search(value)):
+            raise SpecError(
+                info.field_name,
+                f"contains U+{ord(found.group()):04X}, a control or bidirectional-override character; use "
+                "printable text",
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _shared_checks(self) -> Any:
+        if len(canonical_json(self.chat_template_kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise SpecError("chat_template_kwargs", f"larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        duplicates = sorted({d for d in self.datasets if self.datasets.count(d) > 1})
+        if duplicates:
+            raise SpecError("datasets", f"listed more than once: {', '.join(duplicates)}")
+        return self
+
+    def fingerprint(self) -> str:
+        """Identity of the spec for idempotent resubmission: defaults filled in, keys sorted."""
+        return hashlib.sha256(canonical_json(self.model_dump(mode="json")).encode()).hexdigest()
+
+
+def _document_job_checks(schema: dict[str, Any]) -> None:
+    _document_checks(schema)
+    schema["oneOf"] = [  # steps or epochs, one of them (JobSpec._checks)
+        {"required": ["steps"], "properties": {"steps": {"type": "integer"}}},
+        {"required": ["epochs"], "properties": {"epochs": {"type": "number"}}},
+    ]
+    schema["properties"]["adam_betas"]["items"].update(minimum=0, exclusiveMaximum=1)
+
+
+class JobSpec(SpecModel):
+    """A training job as submitted over HTTP (POST /jobs)."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema, cls: _document_job_checks(schema))
 
     name: str | None = Field(None, max_length=200)
     submission_id: str | None = Field(
@@ -113,12 +178,7 @@ class JobSpec(BaseModel):
     block_size: int | None = Field(None, ge=2, le=10**4)
 
     @model_validator(mode="after")
-    def _steps_or_epochs(self) -> JobSpec:
-        if len(canonical_json(self.chat_template_kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
-            raise SpecError("chat_template_kwargs", f"larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
-        duplicates = sorted({d for d in self.datasets if self.datasets.count(d) > 1})
-        if duplicates:
-            raise SpecError("datasets", f"listed more than once: {', '.join(duplicates)}")
+    def _checks(self) -> JobSpec:
         if self.steps is None and self.epochs is None:
             raise SpecError("steps", "give steps or epochs")
         if self.steps is not None and self.epochs is not None:
@@ -134,10 +194,6 @@ class JobSpec(BaseModel):
             if not 0 <= b < 1:
                 raise SpecError(f"adam_betas[{i}]", f"{b} must lie in [0, 1)")
         return self
-
-    def fingerprint(self) -> str:
-        """Identity of the spec for idempotent resubmission: defaults filled in, keys sorted."""
-        return hashlib.sha256(canonical_json(self.model_dump(mode="json")).encode()).hexdigest()
 
 
 def canonical_json(obj: Any) -> str:
@@ -155,50 +211,49 @@ def field_path(loc: tuple) -> str:
     return out
 
 
-def spec_errors(err: ValidationError, model: type[BaseModel] | None = None) -> list[dict[str, str]]:
-    """pydantic errors as [{field, message}], with our own SpecError messages unwrapped; an
-    unknown field gets a suggestion from `model`'s fields (default: JobSpec's)."""
-    model = JobSpec if model is None else model
-    out = []
-    for e in err.errors():
+def field_errors(errors: Iterable[Mapping[str, Any]], model: type[BaseModel] | None = None) -> list[dict[str, str]]:
+    """pydantic's errors (locations already relative to the spec or the request) as [{field,
+    message}], our own SpecErrors unwrapped; an unknown top-level field gets a suggestion from
+    `model`'s fields."""
+    out: list[dict[str, str]] = []
+    for e in errors:
         ctx_error = (e.get("ctx") or {}).get("error")
         if isinstance(ctx_error, SpecError):
-            out.append({"field": ctx_error.field, "message": ctx_error.message})
+            out.extend(ctx_error.errors)
             continue
-        name = field_path(tuple(e["loc"]))
-        if e["type"] == "extra_forbidden":
+        loc = tuple(e.get("loc", ()))
+        name = field_path(loc) or "body"
+        if e.get("type") == "extra_forbidden" and model is not None:
             # a top-level field: suggest one of the spec's (a nested one has no fields of its own here)
-            unknown = str(e["loc"][-1])
-            fields = model.model_fields if len(e["loc"]) == 1 else ()
+            unknown = str(loc[-1])
+            fields = model.model_fields if len(loc) == 1 else ()
             out.append({"field": name, "message": unknown_field_message(unknown, fields, other_kind(model, unknown))})
         else:
-            out.append({"field": name or "body", "message": e["msg"]})
+            out.append({"field": name, "message": e.get("msg", "invalid")})
     return out
 
 
-def parse_spec(body: Any) -> Any:
+def parse_spec(body: Any) -> JobSpec | RegenerateSpec:
     """Validate a decoded JSON body: a JobSpec (`kind` "train", the default) or a RegenerateSpec
-    (`kind` "regenerate"); raises InvalidSpec listing every problem."""
+    (`kind` "regenerate"); raises SpecError listing every problem."""
     if not isinstance(body, dict):
-        raise InvalidSpec([{"field": "body", "message": f"expected a JSON object, got {type(body).__name__}"}])
+        raise SpecError("body", f"expected a JSON object, got {type(body).__name__}")
     # before anything walks the values recursively (validation, the fingerprint's JSON encoding)
     from dflash_core.data.bounded import MAX_JSON_DEPTH, too_deep
 
     deep = [str(k) for k, v in body.items() if too_deep(v, MAX_JSON_DEPTH - 1)]
     if deep:
-        raise InvalidSpec([{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
+        raise SpecError(errors=[{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
     kind = body.get("kind", "train")
     from .regenerate_spec import RegenerateSpec
 
-    model: type[BaseModel] = RegenerateSpec if kind == "regenerate" else JobSpec
+    if kind not in ("train", "regenerate"):
+        raise SpecError("kind", f"{kind!r}: the job kinds are 'train' and 'regenerate'")
+    model: type[JobSpec | RegenerateSpec] = RegenerateSpec if kind == "regenerate" else JobSpec
     try:
-        if kind == "regenerate":
-            return RegenerateSpec.model_validate(body)
-        if kind != "train":
-            raise InvalidSpec([{"field": "kind", "message": f"{kind!r}: the job kinds are 'train' and 'regenerate'"}])
-        return JobSpec.model_validate({k: v for k, v in body.items() if k != "kind"})
+        return model.model_validate(body if kind == "regenerate" else {k: v for k, v in body.items() if k != "kind"})
     except ValidationError as e:
-        raise InvalidSpec(spec_errors(e, model)) from None
+        raise SpecError(errors=field_errors(e.errors(), model)) from None
 
 
 def other_kind(model: type[BaseModel], name: str) -> str | None:
@@ -210,252 +265,3 @@ def other_kind(model: type[BaseModel], name: str) -> str | None:
         if other is not model and name in other.model_fields and name not in model.model_fields:
             return kind
     return None
-
-
-# --------------------------------------------------------------------------- paths
-def _check_under_roots(raw: str, field_name: str, roots: list[Path], base: Path) -> Path:
-    """Resolve `raw` (relative to `base`) with symlinks followed; it must lie under one of `roots`."""
-    if not raw:
-        raise SpecError(field_name, "empty path")
-    if "\x00" in raw:
-        raise SpecError(field_name, "path contains a NUL byte")
-    if raw.startswith("~") and not (raw == "~" or raw.startswith("~/")):
-        # the same answer whether or not that user exists: no account names are probed through paths
-        raise SpecError(field_name, f"{raw[:200]!r}: '~user' paths are not accepted; give the path itself")
-    try:
-        candidate = Path(raw).expanduser()
-        if ".." in candidate.parts:
-            raise SpecError(field_name, f"{raw!r}: '..' is not allowed in paths")
-        if not candidate.is_absolute():
-            candidate = base / candidate
-        resolved = candidate.resolve(strict=False)  # follows every symlink that exists
-    except (OSError, RuntimeError) as e:  # unknown ~user, symlink loop, name too long, no permission
-        raise SpecError(
-            field_name, f"{raw[:200]!r}: not a usable path ({getattr(e, 'strerror', None) or type(e).__name__})"
-        ) from None
-    if not any(resolved.is_relative_to(root) for root in roots):
-        raise SpecError(
-            field_name,
-            f"{raw!r} is outside the allowed roots (symlinks followed; the daemon's dataset_roots / output_roots)",
-        )
-    return resolved
-
-
-def resolve_builtin(raw: str, field_name: str, data_dir: Path) -> Path:
-    """builtin://train|heldout -> the embedded default's bundled dataset under data_dir."""
-    name = raw[len(BUILTIN_SCHEME) :]
-    if name not in BUILTIN_DATASETS:
-        raise SpecError(field_name, f"unknown builtin dataset {raw!r}; use builtin://train or builtin://heldout")
-    from dflash_core.defaults import ensure_default_assets
-
-    return getattr(ensure_default_assets(data_dir), name).resolve()
-
-
-def resolve_dataset(raw: str, field_name: str, *, roots: list[Path], data_dir: Path) -> Path:
-    if raw.startswith(BUILTIN_SCHEME):
-        return resolve_builtin(raw, field_name, data_dir)
-    path = _check_under_roots(raw, field_name, roots, data_dir)
-    try:
-        exists = path.exists()
-    except OSError as e:
-        raise SpecError(
-            field_name, f"dataset {raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})"
-        ) from None
-    if not exists:
-        raise SpecError(field_name, f"dataset {raw!r} does not exist")
-    return path
-
-
-def check_dataset_readable(path: Path, field_name: str, *, skip_bad_lines: bool, given: str) -> None:
-    """The dataset's layout, schema and first records, read now: what cannot be read is refused
-    at submission rather than failing the job later, naming the dataset as `given` by the client."""
-    from dflash_core.data.conversations import DatasetError
-    from dflash_core.data.inspect import check_dataset
-
-    try:
-        check_dataset(path, skip_bad_lines=skip_bad_lines, name=given)
-    except DatasetError as e:
-        raise SpecError(field_name, str(e)) from None
-    except OSError as e:
-        raise SpecError(field_name, f"the dataset cannot be read ({e.strerror or type(e).__name__})") from None
-
-
-def resolve_template(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
-    path = _check_under_roots(raw, "chat_template", roots, data_dir)
-    try:
-        if not path.is_file():
-            raise SpecError("chat_template", f"{raw!r} is not a file")
-        with path.open("rb") as f:  # bounded while reading, whatever its size says
-            text = f.read(MAX_TEMPLATE_BYTES + 1)
-        if len(text) > MAX_TEMPLATE_BYTES:
-            raise SpecError("chat_template", f"{raw!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
-        text.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
-    except OSError as e:
-        raise SpecError("chat_template", f"{raw!r} cannot be read ({e.strerror or type(e).__name__})") from None
-    return path
-
-
-def resolve_output_dir(raw: str | None, *, roots: list[Path], data_dir: Path, job_id: str) -> Path:
-    if raw is None:
-        return (data_dir / "jobs" / job_id).resolve()
-    path = _check_under_roots(raw, "output_dir", roots, data_dir)
-    try:
-        not_a_dir = path.exists() and not path.is_dir()
-    except OSError as e:
-        raise SpecError("output_dir", f"{raw[:200]!r} cannot be used ({e.strerror or type(e).__name__})") from None
-    if not_a_dir:
-        raise SpecError("output_dir", f"{raw!r} exists and is not a directory")
-    return path
-
-
-def resolve_checkpoint(raw: str, *, roots: list[Path], data_dir: Path) -> Path:
-    path = _check_under_roots(raw, "init_from", roots, data_dir)
-    try:
-        is_checkpoint = (path / "config.json").is_file()
-    except OSError as e:
-        raise SpecError("init_from", f"{raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})") from None
-    if not is_checkpoint:
-        raise SpecError("init_from", f"{raw!r} is not a drafter checkpoint directory (no config.json)")
-    return path
-
-
-def to_train_job(
-    spec: JobSpec,
-    *,
-    job_id: str,
-    data_dir: Path,
-    dataset_roots: list[Path],
-    output_roots: list[Path],
-    job_outputs: Any = None,
-):
-    """The engine's job for this spec (a TrainJob, or a RegenerateJob for a RegenerateSpec): every
-    path absolute and checked. job_outputs(id) -> (kind, state, output_dir) of a stored job, for
-    datasets named job://<id> (a regeneration's output)."""
-    from dflash_core.engine import TrainJob
-
-    if getattr(spec, "kind", "train") == "regenerate":
-        from .regenerate_spec import to_regenerate_job
-
-        return to_regenerate_job(
-            spec,  # type: ignore[arg-type]  # a RegenerateSpec (its kind says so)
-            job_id=job_id,
-            data_dir=data_dir,
-            dataset_roots=dataset_roots,
-            output_roots=output_roots,
-        )
-    jobs_read = _job_datasets(spec.datasets, job_outputs)
-    dataset_roots = [*dataset_roots, *jobs_read.values()]
-
-    if spec.report_to:
-        from ..tracking import unavailable
-
-        missing = unavailable(list(spec.report_to))
-        if missing:
-            raise SpecError("report_to", f"{', '.join(missing)}: not installed in the daemon's environment")
-    resolved = [
-        jobs_read.get(i) or resolve_dataset(d, f"datasets[{i}]", roots=dataset_roots, data_dir=data_dir)
-        for i, d in enumerate(spec.datasets)
-    ]
-    seen: dict[Path, int] = {}
-    for i, path in enumerate(resolved):
-        if path in seen:  # two names for one dataset would train on it twice
-            raise SpecError(f"datasets[{i}]", f"the same dataset as datasets[{seen[path]}]")
-        seen[path] = i
-        check_dataset_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i])
-    datasets = [str(p) for p in resolved]
-    eval_prompts = None
-    if spec.eval_prompts is not None:
-        prompts = resolve_dataset(spec.eval_prompts, "eval_prompts", roots=dataset_roots, data_dir=data_dir)
-        check_dataset_readable(prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines, given=spec.eval_prompts)
-        eval_prompts = str(prompts)
-    chat_template = None
-    if spec.chat_template is not None:
-        chat_template = str(resolve_template(spec.chat_template, roots=dataset_roots, data_dir=data_dir))
-    init_from = None
-    if spec.init_from is not None:
-        init_from = str(resolve_checkpoint(spec.init_from, roots=dataset_roots + output_roots, data_dir=data_dir))
-    output_dir = resolve_output_dir(spec.output_dir, roots=output_roots, data_dir=data_dir, job_id=job_id)
-    values = spec.model_dump(exclude={"name", "submission_id", "report_to"})
-    values.update(
-        datasets=datasets,
-        eval_prompts=eval_prompts,
-        init_from=init_from,
-        chat_template=chat_template,
-        output_dir=str(output_dir),
-        # re-checked when the engine reads and writes: the builtin datasets live in the data dir
-        dataset_roots=[str(r) for r in [*dataset_roots, (data_dir / "defaults").resolve()]],
-        output_roots=[str(r) for r in output_roots],
-        adam_betas=tuple(spec.adam_betas),
-    )
-    if spec.loss is not None:
-        from dflash_core.step.objective_spec import parse_loss
-
-        values["loss"] = parse_loss(spec.loss)
-    return TrainJob(**values)
-
-
-def _job_datasets(datasets: list[str], job_outputs: Any) -> dict[int, Path]:
-    """{index: output directory} of the datasets named job://<id>."""
-    from .regenerate_spec import JOB_SCHEME, resolve_job_dataset
-
-    out = {}
-    for i, raw in enumerate(datasets):
-        if raw.startswith(JOB_SCHEME):
-            if job_outputs is None:
-                raise SpecError(f"datasets[{i}]", "job:// datasets are resolved by the daemon")
-            out[i] = resolve_job_dataset(raw, f"datasets[{i}]", job_outputs).resolve()
-    return out
-
-
-def given_paths(spec: Mapping[str, Any], train_job, job_id: str) -> dict[str, str]:
-    """Each path of a job as the engine has it (resolved) -> as the client gave it in `spec` (the
-    stored spec); the default output_dir as its documented form."""
-    pairs = dict(zip(train_job.datasets, spec.get("datasets") or [], strict=False))
-    for key in ("eval_prompts", "chat_template", "init_from"):
-        resolved, given = getattr(train_job, key, None), spec.get(key)
-        if resolved and given:
-            pairs[resolved] = given
-    pairs[train_job.output_dir] = spec.get("output_dir") or f"<data_dir>/jobs/{job_id}"
-    return pairs
-
-
-def name_as_given(text: str, paths: Mapping[str, str]) -> str:
-    """`text` with every path of `paths` (resolved -> given) that stands in it as a whole path, or
-    as the directory part of one (a file found in a directory entry), named as given. Job errors
-    and events are shown to whoever may read the jobs: they must not tell where the daemon's
-    roots lie or where a symlink leads."""
-    known = {resolved.rstrip("/") or resolved: given for resolved, given in paths.items() if resolved}
-    if not known:
-        return text
-    alternatives = "|".join(re.escape(p) for p in sorted(known, key=len, reverse=True))
-    # a path starts where no path character precedes it and ends at a separator or a non-path character
-    pattern = re.compile(rf"(?<![\w./-])({alternatives})(?![\w.-])")
-
-    def given(match: re.Match[str]) -> str:
-        name = known[match.group(1)]
-        # "shards/" + "/shard.jsonl": one separator
-        return (name.rstrip("/") or name) if text.startswith("/", match.end()) else name
-
-    return pattern.sub(given, text)
-
-
-def train_job_to_json(job) -> str:
-    return json.dumps(asdict(job))
-
-
-def train_job_from_json(text: str):
-    """Rebuild a stored TrainJob; keys the engine no longer knows are dropped."""
-    from dflash_core.engine import TrainJob
-
-    data = json.loads(text)
-    if data.get("kind") == "regenerate":
-        from dflash_core.regenerate.job import RegenerateJob
-
-        return RegenerateJob.from_dict(data)
-    known = {f.name for f in fields(TrainJob)}
-    values = {k: v for k, v in data.items() if k in known}
-    if "adam_betas" in values:
-        values["adam_betas"] = tuple(values["adam_betas"])
-    return TrainJob(**values)

@@ -244,13 +244,13 @@ def test_the_data_dir_lock_is_not_inherited_by_child_processes(tmp_path):
     not keep the data directory locked after the daemon has gone."""
     import fcntl
 
-    from service.app import DataDirInUse, _DataDirLock
+    from service.daemon import DataDirInUse, DataDirLock
 
-    lock = _DataDirLock(tmp_path)
+    lock = DataDirLock(tmp_path)
     lock.acquire()
     try:
         assert lock._fd is not None and fcntl.fcntl(lock._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
-        other = _DataDirLock(tmp_path)
+        other = DataDirLock(tmp_path)
         try:
             other.acquire()
             raise AssertionError("a second lock on the same data dir was granted")

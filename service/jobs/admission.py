@@ -1,0 +1,115 @@
+"""A validated spec becomes the engine's job: every path resolved and checked against the roots,
+every dataset read far enough to refuse at submission what the job could not read later.
+
+The engine's job (a TrainJob, or a RegenerateJob for "kind": "regenerate") is the one shape a
+job has from here on: the store keeps it as the JSON of its own `to_dict`, and the worker rebuilds
+it with `job_from_json` to run it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .paths import Roots, check_dataset_readable, unique_datasets
+from .regenerate_spec import JOB_SCHEME, RegenerateSpec, check_prompts_readable, resolve_job_dataset
+from .schemas import JobSpec, SpecError
+
+# job id -> (kind, state, output_dir) of a stored job, None for an unknown one (job:// datasets)
+JobOutputs = Callable[[str], tuple[str, str, str] | None]
+
+
+def to_engine_job(spec: JobSpec | RegenerateSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
+    """The engine's job for this spec, every path absolute and checked."""
+    if isinstance(spec, RegenerateSpec):
+        return _regenerate_job(spec, job_id, roots)
+    return _train_job(spec, job_id, roots, job_outputs)
+
+
+def _train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None):
+    from dflash_core.engine import TrainJob
+
+    jobs_read = _job_datasets(spec.datasets, job_outputs)
+    roots = roots.reading_also(jobs_read.values())
+    if spec.report_to:
+        from ..tracking import unavailable
+
+        missing = unavailable(list(spec.report_to))
+        if missing:
+            raise SpecError("report_to", f"{', '.join(missing)}: not installed in the daemon's environment")
+    resolved = [jobs_read.get(i) or roots.dataset(d, f"datasets[{i}]") for i, d in enumerate(spec.datasets)]
+    unique_datasets(resolved)
+    for i, path in enumerate(resolved):
+        check_dataset_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i])
+    values = spec.model_dump(exclude={"name", "submission_id", "report_to"})
+    values.update(
+        datasets=[str(p) for p in resolved],
+        eval_prompts=_eval_prompts(spec, roots),
+        chat_template=str(roots.template(spec.chat_template)) if spec.chat_template is not None else None,
+        init_from=str(roots.checkpoint(spec.init_from)) if spec.init_from is not None else None,
+        output_dir=str(roots.output_dir(spec.output_dir, job_id)),
+        adam_betas=tuple(spec.adam_betas),
+        **roots.for_engine(),
+    )
+    if spec.loss is not None:
+        from dflash_core.step.objective_spec import parse_loss
+
+        values["loss"] = parse_loss(spec.loss)
+    return TrainJob(**values)
+
+
+def _eval_prompts(spec: JobSpec, roots: Roots) -> str | None:
+    if spec.eval_prompts is None:
+        return None
+    prompts = roots.dataset(spec.eval_prompts, "eval_prompts")
+    check_dataset_readable(prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines, given=spec.eval_prompts)
+    return str(prompts)
+
+
+def _regenerate_job(spec: RegenerateSpec, job_id: str, roots: Roots):
+    from dflash_core.regenerate.job import RegenerateJob
+
+    resolved = [roots.dataset(d, f"datasets[{i}]") for i, d in enumerate(spec.datasets)]
+    unique_datasets(resolved)
+    for i, path in enumerate(resolved):
+        check_prompts_readable(
+            path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i], roots=list(roots.reads)
+        )
+    values = spec.model_dump(exclude={"name", "submission_id"})
+    values.update(
+        datasets=[str(p) for p in resolved],
+        chat_template=str(roots.template(spec.chat_template)) if spec.chat_template is not None else None,
+        output_dir=str(roots.output_dir(spec.output_dir, job_id)),
+        **roots.for_engine(),
+    )
+    return RegenerateJob(**values)
+
+
+def _job_datasets(datasets: list[str], job_outputs: JobOutputs | None) -> dict[int, Path]:
+    """{index: output directory} of the datasets named job://<id>."""
+    out = {}
+    for i, raw in enumerate(datasets):
+        if raw.startswith(JOB_SCHEME):
+            if job_outputs is None:
+                raise SpecError(f"datasets[{i}]", "job:// datasets are resolved by the daemon")
+            out[i] = resolve_job_dataset(raw, f"datasets[{i}]", job_outputs).resolve()
+    return out
+
+
+def job_to_json(job: Any) -> str:
+    """How the store keeps an engine job: its own plain-JSON form."""
+    return json.dumps(job.to_dict())
+
+
+def job_from_json(text: str):
+    """A stored engine job, rebuilt by its kind; keys the engine no longer knows are dropped."""
+    data: dict[str, Any] = json.loads(text)
+    if data.get("kind") == "regenerate":
+        from dflash_core.regenerate.job import RegenerateJob
+
+        return RegenerateJob.from_dict(data)
+    from dflash_core.engine import TrainJob
+
+    return TrainJob.from_dict(data)

@@ -48,14 +48,15 @@ def create_app(config: ServiceConfig, launch: Launch | None = None) -> FastAPI:
     )
     app.state.daemon = daemon
     app.add_middleware(RequestGuard, config=config)
-    app.include_router(health.router)
+    routers = [health.router] if daemon.follower else [health.router, jobs.router]
+    for router in routers:
+        app.include_router(router)
+    app.state.routes = [route for router in routers for route in router.routes]  # what a 405 names
     if daemon.follower:
         assert launch is not None
         _serve_probes_only(
             app, f"rank {launch.rank} of {launch.world} serves /healthz, /livez and /metrics; the job API is on rank 0"
         )
-    else:
-        app.include_router(jobs.router)
     app.openapi = lambda: guarded_openapi(app, config)  # type: ignore[method-assign]
     return app
 

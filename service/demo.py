@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import follow_job
+from .cli_jobs import follow_job
 from .client import DaemonClient, DaemonError
 from .config import default_data_dir
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from .event_feed import TooManyStreams
-from .jobs.manager import JobConflict, JobNotFound, Unavailable
+from .jobs.errors import JobConflict, JobNotFound, Unavailable
 from .jobs.schemas import SpecError, field_errors
 from .jobs.store import SubmissionConflict
 from .views import job_json
@@ -58,7 +58,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         # Starlette names the methods of the first route that matched the path only; a path served
         # by several routes (GET and POST /jobs) serves the methods of all of them
         methods: set[str] = set()
-        for route in request.app.router.routes:
+        for route in request.app.state.routes:
             if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
                 methods |= route.methods or set()
         if methods:

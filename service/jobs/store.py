@@ -14,211 +14,51 @@ the owners enforces it, so that concurrent submissions cannot both be accepted."
 from __future__ import annotations
 
 import json
-import logging
 import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
-STATES = (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
-TERMINAL = frozenset({SUCCEEDED, FAILED, STOPPED})
-
-log = logging.getLogger("dflash.jobs")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,         -- FIFO order
-    id TEXT NOT NULL UNIQUE,
-    name TEXT,
-    submission_id TEXT UNIQUE,
-    spec_json TEXT NOT NULL,
-    spec_fingerprint TEXT NOT NULL,
-    train_job_json TEXT NOT NULL,
-    output_dir TEXT NOT NULL,
-    state TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL,
-    step INTEGER NOT NULL DEFAULT 0,
-    total_steps INTEGER,
-    loss REAL,
-    tokens_per_second REAL,
-    expected_acceptance_length REAL,
-    eval_acceptance_length REAL,
-    learning_rate REAL,
-    epoch REAL,
-    last_checkpoint TEXT,
-    last_checkpoint_step INTEGER,
-    error TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    interrupted_by_shutdown INTEGER NOT NULL DEFAULT 0,
-    resumes INTEGER NOT NULL DEFAULT 0,
-    crash_resumes INTEGER NOT NULL DEFAULT 0,      -- crashes in a row without a new checkpoint
-    phase TEXT,
-    data_json TEXT,
-    resume_step INTEGER,                           -- the checkpoint step the current run started from
-    owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: a duplicate from before output dirs were unique
-    resume_with_group INTEGER NOT NULL DEFAULT 0   -- group losses in a row without a new checkpoint
-);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL REFERENCES jobs(id),
-    time REAL NOT NULL,
-    kind TEXT NOT NULL,
-    step INTEGER,
-    payload_json TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    job_id TEXT NOT NULL REFERENCES jobs(id),
-    step INTEGER NOT NULL,
-    path TEXT NOT NULL,
-    time REAL NOT NULL,
-    PRIMARY KEY (job_id, step)
-);
-CREATE TABLE IF NOT EXISTS store_meta (
-    key TEXT PRIMARY KEY,
-    value TEXT
-);
-"""
-# after the columns it names exist (an older database gets them at open)
-OUTPUT_DIR_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_output_dir ON jobs(output_dir) WHERE owns_output_dir = 1"
-
-
-@dataclass
-class JobRecord:
-    seq: int
-    id: str
-    name: str | None
-    submission_id: str | None
-    spec: dict[str, Any]
-    spec_fingerprint: str
-    train_job_json: str
-    output_dir: str
-    state: str
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    step: int
-    total_steps: int | None
-    loss: float | None
-    tokens_per_second: float | None
-    expected_acceptance_length: float | None
-    eval_acceptance_length: float | None
-    learning_rate: float | None
-    epoch: float | None
-    last_checkpoint: str | None
-    last_checkpoint_step: int | None
-    error: str | None
-    cancel_requested: bool
-    interrupted_by_shutdown: bool
-    resumes: int
-    crash_resumes: int
-    phase: str | None  # preparing_data | training while RUNNING
-    data: dict[str, Any] | None  # the last data preparation progress
-    resume_step: int | None  # the checkpoint step the current run started from (None: step 0)
-    owns_output_dir: bool
-    checkpoints: list[dict[str, Any]] | None = None  # loaded by get_job(with_checkpoints=True)
-    queue_position: int | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL
-
-    def crashes_after(self, checkpoint_step: int, *, after_crash: bool) -> int:
-        """The job's count of crashes in a row without progress once it resumes from
-        `checkpoint_step`. A checkpoint past the step its last run started from is progress and
-        resets the count; a crash without one adds one; a resume that follows no crash (a shutdown,
-        a store that could not write, a request) leaves it as it is."""
-        if checkpoint_step > (self.resume_step or 0):
-            return 0
-        return self.crash_resumes + (1 if after_crash else 0)
-
-
-@dataclass
-class EventRecord:
-    id: int
-    job_id: str
-    time: float
-    kind: str
-    step: int | None
-    payload: dict[str, Any]
-
-
-class StoreUnavailable(Exception):
-    """The store could not read or write for a reason outside the daemon (disk full, I/O error,
-    lock): the call had no effect and may succeed when tried again."""
-
-
-def _spec_output_dir(spec_json: str) -> str:
-    """The output_dir of a stored spec as its client gave it."""
-    try:
-        given = json.loads(spec_json).get("output_dir")
-    except (ValueError, AttributeError):
-        given = None
-    return repr(given) if isinstance(given, str) else "(the default)"
-
-
-class OutputDirInUse(Exception):
-    """Another job owns the output directory."""
-
-    def __init__(self, owner: JobRecord):
-        self.owner = owner
-        super().__init__(f"output_dir {owner.output_dir} belongs to job {owner.id} ({owner.state})")
-
-
-# SQLite's primary result codes for conditions of the file system or of other connections, not of
-# the statement: SQLITE_BUSY, LOCKED, NOMEM, READONLY, IOERR, FULL, CANTOPEN, PROTOCOL
-_TRANSIENT_CODES = frozenset({5, 6, 7, 8, 10, 13, 14, 15})
-
-
-def _unavailable(error: sqlite3.Error, action: str) -> StoreUnavailable | None:
-    """StoreUnavailable for an error of the environment, None for one of the statement (a bug)."""
-    code = getattr(error, "sqlite_errorcode", None)
-    if isinstance(error, sqlite3.OperationalError) and code is not None and code & 0xFF in _TRANSIENT_CODES:
-        return StoreUnavailable(f"the job store cannot {action}: {error}")
-    return None
-
-
-class SubmissionConflict(Exception):
-    def __init__(self, existing: JobRecord):
-        self.existing = existing
-        super().__init__(
-            f"submission_id {existing.submission_id!r} is already used by job {existing.id} with a different spec"
-        )
-
-
-_JOB_COLUMNS = (
-    "seq, id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at, "
-    "started_at, finished_at, step, total_steps, loss, tokens_per_second, expected_acceptance_length, "
-    "eval_acceptance_length, learning_rate, epoch, last_checkpoint, last_checkpoint_step, error, cancel_requested, "
-    "interrupted_by_shutdown, resumes, crash_resumes, phase, data_json, resume_step, owns_output_dir"
-)
-_JOB_FIELDS = tuple(name.strip() for name in _JOB_COLUMNS.split(","))
-# columns added after the first release: (name, declaration), added to an older database at open
-_ADDED_COLUMNS = (
-    ("phase", "TEXT"),
-    ("data_json", "TEXT"),
-    ("resume_step", "INTEGER"),
-    ("owns_output_dir", "INTEGER NOT NULL DEFAULT 1"),
-    ("resume_with_group", "INTEGER NOT NULL DEFAULT 0"),
+from .store_schema import (
+    FAILED,
+    JOB_COLUMNS,
+    PENDING,
+    RUNNING,
+    SCHEMA,
+    STATES,
+    STOPPED,
+    SUCCEEDED,
+    TERMINAL,
+    EventRecord,
+    JobRecord,
+    OutputDirInUse,
+    StoreUnavailable,
+    SubmissionConflict,
+    Transaction,
+    insert_event,
+    job_record,
+    migrate,
+    unavailable_error,
 )
 
-
-def _job(row: tuple) -> JobRecord:
-    values = dict(zip(_JOB_FIELDS, row, strict=True))
-    values["spec"] = json.loads(values.pop("spec_json"))
-    data = values.pop("data_json")
-    values["data"] = json.loads(data) if data else None
-    for flag in ("cancel_requested", "interrupted_by_shutdown", "owns_output_dir"):
-        values[flag] = bool(values[flag])
-    return JobRecord(**values)
+__all__ = [
+    "FAILED",
+    "PENDING",
+    "RUNNING",
+    "STATES",
+    "STOPPED",
+    "SUCCEEDED",
+    "TERMINAL",
+    "EventRecord",
+    "JobRecord",
+    "JobStore",
+    "OutputDirInUse",
+    "StoreUnavailable",
+    "SubmissionConflict",
+]
 
 
 class JobStore:
@@ -233,63 +73,14 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a process crash loses no committed write
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
-        self._migrate()
-
-    def _migrate(self) -> None:
-        """Bring a database of an earlier release to this schema, in one transaction. Writes
-        nothing when it is already there (a daemon restarted on a full disk still opens it)."""
-        with self._tx() as db:
-            have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-            for name, decl in _ADDED_COLUMNS:
-                if name not in have:
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
-            if "resume_step" not in have:
-                # crash_resumes counted every crash of a job's life; it now counts crashes in a row
-                # without progress, which those numbers cannot tell: start them afresh
-                db.execute("UPDATE jobs SET crash_resumes = 0")
-            indexed = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'jobs_output_dir'")
-            if indexed.fetchone() is None:
-                self._disown_duplicate_output_dirs(db)
-                db.execute(OUTPUT_DIR_INDEX)
-
-    def _disown_duplicate_output_dirs(self, db: sqlite3.Connection) -> None:
-        """Concurrent submissions used to be able to share an output directory. Per directory the
-        job whose checkpoints are live keeps it (the RUNNING one, else the first submitted); the
-        others no longer own it, and those that have not ended fail: they would train into
-        another job's checkpoints."""
-        rows = db.execute(
-            "SELECT id, output_dir, state, spec_json FROM jobs WHERE owns_output_dir = 1 "
-            "ORDER BY output_dir, state = ? DESC, seq",
-            (RUNNING,),
-        ).fetchall()
-        owners: dict[str, str] = {}
-        for job_id, output_dir, state, spec_json in rows:
-            owner = owners.setdefault(output_dir, job_id)
-            if owner == job_id:
-                continue
-            db.execute("UPDATE jobs SET owns_output_dir = 0 WHERE id = ?", (job_id,))
-            if state not in TERMINAL:
-                given = _spec_output_dir(spec_json)  # as the client gave it: errors are readable by any reader
-                error = (
-                    f"output_dir {given} belongs to job {owner}, accepted at the same time; "
-                    "submit this job again with another output_dir"
-                )
-                db.execute(
-                    "UPDATE jobs SET state = ?, finished_at = ?, error = ? WHERE id = ?",
-                    (FAILED, time.time(), error, job_id),
-                )
-                self._event(db, job_id, "state", None, {"state": FAILED, "error": error})
-            log.warning(
-                "job shares its output_dir with an earlier job; the earlier job keeps it",
-                extra={"fields": {"job": job_id, "owner": owner, "output_dir": output_dir, "state": state}},
-            )
+        migrate(self._tx)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def _tx(self) -> _Transaction:
-        return _Transaction(self._db, self._lock)
+    def _tx(self) -> Transaction:
+        return Transaction(self._db, self._lock)
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -298,7 +89,7 @@ class JobStore:
             try:
                 yield self._db
             except sqlite3.Error as e:
-                if (unavailable := _unavailable(e, "read")) is not None:
+                if (unavailable := unavailable_error(e, "read")) is not None:
                     raise unavailable from e
                 raise
 
@@ -357,7 +148,7 @@ class JobStore:
                 if owner is None:
                     raise
                 raise OutputDirInUse(owner) from None
-            self._event(db, job_id, "state", None, {"state": PENDING})
+            insert_event(db, job_id, "state", None, {"state": PENDING})
         job = self.get_job(job_id)
         assert job is not None  # inserted just above; jobs are never deleted
         return job, True
@@ -367,15 +158,15 @@ class JobStore:
             return self._by_submission(db, submission_id)
 
     def _by_submission(self, db, submission_id: str) -> JobRecord | None:
-        row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
-        return _job(row) if row else None
+        row = db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
+        return job_record(row) if row else None
 
     def get_job(self, job_id: str, *, with_checkpoints: bool = True) -> JobRecord | None:
         with self._read() as db:
-            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 return None
-            job = _job(row)
+            job = job_record(row)
             if with_checkpoints:
                 job.checkpoints = self.checkpoints(job_id)
             if job.state == PENDING:
@@ -389,11 +180,11 @@ class JobStore:
         where, args = ("WHERE state = ?", [state]) if state else ("", [])
         with self._read() as db:
             rows = db.execute(
-                f"SELECT * FROM (SELECT {_JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+                f"SELECT * FROM (SELECT {JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
                 (*args, limit),
             ).fetchall()
             pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
-        jobs = [_job(r) for r in rows]
+        jobs = [job_record(r) for r in rows]
         position = {seq: i for i, seq in enumerate(pending)}
         for job in jobs:
             job.queue_position = position.get(job.seq)
@@ -406,9 +197,9 @@ class JobStore:
 
     def _output_dir_owner(self, db: sqlite3.Connection, output_dir: str) -> JobRecord | None:
         row = db.execute(
-            f"SELECT {_JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND owns_output_dir = 1", (output_dir,)
+            f"SELECT {JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND owns_output_dir = 1", (output_dir,)
         ).fetchone()
-        return _job(row) if row else None
+        return job_record(row) if row else None
 
     def count_by_state(self) -> dict[str, int]:
         counts = dict.fromkeys(STATES, 0)
@@ -421,10 +212,10 @@ class JobStore:
         """A job left RUNNING by an earlier process comes first (it was already running), then PENDING in FIFO order."""
         with self._read() as db:
             row = db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, seq LIMIT 1",
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, seq LIMIT 1",
                 (RUNNING, PENDING, RUNNING),
             ).fetchone()
-            return _job(row) if row else None
+            return job_record(row) if row else None
 
     def mark_running(self, job_id: str) -> bool:
         """PENDING -> RUNNING; False if the job is no longer PENDING (cancelled a moment ago)."""
@@ -435,7 +226,7 @@ class JobStore:
                 (RUNNING, time.time(), job_id, PENDING),
             )
             if cur.rowcount:
-                self._event(db, job_id, "state", None, {"state": RUNNING})
+                insert_event(db, job_id, "state", None, {"state": RUNNING})
             return bool(cur.rowcount)
 
     def finish(
@@ -464,7 +255,7 @@ class JobStore:
             body = {"state": state, **(payload or {})}
             if error:
                 body["error"] = error
-            self._event(db, job_id, "state", None, body)
+            insert_event(db, job_id, "state", None, body)
 
     def _stop_if(self, job_id: str, state: str, reason: str) -> bool:
         """state -> STOPPED atomically, with its event; False if the job is no longer in `state`."""
@@ -474,7 +265,7 @@ class JobStore:
                 (STOPPED, time.time(), job_id, state),
             )
             if cur.rowcount:
-                self._event(db, job_id, "state", None, {"state": STOPPED, "reason": reason})
+                insert_event(db, job_id, "state", None, {"state": STOPPED, "reason": reason})
             return cur.rowcount == 1
 
     def stop_if_pending(self, job_id: str) -> bool:
@@ -490,14 +281,14 @@ class JobStore:
         with self._tx() as db:
             cur = db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ? AND state = ?", (job_id, RUNNING))
             if cur.rowcount:
-                self._event(db, job_id, "cancel_requested", None, {})
+                insert_event(db, job_id, "cancel_requested", None, {})
             return bool(cur.rowcount)
 
     def mark_interrupted(self, job_id: str, step: int) -> None:
         """Graceful shutdown: the job stays RUNNING (resumable) with its checkpoint."""
         with self._tx() as db:
             db.execute("UPDATE jobs SET interrupted_by_shutdown = 1 WHERE id = ?", (job_id,))
-            self._event(db, job_id, "interrupted", step, {"reason": "daemon shutting down", "step": step})
+            insert_event(db, job_id, "interrupted", step, {"reason": "daemon shutting down", "step": step})
 
     def update_progress(
         self,
@@ -518,7 +309,7 @@ class JobStore:
                 " learning_rate = ?, epoch = ? WHERE id = ?",
                 (step, total_steps, loss, tokens_per_second, expected_acceptance_length, learning_rate, epoch, job_id),
             )
-            self._event(db, job_id, "step", step, event_payload)
+            insert_event(db, job_id, "step", step, event_payload)
 
     def update_generation(self, job_id: str, progress: dict[str, Any]) -> None:
         """A regeneration's progress: rows done of total as its step, the progress as its data."""
@@ -534,7 +325,7 @@ class JobStore:
                     job_id,
                 ),
             )
-            self._event(db, job_id, "generate", int(progress["rows_done"]), progress)
+            insert_event(db, job_id, "generate", int(progress["rows_done"]), progress)
 
     def set_phase(self, job_id: str, phase: str, data: dict[str, Any] | None = None) -> None:
         """The running job's phase, with the data preparation's progress while it prepares."""
@@ -551,7 +342,7 @@ class JobStore:
     def set_eval(self, job_id: str, step: int, acceptance_length: float | None, payload: dict[str, Any]) -> None:
         with self._tx() as db:
             db.execute("UPDATE jobs SET eval_acceptance_length = ? WHERE id = ?", (acceptance_length, job_id))
-            self._event(db, job_id, "eval", step, payload)
+            insert_event(db, job_id, "eval", step, payload)
 
     def add_checkpoint(self, job_id: str, step: int, path: str, *, pause_seconds: float | None = None) -> None:
         with self._tx() as db:
@@ -565,7 +356,7 @@ class JobStore:
             payload: dict[str, Any] = {"path": path, "step": step}
             if pause_seconds is not None:
                 payload["pause_seconds"] = round(pause_seconds, 4)
-            self._event(db, job_id, "checkpoint", step, payload)
+            insert_event(db, job_id, "checkpoint", step, payload)
 
     def forget_checkpoints(self, job_id: str, paths: list[str]) -> None:
         """The engine rotated these checkpoint directories away."""
@@ -617,7 +408,7 @@ class JobStore:
                     "checkpoint": checkpoint_path,
                     "checkpoint_step": checkpoint_step,
                 }
-                self._event(db, job_id, "state", None, payload)
+                insert_event(db, job_id, "state", None, payload)
             return bool(cur.rowcount)
 
     def prepare_resume(
@@ -627,10 +418,10 @@ class JobStore:
         recomputed, identically, after the resume), count the crash (JobRecord.crashes_after) and record
         the resume with its reason, in one transaction. Returns the number of events removed."""
         with self._tx() as db:
-            row = db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 raise KeyError(job_id)
-            job = _job(row)
+            job = job_record(row)
             removed = db.execute(
                 "DELETE FROM events WHERE job_id = ? AND kind IN ('step', 'eval', 'checkpoint') AND step > ?",
                 (job_id, checkpoint_step),
@@ -663,19 +454,14 @@ class JobStore:
                 "discarded_events": removed,
                 "steps_lost": max(0, job.step - checkpoint_step),
             }
-            self._event(db, job_id, "resumed", checkpoint_step, payload)
+            insert_event(db, job_id, "resumed", checkpoint_step, payload)
         return removed
 
     # ------------------------------------------------------------------ events
-    def _event(self, db, job_id: str, kind: str, step: int | None, payload: dict[str, Any]) -> None:
-        db.execute(
-            "INSERT INTO events (job_id, time, kind, step, payload_json) VALUES (?, ?, ?, ?, ?)",
-            (job_id, time.time(), kind, step, json.dumps(payload, default=str)),
-        )
 
     def add_event(self, job_id: str, kind: str, payload: dict[str, Any], step: int | None = None) -> None:
         with self._tx() as db:
-            self._event(db, job_id, kind, step, payload)
+            insert_event(db, job_id, kind, step, payload)
 
     def events(
         self, job_id: str, *, after: int = 0, kinds: Iterable[str] | None = None, limit: int = 1000
@@ -691,50 +477,3 @@ class JobStore:
         with self._read() as db:
             rows = db.execute(sql, args).fetchall()
         return [EventRecord(i, j, t, k, s, json.loads(p)) for i, j, t, k, s, p in rows]
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE .. COMMIT under the store's lock; on any error the transaction is rolled
-    back (the connection is shared: a transaction left open would fail every later one) and an
-    error of the environment becomes StoreUnavailable."""
-
-    def __init__(self, db: sqlite3.Connection, lock: threading.RLock):
-        self._db, self._lock = db, lock
-
-    def __enter__(self) -> sqlite3.Connection:
-        self._lock.acquire()
-        try:
-            self._db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as e:
-            self._lock.release()
-            if (unavailable := _unavailable(e, "write")) is not None:
-                raise unavailable from e
-            raise
-        except BaseException:
-            self._lock.release()
-            raise
-        return self._db
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc is None:
-                try:
-                    self._db.execute("COMMIT")
-                except sqlite3.Error as e:
-                    exc = e
-            if exc is not None:
-                self._rollback()
-                if isinstance(exc, sqlite3.Error) and (unavailable := _unavailable(exc, "write")) is not None:
-                    raise unavailable from exc
-                if exc_type is None:  # the COMMIT itself failed for a reason of the statement
-                    raise exc
-        finally:
-            self._lock.release()
-
-    def _rollback(self) -> None:
-        # SQLite may have rolled back already (it does on some SQLITE_FULL and I/O errors)
-        if self._db.in_transaction:
-            try:
-                self._db.execute("ROLLBACK")
-            except sqlite3.Error:
-                log.exception("the job store could not roll back a failed transaction")

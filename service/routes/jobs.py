@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import api_models as models
 from ..event_feed import EVENT_PAGE
-from ..jobs.manager import JobNotFound
+from ..jobs.errors import JobNotFound
 from ..jobs.regenerate_spec import RegenerateSpec
 from ..jobs.schemas import JobSpec, SpecError, parse_spec
 from ..jobs.store import STATES

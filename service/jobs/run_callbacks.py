@@ -1,0 +1,119 @@
+"""The engine's callbacks for one run of a job: persist its progress in the store, feed the
+metrics and the experiment trackers, and answer whether it should stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..tracking import Tracker
+from .paths import name_as_given
+from .store import StoreUnavailable
+
+if TYPE_CHECKING:
+    from .worker import JobWorker
+
+log = logging.getLogger("dflash.jobs")
+
+
+class RunCallbacks:
+    """Engine callbacks of one run: persist progress, feed metrics, answer cancellation."""
+
+    def __init__(
+        self, manager: JobWorker, job_id: str, tracker: Tracker | None = None, paths: dict[str, str] | None = None
+    ):
+        self.manager = manager
+        self.job_id = job_id
+        self.tracker = tracker  # experiment tracking (report_to)
+        self.paths = paths or {}  # the job's paths as the engine has them -> as the client gave them
+        self.cancel = threading.Event()
+        # the store's failure that ended the run (the engine reports any callback error as the job's)
+        self.store_error: StoreUnavailable | None = None
+
+    def _store(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A store call, whose failure is noted before it propagates through the engine."""
+        try:
+            return call(*args, **kwargs)
+        except StoreUnavailable as e:
+            self.store_error = e
+            raise
+
+    # The engine calls these from the job's thread; see dflash_core.engine.JobCallbacks.
+    def on_step(self, stats) -> None:
+        payload = dataclasses.asdict(stats)
+        self._store(
+            self.manager.store.update_progress,
+            self.job_id,
+            step=stats.step,
+            total_steps=stats.total_steps,
+            loss=stats.loss,
+            tokens_per_second=stats.tokens_per_second,
+            expected_acceptance_length=stats.expected_acceptance_length,
+            learning_rate=stats.learning_rate,
+            epoch=stats.epoch,
+            event_payload=payload,
+        )
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_step(stats, self.job_id)
+        if self.tracker is not None:
+            self.tracker.step(stats)
+        log.debug("step", extra={"fields": {"job": self.job_id, "step": stats.step, "loss": round(stats.loss, 4)}})
+
+    def on_checkpoint(self, path: str, step: int, pause_seconds: float = 0.0) -> None:
+        self._store(self.manager.store.add_checkpoint, self.job_id, step, path, pause_seconds=pause_seconds)
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_checkpoint_pause(pause_seconds)
+        if self.tracker is not None:
+            self.tracker.checkpoint(step, pause_seconds)
+        log.info("checkpoint written", extra={"fields": {"job": self.job_id, "step": step, "path": path}})
+
+    def on_checkpoints_removed(self, paths: list[str]) -> None:
+        self._store(self.manager.store.forget_checkpoints, self.job_id, paths)
+
+    def on_event(self, kind: str, payload: dict) -> None:
+        if kind == "resumed":  # the manager already recorded the resume, with why and from where
+            return
+        store = self.manager.store
+        if kind == "data":
+            self._store(store.set_phase, self.job_id, "training")
+            if self.manager.metrics is not None:
+                self.manager.metrics.observe_data_progress(None, self.job_id)
+            if payload.get("total_steps"):
+                self._store(store.set_total_steps, self.job_id, int(payload["total_steps"]))
+        if kind in ("data", "skipped_lines") and self._store(store.events, self.job_id, kinds=[kind], limit=1):
+            return  # a resumed run reads the same data again: the first record stands
+        if kind == "skipped_lines":  # the records' places, named as the client named the datasets
+            payload = {**payload, "first": [name_as_given(str(m), self.paths) for m in payload.get("first") or []]}
+        self._store(store.add_event, self.job_id, kind, payload)
+
+    def on_eval(self, step: int, result: dict) -> None:
+        tau = result.get("acceptance_length")
+        self._store(self.manager.store.set_eval, self.job_id, step, tau, {"step": step, **result})
+        if self.manager.metrics is not None and tau is not None:
+            self.manager.metrics.observe_eval(tau, self.job_id)
+        if self.tracker is not None:
+            self.tracker.eval(step, result)
+        log.info("evaluation", extra={"fields": {"job": self.job_id, "step": step, "acceptance_length": tau}})
+
+    def on_data_progress(self, progress: dict) -> None:
+        if progress.get("rebuilt_cache_entries"):  # the datasets named as the client named them
+            rebuilt = [
+                {**r, "dataset": name_as_given(str(r["dataset"]), self.paths)}
+                for r in progress["rebuilt_cache_entries"]
+            ]
+            progress = {**progress, "rebuilt_cache_entries": rebuilt}
+        self._store(self.manager.store.set_phase, self.job_id, "preparing_data", progress)
+        self._store(self.manager.store.add_event, self.job_id, "preparing_data", progress)
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_data_progress(progress, self.job_id)
+
+    def on_generate(self, progress: dict) -> None:
+        self._store(self.manager.store.update_generation, self.job_id, progress)
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_generate(progress, self.job_id)
+
+    def should_cancel(self) -> bool:
+        return self.cancel.is_set() or self.manager.shutting_down

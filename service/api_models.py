@@ -1,6 +1,6 @@
 """The shapes of the daemon's responses, for its OpenAPI document (GET /openapi.json).
 
-The routes build their JSON by hand (service.app.job_json and friends); these models describe that
+The routes build their JSON by hand (service.views.job_json and friends); these models describe that
 JSON so that the served schema says what the daemon returns. tests/service/test_openapi.py checks
 the two against each other with schemathesis on a real daemon. Extra keys are allowed, so a field
 added to a response does not make older clients' schemas wrong.

@@ -49,6 +49,18 @@ def register_client_command(subparsers, name: str, handler: Callable[[argparse.N
     return parser
 
 
+def register_local_command(
+    subparsers, name: str, handler: Callable[[argparse.Namespace], int], help_text: str, description: str
+):
+    """A subcommand that runs in this process; returns its parser for its arguments."""
+    parser = subparsers.add_parser(name, help=help_text, description=description)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+DATA_DIR_HELP = "data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)"
+
+
 def _version() -> str:
     from importlib import metadata
 
@@ -68,15 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser(
+    _add_local_commands(sub)
+    _add_client_commands(sub)
+    return parser
+
+
+def _add_local_commands(sub) -> None:
+    serve = register_local_command(
+        sub,
         "serve",
-        help="run the daemon",
-        description="Run the training daemon (embedded default target without a config file).",
+        cmd_serve,
+        "run the daemon",
+        "Run the training daemon (embedded default target without a config file).",
     )
     serve.add_argument("--config", help="TOML or YAML config file")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--data-dir", help="data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)")
+    serve.add_argument("--data-dir", help=DATA_DIR_HELP)
     serve.add_argument("--log-json", action="store_true", help="log JSON lines")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
@@ -86,22 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
         "MASTER_PORT; one process per host); implied when WORLD_SIZE > 1. Rank r>0 listens on port + LOCAL_RANK "
         "and keeps its files in DATA_DIR/ranks/r",
     )
-    serve.set_defaults(handler=cmd_serve)
 
-    pre = sub.add_parser(
+    pre = register_local_command(
+        sub,
         "precompile",
-        help="compile a config's kernels into its data directory, then exit",
-        description="Build and warm up the engine of a config without serving: fills the data directory's "
+        cmd_precompile,
+        "compile a config's kernels into its data directory, then exit",
+        "Build and warm up the engine of a config without serving: fills the data directory's "
         "compile cache (and torch's portable compile artifacts), so that serve starts warm.",
     )
     pre.add_argument("--config", help="TOML or YAML config file")
-    pre.add_argument("--data-dir", help="data directory (default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer)")
-    pre.set_defaults(handler=cmd_precompile)
+    pre.add_argument("--data-dir", help=DATA_DIR_HELP)
 
-    export = sub.add_parser(
+    export = register_local_command(
+        sub,
         "export",
-        help="write a serving directory from a drafter checkpoint",
-        description="Write config.json (with auto_map), modeling_dflash.py and model.safetensors for SGLang, vLLM "
+        cmd_export,
+        "write a serving directory from a drafter checkpoint",
+        "Write config.json (with auto_map), modeling_dflash.py and model.safetensors for SGLang, vLLM "
         "or transformers' AutoModel(trust_remote_code=True), without the training state.",
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT")
@@ -112,8 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="weights dtype (default auto: the dtype of the target the checkpoint was trained for)",
     )
-    export.set_defaults(handler=cmd_export)
 
+    ev = register_local_command(
+        sub,
+        "eval",
+        cmd_eval,
+        "measure a checkpoint's acceptance length (tau)",
+        "Greedy speculative decoding with the target and a drafter checkpoint, in this "
+        "process (no daemon): prints tau and a small table.",
+    )
+    _add_eval_arguments(ev)
+
+    comp = register_local_command(
+        sub, "completion", cmd_completion, "print a shell completion script", cmd_completion.__doc__ or ""
+    )
+    comp.add_argument("shell", choices=["bash", "zsh"])
+
+
+def _add_client_commands(sub) -> None:
     submit = register_client_command(sub, "submit", cmd_submit, "submit a job file (JSON job spec)")
     submit.add_argument("job_file", metavar="JOB.json")
     submit.add_argument("--follow", "-f", action="store_true", help="follow progress until the job ends")
@@ -140,19 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--follow", "-f", action="store_true", help="follow until the job ends (across daemon restarts)")
     logs.add_argument("--json", action="store_true", help="one JSON event per line")
 
-    comp = sub.add_parser("completion", help="print a shell completion script", description=cmd_completion.__doc__)
-    comp.add_argument("shell", choices=["bash", "zsh"])
-    comp.set_defaults(handler=cmd_completion)
-
     cancel = register_client_command(sub, "cancel", cmd_cancel, "stop a queued or running job")
     cancel.add_argument("job_id", metavar="JOB_ID")
 
-    ev = sub.add_parser(
-        "eval",
-        help="measure a checkpoint's acceptance length (tau)",
-        description="Greedy speculative decoding with the target and a drafter checkpoint, in this "
-        "process (no daemon): prints tau and a small table.",
-    )
+
+def _add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--checkpoint", required=True, help="drafter checkpoint directory")
     ev.add_argument(
         "--prompts",
@@ -171,8 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--data-dir", help="data directory for the embedded default")
     ev.add_argument("--json", action="store_true", help="print the raw JSON summary")
-    ev.set_defaults(handler=cmd_eval)
-    return parser
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

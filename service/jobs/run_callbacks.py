@@ -43,19 +43,7 @@ class RunCallbacks:
 
     # The engine calls these from the job's thread; see dflash_core.engine.JobCallbacks.
     def on_step(self, stats) -> None:
-        payload = dataclasses.asdict(stats)
-        self._store(
-            self.manager.store.update_progress,
-            self.job_id,
-            step=stats.step,
-            total_steps=stats.total_steps,
-            loss=stats.loss,
-            tokens_per_second=stats.tokens_per_second,
-            expected_acceptance_length=stats.expected_acceptance_length,
-            learning_rate=stats.learning_rate,
-            epoch=stats.epoch,
-            event_payload=payload,
-        )
+        self._store(self.manager.store.update_progress, self.job_id, dataclasses.asdict(stats))
         if self.manager.metrics is not None:
             self.manager.metrics.observe_step(stats, self.job_id)
         if self.tracker is not None:

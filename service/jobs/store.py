@@ -290,26 +290,23 @@ class JobStore:
             db.execute("UPDATE jobs SET interrupted_by_shutdown = 1 WHERE id = ?", (job_id,))
             insert_event(db, job_id, "interrupted", step, {"reason": "daemon shutting down", "step": step})
 
-    def update_progress(
-        self,
-        job_id: str,
-        *,
-        step: int,
-        total_steps: int,
-        loss: float,
-        tokens_per_second: float,
-        expected_acceptance_length: float,
-        learning_rate: float,
-        epoch: float,
-        event_payload: dict[str, Any],
-    ) -> None:
+    # the columns a training step updates, each from the step's payload key of the same name
+    STEP_COLUMNS = (
+        "step",
+        "total_steps",
+        "loss",
+        "tokens_per_second",
+        "expected_acceptance_length",
+        "learning_rate",
+        "epoch",
+    )
+
+    def update_progress(self, job_id: str, step: dict[str, Any]) -> None:
+        """A training step: the job's progress columns, and the step's event (`step`, the payload)."""
+        assignments = ", ".join(f"{column} = ?" for column in self.STEP_COLUMNS)
         with self._tx() as db:
-            db.execute(
-                "UPDATE jobs SET step = ?, total_steps = ?, loss = ?, tokens_per_second = ?, expected_acceptance_length = ?,"
-                " learning_rate = ?, epoch = ? WHERE id = ?",
-                (step, total_steps, loss, tokens_per_second, expected_acceptance_length, learning_rate, epoch, job_id),
-            )
-            insert_event(db, job_id, "step", step, event_payload)
+            db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*(step[c] for c in self.STEP_COLUMNS), job_id))
+            insert_event(db, job_id, "step", step["step"], step)
 
     def update_generation(self, job_id: str, progress: dict[str, Any]) -> None:
         """A regeneration's progress: rows done of total as its step, the progress as its data."""

@@ -4,6 +4,8 @@ thread of the pool is busy (e.g. submissions waiting for the engine during a col
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -15,29 +17,38 @@ PATHS = ("/healthz", "/livez", "/metrics")  # all that a rank other than 0 serve
 router = APIRouter()
 
 
+def _probe(model: type, ok: str, not_ok: str) -> dict[int | str, dict[str, Any]]:
+    """A probe's answers: 200 when it passes, 503 when not, both with the same body."""
+    return {200: doc(ok, model), 503: doc(not_ok, model)}
+
+
+def _answer(body: dict[str, Any], passes: bool) -> JSONResponse:
+    return JSONResponse(body, status_code=200 if passes else 503)
+
+
 @router.get(
     "/healthz",
-    responses={
-        200: doc("every drafter is warm: jobs run", models.Health),
-        503: doc("starting, warming or failed (see status, phase and error)", models.Health),
-    },
+    responses=_probe(
+        models.Health, "every drafter is warm: jobs run", "starting, warming or failed (see status, phase and error)"
+    ),
 )
 async def healthz(daemon: RunningDaemon) -> JSONResponse:
     assert daemon.host is not None  # set by Daemon.start(), which the lifespan runs before any request
     body = daemon.host.health()
-    return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
+    return _answer(body, body["status"] == "ready")
 
 
 @router.get(
     "/livez",
-    responses={
-        200: doc("the process, its job worker and its engine threads are alive", models.Liveness),
-        503: doc("something died (see problems): restart the daemon", models.Liveness),
-    },
+    responses=_probe(
+        models.Liveness,
+        "the process, its job worker and its engine threads are alive",
+        "something died (see problems): restart the daemon",
+    ),
 )
 async def livez(daemon: RunningDaemon) -> JSONResponse:
     body = daemon.liveness()
-    return JSONResponse(body, status_code=200 if body["status"] == "alive" else 503)
+    return _answer(body, body["status"] == "alive")
 
 
 @router.get(

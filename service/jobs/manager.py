@@ -30,7 +30,9 @@ ENGINE_CREATE_TIMEOUT = 120.0
 
 
 class JobManager(JobWorker):
-    # ------------------------------------------------------------------ requests
+    """The queue's requests, answered from the HTTP threads (the thread that runs the jobs is the
+    base class's)."""
+
     def submit(self, spec: JobSpec | RegenerateSpec) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (job, created). Raises SpecError (422), SubmissionConflict/JobConflict (409),
         Unavailable (503)."""

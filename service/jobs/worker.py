@@ -50,6 +50,9 @@ RESUME_REQUESTED = "resume requested"
 
 
 class JobWorker:
+    """The queue's worker thread and the state it shares with the requests: the store, the engine
+    host, the run in progress, the wake-up for a new job, the shutdown."""
+
     def __init__(self, config: ServiceConfig, store: JobStore, host: EngineHost):
         self.config = config
         self.store = store

@@ -1,7 +1,8 @@
 """The served /openapi.json: the routes' own declarations, plus what FastAPI cannot see from them:
 the answers of service.http_guard, which every request passes first and which depend on the
 method and on this daemon's tokens; error answers as JSON whatever the route streams; and the
-schemas a route names by reference only (the regeneration spec, an event line)."""
+schemas a route names by reference only (the regeneration spec, an event line), and the job spec
+as its model writes it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from . import api_models as models
 from .config import ServiceConfig
 from .http_guard import MAX_BODY_BYTES, SAFE_METHODS, UNGUARDED_READS
 from .jobs.regenerate_spec import RegenerateSpec
+from .jobs.schemas import JobSpec
 
 # what every request may be answered by the guard, before any route runs
 _GUARD = {
@@ -48,6 +50,9 @@ def guarded_openapi(app: FastAPI, config: ServiceConfig) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
+    # the body's schema as the model itself writes it (FastAPI's rendering of a body validated by a
+    # function differs in form: float bounds on integers, no null defaults)
+    _add_schema(schemas, "JobSpec", JobSpec)
     _add_schema(schemas, "RegenerateSpec", RegenerateSpec)  # a body with "kind": "regenerate"
     _add_schema(schemas, "Event", models.Event)  # one line of an event stream
     guarded = False

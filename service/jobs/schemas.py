@@ -106,7 +106,8 @@ def _document_job_checks(schema: dict[str, Any]) -> None:
 
 
 class JobSpec(SpecModel):
-    """A training job as submitted over HTTP (POST /jobs)."""
+    """A training job as submitted over HTTP (POST /jobs). Unknown fields are rejected, so a typo
+    never silently falls back to a default."""
 
     model_config = ConfigDict(json_schema_extra=lambda schema, cls: _document_job_checks(schema))
 

@@ -266,6 +266,13 @@ class Checkpointer:
         self._pauses: dict[int, float] = {}
         self._snapshot_buffers.prepare(_expected_layout(replica))  # the last step always checkpoints
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:  # the job is failing: a write in flight completes, nothing new starts
+            self.abandon()
+
     def _drop_newer_than(self, step: int | None) -> None:
         """A resumed job recomputes the steps after its checkpoint: checkpoints of later steps on
         disk (written, but not recorded before the daemon died) are stale, and rotation must not

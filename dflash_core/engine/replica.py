@@ -46,6 +46,18 @@ class StepAccumulator:
         self.counted += counted
         self.micro_batches += 1
 
+    @staticmethod
+    def merged(accs: list[StepAccumulator]) -> StepAccumulator:
+        """The replicas' accumulators summed on the host: the step's totals (read once per step;
+        a multi-host group sums these totals once more across its ranks)."""
+        return StepAccumulator(
+            torch.tensor(sum(float(a.loss_sum) for a in accs), dtype=torch.float64),
+            torch.stack([a.correct.cpu() for a in accs]).sum(0),
+            torch.stack([a.counted.cpu() for a in accs]).sum(0),
+            sum(a.context_tokens for a in accs),
+            sum(a.micro_batches for a in accs),
+        )
+
 
 class DrafterReplica:
     def __init__(

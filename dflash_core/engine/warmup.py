@@ -28,7 +28,7 @@ from ..target import TargetModel
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
-from .grad_sync import GradSync
+from .drafters import GradSync
 from .pipeline import capture
 from .replica import DrafterReplica
 from .step_graph import StepGraph, matches_eager
@@ -84,6 +84,7 @@ class Parts:
     targets: list[TargetModel]
     replicas: list[DrafterReplica]
     feature_spec: tuple[tuple[int, ...], torch.dtype]  # every micro-batch's target features
+    gamma: float  # the recipe's position-weight decay, a job's unless it sets loss_gamma
 
 
 def resolve_devices(config: EngineConfig) -> tuple[list[str | list[str]], list[str]]:
@@ -174,6 +175,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         raise_recompile_limit(len(drafter_devices))
     loss = LossConfig()
     replicas = []
+    gamma = recipe_gamma(config.recipe, config.block_size)
     for i, dev in enumerate(drafter_devices):
         replicas.append(
             DrafterReplica(
@@ -182,7 +184,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 dev,
                 head,
                 plan,
-                gamma=recipe_gamma(config.recipe, config.block_size),
+                gamma=gamma,
                 chunk_size=loss.chunk_size,
                 teacher=config.teacher,
             )
@@ -227,6 +229,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
         targets,
         replicas,
         (tuple(features.shape), features.dtype),
+        gamma,
     )
 
 

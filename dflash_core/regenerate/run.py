@@ -33,6 +33,7 @@ from ..data.regenerated import MANIFEST
 from ..data.sources import dataset_files
 from ..engine.api import JobCallbacks, JobError, JobResult
 from ..engine.config import job_template
+from ..engine.kinds import readable_failures
 from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
@@ -67,12 +68,22 @@ def generation_slots(engine: Engine, length: int) -> int:
 
 
 class RegenerationRun:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    """A regeneration job on the built engine (the run protocol of engine/kinds.py)."""
+
+    def __init__(self, engine: Engine, job: RegenerateJob, callbacks: JobCallbacks, resume_from: str | None):
+        """resume_from is not read: the output directory's manifest says what is done."""
+        self.engine, self.job, self.cb = engine, job, callbacks
+
+    @classmethod
+    def validate(cls, engine: Engine, job: RegenerateJob) -> None:
+        """Raise JobError(message, field) for a job this engine cannot run."""
+        cls(engine, job, JobCallbacks(), None).check(job)
+
+    def admit(self) -> None:
+        """Nothing to hand to other processes (one host); execute() checks the job again."""
 
     # ------------------------------------------------------------------ validation
-    def validate(self, job: RegenerateJob) -> None:
-        """Raise JobError(message, field) for a job this engine cannot run."""
+    def check(self, job: RegenerateJob) -> None:
         engine = self.engine
         if engine.group is not None:
             raise JobError("regeneration runs on a daemon of one host, not in a multi-host group", "kind")
@@ -129,20 +140,13 @@ class RegenerationRun:
             raise JobError("the chat template does not render the user's message", field)
 
     # ------------------------------------------------------------------ the run
-    def execute(self, job: RegenerateJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
-        """Run the job to its end, a cancel or a shutdown (cb.should_cancel); raises JobError.
-        resume_from is not read: the output directory's manifest says what is done."""
-        try:
-            return self._execute(job, cb)
-        except JobError:
-            raise
-        except torch.OutOfMemoryError as e:
-            raise JobError(f"out of memory: {str(e).splitlines()[0]} (set [engine] generate_slots lower)") from e
-        except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
-            raise JobError(f"{type(e).__name__}: {e}") from e
+    def execute(self) -> JobResult:
+        """Run the job to its end, a cancel or a shutdown (callbacks.should_cancel); raises JobError."""
+        with readable_failures(" (set [engine] generate_slots lower)"):
+            return self._execute(self.job, self.cb)
 
     def _execute(self, job: RegenerateJob, cb: JobCallbacks) -> JobResult:
-        self.validate(job)
+        self.check(job)
         engine = self.engine
         target = engine.targets[0]
         length = generation_length(engine)

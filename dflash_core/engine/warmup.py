@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,7 +173,7 @@ class _Build:
         check_rope_positions(drafter_config, config.seq_len, config.block_size)
         return tokenizer, drafter_config
 
-    def load_targets(self, target_path: str, layer_ids: Sequence[int]) -> list[TargetModel]:
+    def load_targets(self, target_path: str, layer_ids: list[int] | tuple[int, ...]) -> list[TargetModel]:
         targets = []
         for dev in self.target_devices:
             t = time.monotonic()

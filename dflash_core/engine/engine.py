@@ -21,8 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..config import DrafterConfig
 from ..data.cache_entry import sweep_partial
 from ..data.prepare import Tokenization, save_tokenizer
@@ -113,21 +111,8 @@ class Engine:
             log_compile_times()
         self.drafters.start(self.parts.replicas, lambda name: self.timeline.mark(f"thread:{name}"))
         self.ready = True
-        self.ranks.announce_ready(self._rank_description)
+        self.ranks.announce_ready(lambda: self.parts.description(self.config.shape) if self.parts else {})
         self.timeline.enter("ready", len(self.replicas))
-
-    def _rank_description(self) -> dict[str, Any]:
-        """What every rank of a group must share to train together (compared by rank 0)."""
-        assert self.parts is not None
-        from importlib import metadata
-
-        return {
-            "drafters": len(self.replicas),
-            "versions": [metadata.version("dflash-trainer"), torch.__version__],
-            "shape": dict(vars(self.config.shape)),
-            "drafter": self.parts.drafter_config.to_dict(),
-            "plan": str(self.parts.plan),
-        }
 
     @property
     def replicas(self) -> list[DrafterReplica]:

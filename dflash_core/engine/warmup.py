@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..config import DrafterConfig, LossConfig
+from ..config import DrafterConfig, LossConfig, ShapeConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
 from ..devices import CudaContexts, default_devices
 from ..parity import check_serving_parity
@@ -86,6 +86,18 @@ class Parts:
     replicas: list[DrafterReplica]
     feature_spec: tuple[tuple[int, ...], torch.dtype]  # every micro-batch's target features
     gamma: float  # the recipe's position-weight decay, a job's unless it sets loss_gamma
+
+    def description(self, shape: ShapeConfig) -> dict[str, Any]:
+        """What every rank of a group must share to train together (compared by rank 0)."""
+        from importlib import metadata
+
+        return {
+            "drafters": len(self.replicas),
+            "versions": [metadata.version("dflash-trainer"), torch.__version__],
+            "shape": dict(vars(shape)),
+            "drafter": self.drafter_config.to_dict(),
+            "plan": str(self.plan),
+        }
 
 
 def resolve_devices(config: EngineConfig) -> tuple[list[str | list[str]], list[str]]:

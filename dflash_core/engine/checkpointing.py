@@ -302,17 +302,11 @@ class Checkpointer:
         self._pauses[step] = time.monotonic() - t  # training was stopped this long
 
     def finish(
-        self,
-        step: int,
-        stats: StepStats | None,
-        eval_result: dict[str, Any] | None,
-        *,
-        stopped_early: bool,
-        first_step: int,
+        self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, write_last: bool
     ) -> str | None:
-        """Wait for the write in flight; a job stopped early also writes its current step (if it
-        made progress), so that it resumes from there. The last checkpoint's path."""
-        if stopped_early and step > first_step:
+        """Wait for the write in flight; with write_last (a job stopped early after it made
+        progress) also write this step, so that the job resumes from there. The last checkpoint's path."""
+        if write_last:
             self.save(step, stats, eval_result, force=True)
         self._report(self._writer.wait())
         self._snapshot_buffers.clear()

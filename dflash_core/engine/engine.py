@@ -103,7 +103,7 @@ class Engine:
             self.timeline.mark("build:compile_artifacts_loaded")
         for partial in ("tokens", "tokens/tokenizers"):  # what a killed daemon's tokenization left
             sweep_partial(self.data_dir / "cache" / partial)
-        self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts, self.drafters.grad_sync)
+        self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts)
         self.ranks.bind(self.drafters, self.parts.drafter_config.block_size)
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")

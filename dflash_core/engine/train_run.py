@@ -65,7 +65,9 @@ class NoCheckpoints:
 
     def save(self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None) -> None: ...
 
-    def finish(self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, **_: Any) -> str | None:
+    def finish(
+        self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, write_last: bool
+    ) -> str | None:
         return None
 
 
@@ -87,6 +89,7 @@ class TrainRun:
         self.eval_result: dict[str, Any] | None = None
         self.trained = 0  # labelled block positions this run trained on
         self.status = "SUCCEEDED"
+        self.step_began = 0.0  # when the running step began (time.monotonic)
         self.stop: str | None = None  # why the ranks stopped the job early (ranks.CANCEL, SHUTDOWN)
 
     def admit(self) -> None:
@@ -120,9 +123,8 @@ class TrainRun:
             stack.enter_context(checkpoints)
             self.pipeline = self._start_pipeline(prepared.stream)
             self.loop(prepared.data, checkpoints)
-            last = checkpoints.finish(
-                self.step, self.stats, self.eval_result, stopped_early=self.status == "STOPPED", first_step=self.start
-            )
+            stopped_after_progress = self.status == "STOPPED" and self.step > self.start
+            last = checkpoints.finish(self.step, self.stats, self.eval_result, write_last=stopped_after_progress)
             self.ranks.agree_end()
         self.ranks.after_job(self.stop, self.step)
         return last
@@ -159,18 +161,19 @@ class TrainRun:
 
     def train_step(self, lr: float, cancel: bool) -> tuple[StepStats, str | None]:
         """One optimizer step across the drafters (and, in a group, the ranks)."""
-        t = time.monotonic()
+        self.step_began = time.monotonic()
         assert self.pipeline is not None
         accs, norm, (totals, stop) = self.drafters.step(
             self.pipeline, self.job, lr, lambda futures, error: self.ranks.exchange_step(futures, error, cancel)
         )
-        return self.step_stats(accs, totals, lr, norm, time.monotonic() - t), stop
+        return self.step_stats(accs, totals, lr, norm), stop
 
     def step_stats(
-        self, accs: list[StepAccumulator], totals: StepAccumulator | None, lr: float, norm: float, seconds: float
+        self, accs: list[StepAccumulator], totals: StepAccumulator | None, lr: float, norm: float
     ) -> StepStats:
         """The step's statistics: over every rank (`totals`, None: this rank's are the job's), except
         the per-device tokens and times, which are this rank's own."""
+        seconds = time.monotonic() - self.step_began
         totals = totals if totals is not None else StepAccumulator.merged(accs)
         correct, counted = totals.correct.float(), totals.counted.float()
         acc_per_pos = (correct[1:] / counted[1:].clamp_min(1)).tolist()

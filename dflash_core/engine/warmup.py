@@ -117,9 +117,9 @@ def device_label(entry: str | list[str]) -> str:
     return "+".join(entry) if isinstance(entry, list) else entry
 
 
-def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts, grad_sync: GradSync) -> Parts:
+def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts) -> Parts:
     """Load the target copies and the drafter replicas and warm each device in turn."""
-    return _Build(config, timeline).run(data_dir, cuda, grad_sync)
+    return _Build(config, timeline).run(data_dir, cuda)
 
 
 class _Build:
@@ -132,7 +132,7 @@ class _Build:
         self.target_devices, self.drafter_devices = resolve_devices(config)
         self.plan = step_plan(self.drafter_devices, config.debug_eager)
 
-    def run(self, data_dir: Path, cuda: CudaContexts, grad_sync: GradSync) -> Parts:
+    def run(self, data_dir: Path, cuda: CudaContexts) -> Parts:
         config, timeline, plan = self.config, self.timeline, self.plan
         if plan.compiled and any(d.startswith("cuda") for d in self.drafter_devices) and start_compile_workers():
             timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
@@ -152,7 +152,7 @@ class _Build:
         # another micro-batch than the recorded one, to check a recorded step graph on
         check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
         self.warm_drafters(replicas, batch, features, check)
-        grad_sync.average([rep.grads() for rep in replicas])  # exercise the sync path once
+        GradSync().average([rep.grads() for rep in replicas])  # exercise this host's sync path once
         for rep in replicas:
             rep.zero_grad()
         reset_weights(replicas, WARMUP_SEED)
@@ -215,11 +215,27 @@ class _Build:
             if features is None:  # reused by the drafters
                 features = feats
             if self.plan.compiled:
-                _record_target_graph(target, batch, feats, self.config.seq_len, self.timeline)
+                self.record_target_graph(target, batch, feats)
             self.timeline.record("target", target.label, t)
             self.timeline.mark(f"build:target_warm:{target.label}")
         assert features is not None
         return features
+
+    def record_target_graph(self, target: TargetModel, batch: MicroBatch, eager: torch.Tensor) -> None:
+        """The target's capture as a CUDA graph (TargetModel.record_graph), kept only if its replay of
+        the warm-up micro-batch gives the eager features bit for bit."""
+        if not target.record_graph(self.config.seq_len):
+            return
+        replayed = capture(target, batch)
+        _sync(target.device)
+        if torch.equal(replayed, eager):
+            self.timeline.mark(f"build:target_graph:{target.label}")
+            return
+        target.drop_graph()
+        log.warning(
+            "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
+            extra={"fields": {"device": target.label}},
+        )
 
     def make_replicas(self, drafter_config: DrafterConfig, head: Any, gamma: float) -> list[DrafterReplica]:
         if self.plan.compiled:
@@ -377,25 +393,6 @@ def reset_weights(replicas: list[DrafterReplica], seed: int, init_from: dict[str
         if rep is not first:
             rep.load_state(state)
         rep.zero_grad()
-
-
-def _record_target_graph(
-    target: TargetModel, batch: MicroBatch, eager: torch.Tensor, seq_len: int, timeline: Timeline
-) -> None:
-    """The target's capture as a CUDA graph (TargetModel.record_graph), kept only if its replay of
-    the warm-up micro-batch gives the eager features bit for bit."""
-    if not target.record_graph(seq_len):
-        return
-    replayed = capture(target, batch)
-    _sync(target.device)
-    if torch.equal(replayed, eager):
-        timeline.mark(f"build:target_graph:{target.label}")
-        return
-    target.drop_graph()
-    log.warning(
-        "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
-        extra={"fields": {"device": target.label}},
-    )
 
 
 def _sync(device: torch.device) -> None:

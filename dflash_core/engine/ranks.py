@@ -67,7 +67,7 @@ def first_failure(futures: list[cf.Future], local_error: BaseException | None) -
 class SoloRanks:
     """One process: rank 0 of 1. Nothing to agree on; a failure is the job's at once."""
 
-    rank, world, leads, group = 0, 1, True, None
+    rank, world, leads = 0, 1, True
 
     def join(self, drafter_devices: list[str], timeline: Timeline) -> None: ...
     def bind(self, drafters: Drafters, block_size: int) -> None: ...

@@ -222,7 +222,7 @@ class TrainRun:
             grad_accum=self.job.grad_accum,
             feature_spec=self.parts.feature_spec,
             on_thread=lambda n: self.engine.timeline.mark(f"thread:{n}"),
-            share=(self.ranks.rank, self.ranks.world),
+            share=(self.ranks.rank, self.per_step),
         )
         self.engine.pipeline = pipeline.start()
         return pipeline

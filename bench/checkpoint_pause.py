@@ -98,7 +98,7 @@ def main(argv=None) -> None:
         if ckpt.due(i):
             submitted[i] = t
     last_step_end = time.monotonic()
-    ckpt.finish(args.steps, None, None, stopped_early=False, first_step=0)
+    ckpt.finish(args.steps, None, None, write_last=False)
     final_s = time.monotonic() - last_step_end
     med = sorted(step_times)[len(step_times) // 2]
     rows = []

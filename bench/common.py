@@ -101,6 +101,17 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
     return times
 
 
+def timing_fields(times: list[float]) -> dict[str, float]:
+    """A benchmark row's timing and CUDA memory columns: median and min of `times` (ms), the
+    allocator's peak reserved since the last reset and what it holds now (GiB)."""
+    return {
+        "median_ms": round(median(times), 2),
+        "min_ms": round(min(times), 2),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "steady_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
+    }
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

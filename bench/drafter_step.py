@@ -28,11 +28,11 @@ from bench.common import (
     drafter_flops,
     env_record,
     measured_bf16_peak_tflops,
-    median,
     out_dir,
     pid_alive,
     print_table,
     reference_drafter_config,
+    timing_fields,
     warm_caches_in_parallel,
 )
 from bench.optimizer import compiled_optimizer_ms, optimizer_rows, table_rows
@@ -88,14 +88,7 @@ def bench_variant(name, cfg, head, batch, feats, iters, chunk):
     first_call_s = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
     times = cuda_time_ms(fwd_bwd, warmup=2, iters=iters)
-    res = {
-        "variant": name,
-        "median_ms": round(median(times), 2),
-        "min_ms": round(min(times), 2),
-        "first_call_s": round(first_call_s, 1),
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-        "steady_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
-    }
+    res = {"variant": name, **timing_fields(times), "first_call_s": round(first_call_s, 1)}
     return rep, res
 
 

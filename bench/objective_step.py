@@ -26,10 +26,10 @@ from bench.common import (
     REFERENCE_SHAPE,
     cuda_time_ms,
     env_record,
-    median,
     out_dir,
     pid_alive,
     reference_drafter_config,
+    timing_fields,
 )
 from bench.drafter_step import ENGINE
 from dflash_core.config import ShapeConfig
@@ -124,11 +124,8 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only
         "block_size": shape.block_size,
         "graph": graph and rep.step_graph is not None,
         "graph_matches_eager": matches,
-        "median_ms": round(median(times), 2),
-        "min_ms": round(min(times), 2),
+        **timing_fields(times),
         "first_step_s": round(first_s, 1),
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-        "steady_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
         "reserved_swing_pct": round(100 * (max(reserved) - min(reserved)) / max(reserved), 3),
         "compiles_while_timed": compile_count() - compiles_before,
     }

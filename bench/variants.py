@@ -11,14 +11,38 @@ attention "dense" / "dense_chunked": SDPA with a dense mask, whole or in query c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.engine.config import StepPlan
 from dflash_core.engine.replica import compiled_run_layer
+from dflash_core.step.attention import DENSE_KINDS, DenseAttention
 from dflash_core.step.micro_step import StepKernels
 
 COMPILE_SCOPES = ("attention", "layer", "step")
+
+
+@dataclass
+class ChunkedDenseAttention:
+    """SDPA over chunks of queries, each with its slice of the dense mask: bounds the mask and
+    score memory per call. It swings reserved memory and loses throughput; the engine never
+    uses it, and it stays as the baseline the benchmarks compare against."""
+
+    mask: torch.Tensor
+    chunk: int = 1024
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dense = DenseAttention(None)
+        outs = []
+        for start in range(0, q.shape[2], self.chunk):
+            dense.mask = self.mask[start : start + self.chunk]
+            outs.append(dense(q[:, :, start : start + self.chunk], k, v))
+        return torch.cat(outs, dim=2)
+
+
+DENSE_KINDS["dense_chunked"] = ChunkedDenseAttention  # a plan's attention="dense_chunked"
 
 
 def variant_kernels(drafter: DFlashDrafter, plan: StepPlan, scope: str = "layer", q_splits: int = 1) -> StepKernels:

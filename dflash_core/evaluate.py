@@ -79,17 +79,15 @@ def speculative_generate(
 ) -> SpeculativeOutput:
     cfg = drafter.config
     b = cfg.block_size
-    tdev, ddev = target.device, head.embed_weight.device
+    tdev = target.device
     logits, feats = target.forward_logits(torch.tensor(prompt, device=tdev))
     out = list(prompt) + [_argmax_one(logits[-1])]
     lengths: list[int] = []
     confidence: list[tuple[float, float]] = []
     while len(out) - len(prompt) < max_new_tokens and out[-1] not in stop_token_ids:
         anchor = len(out) - 1
-        block = torch.full((b,), cfg.mask_token_id, dtype=torch.long, device=ddev)
-        block[0] = out[anchor]
         with autocast():
-            hidden = inference_block_forward(drafter, head, feats[:anchor].to(ddev), block, anchor)
+            hidden = block_hidden(drafter, head, feats, out)
             if cfg.recipe == "dspark":  # drafted left to right with the Markov bias
                 draft, conf_logits = markov_draft(drafter, head.lm_head_weight, hidden, out[anchor])
             else:
@@ -107,12 +105,25 @@ def speculative_generate(
         lengths.append(accepted + 1)
         if stop_token_ids.intersection(new_tokens):  # generation ended inside this block
             break
-    gen = out[len(prompt) :][:max_new_tokens]
+    return SpeculativeOutput(generated(out[len(prompt) :], max_new_tokens, stop_token_ids), lengths, confidence)
+
+
+def block_hidden(drafter: DFlashDrafter, head: FrozenHead, feats: torch.Tensor, out: list[int]) -> torch.Tensor:
+    """The drafter's final hidden states for the block anchored at the last token of `out`
+    (the anchor, then mask tokens), from the target's features of the tokens before it."""
+    cfg, anchor, device = drafter.config, len(out) - 1, head.embed_weight.device
+    block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=device)
+    block[0] = out[anchor]
+    return inference_block_forward(drafter, head, feats[:anchor].to(device), block, anchor)
+
+
+def generated(tokens: list[int], max_new_tokens: int, stop_token_ids: set[int]) -> list[int]:
+    """The new tokens, cut at max_new_tokens and after the first stop token."""
+    gen = tokens[:max_new_tokens]
     for i, t in enumerate(gen):
         if t in stop_token_ids:
-            gen = gen[: i + 1]
-            break
-    return SpeculativeOutput(gen, lengths, confidence)
+            return gen[: i + 1]
+    return gen
 
 
 @torch.no_grad()

@@ -16,8 +16,7 @@ import contextlib
 import torch
 
 from .drafter import DFlashDrafter, FrozenHead
-from .evaluate import SpeculativeOutput
-from .step.micro_step import inference_block_forward
+from .evaluate import SpeculativeOutput, block_hidden, generated
 from .target import TargetModel
 
 
@@ -64,16 +63,14 @@ def speculative_sample(
 ) -> SpeculativeOutput:
     cfg = drafter.config
     b = cfg.block_size
-    tdev, ddev = target.device, head.embed_weight.device
+    tdev = target.device
     logits, feats = target.forward_logits(torch.tensor(prompt, device=tdev))
     out = list(prompt) + [_sample(torch.softmax(logits[-1].float() / temperature, -1), generator)]
     lengths: list[int] = []
     while len(out) - len(prompt) < max_new_tokens and out[-1] not in stop_token_ids:
         anchor = len(out) - 1
-        block = torch.full((b,), cfg.mask_token_id, dtype=torch.long, device=ddev)
-        block[0] = out[anchor]
         with autocast():
-            hidden = inference_block_forward(drafter, head, feats[:anchor].to(ddev), block, anchor)
+            hidden = block_hidden(drafter, head, feats, out)
             draft, q = draft_sampled(drafter, head, hidden, out[anchor], temperature, generator)
         logits, full_feats = target.forward_logits(torch.tensor(out + draft, device=tdev))
         p = torch.softmax(logits[anchor:].float() / temperature, dim=-1)  # p[k]: the token after block position k
@@ -90,12 +87,7 @@ def speculative_sample(
         lengths.append(len(new_tokens))
         if stop_token_ids.intersection(new_tokens):
             break
-    gen = out[len(prompt) :][:max_new_tokens]
-    for i, t in enumerate(gen):
-        if t in stop_token_ids:
-            gen = gen[: i + 1]
-            break
-    return SpeculativeOutput(gen, lengths)
+    return SpeculativeOutput(generated(out[len(prompt) :], max_new_tokens, stop_token_ids), lengths)
 
 
 def sampled_acceptance_length(

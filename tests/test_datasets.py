@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_core.data import prepare
+from dflash_core.data import chunks, prepare
 from dflash_core.data.conversations import Conversation, DatasetError, read_conversations
 from dflash_core.data.inspect import check_dataset
 from dflash_core.data.prepare import Tokenization, prepare_corpus, save_tokenizer
@@ -106,9 +106,9 @@ def test_corpus_equals_in_memory_tokenization_and_is_cached(layouts, records, to
 def test_workers_give_the_same_tokens_as_one_process(layouts, tokenization, tmp_path, monkeypatch):
     one = prepare_corpus([str(layouts["shards"])], tokenization, tmp_path / "one", workers=1)
     monkeypatch.setattr(prepare, "IN_PROCESS_BYTES", 0)
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 2048)  # several byte ranges per JSONL file
-    monkeypatch.setattr(prepare, "CHUNK_ROWS", 7)
-    monkeypatch.setattr(prepare, "ARRAY_BATCH", 5)
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 2048)  # several byte ranges per JSONL file
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(chunks, "ARRAY_BATCH", 5)
     many = prepare_corpus([str(layouts["shards"])], tokenization, tmp_path / "many", workers=2)
     assert len(one) == len(many)
     for i in range(len(one)):
@@ -268,7 +268,7 @@ def test_a_file_listed_twice_is_read_once_and_lone_carriage_returns_keep_line_nu
     lines[5] = "{broken"
     (shards / "a.jsonl").write_text("\n".join(lines) + "\n")
     monkeypatch.setattr(prepare, "IN_PROCESS_BYTES", 0)
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 600)  # byte ranges through the chunked reader
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 600)  # byte ranges through the chunked reader
     corpus = prepare_corpus([str(shards), str(shards / "a.jsonl")], tokenization, tmp_path / "cache", workers=1)
     assert len(corpus.shards) == 1 and len(corpus) == 7
     assert [e.line for e in corpus.errors()] == [6]

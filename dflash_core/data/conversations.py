@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from .bounded import MAX_JSON_DEPTH, too_deep
 from .errors import DatasetError
-from .sources import dataset_files, iter_records
+from .sources import SourceFile, dataset_files, iter_records
+
+T = TypeVar("T")
 
 ROLE_ALIASES = {
     "system": "system",
@@ -84,13 +87,25 @@ def read_conversations(
     names the entry in errors (default: the path)."""
     report = report if report is not None else ReadReport()
     for src in dataset_files(path, name):
-        for position, record in iter_records(src):
-            report.lines_read += 1
-            try:
-                if isinstance(record, DatasetError):
-                    raise record
-                yield parse_conversation(record, src.name, position, src.unit)
-            except DatasetError as err:
-                if not skip_bad_lines:
-                    raise
-                report.note_skip(err)
+        yield from parse_each(src, iter_records(src), parse_conversation, report, skip_bad_lines)
+
+
+def parse_each(
+    src: SourceFile,
+    records: Iterable[tuple[int, object]],
+    parse: Callable[[object, str, int, str], T],
+    report: ReadReport,
+    skip_bad_lines: bool,
+) -> Iterator[T]:
+    """parse(record, name, position, unit) of each of a source's records, counted in `report`;
+    a bad record raises its DatasetError, or with skip_bad_lines is noted in `report` and skipped."""
+    for position, record in records:
+        report.lines_read += 1
+        try:
+            if isinstance(record, DatasetError):
+                raise record
+            yield parse(record, src.name, position, src.unit)
+        except DatasetError as err:
+            if not skip_bad_lines:
+                raise
+            report.note_skip(err)

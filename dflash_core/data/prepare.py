@@ -13,9 +13,9 @@ file through different names).
 
 Work is split into chunks (byte ranges of a JSONL file, row ranges of parquet and `save_to_disk`
 data, element batches of a JSON array) that worker processes read and tokenize themselves, so
-the parent only stitches results together. Workers are spawned, not forked (the daemon has
-threads, and a forked tokenizer can deadlock); each loads the engine's tokenizer from a copy saved
-in the cache, which also keys the entries. Small datasets are tokenized in this process: starting
+the parent only stitches results together (the tasks live in chunks.py). Workers are spawned,
+not forked (the daemon has threads, and a forked tokenizer can deadlock); each loads the engine's
+tokenizer from a copy saved in the cache, which also keys the entries. Small datasets are tokenized in this process: starting
 workers would cost more than it saves.
 """
 
@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..confine import resolved_under
-from .bounded import bounded_lines, count_newlines, next_line_start
 from .cache_entry import (
     BadEntry,
     file_digest,
@@ -48,31 +47,17 @@ from .cache_entry import (
     verified_meta,
     write_meta,
 )
+from .chunks import MAX_REPORTED_ERRORS, ChunkResult, PrepareCancelled, chunk_tasks, tokenize_chunk
 from .conversations import Conversation, DatasetError, parse_conversation
-from .sources import (
-    MAX_RECORD_BYTES,
-    SourceFile,
-    _jsonl_lines,
-    conversation_column,
-    dataset_files,
-    file_size,
-    identity,
-    iter_records,
-    load_arrow_dataset,
-    unreadable,
-)
-from .tokenize import ChatTemplate, encode_conversation
+from .sources import SourceFile, dataset_files, file_size, identity, iter_records, unreadable
+from .tokenize import ChatTemplate
 from .workers import result_or_stop, stop_workers, worker_pool
 
+__all__ = ["PrepareCancelled", "PrepareProgress", "Tokenization", "prepare_corpus", "save_tokenizer"]
 log = logging.getLogger("dflash.data")
 
 CACHE_VERSION = 3  # bump when the entry layout or the tokenization changes
-CHUNK_BYTES = 4 << 20  # JSONL bytes per task
-CHUNK_ROWS = 4096  # parquet / save_to_disk rows per task
-ARRAY_BATCH = 1024  # JSON array elements per task
 IN_PROCESS_BYTES = 8 << 20  # below this much data, tokenize here
-MAX_REPORTED_ERRORS = 10
-STOP_CHECK_RECORDS = 32  # records tokenized here between two looks at should_stop
 
 
 @dataclass(frozen=True)
@@ -175,156 +160,6 @@ def _open_shard(src: SourceFile, directory: Path, meta: dict) -> Shard:
         np.fromfile(directory / "positions.i64", dtype=np.int64),
         meta,
     )
-
-
-# --------------------------------------------------------------------------- tasks (run in workers)
-@dataclass
-class ChunkResult:
-    tokens: np.ndarray
-    mask: np.ndarray
-    lengths: np.ndarray
-    positions: np.ndarray
-    errors: list[dict]
-    bad_records: int
-    truncated: int
-    records: int
-    size: int  # bytes of the source this chunk covered (progress)
-
-
-_STATE: dict = {}
-
-
-def _tokenizer(tokenizer_dir: str):
-    if _STATE.get("dir") != tokenizer_dir:
-        from transformers import AutoTokenizer
-
-        _STATE["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_dir)
-        _STATE["dir"] = tokenizer_dir
-    return _STATE["tokenizer"]
-
-
-def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]:
-    kind = task[0]
-    if kind == "bytes":  # JSONL lines in [start, end), the first of them line `first_line`
-        _, start, end, first_line = task
-        with src.path.open("rb") as f:
-            f.seek(start)
-            # split on newlines only, as the JSONL reader and the line count of _tasks do (splitlines
-            # would also split on a bare carriage return and shift every later line number)
-            yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
-    elif kind == "rows":
-        _, start, stop = task
-        yield from _rows(src, start, stop)
-    else:  # "records": already read (JSON arrays)
-        yield from task[1]
-
-
-def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:
-    if src.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(src.path, columns=[_column(src)]).slice(start, stop - start)
-        column = table.column_names[0]
-        values = table.column(0).to_pylist()
-    else:
-        dataset = load_arrow_dataset(src.path, src.name)
-        column = _column(src)
-        values = dataset.select_columns([column]).select(range(start, stop))[column]
-    for i, value in enumerate(values):
-        yield start + i + 1, {column: value}
-
-
-def _column(src: SourceFile) -> str:
-    """The conversation column of a parquet or save_to_disk source, looked up once per process."""
-    key = ("column", str(src.path))
-    if key not in _STATE:
-        _STATE[key] = conversation_column(src)
-    return _STATE[key]
-
-
-def tokenize_chunk(
-    src: SourceFile, task: tuple, tok: Tokenization, size: int, should_stop: Callable[[], bool] | None = None
-) -> ChunkResult:
-    """Read one chunk's records and tokenize them (in a worker process, or here: then
-    should_stop is asked every STOP_CHECK_RECORDS records)."""
-    tokenizer = _tokenizer(tok.tokenizer_dir)
-    ids_parts: list[np.ndarray] = []
-    mask_parts: list[np.ndarray] = []
-    lengths: list[int] = []
-    positions: list[int] = []
-    errors: list[dict] = []
-    bad = truncated = records = 0
-    for position, record in _chunk_records(src, task):
-        records += 1
-        if should_stop is not None and records % STOP_CHECK_RECORDS == 0 and should_stop():
-            raise PrepareCancelled
-        try:
-            if isinstance(record, DatasetError):
-                raise record
-            conv = parse_conversation(record, src.name, position, src.unit)
-            doc = encode_conversation(tokenizer, conv, tok.template)
-        except DatasetError as err:
-            bad += 1
-            if len(errors) < MAX_REPORTED_ERRORS:
-                errors.append({"path": err.path, "line": err.line, "reason": err.reason, "unit": err.unit})
-            continue
-        ids, mask = doc.input_ids, doc.loss_mask
-        if len(ids) > tok.seq_len:
-            truncated += 1
-            ids, mask = ids[: tok.seq_len], mask[: tok.seq_len]
-        ids_parts.append(ids.astype(np.int32))
-        mask_parts.append(mask.astype(np.uint8))
-        lengths.append(len(ids))
-        positions.append(position)
-    cat = np.concatenate
-    return ChunkResult(
-        cat(ids_parts) if ids_parts else np.zeros(0, np.int32),
-        cat(mask_parts) if mask_parts else np.zeros(0, np.uint8),
-        np.asarray(lengths, dtype=np.int64),
-        np.asarray(positions, dtype=np.int64),
-        errors,
-        bad,
-        truncated,
-        records,
-        size,
-    )
-
-
-def _tasks(src: SourceFile) -> Iterator[tuple[tuple, int]]:
-    """(task, bytes of progress it stands for) covering the whole file, in order."""
-    if src.kind == "jsonl":
-        size = src.path.stat().st_size
-        with src.path.open("rb") as f:
-            start, line = 0, 1
-            while start < size:
-                # to the end of the line the boundary falls in (scanned, never read whole)
-                end = next_line_start(f, start + CHUNK_BYTES, size) if start + CHUNK_BYTES < size else size
-                lines = count_newlines(f, start, end)
-                yield ("bytes", start, end, line), end - start
-                start, line = end, line + lines
-    elif src.kind in ("parquet", "arrow"):
-        total = _row_count(src)
-        size = max(1, file_size(src))
-        for start in range(0, total, CHUNK_ROWS):
-            stop = min(total, start + CHUNK_ROWS)
-            yield ("rows", start, stop), size * (stop - start) // max(1, total)
-    else:
-        size = max(1, src.path.stat().st_size)
-        batch: list[tuple[int, object]] = []
-        for item in iter_records(src):
-            batch.append(item)
-            if len(batch) >= ARRAY_BATCH:
-                yield ("records", batch), 0
-                batch = []
-        yield ("records", batch), size
-
-
-def _row_count(src: SourceFile) -> int:
-    if src.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(src.path).metadata.num_rows)
-    return len(load_arrow_dataset(src.path, src.name))
 
 
 # --------------------------------------------------------------------------- the corpus
@@ -513,10 +348,6 @@ def _reading(src: SourceFile, read: Callable[[SourceFile], _T]) -> _T:
         raise unreadable(src.name, e) from None
 
 
-class PrepareCancelled(Exception):
-    """The job was cancelled while its data was being prepared."""
-
-
 def _write_entry(
     src: SourceFile,
     directory: Path,
@@ -587,11 +418,11 @@ def _results(
     being tokenized, not only between chunks (PrepareCancelled)."""
     try:
         if pool is None:
-            for task, size in _tasks(src):
+            for task, size in chunk_tasks(src):
                 yield tokenize_chunk(src, task, tok, size, should_stop)
             return
         pending: list[cf.Future[ChunkResult]] = []
-        for task, size in _tasks(src):
+        for task, size in chunk_tasks(src):
             pending.append(pool.submit(tokenize_chunk, src, task, tok, size))
             if len(pending) >= 2 * workers:
                 yield result_or_stop(pending.pop(0), should_stop, PrepareCancelled)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .conversations import ROLE_ALIASES, DatasetError, ReadReport
+from .conversations import ROLE_ALIASES, DatasetError, ReadReport, parse_each
 
 PROMPT_COLUMNS = ("messages", "conversations", "prompt")
 
@@ -80,13 +80,4 @@ def read_prompts(
     report = report if report is not None else ReadReport()
     for listed in dataset_files(path, name):
         src = replace(listed, path=resolved_under(listed.path, roots or [], "a dataset file", listed.name))
-        for position, record in iter_records(src, columns=PROMPT_COLUMNS):
-            report.lines_read += 1
-            try:
-                if isinstance(record, DatasetError):
-                    raise record
-                yield parse_prompt(record, src.name, position, src.unit)
-            except DatasetError as err:
-                if not skip_bad_lines:
-                    raise
-                report.note_skip(err)
+        yield from parse_each(src, iter_records(src, columns=PROMPT_COLUMNS), parse_prompt, report, skip_bad_lines)

@@ -1,6 +1,8 @@
-"""The engine: build and sequential warm-up (warmup), the feature pipeline (pipeline), the job
-loop (engine), checkpoints (checkpointing), compile handling (compile), one drafter replica
-(replica), gradient averaging (grad_sync) and the optimizer (optim).
+"""The engine: build and status (engine), sequential warm-up (warmup), job admission
+(admission), job kinds (kinds) and the training run (train_run), the rank protocol (ranks, over
+distributed), the feature pipeline (pipeline), the drafter threads and gradient averaging
+(drafters), one drafter replica (replica) and its step graph (step_graph), checkpoints
+(checkpointing), compile handling (compile) and the optimizer (optim).
 
 Names are imported lazily: `from dflash_core.engine.config import EngineConfig` must stay cheap
 (the daemon validates its config before it imports torch).

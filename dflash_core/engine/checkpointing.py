@@ -266,6 +266,13 @@ class Checkpointer:
         self._pauses: dict[int, float] = {}
         self._snapshot_buffers.prepare(_expected_layout(replica))  # the last step always checkpoints
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:  # the job is failing: a write in flight completes, nothing new starts
+            self.abandon()
+
     def _drop_newer_than(self, step: int | None) -> None:
         """A resumed job recomputes the steps after its checkpoint: checkpoints of later steps on
         disk (written, but not recorded before the daemon died) are stale, and rotation must not
@@ -295,17 +302,11 @@ class Checkpointer:
         self._pauses[step] = time.monotonic() - t  # training was stopped this long
 
     def finish(
-        self,
-        step: int,
-        stats: StepStats | None,
-        eval_result: dict[str, Any] | None,
-        *,
-        stopped_early: bool,
-        first_step: int,
+        self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, write_last: bool
     ) -> str | None:
-        """Wait for the write in flight; a job stopped early also writes its current step (if it
-        made progress), so that it resumes from there. The last checkpoint's path."""
-        if stopped_early and step > first_step:
+        """Wait for the write in flight; with write_last (a job stopped early after it made
+        progress) also write this step, so that the job resumes from there. The last checkpoint's path."""
+        if write_last:
             self.save(step, stats, eval_result, force=True)
         self._report(self._writer.wait())
         self._snapshot_buffers.clear()

@@ -1,21 +1,58 @@
-"""Job kinds besides training: each kind is a run class the engine hands its jobs to, so the
-training loop in engine.py stays the one thing it runs itself. A job names its kind in a `kind`
-attribute; a TrainJob has none (training is the default kind)."""
+"""Job kinds: each kind is a run class with one entry protocol, so a new kind of work adds a
+file, not a branch in the engine. A job names its kind in a `kind` attribute; a TrainJob has
+none (training is the default kind).
+
+The protocol (`JobRun`): `validate(engine, job)` refuses what the engine cannot run, naming the
+field (the service calls it before it queues the job); `run = cls(engine, job, callbacks,
+resume_from)` holds that one job's state; `run.admit()` happens on the process that took the
+job (checks and hands-offs before the run: a multi-host group's rank 0 sends it to the other
+ranks); `run.execute()` runs it to its end, a cancel or a shutdown, on every rank that runs it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .api import JobError
+import torch
+
+from .api import JobCallbacks, JobError, JobResult
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
-def run_class(job: Any) -> type | None:
-    """The run class of a job of another kind than training, None for a training job."""
+class JobRun(Protocol):
+    @classmethod
+    def validate(cls, engine: Engine, job: Any) -> None: ...
+    def __init__(self, engine: Engine, job: Any, callbacks: JobCallbacks, resume_from: str | None) -> None: ...
+    def admit(self) -> None: ...
+    def execute(self) -> JobResult: ...
+
+
+def run_class(job: Any) -> type[JobRun]:
+    """The run class of the job's kind."""
     kind = getattr(job, "kind", "train")
     if kind == "train":
-        return None
+        from .train_run import TrainRun
+
+        return TrainRun
     if kind == "regenerate":
         from ..regenerate.run import RegenerationRun
 
         return RegenerationRun
     raise JobError(f"unknown job kind {kind!r}", "kind")
+
+
+@contextlib.contextmanager
+def readable_failures(out_of_memory_hint: str = "") -> Iterator[None]:
+    """Whatever a run raises becomes a JobError the user can read (its own JobErrors pass)."""
+    try:
+        yield
+    except JobError:
+        raise
+    except torch.OutOfMemoryError as e:
+        raise JobError(f"out of memory: {str(e).splitlines()[0]}{out_of_memory_hint}") from e
+    except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
+        raise JobError(f"{type(e).__name__}: {e}") from e

@@ -93,11 +93,12 @@ class FeaturePipeline:
         grad_accum: int,
         feature_spec: tuple[tuple[int, ...], torch.dtype],
         on_thread: Callable[[str], None] = lambda name: None,
-        share: tuple[int, int] = (0, 1),
+        share: tuple[int, int],
     ):
-        """share: (rank, ranks) of a multi-host group: which micro-batches this process trains."""
+        """share: (this process's rank, the job's micro-batches per step over every rank), which
+        decides the micro-batches this process trains (one process: rank 0, and all of them)."""
         self.devices = drafter_devices
-        self.rank, self.ranks = share
+        self.rank, self.per_step = share
         self.stream = stream
         self.first, self.end, self.accum = first, end, grad_accum
         self.queues: list[queue.Queue[Delivery]] = [queue.Queue(maxsize=QUEUE_DEPTH) for _ in drafter_devices]
@@ -131,8 +132,7 @@ class FeaturePipeline:
 
     def _produce(self, worker: int, target: TargetModel) -> None:
         workers = len(self._workers)
-        local = len(self.queues) * self.accum
-        per_step = local * self.ranks
+        local, per_step = len(self.queues) * self.accum, self.per_step
         try:
             if target.device.type == "cuda":
                 torch.cuda.set_device(target.device)

@@ -46,6 +46,18 @@ class StepAccumulator:
         self.counted += counted
         self.micro_batches += 1
 
+    @staticmethod
+    def merged(accs: list[StepAccumulator]) -> StepAccumulator:
+        """The replicas' accumulators summed on the host: the step's totals (read once per step;
+        a multi-host group sums these totals once more across its ranks)."""
+        return StepAccumulator(
+            torch.tensor(sum(float(a.loss_sum) for a in accs), dtype=torch.float64),
+            torch.stack([a.correct.cpu() for a in accs]).sum(0),
+            torch.stack([a.counted.cpu() for a in accs]).sum(0),
+            sum(a.context_tokens for a in accs),
+            sum(a.micro_batches for a in accs),
+        )
+
 
 class DrafterReplica:
     def __init__(
@@ -66,18 +78,8 @@ class DrafterReplica:
         objective step (step.objective_step; features end with the target's final hidden
         states), its objective set per job in `objective`; else the DFlash block CE."""
         device = torch.device(device)
-        if plan.loss not in LOSS_KERNELS:
-            raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {plan.loss!r}")
-        if plan.loss == "triton" and device.type != "cuda":
-            raise ValueError(f"the Triton loss kernel needs a CUDA device, got {device}")
-        if plan.working_weights not in WORKING_WEIGHTS:
-            raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {plan.working_weights!r}")
         compute = compute_dtype(device)
-        if plan.working_weights == "bf16":
-            if device.type != "cuda" or compute != torch.bfloat16:
-                raise ValueError(f"bf16 working weights need a CUDA device computing in bf16, got {device}")
-            if TritonAdamW is None:
-                raise ValueError("bf16 working weights need the Triton AdamW (Triton could not be imported)")
+        check_plan(plan, device, compute)
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
@@ -205,8 +207,7 @@ class DrafterReplica:
         self._step_micro_batches += 1
         self._step_replayed = replay
         if replay:
-            assert graph is not None
-            self._replay(graph, batch, features, loss_scale, acc)
+            self._replay(batch, features, loss_scale, acc)
             return None
         res, stats = self.loss_and_backward(batch, features, loss_scale)
         if self.sum_grads_in_fp32 and self.working_weights == "bf16":
@@ -246,12 +247,12 @@ class DrafterReplica:
             return res, (res.loss.detach(), (res.correct & counted).sum(0).float(), counted.sum(0).float())
 
     @torch.no_grad()
-    def _replay(
-        self, graph: StepGraph, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator
-    ) -> None:
+    def _replay(self, batch: MicroBatch, features: torch.Tensor, loss_scale: float, acc: StepAccumulator) -> None:
         """The recorded micro-step, then the gradients where the eager step leaves them: the
         graph's own buffers for a step of one micro-batch; summed in fp32 on the masters when
         the step has several (sum_grads_in_fp32), as the eager step sums them."""
+        graph = self.step_graph
+        assert graph is not None
         first = self._step_micro_batches == 1
         if not (first or self.sum_grads_in_fp32):
             # each replay overwrites the graph's gradient buffers: a sum needs the fp32 buffers
@@ -298,6 +299,21 @@ class DrafterReplica:
         norm = clipped_step(self.optimizer, self.grads(), max_norm)
         self.zero_grad()
         return norm
+
+
+def check_plan(plan: StepPlan, device: torch.device, compute: torch.dtype) -> None:
+    """The plan's loss kernel and working weights can run on `device` (computing in `compute`)."""
+    if plan.loss not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {plan.loss!r}")
+    if plan.loss == "triton" and device.type != "cuda":
+        raise ValueError(f"the Triton loss kernel needs a CUDA device, got {device}")
+    if plan.working_weights not in WORKING_WEIGHTS:
+        raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {plan.working_weights!r}")
+    if plan.working_weights == "bf16":
+        if device.type != "cuda" or compute != torch.bfloat16:
+            raise ValueError(f"bf16 working weights need a CUDA device computing in bf16, got {device}")
+        if TritonAdamW is None:
+            raise ValueError("bf16 working weights need the Triton AdamW (Triton could not be imported)")
 
 
 @torch.no_grad()

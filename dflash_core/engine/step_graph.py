@@ -23,11 +23,14 @@ eager step bit for bit (`matches_eager`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..data.batches import MicroBatch
 from ..step.blocks import position_decay
 
+log = logging.getLogger("dflash.engine")
 _BATCH_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask", "anchors", "anchor_valid")
 
 
@@ -116,3 +119,34 @@ def matches_eager(graph: StepGraph, rep, batch: MicroBatch, features: torch.Tens
         and all(torch.equal(a, b) for a, b in zip(eager, graph.grads, strict=True))
     )
     return bool(same)
+
+
+def record_step_graph(rep, batch: MicroBatch, features: torch.Tensor, check: MicroBatch) -> bool:
+    """Record the replica's micro-step as a graph on `batch` and keep it (as rep.step_graph) only
+    if its replay of another micro-batch (`check`, with the features shifted) gives the eager
+    step's loss, statistics and gradients bit for bit; whether it was kept. CUDA with bf16
+    working weights only (the engine's CUDA plan); elsewhere the step stays eager."""
+    if rep.device.type != "cuda" or rep.working_weights != "bf16":
+        return False
+    feats, mb = features.to(rep.device), batch.to(rep.device)
+    try:
+        graph = StepGraph(rep, mb, feats)
+        kept = matches_eager(graph, rep, check.to(rep.device), torch.roll(feats, 1, 0))
+    except RuntimeError as e:  # torch.OutOfMemoryError too: the graph's memory pool did not fit
+        rep.zero_grad()
+        torch.cuda.synchronize(rep.device)
+        log.warning(
+            "the drafter step could not be recorded as a CUDA graph; stepping eagerly",
+            extra={"fields": {"device": str(rep.device), "error": f"{type(e).__name__}: {e}"}},
+        )
+        return False
+    rep.zero_grad()
+    if kept:
+        rep.step_graph = graph
+        return True
+    del graph
+    log.warning(
+        "the drafter step's CUDA graph does not reproduce its eager step; stepping eagerly",
+        extra={"fields": {"device": str(rep.device)}},
+    )
+    return False

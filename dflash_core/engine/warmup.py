@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..config import DrafterConfig, LossConfig
+from ..config import DrafterConfig, LossConfig, ShapeConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
 from ..devices import CudaContexts, default_devices
 from ..parity import check_serving_parity
@@ -28,10 +29,10 @@ from ..target import TargetModel
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
-from .grad_sync import GradSync
+from .drafters import GradSync
 from .pipeline import capture
 from .replica import DrafterReplica
-from .step_graph import StepGraph, matches_eager
+from .step_graph import record_step_graph
 
 log = logging.getLogger("dflash.engine")
 
@@ -84,6 +85,19 @@ class Parts:
     targets: list[TargetModel]
     replicas: list[DrafterReplica]
     feature_spec: tuple[tuple[int, ...], torch.dtype]  # every micro-batch's target features
+    gamma: float  # the recipe's position-weight decay, a job's unless it sets loss_gamma
+
+    def description(self, shape: ShapeConfig) -> dict[str, Any]:
+        """What every rank of a group must share to train together (compared by rank 0)."""
+        from importlib import metadata
+
+        return {
+            "drafters": len(self.replicas),
+            "versions": [metadata.version("dflash-trainer"), torch.__version__],
+            "shape": dict(vars(shape)),
+            "drafter": self.drafter_config.to_dict(),
+            "plan": str(self.plan),
+        }
 
 
 def resolve_devices(config: EngineConfig) -> tuple[list[str | list[str]], list[str]]:
@@ -103,131 +117,169 @@ def device_label(entry: str | list[str]) -> str:
     return "+".join(entry) if isinstance(entry, list) else entry
 
 
-def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts, grad_sync: GradSync) -> Parts:
+def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts) -> Parts:
     """Load the target copies and the drafter replicas and warm each device in turn."""
-    target_devices, drafter_devices = resolve_devices(config)
-    plan = step_plan(drafter_devices, config.debug_eager)
-    if plan.compiled and any(d.startswith("cuda") for d in drafter_devices) and start_compile_workers():
-        timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
+    return _Build(config, timeline).run(data_dir, cuda)
 
-    timeline.enter("loading_target")
-    target_path, layer_ids = _target_source(config, data_dir)
-    from transformers import AutoConfig, AutoTokenizer
 
-    timeline.mark("build:transformers_imported")
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    hf_cfg = AutoConfig.from_pretrained(target_path)
-    timeline.mark("build:tokenizer_and_config")
-    mask_id = mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token)
-    drafter_config = DrafterConfig.from_target_config(
-        hf_cfg,
-        num_hidden_layers=config.drafter_layers,
-        block_size=config.block_size,
-        mask_token_id=mask_id,
-        target_layer_ids=layer_ids,
-        intermediate_size=config.drafter_intermediate_size,
-        sliding_window=config.drafter_sliding_window,
-        recipe=config.recipe,
-        markov_rank=engine_markov_rank(config, hf_cfg),
-        markov_head_type=config.markov_head_type,
-    )
-    drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
-    check_rope_positions(drafter_config, config.seq_len, config.block_size)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    cuda.wait()
-    timeline.mark("build:cuda_contexts")
-    targets = []
-    for dev in target_devices:
-        t = time.monotonic()
-        targets.append(
-            TargetModel(
-                target_path,
-                drafter_config.target_layer_ids,
-                dev,
-                random_init=config.target_random_init,
-                seed=WARMUP_SEED,
-                teacher=config.teacher,
-            )
+class _Build:
+    """One engine build, in the order the devices are warmed: the tokenizer and the drafter's
+    architecture, the target copies (loaded, then run once each), the drafter replicas (each
+    one full training step, then its step graph recorded where the plan compiles)."""
+
+    def __init__(self, config: EngineConfig, timeline: Timeline):
+        self.config, self.timeline = config, timeline
+        self.target_devices, self.drafter_devices = resolve_devices(config)
+        self.plan = step_plan(self.drafter_devices, config.debug_eager)
+
+    def run(self, data_dir: Path, cuda: CudaContexts) -> Parts:
+        config, timeline, plan = self.config, self.timeline, self.plan
+        if plan.compiled and any(d.startswith("cuda") for d in self.drafter_devices) and start_compile_workers():
+            timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
+        timeline.enter("loading_target")
+        target_path, layer_ids = _target_source(config, data_dir)
+        tokenizer, drafter_config = self.drafter_config(target_path, layer_ids)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        cuda.wait()
+        timeline.mark("build:cuda_contexts")
+        targets = self.load_targets(target_path, drafter_config.target_layer_ids)
+        drafter_config = serving_inputs(drafter_config, targets[0])
+        timeline.enter("warming_target")
+        batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
+        features = self.warm_targets(targets, batch)
+        gamma = recipe_gamma(config.recipe, config.block_size)
+        replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), gamma)
+        # another micro-batch than the recorded one, to check a recorded step graph on
+        check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
+        self.warm_drafters(replicas, batch, features, check)
+        GradSync().average([rep.grads() for rep in replicas])  # exercise this host's sync path once
+        for rep in replicas:
+            rep.zero_grad()
+        reset_weights(replicas, WARMUP_SEED)
+        feature_spec = (tuple(features.shape), features.dtype)
+        return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
+
+    def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
+        """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""
+        config, timeline = self.config, self.timeline
+        from transformers import AutoConfig, AutoTokenizer
+
+        timeline.mark("build:transformers_imported")
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+        hf_cfg = AutoConfig.from_pretrained(target_path)
+        timeline.mark("build:tokenizer_and_config")
+        mask_id = mask_token_id(tokenizer, hf_cfg.vocab_size, config.mask_token)
+        drafter_config = DrafterConfig.from_target_config(
+            hf_cfg,
+            num_hidden_layers=config.drafter_layers,
+            block_size=config.block_size,
+            mask_token_id=mask_id,
+            target_layer_ids=layer_ids,
+            intermediate_size=config.drafter_intermediate_size,
+            sliding_window=config.drafter_sliding_window,
+            recipe=config.recipe,
+            markov_rank=engine_markov_rank(config, hf_cfg),
+            markov_head_type=config.markov_head_type,
         )
-        timeline.record("target_load", device_label(dev), t)
-        timeline.mark(f"build:target_loaded:{device_label(dev)}")
-    drafter_config = serving_inputs(drafter_config, targets[0])
+        drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
+        check_rope_positions(drafter_config, config.seq_len, config.block_size)
+        return tokenizer, drafter_config
 
-    timeline.enter("warming_target")
-    batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
-    features = None
-    for target in targets:
-        t = time.monotonic()
-        feats = capture(target, batch)
-        for stage in target.stages:
-            _sync(stage)
-        if features is None:  # reused by the drafters
-            features = feats
-        if plan.compiled:
-            _record_target_graph(target, batch, feats, config.seq_len, timeline)
-        timeline.record("target", target.label, t)
-        timeline.mark(f"build:target_warm:{target.label}")
-    assert features is not None
-
-    head = targets[0].frozen_head()
-    if plan.compiled:
-        raise_recompile_limit(len(drafter_devices))
-    loss = LossConfig()
-    replicas = []
-    for i, dev in enumerate(drafter_devices):
-        replicas.append(
-            DrafterReplica(
-                i,
-                drafter_config,
-                dev,
-                head,
-                plan,
-                gamma=recipe_gamma(config.recipe, config.block_size),
-                chunk_size=loss.chunk_size,
-                teacher=config.teacher,
+    def load_targets(self, target_path: str, layer_ids: list[int] | tuple[int, ...]) -> list[TargetModel]:
+        targets = []
+        for dev in self.target_devices:
+            t = time.monotonic()
+            targets.append(
+                TargetModel(
+                    target_path,
+                    layer_ids,
+                    dev,
+                    random_init=self.config.target_random_init,
+                    seed=WARMUP_SEED,
+                    teacher=self.config.teacher,
+                )
             )
+            self.timeline.record("target_load", device_label(dev), t)
+            self.timeline.mark(f"build:target_loaded:{device_label(dev)}")
+        return targets
+
+    def warm_targets(self, targets: list[TargetModel], batch: MicroBatch) -> torch.Tensor:
+        """Each target copy captures the warm-up micro-batch (and records its graph where the plan
+        compiles); the first copy's features, which the drafters warm on."""
+        features = None
+        for target in targets:
+            t = time.monotonic()
+            feats = capture(target, batch)
+            for stage in target.stages:
+                _sync(stage)
+            if features is None:  # reused by the drafters
+                features = feats
+            if self.plan.compiled:
+                self.record_target_graph(target, batch, feats)
+            self.timeline.record("target", target.label, t)
+            self.timeline.mark(f"build:target_warm:{target.label}")
+        assert features is not None
+        return features
+
+    def record_target_graph(self, target: TargetModel, batch: MicroBatch, eager: torch.Tensor) -> None:
+        """The target's capture as a CUDA graph (TargetModel.record_graph), kept only if its replay of
+        the warm-up micro-batch gives the eager features bit for bit."""
+        if not target.record_graph(self.config.seq_len):
+            return
+        replayed = capture(target, batch)
+        _sync(target.device)
+        if torch.equal(replayed, eager):
+            self.timeline.mark(f"build:target_graph:{target.label}")
+            return
+        target.drop_graph()
+        log.warning(
+            "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
+            extra={"fields": {"device": target.label}},
         )
-        timeline.mark(f"build:replica_created:{dev}")
-    reset_weights(replicas, WARMUP_SEED)
-    timeline.mark("build:weights_initialized")
 
-    timeline.enter("warming_drafters")
-    timeline.mark("warmup:drafters:start")
-    for i, rep in enumerate(replicas):
-        t = time.monotonic()
-        before = compile_snapshot() if plan.compiled else {}
-        warm_replica(rep, batch, features)
-        if plan.compiled:
-            check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
-            _record_step_graph(rep, batch, features, check, timeline)
-        timeline.record("drafter", rep.device, t)
-        if plan.compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
-            log.info(
-                "drafter warm-up compiles",
-                extra={
-                    "fields": {
-                        "device": str(rep.device),
-                        "seconds": round(time.monotonic() - t, 3),
-                        **compile_delta(before, compile_snapshot()),
-                    }
-                },
+    def make_replicas(self, drafter_config: DrafterConfig, head: Any, gamma: float) -> list[DrafterReplica]:
+        if self.plan.compiled:
+            raise_recompile_limit(len(self.drafter_devices))
+        replicas = []
+        for i, dev in enumerate(self.drafter_devices):
+            replicas.append(
+                DrafterReplica(
+                    i,
+                    drafter_config,
+                    dev,
+                    head,
+                    self.plan,
+                    gamma=gamma,
+                    chunk_size=LossConfig().chunk_size,
+                    teacher=self.config.teacher,
+                )
             )
-        timeline.mark(f"warmup:drafter:{rep.device}")
-        timeline.enter("warming_drafters", i + 1)
-    grad_sync.average([rep.grads() for rep in replicas])  # exercise the sync path once
-    for rep in replicas:
-        rep.zero_grad()
-    reset_weights(replicas, WARMUP_SEED)
-    return Parts(
-        str(target_path),
-        tokenizer,
-        drafter_config,
-        pad,
-        plan,
-        targets,
-        replicas,
-        (tuple(features.shape), features.dtype),
-    )
+            self.timeline.mark(f"build:replica_created:{dev}")
+        reset_weights(replicas, WARMUP_SEED)
+        self.timeline.mark("build:weights_initialized")
+        return replicas
+
+    def warm_drafters(
+        self, replicas: list[DrafterReplica], batch: MicroBatch, features: torch.Tensor, check: MicroBatch
+    ) -> None:
+        """One replica after the other: a full training step, then (compiled plans) the step
+        graph, recorded on `batch` and checked on `check`."""
+        timeline, compiled = self.timeline, self.plan.compiled
+        timeline.enter("warming_drafters")
+        timeline.mark("warmup:drafters:start")
+        for i, rep in enumerate(replicas):
+            t = time.monotonic()
+            before = compile_snapshot() if compiled else {}
+            warm_replica(rep, batch, features)
+            if compiled and record_step_graph(rep, batch, features, check):
+                timeline.mark(f"build:step_graph:{rep.device}")
+            timeline.record("drafter", rep.device, t)
+            if compiled:  # where this GPU's compile seconds went (cold: built kernels; warm: cache loads)
+                delta = compile_delta(before, compile_snapshot())
+                fields = {"device": str(rep.device), "seconds": round(time.monotonic() - t, 3), **delta}
+                log.info("drafter warm-up compiles", extra={"fields": fields})
+            timeline.mark(f"warmup:drafter:{rep.device}")
+            timeline.enter("warming_drafters", i + 1)
 
 
 def engine_markov_rank(config: EngineConfig, target_config) -> int:
@@ -341,58 +393,6 @@ def reset_weights(replicas: list[DrafterReplica], seed: int, init_from: dict[str
         if rep is not first:
             rep.load_state(state)
         rep.zero_grad()
-
-
-def _record_target_graph(
-    target: TargetModel, batch: MicroBatch, eager: torch.Tensor, seq_len: int, timeline: Timeline
-) -> None:
-    """The target's capture as a CUDA graph (TargetModel.record_graph), kept only if its replay of
-    the warm-up micro-batch gives the eager features bit for bit."""
-    if not target.record_graph(seq_len):
-        return
-    replayed = capture(target, batch)
-    _sync(target.device)
-    if torch.equal(replayed, eager):
-        timeline.mark(f"build:target_graph:{target.label}")
-        return
-    target.drop_graph()
-    log.warning(
-        "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
-        extra={"fields": {"device": target.label}},
-    )
-
-
-def _record_step_graph(
-    rep: DrafterReplica, batch: MicroBatch, features: torch.Tensor, check: MicroBatch, timeline: Timeline
-) -> None:
-    """The replica's micro-step as a CUDA graph (step_graph.StepGraph) recorded on `batch`, kept
-    only if its replay of another micro-batch (`check`, with the features shifted) gives the
-    eager step's loss, statistics and gradients bit for bit. CUDA with bf16 working weights only
-    (the engine's CUDA plan); elsewhere the step stays eager."""
-    if rep.device.type != "cuda" or rep.working_weights != "bf16":
-        return
-    feats, mb = features.to(rep.device), batch.to(rep.device)
-    try:
-        graph = StepGraph(rep, mb, feats)
-        kept = matches_eager(graph, rep, check.to(rep.device), torch.roll(feats, 1, 0))
-    except RuntimeError as e:  # torch.OutOfMemoryError too: the graph's memory pool did not fit
-        rep.zero_grad()
-        _sync(rep.device)
-        log.warning(
-            "the drafter step could not be recorded as a CUDA graph; stepping eagerly",
-            extra={"fields": {"device": str(rep.device), "error": f"{type(e).__name__}: {e}"}},
-        )
-        return
-    rep.zero_grad()
-    if kept:
-        rep.step_graph = graph
-        timeline.mark(f"build:step_graph:{rep.device}")
-        return
-    del graph
-    log.warning(
-        "the drafter step's CUDA graph does not reproduce its eager step; stepping eagerly",
-        extra={"fields": {"device": str(rep.device)}},
-    )
 
 
 def _sync(device: torch.device) -> None:

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,6 +34,7 @@ from ..data.regenerated import MANIFEST
 from ..data.sources import dataset_files
 from ..engine.api import JobCallbacks, JobError, JobResult
 from ..engine.config import job_template
+from ..engine.kinds import readable_failures
 from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
@@ -67,12 +69,22 @@ def generation_slots(engine: Engine, length: int) -> int:
 
 
 class RegenerationRun:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    """A regeneration job on the built engine (the run protocol of engine/kinds.py)."""
+
+    def __init__(self, engine: Engine, job: RegenerateJob, callbacks: JobCallbacks, resume_from: str | None):
+        """resume_from is not read: the output directory's manifest says what is done."""
+        self.engine, self.job, self.cb = engine, job, callbacks
+
+    @classmethod
+    def validate(cls, engine: Engine, job: RegenerateJob) -> None:
+        """Raise JobError(message, field) for a job this engine cannot run."""
+        cls(engine, job, JobCallbacks(), None).check(job)
+
+    def admit(self) -> None:
+        """Nothing to hand to other processes (one host); execute() checks the job again."""
 
     # ------------------------------------------------------------------ validation
-    def validate(self, job: RegenerateJob) -> None:
-        """Raise JobError(message, field) for a job this engine cannot run."""
+    def check(self, job: RegenerateJob) -> None:
         engine = self.engine
         if engine.group is not None:
             raise JobError("regeneration runs on a daemon of one host, not in a multi-host group", "kind")
@@ -129,82 +141,71 @@ class RegenerationRun:
             raise JobError("the chat template does not render the user's message", field)
 
     # ------------------------------------------------------------------ the run
-    def execute(self, job: RegenerateJob, cb: JobCallbacks, resume_from: str | None) -> JobResult:
-        """Run the job to its end, a cancel or a shutdown (cb.should_cancel); raises JobError.
-        resume_from is not read: the output directory's manifest says what is done."""
-        try:
-            return self._execute(job, cb)
-        except JobError:
-            raise
-        except torch.OutOfMemoryError as e:
-            raise JobError(f"out of memory: {str(e).splitlines()[0]} (set [engine] generate_slots lower)") from e
-        except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
-            raise JobError(f"{type(e).__name__}: {e}") from e
+    def execute(self) -> JobResult:
+        """Run the job to its end, a cancel or a shutdown (callbacks.should_cancel); raises JobError."""
+        with readable_failures(" (set [engine] generate_slots lower)"):
+            return self._execute(self.job, self.cb)
 
     def _execute(self, job: RegenerateJob, cb: JobCallbacks) -> JobResult:
-        self.validate(job)
-        engine = self.engine
-        target = engine.targets[0]
-        length = generation_length(engine)
-        prompts, ids, sources, skipped = self._prompts(job, length, cb)
-        if not ids:
-            raise JobError("the datasets hold no usable prompt", "datasets")
-        total_rows = len(ids) * job.samples_per_prompt
-        order = sorted(
-            ((p, s) for p in range(len(ids)) for s in range(job.samples_per_prompt)), key=lambda r: -len(ids[r[0]])
-        )
-        shards = [order[i : i + job.shard_rows] for i in range(0, len(order), job.shard_rows)]
-        plan = self._plan(job, sources, len(ids), total_rows, skipped, length)
+        self.check(job)
+        work = self._work(job, cb)
+        plan = self._plan(job, work)
         output = ShardOutput(job.output_dir, job.output_roots)
         decoder: SlotDecoder | None = None
         try:
             output.start(plan)
-            done = output.done_shards()
-            rows_done = sum(len(shards[i]) for i in done if i < len(shards))
+            work.done = output.done_shards()
             cb.on_event(
                 "prompts",
                 {
-                    "prompts": len(ids),
-                    "rows": total_rows,
-                    "skipped_lines": skipped,
-                    "shards": len(shards),
-                    "shards_done": len(done),
+                    "prompts": len(work.ids),
+                    "rows": work.total_rows,
+                    "skipped_lines": work.skipped,
+                    "shards": len(work.shards),
+                    "shards_done": len(work.done),
                 },
             )
-            slots = min(generation_slots(engine, length), max(1, total_rows - rows_done))
-            decoder = SlotDecoder(target.model, slots, length)
-            log.info(
-                "regeneration decoder",
-                extra={
-                    "fields": {
-                        "slots": slots,
-                        "length": length,
-                        "kv_cache_bytes": decoder.cache.nbytes,
-                        "device": str(target.device),
-                        "cuda_graph": decoder.use_graph,
-                    }
-                },
-            )
-            cb.on_event(
-                "decoder",
-                {
-                    "slots": slots,
-                    "length": length,
-                    "kv_cache_bytes": decoder.cache.nbytes,
-                    "cuda_graph": decoder.use_graph,
-                },
-            )
-            stopped = self._generate(job, cb, decoder, output, prompts, ids, shards, done, rows_done, total_rows)
+            decoder = self._decoder(work)
+            stopped = self._generate(work, decoder, output)
             if not stopped:
                 output.finish()
         finally:
             output.close()
-            del decoder
-            if target.device.type == "cuda":
+            del decoder  # the cache goes back to the device before training jobs run again
+            if self.engine.targets[0].device.type == "cuda":
                 torch.cuda.empty_cache()
         rows = int(output.manifest["counts"]["rows"])
         final = str(Path(job.output_dir))
-        return JobResult("STOPPED" if stopped else "SUCCEEDED", rows, total_rows, final, skipped_lines=skipped)
+        return JobResult(
+            "STOPPED" if stopped else "SUCCEEDED", rows, work.total_rows, final, skipped_lines=work.skipped
+        )
+
+    def _work(self, job: RegenerateJob, cb: JobCallbacks) -> _Work:
+        """The job's prompts and rows, fixed before anything is generated (the module says how)."""
+        length = generation_length(self.engine)
+        prompts, ids, sources, skipped = self._prompts(job, length, cb)
+        if not ids:
+            raise JobError("the datasets hold no usable prompt", "datasets")
+        order = sorted(
+            ((p, s) for p in range(len(ids)) for s in range(job.samples_per_prompt)), key=lambda r: -len(ids[r[0]])
+        )
+        shards = [order[i : i + job.shard_rows] for i in range(0, len(order), job.shard_rows)]
+        return _Work(prompts, ids, sources, skipped, length, shards, len(ids) * job.samples_per_prompt)
+
+    def _decoder(self, work: _Work) -> SlotDecoder:
+        """A decoder with as many slots as the device's memory allows (and the rows left need)."""
+        target = self.engine.targets[0]
+        slots = min(generation_slots(self.engine, work.length), max(1, work.total_rows - work.rows_done))
+        decoder = SlotDecoder(target.model, slots, work.length)
+        fields = {
+            "slots": slots,
+            "length": work.length,
+            "kv_cache_bytes": decoder.cache.nbytes,
+            "cuda_graph": decoder.use_graph,
+        }
+        log.info("regeneration decoder", extra={"fields": {**fields, "device": str(target.device)}})
+        self.cb.on_event("decoder", fields)
+        return decoder
 
     def _prompts(
         self, job: RegenerateJob, length: int, cb: JobCallbacks
@@ -246,16 +247,14 @@ class RegenerationRun:
             cb.on_event("skipped_lines", {"count": report.skipped, "first": report.first_errors})
         return messages, ids, sources, report.skipped
 
-    def _plan(
-        self, job: RegenerateJob, sources: list[dict[str, Any]], prompts: int, rows: int, skipped: int, length: int
-    ) -> dict[str, Any]:
+    def _plan(self, job: RegenerateJob, work: _Work) -> dict[str, Any]:
         """What the output is a function of: a resume continues only an output of the same plan."""
         engine = self.engine
         target_config = json.dumps(engine.targets[0].config.to_dict(), sort_keys=True, default=str)
         template = job_template(job)  # type: ignore[arg-type]
         template_text = template.template or getattr(engine.tokenizer, "chat_template", None) or ""
         return {
-            "sources": sources,
+            "sources": work.sources,
             "target": {
                 "path": str(engine.parts.target_path) if engine.parts else None,
                 "config_sha256": hashlib.sha256(target_config.encode()).hexdigest(),
@@ -275,10 +274,10 @@ class RegenerationRun:
             },
             "samples_per_prompt": job.samples_per_prompt,
             "shard_rows": job.shard_rows,
-            "generation_length": length,
-            "prompts": prompts,
-            "rows": rows,
-            "skipped_records": skipped,
+            "generation_length": work.length,
+            "prompts": len(work.ids),
+            "rows": work.total_rows,
+            "skipped_records": work.skipped,
         }
 
     def _stop_tokens(self) -> tuple[int, ...]:
@@ -291,21 +290,10 @@ class RegenerationRun:
             ids.append(int(tok))
         return tuple(sorted({int(i) for i in ids}))
 
-    def _generate(
-        self,
-        job: RegenerateJob,
-        cb: JobCallbacks,
-        decoder: SlotDecoder,
-        output: ShardOutput,
-        prompts: list[tuple[list[dict[str, str]], str]],
-        ids: list[np.ndarray],
-        shards: list[list[tuple[int, int]]],
-        done: set[int],
-        rows_done: int,
-        total_rows: int,
-    ) -> bool:
-        """Generate every shard not in `done`; True when stopped (cancel or shutdown) before the end."""
-        tokenizer = self.engine.tokenizer
+    def _generate(self, work: _Work, decoder: SlotDecoder, output: ShardOutput) -> bool:
+        """Generate every shard not done; True when stopped (cancel or shutdown) before the end."""
+        job, cb, tokenizer = self.job, self.cb, self.engine.tokenizer
+        prompts, ids, shards, done = work.prompts, work.ids, work.shards, work.done
         stops = self._stop_tokens()
         sampling = Sampling(job.temperature, job.top_p, job.top_k, stops)
         pending: dict[int, list[dict[str, Any] | None]] = {
@@ -318,7 +306,7 @@ class RegenerationRun:
                 for j, (p, s) in enumerate(shards[i]):
                     yield Request((i, j), ids[p].tolist(), job.max_new_tokens, row_seed(job.seed, p, s))
 
-        meter = _Progress(cb, len(ids) * job.samples_per_prompt, rows_done, job.samples_per_prompt)
+        meter = _Progress(cb, work.total_rows, work.rows_done, job.samples_per_prompt)
         stopped = cb.should_cancel()
         if stopped:
             return True
@@ -345,6 +333,24 @@ class RegenerationRun:
         stopped = bool(pending)
         meter.report(decoder.tokens_generated, force=True)
         return stopped
+
+
+@dataclass
+class _Work:
+    """A regeneration's work plan: prompts in reading order, rows (prompt, sample) in shards."""
+
+    prompts: list[tuple[list[dict[str, str]], str]]  # (messages, source) per prompt
+    ids: list[np.ndarray]  # each prompt's token ids
+    sources: list[dict[str, Any]]  # the datasets with their hashes
+    skipped: int  # records skipped
+    length: int  # cache positions per sequence
+    shards: list[list[tuple[int, int]]]
+    total_rows: int
+    done: set[int] = field(default_factory=set)  # shards an earlier run of the same plan wrote
+
+    @property
+    def rows_done(self) -> int:
+        return sum(len(self.shards[i]) for i in self.done if i < len(self.shards))
 
 
 class _Progress:

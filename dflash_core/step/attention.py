@@ -104,22 +104,8 @@ class DenseAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-@dataclass
-class ChunkedDenseAttention:
-    """SDPA over chunks of queries, each with its slice of the dense mask: bounds the mask and
-    score memory per call. It swings reserved memory and loses throughput; the engine never
-    uses it, and it stays as the baseline the benchmarks compare against."""
-
-    mask: torch.Tensor
-    chunk: int = 1024
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dense = DenseAttention(None)
-        outs = []
-        for start in range(0, q.shape[2], self.chunk):
-            dense.mask = self.mask[start : start + self.chunk]
-            outs.append(dense(q[:, :, start : start + self.chunk], k, v))
-        return torch.cat(outs, dim=2)
+# the dense-mask attentions by kind: the engine's "dense"; benchmarks add their baselines here
+DENSE_KINDS: dict[str, Callable[[torch.Tensor], Callable]] = {"dense": DenseAttention}
 
 
 @functools.cache
@@ -273,18 +259,18 @@ def training_attention(
     q_splits: int = 1,
     sliding_window: int | None = None,
 ):
-    """Build the attention callable for one micro-batch ("flex", "dense" or "dense_chunked")."""
+    """Build the attention callable for one micro-batch ("flex", or a kind of DENSE_KINDS)."""
     q_len = anchors.shape[0] * block_size
     kv_len = seq_len + q_len
     window = sliding_window
-    if kind in ("dense", "dense_chunked"):
+    if kind in DENSE_KINDS:
         mask = dense_mask(
             dflash_mask_mod(doc_ids, anchors, anchor_valid, seq_len, block_size, sliding_window=window),
             q_len,
             kv_len,
             doc_ids.device,
         )
-        return DenseAttention(mask) if kind == "dense" else ChunkedDenseAttention(mask)
+        return DENSE_KINDS[kind](mask)
     if kind == "flex":
         splits = usable_q_splits(q_len, q_splits)
         per = q_len // splits
@@ -298,7 +284,7 @@ def training_attention(
         else:  # the benchmarks' query splits: the generic construction
             block_mask = build_block_mask(mask_mod, per, kv_len, doc_ids.device, compiled_mask, batches=splits)
         return FlexAttention(block_mask, compiled=compiled, q_splits=splits)
-    raise ValueError(f"unknown attention kind {kind!r}; expected 'flex', 'dense' or 'dense_chunked'")
+    raise ValueError(f"unknown attention kind {kind!r}; expected one of {['flex', *DENSE_KINDS]}")
 
 
 def inference_mask(

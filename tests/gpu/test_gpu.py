@@ -104,7 +104,7 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import StepPlan
-    from dflash_core.engine.grad_sync import GradSync
+    from dflash_core.engine.drafters import GradSync
     from dflash_core.engine.replica import DrafterReplica
     from tests.helpers import tiny_drafter_config
 

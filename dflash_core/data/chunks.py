@@ -1,0 +1,189 @@
+"""The tasks of tokenization: a source file cut into chunks (byte ranges of a JSONL file, row
+ranges of parquet and `save_to_disk` data, element batches of a JSON array), and one chunk read
+and tokenized. Run in spawned worker processes (each loads the engine's tokenizer from the copy
+saved in the cache, once per process) or, for small datasets, in the preparing process itself;
+prepare.py stitches the results into cache entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .bounded import bounded_lines, count_newlines, next_line_start
+from .conversations import DatasetError, parse_conversation
+from .sources import (
+    MAX_RECORD_BYTES,
+    SourceFile,
+    _jsonl_lines,
+    conversation_column,
+    file_size,
+    iter_records,
+    load_arrow_dataset,
+)
+from .tokenize import encode_conversation
+
+if TYPE_CHECKING:
+    from .prepare import Tokenization
+
+CHUNK_BYTES = 4 << 20  # JSONL bytes per task
+CHUNK_ROWS = 4096  # parquet / save_to_disk rows per task
+ARRAY_BATCH = 1024  # JSON array elements per task
+MAX_REPORTED_ERRORS = 10
+STOP_CHECK_RECORDS = 32  # records tokenized here between two looks at should_stop
+
+
+class PrepareCancelled(Exception):
+    """The job was cancelled while its data was being prepared."""
+
+
+@dataclass
+class ChunkResult:
+    tokens: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    positions: np.ndarray
+    errors: list[dict]
+    bad_records: int
+    truncated: int
+    records: int
+    size: int  # bytes of the source this chunk covered (progress)
+
+
+_STATE: dict = {}
+
+
+def _tokenizer(tokenizer_dir: str):
+    if _STATE.get("dir") != tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        _STATE["tokenizer"] = AutoTokenizer.from_pretrained(tokenizer_dir)
+        _STATE["dir"] = tokenizer_dir
+    return _STATE["tokenizer"]
+
+
+def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]:
+    kind = task[0]
+    if kind == "bytes":  # JSONL lines in [start, end), the first of them line `first_line`
+        _, start, end, first_line = task
+        with src.path.open("rb") as f:
+            f.seek(start)
+            # split on newlines only, as the JSONL reader and the line count of chunk_tasks do (splitlines
+            # would also split on a bare carriage return and shift every later line number)
+            yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
+    elif kind == "rows":
+        _, start, stop = task
+        yield from _rows(src, start, stop)
+    else:  # "records": already read (JSON arrays)
+        yield from task[1]
+
+
+def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(src.path, columns=[_column(src)]).slice(start, stop - start)
+        column = table.column_names[0]
+        values = table.column(0).to_pylist()
+    else:
+        dataset = load_arrow_dataset(src.path, src.name)
+        column = _column(src)
+        values = dataset.select_columns([column]).select(range(start, stop))[column]
+    for i, value in enumerate(values):
+        yield start + i + 1, {column: value}
+
+
+def _column(src: SourceFile) -> str:
+    """The conversation column of a parquet or save_to_disk source, looked up once per process."""
+    key = ("column", str(src.path))
+    if key not in _STATE:
+        _STATE[key] = conversation_column(src)
+    return _STATE[key]
+
+
+def tokenize_chunk(
+    src: SourceFile, task: tuple, tok: Tokenization, size: int, should_stop: Callable[[], bool] | None = None
+) -> ChunkResult:
+    """Read one chunk's records and tokenize them (in a worker process, or here: then
+    should_stop is asked every STOP_CHECK_RECORDS records)."""
+    tokenizer = _tokenizer(tok.tokenizer_dir)
+    ids_parts: list[np.ndarray] = []
+    mask_parts: list[np.ndarray] = []
+    lengths: list[int] = []
+    positions: list[int] = []
+    errors: list[dict] = []
+    bad = truncated = records = 0
+    for position, record in _chunk_records(src, task):
+        records += 1
+        if should_stop is not None and records % STOP_CHECK_RECORDS == 0 and should_stop():
+            raise PrepareCancelled
+        try:
+            if isinstance(record, DatasetError):
+                raise record
+            conv = parse_conversation(record, src.name, position, src.unit)
+            doc = encode_conversation(tokenizer, conv, tok.template)
+        except DatasetError as err:
+            bad += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append({"path": err.path, "line": err.line, "reason": err.reason, "unit": err.unit})
+            continue
+        ids, mask = doc.input_ids, doc.loss_mask
+        if len(ids) > tok.seq_len:
+            truncated += 1
+            ids, mask = ids[: tok.seq_len], mask[: tok.seq_len]
+        ids_parts.append(ids.astype(np.int32))
+        mask_parts.append(mask.astype(np.uint8))
+        lengths.append(len(ids))
+        positions.append(position)
+    cat = np.concatenate
+    return ChunkResult(
+        cat(ids_parts) if ids_parts else np.zeros(0, np.int32),
+        cat(mask_parts) if mask_parts else np.zeros(0, np.uint8),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(positions, dtype=np.int64),
+        errors,
+        bad,
+        truncated,
+        records,
+        size,
+    )
+
+
+def chunk_tasks(src: SourceFile) -> Iterator[tuple[tuple, int]]:
+    """(task, bytes of progress it stands for) covering the whole file, in order."""
+    if src.kind == "jsonl":
+        size = src.path.stat().st_size
+        with src.path.open("rb") as f:
+            start, line = 0, 1
+            while start < size:
+                # to the end of the line the boundary falls in (scanned, never read whole)
+                end = next_line_start(f, start + CHUNK_BYTES, size) if start + CHUNK_BYTES < size else size
+                lines = count_newlines(f, start, end)
+                yield ("bytes", start, end, line), end - start
+                start, line = end, line + lines
+    elif src.kind in ("parquet", "arrow"):
+        total = _row_count(src)
+        size = max(1, file_size(src))
+        for start in range(0, total, CHUNK_ROWS):
+            stop = min(total, start + CHUNK_ROWS)
+            yield ("rows", start, stop), size * (stop - start) // max(1, total)
+    else:
+        size = max(1, src.path.stat().st_size)
+        batch: list[tuple[int, object]] = []
+        for item in iter_records(src):
+            batch.append(item)
+            if len(batch) >= ARRAY_BATCH:
+                yield ("records", batch), 0
+                batch = []
+        yield ("records", batch), size
+
+
+def _row_count(src: SourceFile) -> int:
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(src.path).metadata.num_rows)
+    return len(load_arrow_dataset(src.path, src.name))

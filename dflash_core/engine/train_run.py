@@ -1,0 +1,350 @@
+"""One training job on the built engine: `TrainRun` holds the job's state from its admission to
+its result, on every rank that runs it.
+
+The run, in order: prepare (the job's data, tokenized where the cache lacks it; the micro-batch
+stream; the first step's weights and optimizer state), agreed on and shared by the rank protocol
+(ranks.py); then the loop (`loop`): learning rate, one step across the drafters (drafters.py),
+the step's checks and callbacks, the weight check, evaluation, checkpoint, stop. Failures are
+the context managers' to handle: the checkpointer lets a write in flight finish, the rank
+protocol votes the failure to the other ranks, the feature pipeline closes, the replicas drop
+the job's state, and whatever was raised becomes a readable JobError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..checkpoint import load_training_state, load_weights
+from ..confine import OutsideRoots, resolved_under
+from ..data.batches import MicroBatchStream
+from ..data.job import JobData, load_job_data
+from ..data.prepare import PrepareProgress
+from ..step.blocks import expected_acceptance_length
+from .admission import admit_training
+from .api import JobCallbacks, JobError, JobResult, StepStats
+from .checkpointing import Checkpointer, checkpoint_due
+from .config import TrainJob
+from .guards import check_data_tokens, check_step, check_trained
+from .kinds import readable_failures
+from .optim import lr_factor
+from .pipeline import FeaturePipeline
+from .replica import StepAccumulator
+from .warmup import reset_weights
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
+
+
+@dataclass
+class Prepared:
+    data: JobData
+    stream: MicroBatchStream
+    total: int  # the job's steps
+    start: int  # the step it starts after (a resume's)
+
+    def fingerprint(self) -> list[int]:
+        """What every rank of a group must have read alike: micro-batches per epoch, tokens, steps."""
+        return [self.stream.per_epoch, int(self.data.corpus.lengths.sum()), self.total]
+
+
+class NoCheckpoints:
+    """The checkpoints of a rank other than 0: none (rank 0 writes the job's)."""
+
+    def __enter__(self) -> NoCheckpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def save(self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None) -> None: ...
+
+    def finish(
+        self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, write_last: bool
+    ) -> str | None:
+        return None
+
+
+class TrainRun:
+    @classmethod
+    def validate(cls, engine: Engine, job: TrainJob) -> None:
+        admit_training(job, engine.config, engine.parts)
+
+    def __init__(self, engine: Engine, job: TrainJob, callbacks: JobCallbacks, resume_from: str | None):
+        assert engine.parts is not None, "the engine is not built"
+        self.engine, self.parts, self.job, self.cb = engine, engine.parts, job, callbacks
+        self.resume_from = resume_from
+        self.ranks, self.drafters = engine.ranks, engine.drafters
+        self.per_step = len(engine.replicas) * job.grad_accum * self.ranks.world  # micro-batches per step
+        self.pipeline: FeaturePipeline | None = None
+        self.per_epoch = 1
+        self.step = self.start = self.total = 0
+        self.stats: StepStats | None = None
+        self.eval_result: dict[str, Any] | None = None
+        self.trained = 0  # labelled block positions this run trained on
+        self.status = "SUCCEEDED"
+        self.step_began = 0.0  # when the running step began (time.monotonic)
+        self.stop: str | None = None  # why the ranks stopped the job early (ranks.CANCEL, SHUTDOWN)
+
+    def admit(self) -> None:
+        """On the process that took the job: the group can run it, it is valid, the others get it."""
+        self.ranks.check_can_run()
+        self.validate(self.engine, self.job)
+        self.ranks.send_job(self.job, self.resume_from)
+
+    def execute(self) -> JobResult:
+        """Train the job to its end, a cancel or a shutdown (callbacks.should_cancel); raises JobError."""
+        with readable_failures(), self.drafters.job_scope():
+            prepared = self.ranks.agree_start(self.prepare, self.cb.should_cancel)
+            if prepared is None:
+                return JobResult("STOPPED", 0, 0, self.resume_from)
+            prepared.start = self.ranks.share_start(prepared.start)
+            last = self.run(prepared)
+        return JobResult(
+            self.status, self.step, self.total, last, self.stats, self.eval_result, prepared.data.skipped_lines
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, prepared: Prepared) -> str | None:
+        """The steps from the first to the end or a stop; the last checkpoint's path."""
+        self.step = self.start = prepared.start
+        self.total, self.per_epoch = prepared.total, prepared.stream.per_epoch
+        self.engine.rate.reset()
+        with contextlib.ExitStack() as stack:  # unwound in reverse: abandon, vote, close the pipeline
+            stack.callback(self._close_pipeline)
+            stack.enter_context(self.ranks.voting())
+            checkpoints = self._checkpoints()  # in the vote: an unusable output_dir fails every rank
+            stack.enter_context(checkpoints)
+            self.pipeline = self._start_pipeline(prepared.stream)
+            self.loop(prepared.data, checkpoints)
+            stopped_after_progress = self.status == "STOPPED" and self.step > self.start
+            last = checkpoints.finish(self.step, self.stats, self.eval_result, write_last=stopped_after_progress)
+            self.ranks.agree_end()
+        self.ranks.after_job(self.stop, self.step)
+        return last
+
+    def loop(self, data: JobData, checkpoints: Checkpointer | NoCheckpoints) -> None:
+        job, cb, ranks = self.job, self.cb, self.ranks
+        warmup_steps = int(job.warmup_ratio * self.total)
+        evaluates = (
+            ranks.leads and bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
+        )
+        while self.step < self.total:
+            cancel = cb.should_cancel()
+            if ranks.stops_before_step(cancel):
+                self.status = "STOPPED"
+                break
+            lr = job.learning_rate * lr_factor(self.step, self.total, warmup_steps, job.min_lr_ratio)
+            self.stats, self.stop = self.train_step(lr, cancel)
+            self.step += 1
+            check_step(self.stats)  # before the step is recorded or checkpointed
+            self.trained += self.stats.labels
+            cb.on_step(self.stats)
+            if self.step == self.total:  # before the last checkpoint: a job that trained on nothing writes none
+                check_trained(self.step - self.start, self.trained)
+            ranks.check_weights(self.step, self.stop is not None or checkpoint_due(job, self.step, self.total))
+            if evaluates and ((job.eval_interval and self.step % job.eval_interval == 0) or self.step == self.total):
+                self.eval_result = self.drafters.evaluate(
+                    self.parts.targets[0], self.parts.tokenizer, data.heldout, job
+                )
+                cb.on_eval(self.step, self.eval_result)
+            checkpoints.save(self.step, self.stats, self.eval_result)
+            if self.stop is not None:
+                self.status = "STOPPED"
+                break
+
+    def train_step(self, lr: float, cancel: bool) -> tuple[StepStats, str | None]:
+        """One optimizer step across the drafters (and, in a group, the ranks)."""
+        self.step_began = time.monotonic()
+        assert self.pipeline is not None
+        accs, norm, (totals, stop) = self.drafters.step(
+            self.pipeline, self.job, lr, lambda futures, error: self.ranks.exchange_step(futures, error, cancel)
+        )
+        return self.step_stats(accs, totals, lr, norm), stop
+
+    def step_stats(
+        self, accs: list[StepAccumulator], totals: StepAccumulator | None, lr: float, norm: float
+    ) -> StepStats:
+        """The step's statistics: over every rank (`totals`, None: this rank's are the job's), except
+        the per-device tokens and times, which are this rank's own."""
+        seconds = time.monotonic() - self.step_began
+        totals = totals if totals is not None else StepAccumulator.merged(accs)
+        correct, counted = totals.correct.float(), totals.counted.float()
+        acc_per_pos = (correct[1:] / counted[1:].clamp_min(1)).tolist()
+        per_dev, secs = self.drafters.count(accs, seconds)
+        # rank 0 reports the job's rate; the other ranks their own devices'
+        self.engine.rate.add(totals.context_tokens if self.ranks.leads else sum(per_dev.values()), seconds)
+        step = self.step + 1
+        return StepStats(
+            step,
+            self.total,
+            float(totals.loss_sum) / totals.micro_batches,
+            acc_per_pos,
+            expected_acceptance_length([1.0, *acc_per_pos]),
+            totals.context_tokens,
+            per_dev,
+            seconds,
+            secs,
+            self.engine.rate.rate(),
+            lr,
+            norm,
+            step * self.per_step / self.per_epoch,
+            int(counted[1:].sum().item()),
+        )
+
+    def _checkpoints(self) -> Checkpointer | NoCheckpoints:
+        if not self.ranks.leads:
+            return NoCheckpoints()
+        return Checkpointer(
+            self.job,
+            self.engine.replicas[0],
+            self.cb,
+            total_steps=self.total,
+            micro_batches_per_step=self.per_step,
+            replicas=len(self.engine.replicas) * self.ranks.world,
+            target_path=self.parts.target_path,
+            resumed_from=self.resume_from,
+        )
+
+    def _start_pipeline(self, stream: MicroBatchStream) -> FeaturePipeline:
+        pipeline = FeaturePipeline(
+            self.parts.targets,
+            [r.device for r in self.engine.replicas],
+            stream,
+            first=self.start * self.per_step,
+            end=self.total * self.per_step,
+            grad_accum=self.job.grad_accum,
+            feature_spec=self.parts.feature_spec,
+            on_thread=lambda n: self.engine.timeline.mark(f"thread:{n}"),
+            share=(self.ranks.rank, self.per_step),
+        )
+        self.engine.pipeline = pipeline.start()
+        return pipeline
+
+    def _close_pipeline(self) -> None:
+        self.engine.pipeline = None
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    # ------------------------------------------------------------------ preparing
+    def prepare(self) -> Prepared:
+        """This rank's data, micro-batch stream, step count and first step, with the replicas
+        holding the first step's state."""
+        job = self.job
+        try:
+            data = self._load_data()
+        except OutsideRoots as e:
+            raise JobError(str(e), "datasets") from None
+        stream = MicroBatchStream(
+            data.corpus, self.engine.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
+        )
+        total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / self.per_step))
+        check_data_tokens(int(data.corpus.lengths.sum()))
+        self.cb.on_event(
+            "data",
+            {
+                "documents": len(data.corpus) - len(data.exclude),
+                "tokens": int(data.corpus.lengths.sum()),
+                "micro_batches_per_epoch": stream.per_epoch,
+                "truncated_documents": data.corpus.truncated_documents,
+                "dropped_documents": stream.report.dropped_documents,
+                "heldout": len(data.exclude) or len(data.heldout),
+                "total_steps": total,
+            },
+        )
+        return Prepared(data, stream, total, self._start_state())
+
+    def _load_data(self) -> JobData:
+        """Tokenize what the cache lacks (reported as the job's preparing_data phase) and open it."""
+        job, cb = self.job, self.cb
+        data = load_job_data(
+            job.datasets,
+            self.engine.tokenization(job),
+            self.engine.data_dir / "cache" / "tokens",
+            skip_bad_lines=job.skip_bad_lines,
+            eval_prompts=job.eval_prompts,
+            eval_fraction=job.eval_fraction,
+            eval_max_prompts=job.eval_max_prompts,
+            seed=job.seed,
+            progress=DataProgress(cb),
+            should_stop=lambda: cb.should_cancel() or self.ranks.stop_signalled(),
+            roots=job.dataset_roots,
+        )
+        if data.skipped_lines:
+            cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
+        return data
+
+    def _start_state(self) -> int:
+        """Weights, optimizer, RNG and loss weights for the job's first step; the step it starts
+        at. Only rank 0 reads a checkpoint (the others get its state from share_start)."""
+        job = self.job
+        resume_from = self.resume_from if self.ranks.leads else None
+        source = (resume_from or job.init_from) if self.ranks.leads else None  # a resume starts from its checkpoint
+        if source and job.init_from and not resume_from:
+            try:
+                source = str(resolved_under(job.init_from, job.dataset_roots + job.output_roots, "init_from"))
+            except OutsideRoots as e:
+                raise JobError(str(e), "init_from") from None
+        weights = load_weights(source, self.parts.drafter_config.num_hidden_layers, masters=True) if source else None
+        reset_weights(self.engine.replicas, job.seed, weights)
+        gamma = job.loss_gamma if job.loss_gamma is not None else self.parts.gamma
+        self.drafters.begin_job(job, gamma, self.per_step, self.engine.config.recipe)
+        return self._resume(resume_from) if resume_from else 0
+
+    def _resume(self, resume_from: str) -> int:
+        """The optimizer state and RNG of a checkpoint; the step it was written after."""
+        state = load_training_state(resume_from)
+        if state is None:
+            raise JobError(f"{resume_from}: no training state to resume from")
+        self.drafters.load_optimizer(state["optimizer"])
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        self.cb.on_event("resumed", {"from": str(resume_from), "step": int(state["step"])})
+        saved = int(state.get("replicas", len(self.engine.replicas))) * int(
+            state.get("grad_accum", self.job.grad_accum)
+        )
+        if saved != self.per_step:
+            self.cb.on_event(
+                "resume_data_order_changed",
+                {
+                    "message": f"the checkpoint was written with {saved} micro-batches per step, this engine runs "
+                    f"{self.per_step}: training continues, but not on the data order of the first run"
+                },
+            )
+        return int(state["step"])
+
+
+class DataProgress:
+    """Reports a job's data preparation at most every DATA_PROGRESS_SECONDS (and when done)."""
+
+    def __init__(self, cb: JobCallbacks):
+        self.cb = cb
+        self.reported = 0.0
+
+    def __call__(self, p: PrepareProgress) -> None:
+        now = time.monotonic()
+        done = p.files_done == p.files_total
+        if not (done or now - self.reported >= DATA_PROGRESS_SECONDS):
+            return
+        self.reported = now
+        self.cb.on_data_progress(
+            {
+                "files_total": p.files_total,
+                "files_done": p.files_done,
+                "files_cached": p.files_cached,
+                "bytes_total": p.bytes_total,
+                "bytes_done": p.bytes_done,
+                "fraction": round(p.fraction, 4),
+                "documents": p.documents,
+                "tokens": p.tokens,
+                "seconds": round(p.seconds, 3),
+                "done": done,
+                **({"rebuilt_cache_entries": p.rebuilt} if p.rebuilt else {}),
+            }
+        )

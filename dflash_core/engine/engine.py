@@ -41,7 +41,14 @@ from ..step.blocks import expected_acceptance_length
 from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult, StepStats
-from .checkpointing import Checkpointer, checkpoint_due, checkpoint_size, human_bytes
+from .checkpointing import (
+    Checkpointer,
+    HostSnapshot,
+    checkpoint_due,
+    checkpoint_size,
+    expected_layout,
+    human_bytes,
+)
 from .compile import (
     ARTIFACTS_FILE,
     CompileGuard,
@@ -61,6 +68,7 @@ from .objective import check_objective, job_objective
 from .optim import load_optimizer_state, lr_factor
 from .pipeline import FeaturePipeline
 from .replica import DrafterReplica, StepAccumulator
+from .start_clock import StartClock
 from .warmup import Parts, Timeline, build, flat_devices, recipe_gamma, reset_weights, resolve_devices
 
 log = logging.getLogger("dflash.engine")
@@ -123,6 +131,8 @@ class Engine:
         self.ready = False
         self._tokens_per_device: dict[str, int] = {}
         self._pipeline: FeaturePipeline | None = None
+        self._start_clock = StartClock()  # the running job's (replaced by each job)
+        self._host_snapshot: HostSnapshot | None = None  # checkpoint buffers every job reuses
         self._saved_tokenizer: tuple[Path, str] | None = None
         self._drafter_pools: list[cf.ThreadPoolExecutor] = []
         self._worker_threads: list[threading.Thread] = []
@@ -158,6 +168,7 @@ class Engine:
             # exercise of the gradient sync stays on this host
             self.grad_sync.process_group = self.group.grad_group
             self.grad_sync.guard = self.group.guarded
+        self._prepare_host_snapshot()
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")
         if self.parts.plan.compiled:
@@ -178,6 +189,17 @@ class Engine:
         if self.group is not None:
             self.group.announce_ready(self._rank_description())
         self.timeline.enter("ready", len(self.replicas))
+
+    def _prepare_host_snapshot(self) -> None:
+        """The checkpoint's pinned host buffers, allocated once per engine (every job has the same
+        shapes): pinning gigabytes takes seconds and holds up the device's other calls, which a
+        job would otherwise spend before its first step."""
+        leader = self.group is None or self.group.is_leader
+        if leader and self.replicas and self.replicas[0].device.type == "cuda":
+            self._host_snapshot = HostSnapshot()
+            self._host_snapshot.prepare(expected_layout(self.replicas[0]))
+            self._host_snapshot.wait()
+            self.timeline.mark("build:checkpoint_buffers")
 
     def _rank_description(self) -> dict[str, Any]:
         """What every rank of a group must share to train together (compared by rank 0)."""
@@ -413,6 +435,7 @@ class Engine:
         ranks = group.world if group is not None else 1
         per_step = len(self.replicas) * job.grad_accum * ranks
         control = _Control(self.drafter_config.block_size, ranks)
+        self._start_clock = clock = StartClock()
         prepared = self._prepare(job, cb, resume_from, per_step, control)
         if prepared is None:
             return JobResult("STOPPED", 0, 0, resume_from)
@@ -440,7 +463,9 @@ class Engine:
                     replicas=len(self.replicas) * ranks,
                     target_path=self.parts.target_path,
                     resumed_from=resume_from,
+                    snapshot=self._host_snapshot,
                 )
+            clock.mark("checkpointer")
             pipeline = FeaturePipeline(
                 self.parts.targets,
                 [r.device for r in self.replicas],
@@ -453,6 +478,7 @@ class Engine:
                 share=(group.rank, ranks) if group is not None else (0, 1),
             )
             self._pipeline = pipeline.start()
+            clock.mark("pipeline_start")
             while step < total:
                 cancel = cb.should_cancel()
                 if group is None and cancel:
@@ -463,6 +489,9 @@ class Engine:
                     pipeline, job, step + 1, total, lr, stream.per_epoch, per_step, control, cancel
                 )
                 step += 1
+                if not clock.reported:
+                    clock.mark("first_step")
+                    clock.report(cb.on_event)
                 check_step(stats)  # before the step is recorded or checkpointed
                 trained += stats.labels
                 cb.on_step(stats)
@@ -529,6 +558,7 @@ class Engine:
                 data = self._load_data(job, cb)
             except OutsideRoots as e:
                 raise JobError(str(e), "datasets") from None
+            self._start_clock.mark("data_open")
             stream = MicroBatchStream(
                 data.corpus,
                 self.config.shape,
@@ -538,6 +568,7 @@ class Engine:
             )
             total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / per_step))
             check_data_tokens(int(data.corpus.lengths.sum()))
+            self._start_clock.mark("batch_plan")
             cb.on_event(
                 "data",
                 {
@@ -552,6 +583,7 @@ class Engine:
             )
             leader = group is None or group.is_leader
             start = self._start_state(job, cb, resume_from if leader else None, per_step, read_files=leader)
+            self._start_clock.mark("start_state")
             if group is not None and group.is_leader:
                 assert self.replicas[0].optimizer is not None
                 optimizer_state = flatten_state(self.replicas[0].optimizer.state_dict())

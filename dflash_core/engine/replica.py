@@ -13,6 +13,7 @@ from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..devices import compute_dtype
 from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
+from ..fp8 import quantize_head, use_fp8_linears
 from ..step.loss import LOSS_KERNELS
 from ..step.micro_step import MicroStepResult, StepKernels, micro_step
 from ..step.objectives import ObjectiveInputs
@@ -81,9 +82,15 @@ class DrafterReplica:
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
+        if (plan.precision == "fp8") != (plan.loss == "triton_fp8") or plan.precision not in ("bf16", "fp8"):
+            raise ValueError(f"precision fp8 goes with the triton_fp8 loss kernel and only with it, got {plan}")
         with torch.device(self.device):  # allocate and default-init on the device, not the CPU
             self.drafter = DFlashDrafter(cfg)
         self.head = head.to(self.device, compute)
+        if plan.precision == "fp8":  # the same parameters, their GEMMs in FP8 (dflash_core.fp8)
+            use_fp8_linears(self.drafter.fc)  # the decoder stack and the feature fusion, not the
+            use_fp8_linears(self.drafter.layers)  # recipe's heads (their widths follow the vocabulary)
+            self.head.lm_head_fp8 = quantize_head(self.head.lm_head_weight)
         self.plan = plan
         self.attention = plan.attention
         self.compute_dtype = compute

@@ -106,7 +106,11 @@ def device_label(entry: str | list[str]) -> str:
 def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts, grad_sync: GradSync) -> Parts:
     """Load the target copies and the drafter replicas and warm each device in turn."""
     target_devices, drafter_devices = resolve_devices(config)
-    plan = step_plan(drafter_devices, config.debug_eager)
+    plan = step_plan(drafter_devices, config.debug_eager, config.precision)
+    if config.target_precision == "fp8":
+        from ..fp8 import check_fp8_devices
+
+        check_fp8_devices(flat_devices(target_devices), "target_precision")
     if plan.compiled and any(d.startswith("cuda") for d in drafter_devices) and start_compile_workers():
         timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
 
@@ -133,6 +137,10 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
     )
     drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
     check_rope_positions(drafter_config, config.seq_len, config.block_size)
+    if plan.precision == "fp8":
+        from ..fp8 import check_fp8_shapes
+
+        check_fp8_shapes(drafter_config, config.seq_len, config.num_anchors, config.block_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     cuda.wait()
     timeline.mark("build:cuda_contexts")

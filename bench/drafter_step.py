@@ -51,6 +51,8 @@ EAGER_SDPA = StepPlan(attention="dense", compiled=False, loss="triton", working_
 VARIANTS = {
     "flex_layer": (ENGINE, "layer", 1),  # the engine's step
     "flex_layer_fp8": (FP8, "layer", 1),  # FP8 GEMMs: the drafter's linears and the lm_head in the loss
+    "flex_layer_fp8_linears": (replace(FP8, loss="triton"), "layer", 1),  # the linears alone in FP8
+    "flex_layer_fp8_head": (replace(ENGINE, loss="triton_fp8"), "layer", 1),  # the lm_head alone in FP8
     "flex_layer_fp32w": (FP32W, "layer", 1),  # fp32 working weights: autocast casts every matrix, every step
     "flex_layer_inductor_ce": (replace(FP32W, loss="compiled"), "layer", 1),  # and the inductor-compiled loss chunks
     "flex_layer_q4": (ENGINE, "layer", 4),

@@ -122,6 +122,7 @@ class TargetModel:
         random_init: bool = False,
         seed: int = 0,
         teacher: bool = False,
+        fp8: bool = False,
     ):
         """device: one device, or a list of devices over which the decoder layers are split in
         equal consecutive stages (a target larger than one GPU); the embedding sits on the first,
@@ -130,7 +131,9 @@ class TargetModel:
         (benchmarks and dry runs of large targets without their weights).
         teacher: capture() runs the whole decoder and appends its final (normed) hidden state to
         the features, for objectives that distil the target's next-token distribution; else the
-        forward stops at the deepest captured layer."""
+        forward stops at the deepest captured layer.
+        fp8: the decoder's linear layers run as FP8 GEMMs (target_precision.py; CUDA with FP8
+        matmuls, which the engine checks at its start)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(path)
@@ -161,6 +164,13 @@ class TargetModel:
             raise ValueError(f"target has {len(decoder_layers)} layers; cannot capture {bad}")
         if len(stages) > 1:
             self._place_stages(decoder_layers)
+        if fp8:
+            from .target_precision import quantize_decoder_linears
+
+            if quantize_decoder_linears(decoder_layers) == 0:
+                raise ValueError(
+                    'target_precision = "fp8": the target\'s decoder layers have no linear layer FP8 takes'
+                )
         self._local = threading.local()
         self._embedding_scale: float | None = None
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph

@@ -158,3 +158,24 @@ def test_fp8_loss_chunk_matches_the_exact_chunk_interpreted():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["loss_rel"] < 5e-3 and result["grad_rel"] < 0.06 and result["hit_mismatches"] <= 8, result
     assert result["padded_vocab"] > result["vocab"]
+
+
+def test_fp8_target_captures_features_close_to_the_loaded_ones(assets_dir):
+    """target_precision = "fp8" on the embedded target (CPU _scaled_mm; the engine refuses FP8 on
+    a CPU, the math is the same): every decoder linear replaced, its bf16 weight gone; features
+    within FP8's error of the loaded target's, not equal to them (they are the FP8 target's)."""
+    from dflash_core.defaults import DEFAULT_TARGET_LAYER_IDS
+    from dflash_core.target import TargetModel
+    from dflash_core.target_precision import Fp8FrozenLinear
+
+    path = Path(assets_dir) / "target"
+    ids = list(DEFAULT_TARGET_LAYER_IDS)
+    plain, fp8 = (TargetModel(path, ids, "cpu", fp8=q) for q in (False, True))
+    layers = fp8.decoder_layers()
+    converted = [m for m in layers.modules() if isinstance(m, Fp8FrozenLinear)]
+    assert len(converted) == 7 * len(layers) and not any(type(m) is torch.nn.Linear for m in layers.modules())
+    ids_ = torch.randint(5, fp8.config.vocab_size, (37,))  # 37 rows: padded to 48 for the GEMMs, cut back
+    pos, doc = torch.arange(37), torch.zeros(37, dtype=torch.long)
+    a, b = plain.capture(ids_, pos, doc), fp8.capture(ids_, pos, doc)
+    assert a.shape == b.shape and not torch.equal(a, b)
+    assert _rel(b, a) < 0.1

@@ -69,8 +69,6 @@ class DrafterReplica:
         device = torch.device(device)
         if plan.loss not in LOSS_KERNELS:
             raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {plan.loss!r}")
-        if plan.loss == "triton" and device.type != "cuda":
-            raise ValueError(f"the Triton loss kernel needs a CUDA device, got {device}")
         if plan.working_weights not in WORKING_WEIGHTS:
             raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {plan.working_weights!r}")
         compute = compute_dtype(device)
@@ -82,14 +80,17 @@ class DrafterReplica:
         self.index = index
         self.device = torch.device(device)
         self.config = cfg
-        if (plan.precision == "fp8") != (plan.loss == "triton_fp8") or plan.precision not in ("bf16", "fp8"):
-            raise ValueError(f"precision fp8 goes with the triton_fp8 loss kernel and only with it, got {plan}")
+        if plan.loss.startswith("triton") and device.type != "cuda":
+            raise ValueError(f"the Triton loss kernel needs a CUDA device, got {device}")
+        if plan.precision not in ("bf16", "fp8"):
+            raise ValueError(f"precision must be bf16 or fp8, got {plan.precision!r}")
         with torch.device(self.device):  # allocate and default-init on the device, not the CPU
             self.drafter = DFlashDrafter(cfg)
         self.head = head.to(self.device, compute)
         if plan.precision == "fp8":  # the same parameters, their GEMMs in FP8 (dflash_core.fp8)
             use_fp8_linears(self.drafter.fc)  # the decoder stack and the feature fusion, not the
             use_fp8_linears(self.drafter.layers)  # recipe's heads (their widths follow the vocabulary)
+        if plan.loss == "triton_fp8":
             self.head.lm_head_fp8 = quantize_head(self.head.lm_head_weight)
         self.plan = plan
         self.attention = plan.attention

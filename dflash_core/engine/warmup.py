@@ -155,6 +155,7 @@ def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaCo
                 random_init=config.target_random_init,
                 seed=WARMUP_SEED,
                 teacher=config.teacher,
+                fp8=config.target_precision == "fp8",
             )
         )
         timeline.record("target_load", device_label(dev), t)

@@ -65,8 +65,10 @@ def test_fp8_step_matches_the_bf16_step_and_replays_as_a_graph():
 
 @needs_fp8
 def test_fp8_engine_job_compiles_nothing_at_run_time(tmp_path):
-    """precision = "fp8" through the engine: warm-up compiles the FP8 layer and records its step
-    graph; a 20-step job replays it with no runtime compile and flat reserved memory."""
+    """precision = "fp8" and target_precision = "fp8" through the engine: warm-up compiles the FP8
+    layer, records the step graph and the FP8 target's capture graph (each kept only when it
+    replays its eager run bit for bit); a 20-step job replays them with no runtime compile and
+    flat reserved memory, and reports its first step's breakdown."""
     from bench.common import dims, random_target_engine_config, write_target_dir
     from dflash_core.defaults import ensure_default_assets
     from dflash_core.engine import Engine, JobCallbacks, TrainJob
@@ -74,10 +76,22 @@ def test_fp8_engine_job_compiles_nothing_at_run_time(tmp_path):
     assets = ensure_default_assets(tmp_path / "data")
     target = write_target_dir(tmp_path / "target", **dims(1024, 3072, 8, 16, 8, 64), vocab_size=151936)
     cfg = random_target_engine_config(
-        target, ["cuda:0"], 1024, 128, drafter_layers=2, precision="fp8", inductor_cache_dir=str(tmp_path / "ind")
+        target,
+        ["cuda:0"],
+        1024,
+        128,
+        drafter_layers=2,
+        precision="fp8",
+        target_precision="fp8",
+        inductor_cache_dir=str(tmp_path / "ind"),
     )
     engine = Engine(cfg, tmp_path / "data").build()
     assert engine.parts is not None and engine.parts.plan.precision == "fp8"
+    from dflash_core.target_precision import Fp8FrozenLinear
+
+    target = engine.parts.targets[0]
+    assert any(isinstance(m, Fp8FrozenLinear) for m in target.decoder_layers().modules())
+    assert target._graph is not None  # the FP8 capture recorded and kept
     steps, reserved, events = [], [], []
 
     class CB(JobCallbacks):

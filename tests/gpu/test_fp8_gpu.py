@@ -44,15 +44,20 @@ def test_fp8_step_matches_the_bf16_step_and_replays_as_a_graph():
     )
     batch = synthetic_micro_batch(shape, vocab, 0, seed=1).to("cuda")
     feats = torch.randn(1024, 2 * hidden, device="cuda", generator=g).bfloat16()
-    results = {}
-    for precision in ("bf16", "fp8"):
+
+    def eager_step(precision: str):
+        """(loss, gradients, replica); the step's autograd graph is dropped on return: a graph
+        recorded later must create its own gradient accumulators on its capture stream."""
         rep = DrafterReplica(
             0, cfg, "cuda:0", head, step_plan(["cuda:0"], precision=precision), gamma=7.0, chunk_size=256
         )
         rep.init_weights(3)
         res, _ = rep.loss_and_backward(batch, feats, 1.0)
-        results[precision] = (float(res.loss), [p.grad.clone() for p in rep.params], rep)
+        out = (float(res.loss.detach()), [p.grad.clone() for p in rep.params], rep)
         rep.zero_grad()
+        return out
+
+    results = {precision: eager_step(precision) for precision in ("bf16", "fp8")}
     (loss16, grads16, _), (loss8, grads8, rep8) = results["bf16"], results["fp8"]
     assert sum(isinstance(m, Fp8Linear) for m in rep8.drafter.modules()) == 1 + 7 * cfg.num_hidden_layers
     assert abs(loss8 - loss16) <= 0.02 * abs(loss16), (loss8, loss16)
@@ -109,7 +114,7 @@ def test_fp8_engine_job_compiles_nothing_at_run_time(tmp_path):
     assert res.status == "SUCCEEDED" and len(steps) == 20
     assert engine.status().compiles["runtime"] == 0
     assert all(rep.step_graph is not None for rep in engine.replicas)
-    assert max(reserved[5:]) == min(reserved[5:])
+    assert max(reserved[10:]) == min(reserved[10:])
     assert all(s.loss == s.loss for s in steps)  # no NaN
     assert any(kind == "first_step" for kind, _ in events)
     engine.close()

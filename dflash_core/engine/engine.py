@@ -1014,4 +1014,7 @@ class Engine:
             pool.shutdown(wait=True, cancel_futures=True)
         self._drafter_pools = []
         self.ready = False
+        if self._host_snapshot is not None:  # gigabytes of pinned host memory
+            self._host_snapshot.clear()
+            self._host_snapshot = None
         self.guard.release()

@@ -147,10 +147,19 @@ class TargetModel:
         attn = attention_implementation(config)
         # a split target is assembled on the host, then each stage moves to its device
         home = self.device if len(stages) == 1 else torch.device("cpu")
+        from .target_precision import fp8_checkpoint_blocks, load_fp8_checkpoint, without_quantization
+
+        fp8_blocks = fp8_checkpoint_blocks(config)  # a checkpoint stored in fine-grained FP8
         if random_init:
             torch.manual_seed(seed)
             with torch.device(home):
-                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=attn)
+                model = AutoModelForCausalLM.from_config(
+                    without_quantization(config), dtype=self.dtype, attn_implementation=attn
+                )
+            fp8_blocks = None  # random weights: nothing stored to run as stored
+        elif fp8_blocks is not None:
+            with torch.device(home):
+                model = load_fp8_checkpoint(self.path, config, self.dtype, attn, fp8_blocks)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation=attn)
         model.requires_grad_(False).eval().to(home)
@@ -164,7 +173,8 @@ class TargetModel:
             raise ValueError(f"target has {len(decoder_layers)} layers; cannot capture {bad}")
         if len(stages) > 1:
             self._place_stages(decoder_layers)
-        if fp8:
+        self.stored_fp8 = fp8_blocks is not None
+        if fp8 and not self.stored_fp8:  # an FP8 checkpoint already runs as it is served
             from .target_precision import quantize_decoder_linears
 
             if quantize_decoder_linears(decoder_layers) == 0:

@@ -179,3 +179,71 @@ def test_fp8_target_captures_features_close_to_the_loaded_ones(assets_dir):
     a, b = plain.capture(ids_, pos, doc), fp8.capture(ids_, pos, doc)
     assert a.shape == b.shape and not torch.equal(a, b)
     assert _rel(b, a) < 0.1
+
+
+def _write_fp8_checkpoint(bf16_dir: Path, out: Path, block: int = 128) -> None:
+    """The bf16 checkpoint in `bf16_dir` stored as fine-grained FP8, the way FP8 releases of
+    Qwen3 and DeepSeek are: every decoder linear weight e4m3 with an fp32 `weight_scale_inv` per
+    block x block tile, everything else as it was, and config.json's quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(bf16_dir / "model.safetensors"))
+    stored = {}
+    for key, value in state.items():
+        if key.startswith("model.layers.") and key.endswith("proj.weight"):
+            rows, cols = value.shape
+            tiles = value.float().reshape(rows // block, block, cols // block, block)
+            inv = tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+            q = (tiles / inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+            stored[key], stored[key[: -len("weight")] + "weight_scale_inv"] = q, inv.contiguous()
+        else:
+            stored[key] = value
+    out.mkdir()
+    save_file(stored, str(out / "model.safetensors"))
+    config = json.loads((bf16_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_an_fp8_checkpoint_runs_as_it_is_served(tmp_path):
+    """A fine-grained FP8 checkpoint (written here from a tiny bf16 Qwen3) loads with its weights
+    as stored (FP8 values times block scales, exactly) and its linears casting activations per
+    token and 128 columns, as served; its features are the FP8 target's (close to the bf16
+    target's, not equal). target_precision fp8 leaves it as stored."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_core.target import TargetModel
+    from dflash_core.target_precision import ActQuantLinear, dequantize_blocks, fake_quantize_groups
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=256,
+    )  # fmt: skip
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    _write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    plain = TargetModel(tmp_path / "bf16", [1, 2], "cpu")
+    served = TargetModel(tmp_path / "fp8", [1, 2], "cpu", fp8=True)
+    assert served.stored_fp8 and not plain.stored_fp8
+    layers = served.decoder_layers()
+    linears = [m for m in layers.modules() if isinstance(m, ActQuantLinear)]
+    assert len(linears) == 7 * len(layers)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    q = layers[0].self_attn.q_proj
+    expected = dequantize_blocks(
+        stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale_inv"], torch.float32
+    )  # fmt: skip
+    assert torch.equal(q.linear.weight, expected)
+    x = torch.randn(5, 128)
+    assert torch.equal(q(x), torch.nn.functional.linear(fake_quantize_groups(x, 128), expected))
+    assert torch.equal(served.model.lm_head.weight, served.model.model.embed_tokens.weight)  # tied, as stored
+    ids = torch.randint(5, 512, (40,))
+    pos, doc = torch.arange(40), torch.zeros(40, dtype=torch.long)
+    a, b = plain.capture(ids, pos, doc), served.capture(ids, pos, doc)
+    assert not torch.equal(a, b) and _rel(b, a) < 0.1

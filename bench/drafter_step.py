@@ -1,6 +1,6 @@
 """Drafter training step at the reference shape (docs/design.md) on one GPU.
 
-    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
+    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_fp8,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
                                  [--warm-jobs 4]   # a cold machine: compile the variants in parallel first
 
 Times forward+backward (median of CUDA-event timings after warmup) through the engine's own
@@ -45,10 +45,14 @@ from dflash_core.step.attention import dense_mask, dflash_mask_mod
 
 ENGINE = StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")  # step_plan on CUDA
 FP32W = replace(ENGINE, working_weights="fp32")
+FP8 = replace(ENGINE, precision="fp8", loss="triton_fp8")  # step_plan with [engine] precision = "fp8"
 EAGER_SDPA = StepPlan(attention="dense", compiled=False, loss="triton", working_weights="bf16")  # our SDPA path
 # variant -> (plan, compile scope, query splits); bench.variants says what each means
 VARIANTS = {
     "flex_layer": (ENGINE, "layer", 1),  # the engine's step
+    "flex_layer_fp8": (FP8, "layer", 1),  # FP8 GEMMs: the drafter's linears and the lm_head in the loss
+    "flex_layer_fp8_linears": (replace(FP8, loss="triton"), "layer", 1),  # the linears alone in FP8
+    "flex_layer_fp8_head": (replace(ENGINE, loss="triton_fp8"), "layer", 1),  # the lm_head alone in FP8
     "flex_layer_fp32w": (FP32W, "layer", 1),  # fp32 working weights: autocast casts every matrix, every step
     "flex_layer_inductor_ce": (replace(FP32W, loss="compiled"), "layer", 1),  # and the inductor-compiled loss chunks
     "flex_layer_q4": (ENGINE, "layer", 4),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DrafterConfig
+from .fp8 import Fp8Head
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -236,6 +237,16 @@ class FrozenHead:
 
     embed_weight: torch.Tensor  # [V, H]
     lm_head_weight: torch.Tensor  # [V, H]
+    # the lm_head quantized once for the FP8 loss kernel (a replica with precision fp8 sets it)
+    lm_head_fp8: Fp8Head | None = None
+
+    def lm_head_for(self, loss_kernel: str) -> torch.Tensor | Fp8Head:
+        """The lm_head operand the loss kernel takes (step.loss.LOSS_KERNELS)."""
+        if loss_kernel != "triton_fp8":
+            return self.lm_head_weight
+        if self.lm_head_fp8 is None:
+            raise ValueError("the triton_fp8 loss kernel needs the head's FP8 lm_head (fp8.quantize_head)")
+        return self.lm_head_fp8
 
     def to(self, device, dtype) -> FrozenHead:
         # plain tensors, not the target's nn.Parameters: the compiled loss sees the same input

@@ -122,6 +122,7 @@ class TargetModel:
         random_init: bool = False,
         seed: int = 0,
         teacher: bool = False,
+        fp8: bool = False,
     ):
         """device: one device, or a list of devices over which the decoder layers are split in
         equal consecutive stages (a target larger than one GPU); the embedding sits on the first,
@@ -130,7 +131,9 @@ class TargetModel:
         (benchmarks and dry runs of large targets without their weights).
         teacher: capture() runs the whole decoder and appends its final (normed) hidden state to
         the features, for objectives that distil the target's next-token distribution; else the
-        forward stops at the deepest captured layer."""
+        forward stops at the deepest captured layer.
+        fp8: the decoder's linear layers run as FP8 GEMMs (target_precision.py; CUDA with FP8
+        matmuls, which the engine checks at its start)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = Path(path)
@@ -144,10 +147,19 @@ class TargetModel:
         attn = attention_implementation(config)
         # a split target is assembled on the host, then each stage moves to its device
         home = self.device if len(stages) == 1 else torch.device("cpu")
+        from .target_precision import fp8_checkpoint_blocks, load_fp8_checkpoint, without_quantization
+
+        fp8_blocks = fp8_checkpoint_blocks(config)  # a checkpoint stored in fine-grained FP8
         if random_init:
             torch.manual_seed(seed)
             with torch.device(home):
-                model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=attn)
+                model = AutoModelForCausalLM.from_config(
+                    without_quantization(config), dtype=self.dtype, attn_implementation=attn
+                )
+            fp8_blocks = None  # random weights: nothing stored to run as stored
+        elif fp8_blocks is not None:
+            with torch.device(home):
+                model = load_fp8_checkpoint(self.path, config, self.dtype, attn, fp8_blocks)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation=attn)
         model.requires_grad_(False).eval().to(home)
@@ -161,6 +173,14 @@ class TargetModel:
             raise ValueError(f"target has {len(decoder_layers)} layers; cannot capture {bad}")
         if len(stages) > 1:
             self._place_stages(decoder_layers)
+        self.stored_fp8 = fp8_blocks is not None
+        if fp8 and not self.stored_fp8:  # an FP8 checkpoint already runs as it is served
+            from .target_precision import quantize_decoder_linears
+
+            if quantize_decoder_linears(decoder_layers) == 0:
+                raise ValueError(
+                    'target_precision = "fp8": the target\'s decoder layers have no linear layer FP8 takes'
+                )
         self._local = threading.local()
         self._embedding_scale: float | None = None
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph

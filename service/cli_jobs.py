@@ -137,6 +137,11 @@ def _event_message(event: dict[str, Any]) -> str | None:
         return f"prompts: {event.get('prompts')}, {event.get('rows')} rows in {event.get('shards')} shards"
     if kind == "skipped_lines":
         return f"skipped {event.get('count')} bad dataset lines, first: {event.get('first')}"
+    if kind == "first_step":  # seconds per phase before the job's first step, and their total
+        phases = dict(event.get("seconds") or {})
+        total = phases.pop("total", None)
+        parts = ", ".join(f"{name} {_fmt(v, '.2f')} s" for name, v in phases.items())
+        return f"first step after {_fmt(total, '.2f')} s ({parts})"
     if kind in ("cancel_requested", "interrupted"):
         return kind.replace("_", " ")
     return None

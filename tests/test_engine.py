@@ -261,6 +261,29 @@ class CheckpointRecorder(Recorder):
         self.removed += paths
 
 
+def test_a_job_reports_where_its_time_before_the_first_step_went(data_dir, default_assets, tmp_path):
+    """One `first_step` event per job, after its first step: seconds per phase from the job's
+    start (data, plan, start state, checkpointer, pipeline, the first step) and their total."""
+    engine = make_engine(data_dir, ["cpu"])
+    rec = Recorder()
+    assert engine.run_job(job(default_assets, tmp_path / "first", steps=3), rec).status == "SUCCEEDED"
+    first = [payload["seconds"] for kind, payload in rec.events if kind == "first_step"]
+    assert len(first) == 1
+    phases = first[0]
+    assert list(phases) == [
+        "data_open",
+        "batch_plan",
+        "start_state",
+        "checkpointer",
+        "pipeline_start",
+        "first_step",
+        "total",
+    ]
+    assert all(v >= 0 for v in phases.values()) and phases["first_step"] > 0
+    assert abs(sum(v for k, v in phases.items() if k != "total") - phases["total"]) < 0.01
+    engine.close()
+
+
 def test_checkpoints_written_beside_training_and_reported_once_complete(data_dir, default_assets, tmp_path):
     """Checkpoints are written on the writer thread from a snapshot: each is reported once, in
     order, only after its directory exists, and holds the weights of its own step even though

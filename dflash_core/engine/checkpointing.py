@@ -145,6 +145,12 @@ class HostSnapshot:
         self._preparing = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
         self._preparing.start()
 
+    def wait(self) -> None:
+        """Until the buffers `prepare` started are allocated."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
     def copy(self, state: Any) -> tuple[Any, torch.cuda.Event | None]:
         """(the state with every tensor replaced by its host copy, an event the copies of device
         tensors complete at, or None when everything was copied synchronously)."""
@@ -223,7 +229,10 @@ class Checkpointer:
         replicas: int,
         target_path: str,
         resumed_from: str | None = None,
+        snapshot: HostSnapshot | None = None,
     ):
+        """snapshot: host buffers the caller keeps across jobs (prepared at engine start, so a
+        job does not wait seconds for pinned memory before its first step); None: this job's own."""
         self.job = job
         self.replica = replica  # replicas are identical: the first one's state is the job's
         self.callbacks = callbacks
@@ -262,9 +271,11 @@ class Checkpointer:
         self.last_path: str | None = resumed_from
         self._last_step: int | None = None
         self._writer = CheckpointWriter()
-        self._snapshot_buffers = HostSnapshot()
+        self._own_buffers = snapshot is None
+        self._snapshot_buffers = HostSnapshot() if snapshot is None else snapshot
         self._pauses: dict[int, float] = {}
-        self._snapshot_buffers.prepare(_expected_layout(replica))  # the last step always checkpoints
+        if snapshot is None:
+            self._snapshot_buffers.prepare(expected_layout(replica))  # the last step always checkpoints
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -309,7 +320,8 @@ class Checkpointer:
         if write_last:
             self.save(step, stats, eval_result, force=True)
         self._report(self._writer.wait())
-        self._snapshot_buffers.clear()
+        if self._own_buffers:
+            self._snapshot_buffers.clear()
         self._dir.close()
         return self.last_path
 
@@ -319,7 +331,8 @@ class Checkpointer:
             self._writer.wait()
         except Exception:  # noqa: BLE001 - the failure already propagating is the job's error
             log.exception("checkpoint write failed while the job was failing")
-        self._snapshot_buffers.clear()
+        if self._own_buffers:
+            self._snapshot_buffers.clear()
         self._dir.close()
 
     def _report(self, done: list[tuple[str, int]]) -> None:
@@ -400,7 +413,7 @@ class Checkpointer:
         return write
 
 
-def _expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+def expected_layout(rep: DrafterReplica) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
     """The tensors a checkpoint of this replica copies, in HostSnapshot's order, before the
     optimizer has created its state: the masters, then AdamW's two moments per master (its
     step counters live on the host and need no buffer)."""

@@ -1,8 +1,10 @@
 """What the engine is built with (the user's choices) and one training job.
 
 `EngineConfig` holds only real choices: which target, which devices, the fixed training shapes,
-the drafter's size, where the compile cache lives. How the step runs on those devices (attention
-kernel, what is compiled, the loss kernel, the precision of the working weights) is derived from
+the drafter's size, where the compile cache lives, and the two precisions that change the numbers
+trained on (`precision`: FP8 GEMMs in the drafter step; `target_precision`: the target run in FP8,
+which changes the features the drafter learns from). How the step runs on those devices
+(attention kernel, what is compiled, the loss kernel, the working weights' dtype) is derived from
 the devices by `step_plan`, never configured; `debug_eager` is the one escape from it.
 
 The daemon's config file nests this model as its `[engine]` table, so the schema is written once.
@@ -94,6 +96,19 @@ class EngineConfig(BaseModel):
         ge=2,
         description="cache positions per sequence (prompt plus new tokens) of a regeneration; unset: seq_len",
     )
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description="the drafter step's GEMMs: bf16, or fp8 (tensorwise-scaled e4m3 forward, e5m2 gradients, for "
+        "the drafter's linear layers and the frozen lm_head in the loss; fp32 masters and optimizer as with "
+        "bf16). fp8 needs GPUs with FP8 matmuls (compute capability 8.9 or newer) and GEMM widths that are "
+        "multiples of 16",
+    )
+    target_precision: Literal["as_loaded", "fp8"] = Field(
+        "as_loaded",
+        description="the target's weights: as the checkpoint stores them (an FP8 checkpoint runs in FP8), or fp8 "
+        "(a bf16 target quantized to fine-grained FP8 at load: the features then are those of an FP8-served "
+        "target, not of the checkpoint's weights); fp8 needs GPUs with compute capability 8.9 or newer",
+    )
     debug_eager: bool = Field(
         False,
         description="run the step without torch.compile or hand-written kernels (SDPA with a dense mask, fp32 "
@@ -119,6 +134,12 @@ class EngineConfig(BaseModel):
             raise ValueError(f'{field}: only the dspark recipe has a Markov head (set recipe = "dspark")')
         return self
 
+    @model_validator(mode="after")
+    def _fp8_needs_the_compiled_step(self) -> EngineConfig:
+        if self.debug_eager and self.precision == "fp8":
+            raise ValueError('precision: "fp8" runs the compiled CUDA step; debug_eager runs fp32 eager')
+        return self
+
     @field_validator("target_path", "inductor_cache_dir")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
@@ -139,27 +160,41 @@ class StepPlan:
     loss: how the lm_head + CE chunks run ("triton", "compiled" or "eager"; step.loss).
     working_weights: "bf16" (bf16 copies of the weight matrices for the GEMMs, fp32 masters in the
         optimizer and checkpoints; needs the Triton AdamW) or "fp32" (the masters themselves).
+    precision: "bf16" or "fp8" (the drafter's linear layers as tensorwise-scaled FP8 GEMMs; the
+        loss is then "triton_fp8"): the user's `precision`, checked against the devices.
     """
 
     attention: str
     compiled: bool
     loss: str
     working_weights: str
+    precision: str = "bf16"
 
 
 CPU_PLAN = StepPlan(attention="dense", compiled=False, loss="eager", working_weights="fp32")
 
 
-def step_plan(drafter_devices: list[str], debug_eager: bool = False) -> StepPlan:
+def step_plan(drafter_devices: list[str], debug_eager: bool = False, precision: str = "bf16") -> StepPlan:
     """The fastest step the devices run: on CUDA compiled flex attention, and where Triton
     imports, the Triton CE kernel and bf16 working weights; the eager dense path elsewhere (any
-    CPU drafter makes the whole plan CPU: replicas must compute the same function)."""
+    CPU drafter makes the whole plan CPU: replicas must compute the same function). precision
+    "fp8" raises ValueError (naming the setting) where a device has no FP8 matmuls."""
+    if precision == "fp8":
+        from ..fp8 import check_fp8_devices
+
+        check_fp8_devices(drafter_devices, "precision")
+        if debug_eager:
+            raise ValueError('precision: "fp8" runs the compiled CUDA step; debug_eager runs fp32 eager')
     if debug_eager or not all(d.startswith("cuda") for d in drafter_devices):
         return CPU_PLAN
     from .optim import TritonAdamW  # None where Triton is missing or its kernels do not import
 
     if TritonAdamW is None:
+        if precision == "fp8":
+            raise ValueError('precision: "fp8" needs Triton (its loss kernel and AdamW), which could not be imported')
         return StepPlan(attention="flex", compiled=True, loss="compiled", working_weights="fp32")
+    if precision == "fp8":
+        return StepPlan(attention="flex", compiled=True, loss="triton_fp8", working_weights="bf16", precision="fp8")
     return StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")
 
 

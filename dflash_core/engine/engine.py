@@ -105,6 +105,9 @@ class Engine:
             sweep_partial(self.data_dir / "cache" / partial)
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts)
         self.ranks.bind(self.drafters, self.parts.drafter_config.block_size)
+        if not self.ranks.leads and self.parts.snapshot is not None:  # only rank 0 checkpoints
+            self.parts.snapshot.clear()
+            self.parts.snapshot = None
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")
         if self.parts.plan.compiled:
@@ -219,4 +222,7 @@ class Engine:
     def close(self) -> None:
         self.drafters.close()
         self.ready = False
+        if self.parts is not None and self.parts.snapshot is not None:  # gigabytes of pinned host memory
+            self.parts.snapshot.clear()
+            self.parts.snapshot = None
         self.guard.release()

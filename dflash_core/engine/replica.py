@@ -13,6 +13,7 @@ from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..devices import compute_dtype
 from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
+from ..fp8 import quantize_head, use_fp8_linears
 from ..step.loss import LOSS_KERNELS
 from ..step.micro_step import MicroStepResult, StepKernels, micro_step
 from ..step.objectives import ObjectiveInputs
@@ -86,6 +87,11 @@ class DrafterReplica:
         with torch.device(self.device):  # allocate and default-init on the device, not the CPU
             self.drafter = DFlashDrafter(cfg)
         self.head = head.to(self.device, compute)
+        if plan.precision == "fp8":  # the same parameters, their GEMMs in FP8 (dflash_core.fp8)
+            use_fp8_linears(self.drafter.fc)  # the decoder stack and the feature fusion, not the
+            use_fp8_linears(self.drafter.layers)  # recipe's heads (their widths follow the vocabulary)
+        if plan.loss == "triton_fp8":
+            self.head.lm_head_fp8 = quantize_head(self.head.lm_head_weight)
         self.plan = plan
         self.attention = plan.attention
         self.compute_dtype = compute
@@ -305,8 +311,10 @@ def check_plan(plan: StepPlan, device: torch.device, compute: torch.dtype) -> No
     """The plan's loss kernel and working weights can run on `device` (computing in `compute`)."""
     if plan.loss not in LOSS_KERNELS:
         raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {plan.loss!r}")
-    if plan.loss == "triton" and device.type != "cuda":
+    if plan.loss.startswith("triton") and device.type != "cuda":
         raise ValueError(f"the Triton loss kernel needs a CUDA device, got {device}")
+    if plan.precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision must be bf16 or fp8, got {plan.precision!r}")
     if plan.working_weights not in WORKING_WEIGHTS:
         raise ValueError(f"working_weights must be one of {WORKING_WEIGHTS}, got {plan.working_weights!r}")
     if plan.working_weights == "bf16":

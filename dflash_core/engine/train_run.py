@@ -35,6 +35,7 @@ from .kinds import readable_failures
 from .optim import lr_factor
 from .pipeline import FeaturePipeline
 from .replica import StepAccumulator
+from .start_clock import StartClock
 from .warmup import reset_weights
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class TrainRun:
         self.status = "SUCCEEDED"
         self.step_began = 0.0  # when the running step began (time.monotonic)
         self.stop: str | None = None  # why the ranks stopped the job early (ranks.CANCEL, SHUTDOWN)
+        self.clock = StartClock()  # where the time before the first step goes
 
     def admit(self) -> None:
         """On the process that took the job: the group can run it, it is valid, the others get it."""
@@ -121,7 +123,9 @@ class TrainRun:
             stack.enter_context(self.ranks.voting())
             checkpoints = self._checkpoints()  # in the vote: an unusable output_dir fails every rank
             stack.enter_context(checkpoints)
+            self.clock.mark("checkpointer")
             self.pipeline = self._start_pipeline(prepared.stream)
+            self.clock.mark("pipeline_start")
             self.loop(prepared.data, checkpoints)
             stopped_after_progress = self.status == "STOPPED" and self.step > self.start
             last = checkpoints.finish(self.step, self.stats, self.eval_result, write_last=stopped_after_progress)
@@ -146,6 +150,7 @@ class TrainRun:
             check_step(self.stats)  # before the step is recorded or checkpointed
             self.trained += self.stats.labels
             cb.on_step(self.stats)
+            self.clock.first_step(cb.on_event)
             if self.step == self.total:  # before the last checkpoint: a job that trained on nothing writes none
                 check_trained(self.step - self.start, self.trained)
             ranks.check_weights(self.step, self.stop is not None or checkpoint_due(job, self.step, self.total))
@@ -210,6 +215,7 @@ class TrainRun:
             replicas=len(self.engine.replicas) * self.ranks.world,
             target_path=self.parts.target_path,
             resumed_from=self.resume_from,
+            snapshot=self.parts.snapshot,
         )
 
     def _start_pipeline(self, stream: MicroBatchStream) -> FeaturePipeline:
@@ -241,11 +247,13 @@ class TrainRun:
             data = self._load_data()
         except OutsideRoots as e:
             raise JobError(str(e), "datasets") from None
+        self.clock.mark("data_open")
         stream = MicroBatchStream(
             data.corpus, self.engine.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
         )
         total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / self.per_step))
         check_data_tokens(int(data.corpus.lengths.sum()))
+        self.clock.mark("batch_plan")
         self.cb.on_event(
             "data",
             {
@@ -258,7 +266,9 @@ class TrainRun:
                 "total_steps": total,
             },
         )
-        return Prepared(data, stream, total, self._start_state())
+        start = self._start_state()
+        self.clock.mark("start_state")
+        return Prepared(data, stream, total, start)
 
     def _load_data(self) -> JobData:
         """Tokenize what the cache lacks (reported as the job's preparing_data phase) and open it."""

@@ -29,6 +29,7 @@ from ..target import TargetModel
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
+from .checkpointing import HostSnapshot, expected_layout
 from .drafters import GradSync
 from .pipeline import capture
 from .replica import DrafterReplica
@@ -86,6 +87,10 @@ class Parts:
     replicas: list[DrafterReplica]
     feature_spec: tuple[tuple[int, ...], torch.dtype]  # every micro-batch's target features
     gamma: float  # the recipe's position-weight decay, a job's unless it sets loss_gamma
+    # the checkpoint's pinned host buffers, allocated once per engine (every job has the same
+    # shapes): pinning gigabytes takes seconds and holds up the device's other calls, which a
+    # job would otherwise spend before its first step. None off CUDA.
+    snapshot: HostSnapshot | None = None
 
     def description(self, shape: ShapeConfig) -> dict[str, Any]:
         """What every rank of a group must share to train together (compared by rank 0)."""
@@ -130,7 +135,11 @@ class _Build:
     def __init__(self, config: EngineConfig, timeline: Timeline):
         self.config, self.timeline = config, timeline
         self.target_devices, self.drafter_devices = resolve_devices(config)
-        self.plan = step_plan(self.drafter_devices, config.debug_eager)
+        self.plan = step_plan(self.drafter_devices, config.debug_eager, config.precision)
+        if config.target_precision == "fp8":
+            from ..fp8 import check_fp8_devices
+
+            check_fp8_devices(flat_devices(self.target_devices), "target_precision")
 
     def run(self, data_dir: Path, cuda: CudaContexts) -> Parts:
         config, timeline, plan = self.config, self.timeline, self.plan
@@ -149,6 +158,10 @@ class _Build:
         features = self.warm_targets(targets, batch)
         gamma = recipe_gamma(config.recipe, config.block_size)
         replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), gamma)
+        snapshot = None
+        if replicas[0].device.type == "cuda":  # pinned while the drafters compile (seconds either way)
+            snapshot = HostSnapshot()
+            snapshot.prepare(expected_layout(replicas[0]))
         # another micro-batch than the recorded one, to check a recorded step graph on
         check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
         self.warm_drafters(replicas, batch, features, check)
@@ -157,7 +170,12 @@ class _Build:
             rep.zero_grad()
         reset_weights(replicas, WARMUP_SEED)
         feature_spec = (tuple(features.shape), features.dtype)
-        return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
+        if snapshot is not None:
+            snapshot.wait()
+            timeline.mark("build:checkpoint_buffers")
+        parts = Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
+        parts.snapshot = snapshot
+        return parts
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""
@@ -183,6 +201,10 @@ class _Build:
         )
         drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
         check_rope_positions(drafter_config, config.seq_len, config.block_size)
+        if self.plan.precision == "fp8":
+            from ..fp8 import check_fp8_shapes
+
+            check_fp8_shapes(drafter_config, config.seq_len, config.num_anchors, config.block_size)
         return tokenizer, drafter_config
 
     def load_targets(self, target_path: str, layer_ids: list[int] | tuple[int, ...]) -> list[TargetModel]:
@@ -197,6 +219,7 @@ class _Build:
                     random_init=self.config.target_random_init,
                     seed=WARMUP_SEED,
                     teacher=self.config.teacher,
+                    fp8=self.config.target_precision == "fp8",
                 )
             )
             self.timeline.record("target_load", device_label(dev), t)

@@ -34,7 +34,13 @@ def _ce_rows_kernel(
     correct_ptr,
     vocab,
     row_stride,
+    grad_ptr,
+    grad_stride,
+    grad_cols,
+    grad_scale_ptr,
+    grad_limit,
     NEED_GRAD: tl.constexpr,
+    SCALED_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -65,14 +71,27 @@ def _ce_rows_kernel(
     tl.store(loss_ptr + row, (lse - target) * weight)
     tl.store(correct_ptr + row, (best_index == label).to(tl.int8))
 
-    # pass 2: d(loss)/d(logits) = (softmax - onehot) * weight, written over the logits
+    # pass 2: d(loss)/d(logits) = (softmax - onehot) * weight, written over the logits, or
+    # (SCALED_GRAD) times a scale into grad_ptr's low-precision row of grad_cols values (zeros past
+    # the vocabulary: the padding columns of an FP8 lm_head)
     if NEED_GRAD:
-        for start in range(0, vocab, BLOCK_V):
-            idx = start + cols
-            in_row = idx < vocab
-            x = tl.load(row_ptr + idx, mask=in_row, other=0.0).to(tl.float32)
-            grad = (tl.exp(x - lse) - (idx == label).to(tl.float32)) * weight
-            tl.store(row_ptr + idx, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+        if SCALED_GRAD:
+            scale = tl.load(grad_scale_ptr)
+            g_row = grad_ptr + row.to(tl.int64) * grad_stride
+            for start in range(0, grad_cols, BLOCK_V):
+                idx = start + cols
+                in_row = idx < vocab
+                x = tl.load(row_ptr + idx, mask=in_row, other=0.0).to(tl.float32)
+                grad = (tl.exp(x - lse) - (idx == label).to(tl.float32)) * (weight * scale)
+                grad = tl.where(in_row, tl.minimum(tl.maximum(grad, -grad_limit), grad_limit), 0.0)
+                tl.store(g_row + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < grad_cols)
+        else:
+            for start in range(0, vocab, BLOCK_V):
+                idx = start + cols
+                in_row = idx < vocab
+                x = tl.load(row_ptr + idx, mask=in_row, other=0.0).to(tl.float32)
+                grad = (tl.exp(x - lse) - (idx == label).to(tl.float32)) * weight
+                tl.store(row_ptr + idx, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
 def chunk_loss_and_grad(
@@ -94,7 +113,13 @@ def chunk_loss_and_grad(
             hits,
             vocab,
             logits.stride(0),
+            logits,  # the gradient is written over the logits
+            logits.stride(0),
+            vocab,
+            losses,  # unread
+            0.0,
             NEED_GRAD=need_grad,
+            SCALED_GRAD=False,
             BLOCK_V=block_v,
             num_warps=num_warps,
         )
@@ -102,3 +127,47 @@ def chunk_loss_and_grad(
     if not need_grad:
         return loss, correct, None
     return loss, correct, (logits @ lm_head_weight).to(hidden.dtype)
+
+
+def chunk_loss_and_grad_fp8(
+    hidden, head, labels, w, need_grad: bool, *, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
+):
+    """chunk_loss_and_grad with the lm_head GEMMs in FP8 (head: fp8.Fp8Head, quantized once):
+    the chunk's hidden states cast to e4m3 with one scale, the logits gradient written by the
+    kernel straight into FP8. Its scale needs no pass over the logits: |(softmax - onehot) * w|
+    <= w, so the rows' largest weight bounds it."""
+    from ..fp8 import FORWARD_DTYPE, GRAD_DTYPE, quantize, scaled_mm
+
+    h8, h_inv = quantize(hidden, FORWARD_DTYPE)
+    logits = scaled_mm(h8, h_inv, head.rows.t(), head.inv_scale, torch.bfloat16)  # [rows, padded vocab]
+    rows = logits.shape[0]
+    w = w.float().contiguous()
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    hits = torch.empty(rows, dtype=torch.int8, device=logits.device)
+    grad8 = torch.empty_like(logits, dtype=GRAD_DTYPE) if need_grad else logits
+    limit = torch.finfo(GRAD_DTYPE).max
+    grad_scale = limit / w.abs().amax().clamp(min=1e-12)
+    with triton_launch_device(logits.device):
+        _ce_rows_kernel[(rows,)](
+            logits,
+            labels.contiguous(),
+            w,
+            losses,
+            hits,
+            head.vocab,
+            logits.stride(0),
+            grad8,
+            grad8.stride(0),
+            grad8.shape[1],
+            grad_scale,
+            limit,
+            NEED_GRAD=need_grad,
+            SCALED_GRAD=True,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+    loss, correct = losses.sum(), hits.bool()
+    if not need_grad:
+        return loss, correct, None
+    grad = scaled_mm(grad8, grad_scale.reciprocal(), head.cols.t(), head.inv_scale, torch.bfloat16)
+    return loss, correct, grad.to(hidden.dtype)

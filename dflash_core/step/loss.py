@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from ..fp8 import Fp8Head
+
 
 def _chunk_ce(hidden, lm_head_weight, labels, w):
     """One chunk's fp32 logits, their logsumexp, the weighted CE sum and argmax hits."""
@@ -57,12 +59,13 @@ def compiled_chunk_loss():
     return torch.compile(_chunk_loss_and_grad_fusible, dynamic=False)
 
 
-LOSS_KERNELS = ("eager", "compiled", "triton")
+LOSS_KERNELS = ("eager", "compiled", "triton", "triton_fp8")
 
 
 def chunk_function(kernel: str):
     """The chunk implementation: "eager" (in-place torch ops), "compiled" (inductor fuses the CE
-    passes) or "triton" (CUDA: kernels.ce's two-pass kernel between the two GEMMs, nothing compiled)."""
+    passes), "triton" (CUDA: kernels.ce's two-pass kernel between the two GEMMs, nothing compiled)
+    or "triton_fp8" (the same with FP8 GEMMs; the weight is then an fp8.Fp8Head)."""
     if kernel == "eager":
         return _chunk_loss_and_grad
     if kernel == "compiled":
@@ -71,6 +74,10 @@ def chunk_function(kernel: str):
         from ..kernels.ce import chunk_loss_and_grad  # Triton may be missing on CPU-only installs
 
         return chunk_loss_and_grad
+    if kernel == "triton_fp8":
+        from ..kernels.ce import chunk_loss_and_grad_fp8
+
+        return chunk_loss_and_grad_fp8
     raise ValueError(f"loss kernel must be one of {LOSS_KERNELS}, got {kernel!r}")
 
 
@@ -86,6 +93,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows = hidden.shape[0]
         chunks = -(-rows // chunk_size)
         chunk = -(-rows // chunks)  # near-equal chunks of at most chunk_size: at most two compiled shapes
+        if kernel == "triton_fp8":  # FP8 GEMMs take rows in multiples of 16
+            chunk = -(-chunk // 16) * 16
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             part, hits, grad = chunk_fn(
@@ -109,13 +118,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_lm_head_loss(
     hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor | Fp8Head,
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int,
     kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean CE (fp32 scalar), argmax == label per query token); kernel: LOSS_KERNELS."""
+    """(weighted mean CE (fp32 scalar), argmax == label per query token); kernel: LOSS_KERNELS
+    ("triton_fp8": lm_head_weight is an fp8.Fp8Head)."""
     return _ChunkedLinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size, kernel)
 
 

@@ -132,7 +132,12 @@ def micro_step(
         return t.reshape(n, b, *t.shape[1:])[:, 1:].reshape(n * (b - 1), *t.shape[1:])
 
     loss, correct = chunked_lm_head_loss(
-        predicting(hidden), head.lm_head_weight, predicting(labels), predicting(weights), chunk_size, kernels.loss
+        predicting(hidden),
+        head.lm_head_for(kernels.loss),
+        predicting(labels),
+        predicting(weights),
+        chunk_size,
+        kernels.loss,
     )
     correct = torch.cat([torch.zeros(n, 1, dtype=torch.bool, device=correct.device), correct.view(n, b - 1)], dim=1)
     return MicroStepResult(loss, correct, weights.view(n, b))

@@ -37,6 +37,7 @@ def test_logs_reattach_and_report_the_jobs_outcome(daemon):
     assert "elapsed" in followed.stdout and "ETA" in followed.stdout
     plain = cli("logs", job["id"], url=daemon.url)
     assert plain.returncode == 0 and "state SUCCEEDED" in plain.stdout
+    assert "first step after" in plain.stdout and "data_open" in plain.stdout  # where the start went
 
 
 def test_submit_follow_survives_a_daemon_restart(daemon, tmp_path):

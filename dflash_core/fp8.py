@@ -1,0 +1,196 @@
+"""FP8 in the drafter step: which devices and shapes can take it, and the drafter's linear layers
+as tensorwise-scaled FP8 GEMMs (`torch._scaled_mm`).
+
+Why tensorwise: one scale per tensor is one amax reduction that torch.compile fuses with the cast
+into the kernel that already touches the tensor, and cuBLAS takes the scales as device tensors, so
+the step never waits for the host (the recorded step graph needs that). Rowwise scaling costs more
+per GEMM on Hopper than it gains here.
+
+Every operand is e4m3, gradients too: with a scale per tensor that maps its largest value to the
+format's largest, e4m3's extra mantissa bit gave gradients closer to the exact ones than e5m2's
+extra range did, heavy-tailed gradients and the softmax gradient over a 152k vocabulary included
+(docs/performance.md has the comparison).
+Weights stay as they are (fp32 masters, bf16 working copies, the optimizer unchanged): each step
+casts the working copy it GEMMs with, so the weights of record never lose precision to FP8.
+Shapes FP8 cannot take (any GEMM dimension not a multiple of 16) and steps without gradients
+(evaluation, at other shapes) run the plain bf16 GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor-core matmuls
+FP8_MULTIPLE = 16  # cuBLAS's FP8 GEMMs take dimensions that are multiples of 16
+FORWARD_DTYPE = torch.float8_e4m3fn
+GRAD_DTYPE = torch.float8_e4m3fn
+
+
+def fp8_device_problem(devices: Iterable[str], capability: Callable[[str], tuple[int, int]]) -> str | None:
+    """Why FP8 GEMMs cannot run on `devices` (None: they can); capability(device) is the CUDA
+    compute capability of a CUDA device."""
+    for device in devices:
+        if not str(device).startswith("cuda"):
+            return f"{device} is not a GPU (FP8 GEMMs need compute capability 8.9 or newer)"
+        cap = tuple(capability(device))
+        if cap < FP8_MIN_CAPABILITY:
+            return f"{device} has compute capability {cap[0]}.{cap[1]}; FP8 matmuls need 8.9 or newer (Ada, Hopper)"
+    return None
+
+
+def cuda_capability(device: str) -> tuple[int, int]:
+    if not torch.cuda.is_available():
+        raise ValueError(f"{device}: CUDA is not available")
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return major, minor
+
+
+def check_fp8_devices(devices: Iterable[str], setting: str) -> None:
+    """ValueError naming `setting` where a device cannot run FP8 GEMMs."""
+    why = fp8_device_problem(devices, cuda_capability)
+    if why is not None:
+        raise ValueError(f'{setting} = "fp8": {why}')
+
+
+def fp8_shape_problems(gemm_dims: dict[str, int]) -> list[str]:
+    """The named GEMM dimensions that are not multiples of 16."""
+    return [f"{name} = {value}" for name, value in gemm_dims.items() if value % FP8_MULTIPLE]
+
+
+def drafter_gemm_dims(cfg, seq_len: int, num_anchors: int, block_size: int) -> dict[str, int]:
+    """Every dimension of the drafter step's GEMMs, by what sets it (cfg: a DrafterConfig)."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads * head_dim": cfg.num_attention_heads * cfg.head_dim,
+        "num_key_value_heads * head_dim": cfg.num_key_value_heads * cfg.head_dim,
+        "seq_len": seq_len,
+        "num_anchors * block_size": num_anchors * block_size,
+        "num_anchors * (block_size - 1)": num_anchors * (block_size - 1),  # the loss's rows
+    }
+
+
+def check_fp8_shapes(cfg, seq_len: int, num_anchors: int, block_size: int) -> None:
+    bad = fp8_shape_problems(drafter_gemm_dims(cfg, seq_len, num_anchors, block_size))
+    if bad:
+        raise ValueError(
+            'precision = "fp8": the drafter step\'s GEMM dimensions must be multiples of '
+            f"{FP8_MULTIPLE}; not {', '.join(bad)}"
+        )
+
+
+# ---------------------------------------------------------------------------- tensorwise casts
+
+
+def scale_for(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scalar s with |t * s| <= dtype's largest value (on t's device; no host sync)."""
+    amax = t.detach().abs().amax().float()
+    return torch.finfo(dtype).max / amax.clamp(min=1e-12)
+
+
+def to_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in FP8, the inverse of its scale): t ~= t8.float() * inv_scale."""
+    scale = scale_for(t, dtype)
+    return to_fp8(t, scale, dtype), scale.reciprocal()
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (cuBLAS's FP8 GEMMs take B that way)."""
+    return t.t().contiguous().t()
+
+
+def scaled_mm(a8, a_inv, b8, b_inv, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b for a row-major [M, K] and b column-major [K, N], both FP8 with inverse scales."""
+    return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T with FP8 operands; the backward's two GEMMs in FP8 too. Saves the FP8 casts
+    (half the bytes of bf16 activations)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, x_inv = quantize(x2, FORWARD_DTYPE)
+        w8, w_inv = quantize(weight, FORWARD_DTYPE)
+        out = scaled_mm(x8, x_inv, w8.t(), w_inv, torch.bfloat16)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        ctx.weight_dtype = weight.dtype
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g8, g_inv = quantize(g2, GRAD_DTYPE)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(g8, g_inv, column_major(w8), w_inv, torch.bfloat16)
+            grad_x = grad_x.view(*grad_out.shape[:-1], w8.shape[1])
+        if ctx.needs_input_grad[1]:
+            out_dtype = torch.float32 if ctx.weight_dtype == torch.float32 else torch.bfloat16
+            grad_w = scaled_mm(g8.t().contiguous(), g_inv, column_major(x8), x_inv, out_dtype)
+        return grad_x, grad_w
+
+
+def fp8_fits(rows: int, weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return rows % FP8_MULTIPLE == 0 and n % FP8_MULTIPLE == 0 and k % FP8_MULTIPLE == 0
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint keys) whose training GEMMs run in FP8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.bias is None and torch.is_grad_enabled() and fp8_fits(rows, self.weight):
+            return _Fp8Linear.apply(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_fp8_linears(model: nn.Module) -> int:
+    """Turns every bias-free nn.Linear of `model` into an Fp8Linear in place (the parameters, their
+    names and identities unchanged); how many."""
+    n = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.bias is None:
+            module.__class__ = Fp8Linear
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------- the frozen lm_head
+
+
+@dataclass(frozen=True)
+class Fp8Head:
+    """The frozen lm_head [V, H] quantized once, with one scale, in the two layouts its GEMMs
+    take: `rows` [V', H] (logits = h @ rows^T) and `cols` [H, V'] (grad_h = g @ cols^T), V'
+    the vocabulary padded with zero rows to a multiple of 16 (the loss kernel reads the first
+    `vocab` columns only)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    inv_scale: torch.Tensor
+    vocab: int
+
+
+@torch.no_grad()
+def quantize_head(lm_head_weight: torch.Tensor) -> Fp8Head:
+    vocab, hidden = lm_head_weight.shape
+    padded = -(-vocab // FP8_MULTIPLE) * FP8_MULTIPLE
+    w = lm_head_weight
+    if padded != vocab:
+        w = torch.cat([w, w.new_zeros(padded - vocab, hidden)])
+    w8, inv = quantize(w, FORWARD_DTYPE)
+    return Fp8Head(rows=w8, cols=w8.t().contiguous(), inv_scale=inv, vocab=vocab)

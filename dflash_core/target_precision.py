@@ -1,0 +1,188 @@
+"""The target run in FP8 (`[engine] target_precision = "fp8"`): a bf16 target's decoder linears
+quantized once at load, so the drafter trains on the features of an FP8-served target.
+
+The scheme is the one serving engines apply to a bf16 checkpoint they are asked to serve in FP8
+(vLLM's online `--quantization fp8`): e4m3 weights with one scale per matrix, and activations
+cast per call with one dynamic scale per tensor, the GEMM a cuBLAS FP8 GEMM (`torch._scaled_mm`)
+that returns the activations' dtype. The embedding, the final norm and the LM head stay as they
+are (the drafter's frozen head reads them). The features differ from the bf16 target's by FP8's
+rounding: that is the point, and the reason it is a setting and never a default.
+
+A checkpoint stored in fine-grained FP8 (a `quantization_config` with quant_method "fp8", e4m3
+weights with a scale per 128 x 128 block, activations cast per token and 128 columns) runs so with
+"as_loaded": `load_fp8_checkpoint` reads it and computes each of its linears with the serving
+engines' numerics (`ActQuantLinear`), without transformers' FP8 kernels, which come from the hub
+at run time and are absent on an offline machine.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8 import FORWARD_DTYPE, FP8_MULTIPLE, quantize
+
+
+class Fp8FrozenLinear(nn.Module):
+    """A frozen nn.Linear as an FP8 GEMM: the weight quantized once (buffers, no parameters)."""
+
+    weight8: torch.Tensor
+    weight_inv_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight8, inv = quantize(linear.weight.detach(), FORWARD_DTYPE)
+        self.register_buffer("weight8", weight8)
+        self.register_buffer("weight_inv_scale", inv)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        pad = -rows % FP8_MULTIPLE  # FP8 GEMMs take rows in multiples of 16: zero rows, dropped after
+        if pad:
+            x2 = F.pad(x2, (0, 0, 0, pad))
+        x8, x_inv = quantize(x2, FORWARD_DTYPE)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        out = torch._scaled_mm(
+            x8, self.weight8.t(), scale_a=x_inv, scale_b=self.weight_inv_scale, bias=bias, out_dtype=x.dtype
+        )
+        return out[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def fp8_convertible(linear: nn.Linear) -> bool:
+    return linear.in_features % FP8_MULTIPLE == 0 and linear.out_features % FP8_MULTIPLE == 0
+
+
+@torch.no_grad()
+def quantize_decoder_linears(layers: nn.ModuleList) -> int:
+    """Replaces every nn.Linear inside the decoder layers (whose widths FP8 takes) by an
+    Fp8FrozenLinear on the same device, freeing its bf16 weight; how many."""
+    count = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and fp8_convertible(child):
+                    setattr(parent, name, Fp8FrozenLinear(child))
+                    count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------- FP8 checkpoints
+
+
+def without_quantization(config: Any) -> Any:
+    """A copy of a transformers config without its `quantization_config`."""
+    plain = copy.deepcopy(config)
+    if hasattr(plain, "quantization_config"):
+        del plain.quantization_config
+    return plain
+
+
+def fp8_checkpoint_blocks(config: Any) -> tuple[int, int] | None:
+    """The weight block size of a checkpoint stored in fine-grained FP8 (config.json's
+    `quantization_config` with quant_method "fp8"); None for any other checkpoint."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        return None
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"an FP8 checkpoint with activation_scheme {q.get('activation_scheme')!r}: only dynamic")
+    block = q.get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
+
+
+class ActQuantLinear(nn.Module):
+    """A linear layer of an FP8 checkpoint, computed as the serving engines compute it: weights
+    e4m3 with a scale per weight block (dequantized once, at load), activations cast to e4m3 per
+    token and group of `group` input columns with dynamic scales. The GEMM itself runs on the
+    dequantized operands in the activations' dtype, so the output is the FP8 GEMM's up to that
+    dtype's rounding of FP8 values, on any device, without transformers' FP8 kernels."""
+
+    def __init__(self, linear: nn.Linear, group: int):
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(fake_quantize_groups(x, self.group))
+
+
+def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded through e4m3 with one dynamic scale per row and group of columns."""
+    cols = x.shape[-1]
+    if cols % group:
+        raise ValueError(f"FP8 activation groups of {group} do not divide {cols} columns")
+    g = x.float().reshape(*x.shape[:-1], cols // group, group)
+    limit = torch.finfo(FORWARD_DTYPE).max
+    scale = limit / g.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    q = (g * scale).clamp(-limit, limit).to(FORWARD_DTYPE).float() / scale
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def dequantize_blocks(weight8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [rows, cols] FP8 weight times its [ceil(rows / br), ceil(cols / bc)] block scales."""
+    rows, cols = weight8.shape
+    br, bc = -(-rows // scale_inv.shape[0]), -(-cols // scale_inv.shape[1])
+    scales = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (weight8.float() * scales).to(dtype)
+
+
+def read_fp8_checkpoint(path: Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The checkpoint's tensors with every FP8 weight dequantized (its `weight_scale_inv` folded
+    in), and the names of those weights."""
+    from safetensors import safe_open
+
+    raw: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                raw[key] = f.get_tensor(key)
+    state: dict[str, torch.Tensor] = {}
+    quantized: set[str] = set()
+    for key, value in raw.items():
+        if key.endswith("_scale_inv"):
+            continue
+        scale = raw.get(key + "_scale_inv") if not key.endswith(".weight") else raw.get(key[:-6] + "weight_scale_inv")
+        if scale is not None and value.dtype == FORWARD_DTYPE:
+            state[key] = dequantize_blocks(value, scale, dtype)
+            quantized.add(key)
+        else:
+            state[key] = value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    return state, quantized
+
+
+@torch.no_grad()
+def load_fp8_checkpoint(path: Path, config: Any, dtype: torch.dtype, attn: str, blocks: tuple[int, int]) -> nn.Module:
+    """A causal LM from a fine-grained FP8 checkpoint, its FP8 linears as ActQuantLinear (on the
+    default device; the caller moves it)."""
+    from transformers import AutoModelForCausalLM
+
+    plain = without_quantization(config)
+    model = AutoModelForCausalLM.from_config(plain, dtype=dtype, attn_implementation=attn)
+    state, quantized = read_fp8_checkpoint(path, dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(plain, "tie_word_embeddings", False) and k.endswith("lm_head.weight")}
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"{path}: the FP8 checkpoint does not match its config.json (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
+    if tied:
+        model.tie_weights()
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and f"{full}.weight" in quantized:
+                setattr(module, child_name, ActQuantLinear(child, blocks[1]))
+    return model

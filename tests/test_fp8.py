@@ -1,0 +1,249 @@
+"""FP8 settings and the FP8 GEMMs on the CPU: bad input stops the daemon's config or the engine
+build at its start, naming the setting; the FP8 linear and lm_head math (torch's CPU
+`_scaled_mm`, the loss kernel through Triton's interpreter) against bf16/fp32 within FP8's error.
+The GPU step itself: tests/gpu/test_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from dflash_core.engine import Engine, EngineConfig
+from dflash_core.engine.config import step_plan
+from dflash_core.fp8 import (
+    Fp8Linear,
+    _Fp8Linear,
+    check_fp8_shapes,
+    fp8_device_problem,
+    quantize_head,
+    use_fp8_linears,
+)
+from service.config import ConfigError, load_config
+from tests.helpers import tiny_drafter_config
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_precision_settings_parse_from_the_daemon_config(tmp_path):
+    path = tmp_path / "dflash.toml"
+    path.write_text('[engine]\nprecision = "fp8"\ntarget_precision = "fp8"\n')
+    cfg = load_config(path, env={})
+    assert cfg.engine.precision == "fp8" and cfg.engine.target_precision == "fp8"
+    default = EngineConfig()
+    assert default.precision == "bf16" and default.target_precision == "as_loaded"
+
+
+@pytest.mark.parametrize(
+    "line, field",
+    [('precision = "fp16"', "engine.precision"), ('target_precision = "int4"', "engine.target_precision")],
+)
+def test_unknown_precisions_are_refused_naming_the_setting(tmp_path, line, field):
+    path = tmp_path / "dflash.toml"
+    path.write_text(f"[engine]\n{line}\n")
+    with pytest.raises(ConfigError, match=field):
+        load_config(path, env={})
+
+
+def test_fp8_with_debug_eager_is_refused():
+    with pytest.raises(ValidationError, match="precision"):
+        EngineConfig(precision="fp8", debug_eager=True)
+
+
+def test_fp8_on_the_cpu_stops_the_engine_build_at_its_start(tmp_path):
+    """The real build on the CPU: refused before the target loads, the message naming the setting."""
+    cfg = EngineConfig(precision="fp8", target_devices=["cpu"], drafter_devices=["cpu"])
+    engine = Engine(cfg, tmp_path / "data")
+    with pytest.raises(ValueError, match=r'precision = "fp8": cpu is not a GPU'):
+        engine.build()
+    assert engine.parts is None
+
+
+def test_fp8_target_on_the_cpu_stops_the_engine_build_at_its_start(tmp_path):
+    cfg = EngineConfig(target_precision="fp8", target_devices=["cpu"], drafter_devices=["cpu"])
+    with pytest.raises(ValueError, match=r'target_precision = "fp8": cpu is not a GPU'):
+        Engine(cfg, tmp_path / "data").build()
+
+
+def test_a_gpu_without_fp8_matmuls_is_named():
+    caps = {"cuda:0": (9, 0), "cuda:1": (8, 0)}
+    assert fp8_device_problem(["cuda:0"], caps.__getitem__) is None
+    why = fp8_device_problem(["cuda:0", "cuda:1"], caps.__getitem__)
+    assert why is not None and "cuda:1" in why and "8.0" in why and "8.9" in why
+    with pytest.raises(ValueError, match="precision"):
+        step_plan(["cpu"], precision="fp8")
+    assert step_plan(["cpu"]).precision == "bf16"
+
+
+def test_gemm_dimensions_fp8_cannot_take_are_named():
+    good = tiny_drafter_config(hidden=64, heads=4, block_size=8)
+    check_fp8_shapes(good, seq_len=512, num_anchors=32, block_size=8)
+    odd = replace(good, hidden_size=72, intermediate_size=144)
+    with pytest.raises(ValueError, match=r"hidden_size = 72"):
+        check_fp8_shapes(odd, seq_len=512, num_anchors=32, block_size=8)
+    with pytest.raises(ValueError, match=r"num_anchors \* \(block_size - 1\) = 70"):
+        check_fp8_shapes(good, seq_len=512, num_anchors=10, block_size=8)  # 80 block tokens, 70 loss rows
+
+
+# ---------------------------------------------------------------------------- the math
+
+
+def test_fp8_linear_is_close_to_the_exact_linear():
+    """Forward and both gradients within FP8's error (e4m3: 3 mantissa bits, a few % per GEMM)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 64, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.02).bfloat16().requires_grad_()
+    y = _Fp8Linear.apply(x, w)
+    grad = torch.randn(y.shape, generator=g).bfloat16()
+    y.backward(grad)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    (x32 @ w32.t()).backward(grad.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (4, 32, 48)
+    assert _rel(y, x32 @ w32.t()) < 0.06
+    assert _rel(x.grad, x32.grad) < 0.06 and _rel(w.grad, w32.grad) < 0.06
+    assert w.grad.dtype == torch.bfloat16
+
+
+def test_fp8_linears_keep_parameters_and_fall_back_without_gradients():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 16, bias=True)).bfloat16()
+    params = list(model.parameters())
+    assert use_fp8_linears(model) == 1  # the biased one stays an nn.Linear
+    assert type(model[0]) is Fp8Linear and type(model[1]) is torch.nn.Linear
+    assert list(model.parameters()) == params and set(model.state_dict()) == {"0.weight", "1.weight", "1.bias"}
+    x = torch.randn(16, 64).bfloat16()
+    with torch.no_grad():  # evaluation: the bf16 GEMM, bit for bit
+        assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight))
+    x7 = torch.randn(7, 64).bfloat16().requires_grad_()  # 7 rows: FP8 cannot take them
+    assert torch.equal(model[0](x7), torch.nn.functional.linear(x7, model[0].weight))
+    assert not torch.equal(model[0](x.requires_grad_()), torch.nn.functional.linear(x, model[0].weight))
+
+
+def test_fp8_head_pads_the_vocabulary_with_zero_rows():
+    w = torch.randn(1003, 64).bfloat16()
+    head = quantize_head(w)
+    assert head.vocab == 1003 and head.rows.shape == (1008, 64) and head.cols.shape == (64, 1008)
+    assert head.rows.dtype == torch.float8_e4m3fn and not head.rows[1003:].float().any()
+    assert torch.equal(head.cols, head.rows.t())
+    assert _rel(head.rows[:1003].float() * head.inv_scale, w) < 0.05
+
+
+@pytest.mark.slow  # the Triton kernel in the (slow) interpreter
+def test_fp8_loss_chunk_matches_the_exact_chunk_interpreted():
+    """The FP8 lm_head loss chunk (kernels/ce.py, Triton's interpreter) against the fp32 eager
+    chunk: loss within 0.5 %, the hidden-state gradient within FP8's error, hits the same but
+    where FP8's rounding reorders near-tied top logits (at most 1 in 6 of these random rows)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.ce_check", "--fp8"],
+        cwd=root,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["loss_rel"] < 5e-3 and result["grad_rel"] < 0.06 and result["hit_mismatches"] <= 8, result
+    assert result["padded_vocab"] > result["vocab"]
+
+
+def test_fp8_target_captures_features_close_to_the_loaded_ones(assets_dir):
+    """target_precision = "fp8" on the embedded target (CPU _scaled_mm; the engine refuses FP8 on
+    a CPU, the math is the same): every decoder linear replaced, its bf16 weight gone; features
+    within FP8's error of the loaded target's, not equal to them (they are the FP8 target's)."""
+    from dflash_core.defaults import DEFAULT_TARGET_LAYER_IDS
+    from dflash_core.target import TargetModel
+    from dflash_core.target_precision import Fp8FrozenLinear
+
+    path = Path(assets_dir) / "target"
+    ids = list(DEFAULT_TARGET_LAYER_IDS)
+    plain, fp8 = (TargetModel(path, ids, "cpu", fp8=q) for q in (False, True))
+    layers = fp8.decoder_layers()
+    converted = [m for m in layers.modules() if isinstance(m, Fp8FrozenLinear)]
+    assert len(converted) == 7 * len(layers) and not any(type(m) is torch.nn.Linear for m in layers.modules())
+    ids_ = torch.randint(5, fp8.config.vocab_size, (37,))  # 37 rows: padded to 48 for the GEMMs, cut back
+    pos, doc = torch.arange(37), torch.zeros(37, dtype=torch.long)
+    a, b = plain.capture(ids_, pos, doc), fp8.capture(ids_, pos, doc)
+    assert a.shape == b.shape and not torch.equal(a, b)
+    assert _rel(b, a) < 0.1
+
+
+def _write_fp8_checkpoint(bf16_dir: Path, out: Path, block: int = 128) -> None:
+    """The bf16 checkpoint in `bf16_dir` stored as fine-grained FP8, the way FP8 releases of
+    Qwen3 and DeepSeek are: every decoder linear weight e4m3 with an fp32 `weight_scale_inv` per
+    block x block tile, everything else as it was, and config.json's quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(bf16_dir / "model.safetensors"))
+    stored = {}
+    for key, value in state.items():
+        if key.startswith("model.layers.") and key.endswith("proj.weight"):
+            rows, cols = value.shape
+            tiles = value.float().reshape(rows // block, block, cols // block, block)
+            inv = tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
+            q = (tiles / inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+            stored[key], stored[key[: -len("weight")] + "weight_scale_inv"] = q, inv.contiguous()
+        else:
+            stored[key] = value
+    out.mkdir()
+    save_file(stored, str(out / "model.safetensors"))
+    config = json.loads((bf16_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_an_fp8_checkpoint_runs_as_it_is_served(tmp_path):
+    """A fine-grained FP8 checkpoint (written here from a tiny bf16 Qwen3) loads with its weights
+    as stored (FP8 values times block scales, exactly) and its linears casting activations per
+    token and 128 columns, as served; its features are the FP8 target's (close to the bf16
+    target's, not equal). target_precision fp8 leaves it as stored."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_core.target import TargetModel
+    from dflash_core.target_precision import ActQuantLinear, dequantize_blocks, fake_quantize_groups
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=256,
+    )  # fmt: skip
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    _write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    plain = TargetModel(tmp_path / "bf16", [1, 2], "cpu")
+    served = TargetModel(tmp_path / "fp8", [1, 2], "cpu", fp8=True)
+    assert served.stored_fp8 and not plain.stored_fp8
+    layers = served.decoder_layers()
+    linears = [m for m in layers.modules() if isinstance(m, ActQuantLinear)]
+    assert len(linears) == 7 * len(layers)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    q = layers[0].self_attn.q_proj
+    expected = dequantize_blocks(
+        stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale_inv"], torch.float32
+    )  # fmt: skip
+    assert torch.equal(q.linear.weight, expected)
+    x = torch.randn(5, 128)
+    assert torch.equal(q(x), torch.nn.functional.linear(fake_quantize_groups(x, 128), expected))
+    assert torch.equal(served.model.lm_head.weight, served.model.model.embed_tokens.weight)  # tied, as stored
+    ids = torch.randint(5, 512, (40,))
+    pos, doc = torch.arange(40), torch.zeros(40, dtype=torch.long)
+    a, b = plain.capture(ids, pos, doc), served.capture(ids, pos, doc)
+    assert not torch.equal(a, b) and _rel(b, a) < 0.1

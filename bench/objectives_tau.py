@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_core.engine.api import JobCallbacks
+
 RUNS = {  # name -> (engine key, job fields)
     "ce": ("b8", {}),
     "dpace": ("b8", {"position_weights": "dpace"}),
@@ -30,8 +32,27 @@ RUNS = {  # name -> (engine key, job fields)
     # ablations: the DSpark heads with more CE in the mix
     "dspark_ce_tv": ("dspark", {"loss": {"ce": 1.0, "tv": 0.9, "conf": 1.0}}),
     "dspark_ce": ("dspark", {"loss": {"ce": 1.0, "conf": 1.0}}),
+    # the drafter's precision (CE, no teacher): bf16 against FP8 GEMMs (CUDA with FP8 matmuls)
+    "ce_bf16": ("bf16", {}),
+    "ce_fp8": ("fp8", {}),
 }
-ENGINES = {"b8": {"teacher": True}, "b7": {"teacher": True, "block_size": 7}, "dspark": {"recipe": "dspark"}}
+ENGINES = {
+    "b8": {"teacher": True},
+    "b7": {"teacher": True, "block_size": 7},
+    "dspark": {"recipe": "dspark"},
+    "bf16": {},
+    "fp8": {"precision": "fp8"},
+}
+
+
+class LossCurve(JobCallbacks):
+    """The job's loss at every step, for the curves of the performance page."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_step(self, stats) -> None:
+        self.losses.append(round(float(stats.loss), 4))
 
 
 def main(argv=None):
@@ -96,10 +117,12 @@ def main(argv=None):
                         eval_max_new_tokens=args.eval_tokens,
                         **RUNS[name][1],
                     )
-                    res = engine.run_job(job)
+                    curve = LossCurve()
+                    res = engine.run_job(job, curve)
                     tau = float(res.eval["acceptance_length"])
                     results[name].append(tau)
                     row = {"run": name, "seed": seed, "tau": round(tau, 3), "seconds": round(time.monotonic() - t1, 1)}
+                    row["loss"] = curve.losses
                     if args.temperature:
                         rep = engine.replicas[0]
                         tau_t = sampled_acceptance_length(

@@ -27,9 +27,9 @@ from ..devices import CudaContexts, default_devices
 from ..parity import check_serving_parity
 from ..target import TargetModel
 from .api import WarmupRecord
+from .checkpointing import HostSnapshot, expected_layout
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
-from .checkpointing import HostSnapshot, expected_layout
 from .drafters import GradSync
 from .pipeline import capture
 from .replica import DrafterReplica

@@ -20,11 +20,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m service.demo
 
+# two workers (pytest-xdist): many tests wait on real daemons and processes, so two share two
+# cores well; each worker builds its own session fixtures
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow and not gpu" tests
 
 # settings in pyproject.toml ([tool.ruff], [tool.mypy]); all three run, and any failure fails check
 check: $(STAMP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -122,4 +123,72 @@ def train_spec(assets, output_dir, steps: int, *, checkpoint_interval: int | Non
         checkpoint_interval=checkpoint_interval or steps,
         seed=1,
         **extra,
+    )
+
+
+def run_interpreted_check(module: str, *args: str) -> dict:
+    """`python -m MODULE ARGS` with TRITON_INTERPRET=1 (read when a kernel module is imported, so it
+    takes a fresh interpreter); the check's result, the JSON object on its last line."""
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def heldout_prompt_ids(path, tok, count: int) -> list[list[int]]:
+    """Token ids of the first `count` conversations of `path`, each up to its last user turn, as the
+    chat template renders them with the generation prompt."""
+    out = []
+    with open(path) as f:
+        for line in list(f)[:count]:
+            messages = json.loads(line)["messages"]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            text = tok.apply_chat_template(messages[: last + 1], tokenize=False, add_generation_prompt=True)
+            out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def small_engine_config(**settings):
+    """The CPU engine of the end-to-end tests: the shipped drafter depth and target layers on short
+    sequences; `settings` add to or replace these."""
+    from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
+    from dflash_core.engine import EngineConfig
+
+    base = dict(
+        drafter_devices=["cpu"],
+        seq_len=256,
+        num_anchors=32,
+        drafter_layers=DEFAULT_DRAFTER_LAYERS,
+        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
+    )
+    return EngineConfig(**{**base, **settings})
+
+
+def build_engine(cfg, assets):
+    """An engine built on the data directory that holds the default assets."""
+    from dflash_core.engine import Engine
+
+    return Engine(cfg, assets.root.parent.parent).build()
+
+
+def assets_job(assets, output_dir, steps: int, *, eval_prompts: int = 0, eval_new_tokens: int = 0, **extra):
+    """A TrainJob on the default train split checkpointing at its last step; with eval_prompts, it
+    also evaluates that many held-out prompts (eval_new_tokens each) at its last step."""
+    from dflash_core.engine import TrainJob
+
+    if eval_prompts:
+        extra.update(
+            eval_prompts=str(assets.heldout),
+            eval_interval=steps,
+            eval_max_prompts=eval_prompts,
+            eval_max_new_tokens=eval_new_tokens,
+        )
+    return TrainJob(
+        datasets=[str(assets.train)], output_dir=str(output_dir), steps=steps, checkpoint_interval=steps, **extra
     )

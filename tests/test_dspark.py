@@ -17,7 +17,7 @@ import torch
 from dflash_core.checkpoint import config_from_hf, hf_config, save_checkpoint
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.recipes.dspark import calibrate, dspark_loss, reference_dspark_loss
-from tests.helpers import random_drafter, tiny_drafter_config
+from tests.helpers import assets_job, build_engine, random_drafter, small_engine_config, tiny_drafter_config
 
 # SpecForge a6b6b023, configs/qwen3-8b-dspark.json: the DSpark fields of dflash_config
 PUBLIC_DFLASH_CONFIG_KEYS = {
@@ -167,32 +167,12 @@ def test_calibration_fits_held_out_outcomes():
 def test_engine_trains_a_dspark_drafter_that_decodes_losslessly(default_assets, tmp_path):
     from dflash_core.checkpoint import load_drafter, read_metadata
     from dflash_core.data.conversations import read_conversations
-    from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
-    from dflash_core.engine import Engine, EngineConfig, TrainJob
     from dflash_core.evaluate import evaluate_acceptance
 
-    cfg = EngineConfig(
-        drafter_devices=["cpu"],
-        seq_len=256,
-        num_anchors=32,
-        recipe="dspark",
-        drafter_layers=DEFAULT_DRAFTER_LAYERS,
-        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
-    )
-    engine = Engine(cfg, default_assets.root.parent.parent).build()
+    engine = build_engine(small_engine_config(recipe="dspark"), default_assets)
     try:
         assert engine.drafter_config.recipe == "dspark" and engine.drafter_config.block_size == 7
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(tmp_path),
-            steps=8,
-            checkpoint_interval=8,
-            eval_prompts=str(default_assets.heldout),
-            eval_interval=8,
-            eval_max_prompts=2,
-            eval_max_new_tokens=16,
-        )
-        res = engine.run_job(job)
+        res = engine.run_job(assets_job(default_assets, tmp_path, 8, eval_prompts=2, eval_new_tokens=16))
         assert res.status == "SUCCEEDED", res
         cal = res.eval["confidence_calibration"]
         assert cal["positions"] > 0 and math.isfinite(cal["scale"])

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import assets_job, build_engine
+
 SRC = os.environ.get("DFLASH_SPECFORGE_SRC")
 pytestmark = [
     pytest.mark.slow,
@@ -35,20 +37,13 @@ def test_public_dspark_model_loads_and_decodes_our_checkpoint(default_assets, tm
 
     from dflash_core.checkpoint import load_drafter
     from dflash_core.data.conversations import read_conversations
-    from dflash_core.engine import Engine, EngineConfig, TrainJob
+    from dflash_core.engine import EngineConfig
     from dflash_core.evaluate import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
     cfg = EngineConfig(drafter_devices=["cpu"], recipe="dspark", markov_head_type=kind)
-    engine = Engine(cfg, default_assets.root.parent.parent).build()
+    engine = build_engine(cfg, default_assets)
     try:
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(tmp_path),
-            steps=60,
-            learning_rate=3e-3,
-            checkpoint_interval=60,
-        )
-        res = engine.run_job(job)
+        res = engine.run_job(assets_job(default_assets, tmp_path, 60, learning_rate=3e-3))
         ck = Path(res.final_checkpoint)
         conf = json.loads((ck / "config.json").read_text())
         conf.pop("auto_map")

@@ -6,9 +6,6 @@ The GPU step itself: tests/gpu/test_fp8_gpu.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from dflash_core.fp8 import (
     use_fp8_linears,
 )
 from service.config import ConfigError, load_config
-from tests.helpers import tiny_drafter_config
+from tests.helpers import run_interpreted_check, tiny_drafter_config
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -145,17 +142,7 @@ def test_fp8_loss_chunk_matches_the_exact_chunk_interpreted():
     chunk: loss within 0.5 %, the hidden-state gradient within FP8's error, hits the same but
     where FP8's rounding reorders near-tied top logits (at most 1 in 6 of these random rows)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.ce_check", "--fp8"],
-        cwd=root,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_interpreted_check("tests.ce_check", "--fp8")
     assert result["loss_rel"] < 5e-3 and result["grad_rel"] < 0.06 and result["hit_mismatches"] <= 8, result
     assert result["padded_vocab"] > result["vocab"]
 

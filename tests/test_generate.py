@@ -5,12 +5,11 @@ token limit); seeded sampling that depends on the seed alone."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from dflash_core.generate import Request, Sampling, SlotDecoder, choose_tokens
+from tests.helpers import heldout_prompt_ids
 
 MAX_NEW = 24
 
@@ -31,13 +30,7 @@ def prompts(default_assets, target):
     """Token ids of held-out prompts (each conversation up to its last user turn), as the chat
     template renders them with the generation prompt."""
     _, tok = target
-    out = []
-    with open(default_assets.heldout) as f:
-        for line in list(f)[:7]:
-            messages = json.loads(line)["messages"]
-            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            text = tok.apply_chat_template(messages[: last + 1], tokenize=False, add_generation_prompt=True)
-            out.append(tok(text, add_special_tokens=False)["input_ids"])
+    out = heldout_prompt_ids(default_assets.heldout, tok, 7)
     assert len({len(p) for p in out}) > 3, "the prompts must differ in length"
     return out
 

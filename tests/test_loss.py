@@ -1,11 +1,6 @@
 """Labels, weights and the chunked LM-head loss against hand-computed values and a dense reference."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +18,7 @@ from dflash_core.step.loss import (
     reference_lm_head_loss,
 )
 from dflash_core.step.micro_step import drafter_forward, micro_step
-from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
+from tests.helpers import random_drafter, random_micro_batch, run_interpreted_check, tiny_drafter_config
 
 
 def hand_batch():
@@ -169,17 +164,7 @@ def test_triton_chunk_matches_eager_chunk_interpreted():
     first index, one and several vocabulary blocks; and a whole micro-step with it equals the
     eager one."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.ce_check"],
-        cwd=root,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_interpreted_check("tests.ce_check")
     assert result.pop("bad_label_nan")
     step = result.pop("micro_step")  # the whole micro-step, chunks of 5 rows, through the autograd Function
     assert step["loss_rel"] < 1e-6 and step["grad_rel_max"] < 1e-5 and step["hits_equal"], step

@@ -5,12 +5,6 @@ the Triton chunk against the eager one (interpreted on CPU), and the job field's
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -31,7 +25,7 @@ from dflash_core.step.objectives import (
     reference_objective,
     weighted_objective_loss,
 )
-from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
+from tests.helpers import random_drafter, random_micro_batch, run_interpreted_check, tiny_drafter_config
 
 MIXES = {
     "ce": (1.0, 0.0, 0.0),
@@ -172,17 +166,7 @@ def test_triton_objective_chunk_matches_eager_interpreted():
     per row, argmax hits and the mixed gradient as the eager chunk, one and several vocabulary
     blocks."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.distill_check"],
-        cwd=root,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_interpreted_check("tests.distill_check")
     for case, diff in result.items():
         assert max(diff["terms_rel"]) < 1e-5 and diff["grad_rel"] < 1e-5, (case, diff)
         assert diff["hit_mismatches"] == 0 and diff["hits"] > 0 and diff["forward_only_same"], (case, diff)

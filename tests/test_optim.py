@@ -2,30 +2,19 @@
 torch.optim.AdamW with clip_grad_norm_, checkpoint hand-over between them, and the CPU path's
 clipped step."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dflash_core.engine.optim import build_optimizer, clipped_step, load_optimizer_state
+from tests.helpers import run_interpreted_check
 
-ROOT = Path(__file__).resolve().parents[1]
 AGREEMENT = ("params", "exp_avg", "exp_avg_sq", "from_torch", "from_fused", "to_torch")
 
 
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
 def test_triton_adamw_matches_torch_adamw_interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.adamw_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    diff = json.loads(out.stdout.strip().splitlines()[-1])
+    diff = run_interpreted_check("tests.adamw_check")
     assert diff["step_on_host"] and diff["loaded_step_on_host"] and diff["to_torch_keeps_its_implementation"]
     for key in AGREEMENT:  # fp32 rounding: ~1e-7; decay applied after the update instead: ~1e-3
         assert diff[key] < 1e-6, (key, diff)

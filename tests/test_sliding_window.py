@@ -17,7 +17,14 @@ from dflash_core.config import ShapeConfig
 from dflash_core.drafter import FrozenHead
 from dflash_core.step.attention import dense_mask, dflash_block_mask, dflash_mask_mod, training_attention
 from dflash_core.step.micro_step import drafter_forward, inference_block_forward
-from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
+from tests.helpers import (
+    assets_job,
+    build_engine,
+    random_drafter,
+    random_micro_batch,
+    small_engine_config,
+    tiny_drafter_config,
+)
 
 
 def windowed_mask(doc_ids, anchors, valid, seq_len, block_size, window):
@@ -145,30 +152,9 @@ def test_checkpoint_config_exports_the_window():
 def test_engine_trains_and_evaluates_a_windowed_drafter(default_assets, tmp_path):
     import json
 
-    from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
-    from dflash_core.engine import Engine, EngineConfig, TrainJob
-
-    cfg = EngineConfig(
-        drafter_devices=["cpu"],
-        seq_len=256,
-        num_anchors=32,
-        drafter_sliding_window=16,
-        drafter_layers=DEFAULT_DRAFTER_LAYERS,
-        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
-    )
-    engine = Engine(cfg, default_assets.root.parent.parent).build()
+    engine = build_engine(small_engine_config(drafter_sliding_window=16), default_assets)
     try:
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(tmp_path),
-            steps=3,
-            checkpoint_interval=3,
-            eval_prompts=str(default_assets.heldout),
-            eval_interval=3,
-            eval_max_prompts=1,
-            eval_max_new_tokens=12,
-        )
-        res = engine.run_job(job)
+        res = engine.run_job(assets_job(default_assets, tmp_path, 3, eval_prompts=1, eval_new_tokens=12))
         assert res.status == "SUCCEEDED" and res.eval["blocks"] > 0
         config = json.loads((Path(res.final_checkpoint) / "config.json").read_text())
         assert config["sliding_window"] == 16 and set(config["layer_types"]) == {"sliding_attention"}

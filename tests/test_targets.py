@@ -21,7 +21,7 @@ from dflash_core.engine import Engine, EngineConfig, JobCallbacks, TrainJob
 from dflash_core.engine.warmup import check_rope_positions
 from dflash_core.evaluate import evaluate_acceptance
 from dflash_core.target import TargetModel, attention_implementation
-from tests.helpers import saved_models, train_spec
+from tests.helpers import assets_job, build_engine, saved_models, small_engine_config, train_spec
 
 SHAPE = ShapeConfig(seq_len=256, num_anchors=32, block_size=8)
 HEAD_DIM = 16
@@ -303,23 +303,10 @@ def test_a_target_split_over_two_stages_gives_the_same_features(default_assets):
 
 
 def test_engine_trains_with_a_split_target(default_assets, tmp_path):
-    from dflash_core.defaults import DEFAULT_DRAFTER_LAYERS, DEFAULT_TARGET_LAYER_IDS
-    from dflash_core.engine import Engine, EngineConfig, TrainJob
-
-    cfg = EngineConfig(
-        target_devices=[["cpu", "cpu"]],
-        drafter_devices=["cpu"],
-        seq_len=256,
-        num_anchors=32,
-        drafter_layers=DEFAULT_DRAFTER_LAYERS,
-        target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
-    )
-    engine = Engine(cfg, default_assets.root.parent.parent).build()
+    engine = build_engine(small_engine_config(target_devices=[["cpu", "cpu"]]), default_assets)
     try:
         assert [w.device for w in engine.status().warmup if w.component == "target_load"] == ["cpu+cpu"]
-        res = engine.run_job(
-            TrainJob(datasets=[str(default_assets.train)], output_dir=str(tmp_path), steps=3, checkpoint_interval=3)
-        )
+        res = engine.run_job(assets_job(default_assets, tmp_path, 3))
         assert res.status == "SUCCEEDED"
     finally:
         engine.close()

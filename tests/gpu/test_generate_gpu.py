@@ -3,10 +3,10 @@ tokens of the eager step and of transformers' greedy generate on the embedded ta
 prompts of different lengths with slots refilled; seeded sampling equal with and without the graph;
 reserved memory flat over a second run."""
 
-import json
-
 import pytest
 import torch
+
+from tests.helpers import heldout_prompt_ids
 
 pytestmark = pytest.mark.gpu
 
@@ -20,14 +20,7 @@ def setup(default_assets):
         str(default_assets.target), dtype=torch.float32, attn_implementation="sdpa"
     )
     model = model.eval().to("cuda")
-    prompts = []
-    with open(default_assets.heldout) as f:
-        for line in list(f)[:9]:
-            messages = json.loads(line)["messages"]
-            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            text = tok.apply_chat_template(messages[: last + 1], tokenize=False, add_generation_prompt=True)
-            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    return model, prompts
+    return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
 def _run(model, prompts, sampling, use_graph, slots=4):

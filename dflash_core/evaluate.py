@@ -66,6 +66,11 @@ def _argmax_one(logits: torch.Tensor) -> int:
     return int(logits.argmax(dim=-1))
 
 
+def target_pass(target: TargetModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's (logits, features) over the token ids, on the target's device."""
+    return target.forward_logits(torch.tensor(ids, device=target.device))
+
+
 @torch.no_grad()
 def speculative_generate(
     target: TargetModel,
@@ -79,8 +84,7 @@ def speculative_generate(
 ) -> SpeculativeOutput:
     cfg = drafter.config
     b = cfg.block_size
-    tdev = target.device
-    logits, feats = target.forward_logits(torch.tensor(prompt, device=tdev))
+    logits, feats = target_pass(target, prompt)
     out = list(prompt) + [_argmax_one(logits[-1])]
     lengths: list[int] = []
     confidence: list[tuple[float, float]] = []
@@ -92,7 +96,7 @@ def speculative_generate(
                 draft, conf_logits = markov_draft(drafter, head.lm_head_weight, hidden, out[anchor])
             else:
                 draft = _argmax(hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.t())
-        logits, full_feats = target.forward_logits(torch.tensor(out + draft, device=tdev))
+        logits, full_feats = target_pass(target, out + draft)
         posterior = _argmax(logits[anchor:])  # target's token after each block position
         accepted = 0
         while accepted < b - 1 and draft[accepted] == posterior[accepted]:

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from .drafter import DFlashDrafter, FrozenHead
-from .evaluate import SpeculativeOutput, block_hidden, generated
+from .evaluate import SpeculativeOutput, block_hidden, generated, target_pass
 from .target import TargetModel
 
 
@@ -63,8 +63,7 @@ def speculative_sample(
 ) -> SpeculativeOutput:
     cfg = drafter.config
     b = cfg.block_size
-    tdev = target.device
-    logits, feats = target.forward_logits(torch.tensor(prompt, device=tdev))
+    logits, feats = target_pass(target, prompt)
     out = list(prompt) + [_sample(torch.softmax(logits[-1].float() / temperature, -1), generator)]
     lengths: list[int] = []
     while len(out) - len(prompt) < max_new_tokens and out[-1] not in stop_token_ids:
@@ -72,7 +71,7 @@ def speculative_sample(
         with autocast():
             hidden = block_hidden(drafter, head, feats, out)
             draft, q = draft_sampled(drafter, head, hidden, out[anchor], temperature, generator)
-        logits, full_feats = target.forward_logits(torch.tensor(out + draft, device=tdev))
+        logits, full_feats = target_pass(target, out + draft)
         p = torch.softmax(logits[anchor:].float() / temperature, dim=-1)  # p[k]: the token after block position k
         new_tokens: list[int] = []
         for k in range(b - 1):

@@ -9,11 +9,11 @@ added to a response does not make older clients' schemas wrong.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from .jobs.store import STATES
+from .jobs.store import REPORTED_PROGRESS, STATES, JobRecord
 
 JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"]
 assert set(get_args(JobState)) == set(STATES)
@@ -44,7 +44,8 @@ class Checkpoint(_Open):
     time: datetime | None
 
 
-class Progress(_Open):
+class _ProgressHead(_Open):
+    # Progress's own fields; the rest are the job record's, as they are
     phase: str | None = Field(description="preparing_data, training or (a regeneration) generating while RUNNING")
     data: dict[str, Any] | None = Field(
         description="the last data preparation progress; a regeneration's progress (rows_done, rows_total, "
@@ -53,14 +54,11 @@ class Progress(_Open):
     step: int
     total_steps: int | None
     fraction: float | None
-    loss: float | None
-    tokens_per_second: float | None
-    expected_acceptance_length: float | None
-    eval_acceptance_length: float | None
-    learning_rate: float | None
-    epoch: float | None
-    last_checkpoint: str | None
-    last_checkpoint_step: int | None
+
+
+_RECORD_TYPES = get_type_hints(JobRecord)
+_REPORTED_FIELDS: dict[str, Any] = {name: (_RECORD_TYPES[name], ...) for name in REPORTED_PROGRESS}
+Progress = create_model("Progress", __base__=_ProgressHead, **_REPORTED_FIELDS)
 
 
 class Job(_Open):

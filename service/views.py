@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from .jobs.store import EventRecord, JobRecord
+from .jobs.store import REPORTED_PROGRESS, EventRecord, JobRecord
 
 NDJSON = "application/x-ndjson"
 
@@ -48,14 +48,7 @@ def job_json(job: JobRecord) -> dict[str, Any]:
             "step": job.step,
             "total_steps": total,
             "fraction": round(job.step / total, 4) if total else None,
-            "loss": job.loss,
-            "tokens_per_second": job.tokens_per_second,
-            "expected_acceptance_length": job.expected_acceptance_length,
-            "eval_acceptance_length": job.eval_acceptance_length,
-            "learning_rate": job.learning_rate,
-            "epoch": job.epoch,
-            "last_checkpoint": job.last_checkpoint,
-            "last_checkpoint_step": job.last_checkpoint_step,
+            **{name: getattr(job, name) for name in REPORTED_PROGRESS},
         },
         "error": job.error,
         "cancel_requested": job.cancel_requested,

@@ -26,6 +26,7 @@ from .store_schema import (
     FAILED,
     JOB_COLUMNS,
     PENDING,
+    REPORTED_PROGRESS,
     RUNNING,
     SCHEMA,
     STATES,
@@ -47,6 +48,7 @@ from .store_schema import (
 __all__ = [
     "FAILED",
     "PENDING",
+    "REPORTED_PROGRESS",
     "RUNNING",
     "STATES",
     "STOPPED",

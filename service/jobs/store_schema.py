@@ -82,6 +82,19 @@ CREATE TABLE IF NOT EXISTS store_meta (
 OUTPUT_DIR_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_output_dir ON jobs(output_dir) WHERE owns_output_dir = 1"
 
 
+# the record's fields that a job's progress shows as they are (its JSON and its documented shape)
+REPORTED_PROGRESS = (
+    "loss",
+    "tokens_per_second",
+    "expected_acceptance_length",
+    "eval_acceptance_length",
+    "learning_rate",
+    "epoch",
+    "last_checkpoint",
+    "last_checkpoint_step",
+)
+
+
 @dataclass
 class JobRecord:
     seq: int

@@ -94,6 +94,35 @@ def _ce_rows_kernel(
                 tl.store(row_ptr + idx, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
+def _launch_rows(logits, labels, w, vocab, grad, grad_scale, limit, need_grad, block_v, num_warps):
+    """_ce_rows_kernel over a chunk's logits (the first `vocab` columns are the vocabulary): (loss
+    sum, argmax hits); with need_grad the logits gradient goes to `grad`, times grad_scale (a
+    one-value tensor) and clamped to +-limit where grad_scale is given."""
+    rows = logits.shape[0]
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    hits = torch.empty(rows, dtype=torch.int8, device=logits.device)
+    with triton_launch_device(logits.device):
+        _ce_rows_kernel[(rows,)](
+            logits,
+            labels.contiguous(),
+            w,
+            losses,
+            hits,
+            vocab,
+            logits.stride(0),
+            grad,
+            grad.stride(0),
+            grad.shape[1],
+            losses if grad_scale is None else grad_scale,  # unread without a scale
+            limit,
+            NEED_GRAD=need_grad,
+            SCALED_GRAD=grad_scale is not None,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+    return losses.sum(), hits.bool()
+
+
 def chunk_loss_and_grad(
     hidden, lm_head_weight, labels, w, need_grad: bool, *, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
 ):
@@ -101,29 +130,10 @@ def chunk_loss_and_grad(
     The logits buffer is reused for the gradient. block_v / num_warps: launch settings
     (bench.ce_kernel sweeps them)."""
     logits = hidden @ lm_head_weight.t()  # [rows, vocab] in the compute dtype
-    rows, vocab = logits.shape
-    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    hits = torch.empty(rows, dtype=torch.int8, device=logits.device)
-    with triton_launch_device(logits.device):
-        _ce_rows_kernel[(rows,)](
-            logits,
-            labels.contiguous(),
-            w.float().contiguous(),
-            losses,
-            hits,
-            vocab,
-            logits.stride(0),
-            logits,  # the gradient is written over the logits
-            logits.stride(0),
-            vocab,
-            losses,  # unread
-            0.0,
-            NEED_GRAD=need_grad,
-            SCALED_GRAD=False,
-            BLOCK_V=block_v,
-            num_warps=num_warps,
-        )
-    loss, correct = losses.sum(), hits.bool()
+    # the gradient is written over the logits
+    loss, correct = _launch_rows(
+        logits, labels, w.float().contiguous(), logits.shape[1], logits, None, 0.0, need_grad, block_v, num_warps
+    )
     if not need_grad:
         return loss, correct, None
     return loss, correct, (logits @ lm_head_weight).to(hidden.dtype)
@@ -140,33 +150,11 @@ def chunk_loss_and_grad_fp8(
 
     h8, h_inv = quantize(hidden, FORWARD_DTYPE)
     logits = scaled_mm(h8, h_inv, head.rows.t(), head.inv_scale, torch.bfloat16)  # [rows, padded vocab]
-    rows = logits.shape[0]
     w = w.float().contiguous()
-    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    hits = torch.empty(rows, dtype=torch.int8, device=logits.device)
     grad8 = torch.empty_like(logits, dtype=GRAD_DTYPE) if need_grad else logits
     limit = torch.finfo(GRAD_DTYPE).max
     grad_scale = limit / w.abs().amax().clamp(min=1e-12)
-    with triton_launch_device(logits.device):
-        _ce_rows_kernel[(rows,)](
-            logits,
-            labels.contiguous(),
-            w,
-            losses,
-            hits,
-            head.vocab,
-            logits.stride(0),
-            grad8,
-            grad8.stride(0),
-            grad8.shape[1],
-            grad_scale,
-            limit,
-            NEED_GRAD=need_grad,
-            SCALED_GRAD=True,
-            BLOCK_V=block_v,
-            num_warps=num_warps,
-        )
-    loss, correct = losses.sum(), hits.bool()
+    loss, correct = _launch_rows(logits, labels, w, head.vocab, grad8, grad_scale, limit, need_grad, block_v, num_warps)
     if not need_grad:
         return loss, correct, None
     grad = scaled_mm(grad8, grad_scale.reciprocal(), head.cols.t(), head.inv_scale, torch.bfloat16)

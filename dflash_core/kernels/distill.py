@@ -28,6 +28,15 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _logit_blocks(d_ptr, t_ptr, idx, vocab):
+    # the drafter's and the teacher's logits at idx in fp32, -inf past the vocabulary (exp gives 0)
+    in_row = idx < vocab
+    xd = tl.load(d_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+    xt = tl.load(t_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+    return in_row, xd, xt
+
+
+@triton.jit
 def _distill_rows_kernel(
     zd_ptr,
     zt_ptr,
@@ -57,10 +66,7 @@ def _distill_rows_kernel(
     acc = tl.zeros([], tl.float32)
     best = tl.zeros([], tl.int32)
     for start in range(0, vocab, BLOCK_V):
-        idx = start + cols
-        in_row = idx < vocab
-        xd = tl.load(d_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
-        xt = tl.load(t_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        in_row, xd, xt = _logit_blocks(d_ptr, t_ptr, start + cols, vocab)
         block_max, block_best = tl.max(xd, axis=0, return_indices=True, return_indices_tie_break_left=True)
         best = tl.where(block_max > m_d, start + block_best, best)
         new_d = tl.maximum(m_d, block_max)
@@ -82,10 +88,7 @@ def _distill_rows_kernel(
     tv2 = tl.zeros([], tl.float32)
     sigma = tl.zeros([], tl.float32)
     for start in range(0, vocab, BLOCK_V):
-        idx = start + cols
-        in_row = idx < vocab
-        xd = tl.load(d_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
-        xt = tl.load(t_ptr + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        _, xd, xt = _logit_blocks(d_ptr, t_ptr, start + cols, vocab)
         pd = tl.exp(xd - lse_d)
         diff = pd - tl.exp(xt - lse_t)
         sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))

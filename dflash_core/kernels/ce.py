@@ -130,7 +130,6 @@ def chunk_loss_and_grad(
     The logits buffer is reused for the gradient. block_v / num_warps: launch settings
     (bench.ce_kernel sweeps them)."""
     logits = hidden @ lm_head_weight.t()  # [rows, vocab] in the compute dtype
-    # the gradient is written over the logits
     loss, correct = _launch_rows(
         logits, labels, w.float().contiguous(), logits.shape[1], logits, None, 0.0, need_grad, block_v, num_warps
     )

@@ -25,6 +25,12 @@ include-method = "POST"
 [operations.checks.positive_data_acceptance]
 expected-statuses = ["2xx", "401", "403", "404", "409", "422", "429"]
 
+# a repeated query parameter cannot carry a negative example: what is generated as a boolean or a
+# number reaches the daemon as the string it serializes to ("false"), a valid event kind to filter on
+[[operations]]
+include-name = "GET /jobs/{{job_id}}/events"
+checks.negative_data_rejection.enabled = false
+
 # half the generated job ids name a job that exists (a finished one), so that the job routes'
 # answers for real jobs are checked too, not only their 404s
 [dictionaries.jobs]
@@ -172,8 +178,6 @@ def test_schemathesis_finds_no_difference(daemon, tmp_path):
         f"{daemon.url}/openapi.json",
         "--header",
         f"Authorization: Bearer {TOKEN}",
-        "--checks",
-        "all",
         "--max-examples",
         "30",
         "--seed",

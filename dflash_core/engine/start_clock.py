@@ -27,16 +27,12 @@ class StartClock:
         return {**self.phases, "total": round(self._last - self._t0, 3)}
 
     def first_step(self, on_event) -> None:
-        """Marks the first step done and reports the breakdown; nothing after the first."""
-        if not self.reported:
-            self.mark("first_step")
-            self.report(on_event)
-
-    def report(self, on_event) -> None:
-        """Once: the breakdown as a `first_step` event (on_event(kind, fields)) and a log line."""
+        """Once, when the first step is done: the breakdown as a `first_step` event
+        (on_event(kind, fields)) and a log line; nothing after the first."""
         if self.reported:
             return
         self.reported = True
+        self.mark("first_step")
         fields = self.breakdown()
         on_event("first_step", {"seconds": fields})
         log.info("job's first step", extra={"fields": {f"{k}_s": v for k, v in fields.items()}})

@@ -173,9 +173,9 @@ class _Build:
         if snapshot is not None:
             snapshot.wait()
             timeline.mark("build:checkpoint_buffers")
-        parts = Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
-        parts.snapshot = snapshot
-        return parts
+        return Parts(
+            str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma, snapshot
+        )
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""

@@ -1,13 +1,16 @@
 """Drafter training step at the reference shape (docs/design.md) on one GPU.
 
-    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_fp8,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step]
+    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_fp8,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step,reference]
                                  [--warm-jobs 4]   # a cold machine: compile the variants in parallel first
+                                 [--reference-src PATH]  # a clone of github.com/z-lab/dflash, for `reference`
 
 Times forward+backward (median of CUDA-event timings after warmup) through the engine's own
 replica code path, counts model FLOPs from the mask, reports MFU against a bf16 matmul measured
 in the same run, peak/steady reserved memory; times the optimizer step on its own; then runs 100
 full steps (fwd+bwd+optimizer) of the first variant and reports memory flatness. Writes
-$OUT/drafter_step.json and prints a table last.
+$OUT/drafter_step.json and prints a table last. The `reference` variant is the public reference's
+step on the same micro-batch (bench.reference_step says what it runs); with it in the run, every
+row also gets its time as a fraction of the reference's.
 """
 
 from __future__ import annotations
@@ -235,17 +238,23 @@ def main(argv=None):
         action="store_true",
         help="also time torch.compile's AdamW step (a cold compile of tens of seconds)",
     )
+    p.add_argument("--reference-src", help="z-lab/dflash checkout (or its dflash/model.py) for the reference variant")
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--cases", help=argparse.SUPPRESS)  # one variant, with --compile-only (a warm-up child)
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
     names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS and n != "reference"]
+    if unknown or ("reference" in names and not args.reference_src):
+        p.error(f"unknown variants {unknown}" if unknown else "the reference variant needs --reference-src")
     if args.compile_only:
         return compile_variant(args.cases, args.layers, args.chunk, names[0])
     warm = {}
     if args.warm_jobs:
-        compiled = [n for n in names if VARIANTS[n][0].compiled] + (["optimizer"] if args.compiled_optimizer else [])
+        compiled = [n for n in names if n in VARIANTS and VARIANTS[n][0].compiled] + (
+            ["optimizer"] if args.compiled_optimizer else []
+        )
         warm = warm_caches_in_parallel(
             "bench.drafter_step",
             compiled,
@@ -272,6 +281,15 @@ def main(argv=None):
         # replica also times the optimizer and the flatness run before it is dropped
         rep = None
         try:
+            if name == "reference":
+                from bench.reference_step import bench_reference
+
+                res = bench_reference(args.reference_src, cfg, head, batch, feats, args.iters)
+                res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
+                res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
+                rows.append(res)
+                print(json.dumps(res), flush=True)
+                continue
             rep, res = bench_variant(
                 name, cfg, head, batch, feats, args.iters if "eager" not in name else 5, args.chunk
             )
@@ -299,9 +317,12 @@ def main(argv=None):
         gc.collect()
         torch.cuda.empty_cache()
     first_ms = rows[0].get("median_ms")
+    ref_ms = next((r.get("median_ms") for r in rows if r["variant"] == "reference"), None)
     for r in rows:
         if r.get("median_ms") and first_ms:
             r["speedup_of_first"] = round(r["median_ms"] / first_ms, 2)
+        if r.get("median_ms") and ref_ms:
+            r["of_reference"] = round(r["median_ms"] / ref_ms, 2)
     record = {
         "env": env,
         "peak_bf16_tflops": round(peak, 1),
@@ -334,6 +355,7 @@ def main(argv=None):
             "peak_reserved_gib",
             "steady_reserved_gib",
             "speedup_of_first",
+            "of_reference",
             "error",
         ],
     )

@@ -1,11 +1,16 @@
 """The target's capture per micro-batch: eager forward against its CUDA graph replay.
 
-    python -m bench.target_capture [--seq-len 3072] [--iters 30]
+    python -m bench.target_capture [--seq-len 3072] [--iters 30] [--precisions bf16,fp8,fp8_torch_casts]
+                                   [--eager] [--profile]
 
 A Qwen3-8B-shaped target with random weights on cuda:0 captures 5 layers' outputs of packed
-synthetic micro-batches (what the feature pipeline's thread does per micro-batch). For each way:
-host_ms, the time the calling thread spends issuing the work (what holds the GIL), and total_ms,
-until the device finished; medians after warm-up. The outputs are compared bit for bit.
+synthetic micro-batches (what the feature pipeline's thread does per micro-batch), as the engine
+runs it: its CUDA graph replayed. For each precision (bf16; fp8 = target_precision "fp8";
+fp8_torch_casts = the same with the activation casts as torch ops, the way before the Triton
+cast): host_ms, the time the calling thread spends issuing the work (what holds the GIL), and
+total_ms, until the device finished; medians after warm-up. The graph's outputs are compared bit
+for bit with the eager forward's, and each precision's features with the first's (the same seed
+gives the same weights). --profile adds device time by kernel class.
 """
 
 from __future__ import annotations
@@ -38,40 +43,124 @@ def time_capture(fn, batches, iters: int) -> tuple[float, float]:
     return statistics.median(host), statistics.median(total)
 
 
+class TorchOpCasts:
+    """The FP8 target's activation casts as torch ops, once per linear (no sharing): how the
+    target cast before kernels/fp8_cast.py, for the side-by-side row."""
+
+    def cast(self, x, cols):
+        import torch.nn.functional as F
+
+        from dflash_core.fp8 import FORWARD_DTYPE, FP8_MULTIPLE, quantize
+
+        x2 = x.reshape(-1, cols)
+        rows = x2.shape[0]
+        x8, inv = quantize(F.pad(x2, (0, 0, 0, -rows % FP8_MULTIPLE)), FORWARD_DTYPE)
+        return x8, inv, rows
+
+    def clear(self):
+        pass
+
+
+def build_target(out, precision: str) -> TargetModel:
+    """bf16, fp8 (target_precision = "fp8" as the engine builds it) or fp8_torch_casts."""
+    target = TargetModel(out / "target", [1, 9, 17, 25, 33], "cuda:0", random_init=True, fp8=precision != "bf16")
+    if precision == "fp8_torch_casts":
+        from dflash_core.target_precision import Fp8FrozenLinear
+
+        casts = TorchOpCasts()
+        for m in target.decoder_layers().modules():
+            if isinstance(m, Fp8FrozenLinear):
+                m.casts = casts
+        target._input_casts = casts
+    return target
+
+
+def profile_classes(fn, args) -> dict[str, float]:
+    """Device ms per capture by kernel class (an eager capture: the graph replays the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn(*args)
+        torch.cuda.synchronize()
+    classes: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0)
+        if not us:
+            continue
+        low = ev.key.lower()
+        label = (
+            "GEMM"
+            if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul"))
+            else "attention"
+            if any(k in low for k in ("flash", "fmha", "attention", "efficient"))
+            else "fp8 cast (Triton)"
+            if "_amax_kernel" in low or "_cast_kernel" in low
+            else "other"
+        )
+        classes[label] = classes.get(label, 0.0) + us / 1000 / 3
+    return {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq-len", type=int, default=REFERENCE_SHAPE.seq_len)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--precisions", default="bf16", help="comma-separated: bf16, fp8, fp8_torch_casts")
+    p.add_argument("--eager", action="store_true", help="also time the eager capture of each")
+    p.add_argument("--profile", action="store_true", help="device time by kernel class of each")
     args = p.parse_args(argv)
     out = out_dir()
-    target = TargetModel(write_target_dir(out / "target", QWEN3_8B), [1, 9, 17, 25, 33], "cuda:0", random_init=True)
+    write_target_dir(out / "target", QWEN3_8B)
     shape = ShapeConfig(seq_len=args.seq_len, num_anchors=REFERENCE_SHAPE.num_anchors, block_size=16)
     batches = []
     for seed in range(4):
         mb = synthetic_micro_batch(shape, QWEN3_8B["vocab_size"], 0, seed=seed)
         batches.append(tuple(t.to("cuda:0") for t in (mb.input_ids, mb.position_ids, mb.doc_ids)))
-    eager_host, eager_total = time_capture(target._capture, batches, args.iters)
-    t = time.perf_counter()
-    assert target.record_graph(args.seq_len)
-    record_s = time.perf_counter() - t
-    same = all(torch.equal(target.capture(*b).clone(), target._capture(*b)) for b in batches)
-    graph_host, graph_total = time_capture(target.capture, batches, args.iters)
-    rows = [
-        {"way": "eager", "host_ms": round(eager_host, 2), "total_ms": round(eager_total, 2)},
-        {
-            "way": "cuda_graph",
-            "host_ms": round(graph_host, 2),
-            "total_ms": round(graph_total, 2),
-            "record_s": round(record_s, 2),
-            "bit_identical": same,
-        },
-    ]
+    rows, reference = [], None
+    for precision in args.precisions.split(","):
+        target = build_target(out, precision)
+        row = {"precision": precision}
+        if args.eager:
+            row["eager_host_ms"], row["eager_total_ms"] = (
+                round(v, 2) for v in time_capture(target._capture, batches, args.iters)
+            )
+        if args.profile:
+            row["profile_ms"] = profile_classes(target._capture, batches[0])
+        t = time.perf_counter()
+        assert target.record_graph(args.seq_len)
+        row["record_s"] = round(time.perf_counter() - t, 2)
+        row["graph_equals_eager"] = all(torch.equal(target.capture(*b).clone(), target._capture(*b)) for b in batches)
+        host, total = time_capture(target.capture, batches, args.iters)
+        row["host_ms"], row["total_ms"] = round(host, 2), round(total, 2)
+        feats = target.capture(*batches[0]).float()
+        if reference is None:
+            reference = feats.clone()
+        row["features_rel_err"] = round(float((feats - reference).norm() / reference.norm()), 4)
+        row["reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 2)
+        rows.append(row)
+        print(row, flush=True)
+        del target, feats
+        torch.cuda.empty_cache()
+    base = rows[0]["total_ms"]
+    for row in rows:
+        row["of_first"] = round(row["total_ms"] / base, 2)
     report(
         "target_capture",
         {"env": env_record(), "seq_len": args.seq_len, "rows": rows},
-        f"target capture per micro-batch, Qwen3-8B shape, S={args.seq_len}",
+        f"target capture per micro-batch (CUDA graph replay), Qwen3-8B shape, S={args.seq_len}",
         rows,
-        ["way", "host_ms", "total_ms", "record_s", "bit_identical"],
+        [
+            "precision",
+            "total_ms",
+            "host_ms",
+            "of_first",
+            "record_s",
+            "graph_equals_eager",
+            "features_rel_err",
+            "eager_total_ms",
+            "reserved_gib",
+        ],
     )
 
 

@@ -174,10 +174,12 @@ class TargetModel:
         if len(stages) > 1:
             self._place_stages(decoder_layers)
         self.stored_fp8 = fp8_blocks is not None
+        self._input_casts: Any = None  # the FP8 linears' shared activation casts, cleared per forward
         if fp8 and not self.stored_fp8:  # an FP8 checkpoint already runs as it is served
             from .target_precision import quantize_decoder_linears
 
-            if quantize_decoder_linears(decoder_layers) == 0:
+            self._input_casts = quantize_decoder_linears(decoder_layers)
+            if self._input_casts is None:
                 raise ValueError(
                     'target_precision = "fp8": the target\'s decoder layers have no linear layer FP8 takes'
                 )
@@ -328,7 +330,12 @@ class TargetModel:
             pass
         finally:
             captured, self._local.captured = self._local.captured, None
+            self._release_casts()
         return torch.cat([captured[i][0].to(self.device) for i in self.layer_ids] + final, dim=-1)
+
+    def _release_casts(self) -> None:
+        if self._input_casts is not None:
+            self._input_casts.clear()
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,5 +346,6 @@ class TargetModel:
             out = self.model(input_ids=input_ids.unsqueeze(0), use_cache=False)
         finally:
             captured, self._local.captured = self._local.captured, None
+            self._release_casts()
         features = torch.cat([captured[i][0].to(self.device) for i in self.layer_ids], dim=-1)
         return out.logits[0].to(self.device), features

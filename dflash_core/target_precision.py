@@ -3,8 +3,9 @@ quantized once at load, so the drafter trains on the features of an FP8-served t
 
 The scheme is the one serving engines apply to a bf16 checkpoint they are asked to serve in FP8
 (vLLM's online `--quantization fp8`): e4m3 weights with one scale per matrix, and activations
-cast per call with one dynamic scale per tensor, the GEMM a cuBLAS FP8 GEMM (`torch._scaled_mm`)
-that returns the activations' dtype. The embedding, the final norm and the LM head stay as they
+cast with one dynamic scale per tensor, the GEMM a cuBLAS FP8 GEMM (`torch._scaled_mm`) that
+returns the activations' dtype. On CUDA the cast is two Triton passes (kernels/fp8_cast.py), once
+per tensor: q, k and v (gate and up) share theirs. The embedding, the final norm and the LM head stay as they
 are (the drafter's frozen head reads them). The features differ from the bf16 target's by FP8's
 rounding: that is the point, and the reason it is a setting and never a default.
 
@@ -18,6 +19,7 @@ at run time and are absent on an offline machine.
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +30,58 @@ from torch import nn
 from .fp8 import FORWARD_DTYPE, FP8_MULTIPLE, quantize
 
 
+class InputCasts:
+    """The activation a decoder linear last cast to FP8, kept per thread, so the linears a layer
+    feeds the same tensor (q, k and v; gate and up) cast it once. An entry is reused only for
+    the same tensor object at the same version (not modified in place since), and it holds that
+    tensor, so its memory cannot be reused under it; `clear()` drops it after each forward."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def cast(self, x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(x as [rows', cols] FP8 with zero rows up to a multiple of 16, its inverse scale, rows)."""
+        version = _version(x)
+        entry = getattr(self._local, "entry", None)
+        if entry is not None and entry[0] is x and version is not None and entry[1] == version:
+            return entry[2]
+        x2 = x.reshape(-1, cols)
+        rows = x2.shape[0]
+        padded = rows + (-rows % FP8_MULTIPLE)  # FP8 GEMMs take rows in multiples of 16
+        if x.is_cuda:
+            from .kernels.fp8_cast import quantize_rows
+
+            x8, inv = quantize_rows(x2, FORWARD_DTYPE, padded)
+        else:  # the same values through torch ops (CPU tests; the engine refuses FP8 on a CPU)
+            x8, inv = quantize(F.pad(x2, (0, 0, 0, padded - rows)), FORWARD_DTYPE)
+        result = (x8, inv, rows)
+        self._local.entry = (x, version, result) if version is not None else None
+        return result
+
+    def clear(self) -> None:
+        self._local.entry = None
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's in-place version counter; None for inference-mode tensors, which keep none."""
+    try:
+        return x._version
+    except RuntimeError:
+        return None
+
+
 class Fp8FrozenLinear(nn.Module):
-    """A frozen nn.Linear as an FP8 GEMM: the weight quantized once (buffers, no parameters)."""
+    """A frozen nn.Linear as an FP8 GEMM: the weight quantized once (buffers, no parameters), the
+    input cast through the layer stack's shared InputCasts."""
 
     weight8: torch.Tensor
     weight_inv_scale: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, casts: InputCasts):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.casts = casts
         weight8, inv = quantize(linear.weight.detach(), FORWARD_DTYPE)
         self.register_buffer("weight8", weight8)
         self.register_buffer("weight_inv_scale", inv)
@@ -45,12 +89,7 @@ class Fp8FrozenLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        pad = -rows % FP8_MULTIPLE  # FP8 GEMMs take rows in multiples of 16: zero rows, dropped after
-        if pad:
-            x2 = F.pad(x2, (0, 0, 0, pad))
-        x8, x_inv = quantize(x2, FORWARD_DTYPE)
+        x8, x_inv, rows = self.casts.cast(x, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         out = torch._scaled_mm(
             x8, self.weight8.t(), scale_a=x_inv, scale_b=self.weight_inv_scale, bias=bias, out_dtype=x.dtype
@@ -63,17 +102,18 @@ def fp8_convertible(linear: nn.Linear) -> bool:
 
 
 @torch.no_grad()
-def quantize_decoder_linears(layers: nn.ModuleList) -> int:
+def quantize_decoder_linears(layers: nn.ModuleList) -> InputCasts | None:
     """Replaces every nn.Linear inside the decoder layers (whose widths FP8 takes) by an
-    Fp8FrozenLinear on the same device, freeing its bf16 weight; how many."""
-    count = 0
+    Fp8FrozenLinear on the same device, freeing its bf16 weight; the InputCasts they share (the
+    caller clears it after each forward), None where no linear was replaced."""
+    casts, count = InputCasts(), 0
     for layer in layers:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and fp8_convertible(child):
-                    setattr(parent, name, Fp8FrozenLinear(child))
+                    setattr(parent, name, Fp8FrozenLinear(child, casts))
                     count += 1
-    return count
+    return casts if count else None
 
 
 # ---------------------------------------------------------------------------- FP8 checkpoints

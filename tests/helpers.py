@@ -192,3 +192,52 @@ def assets_job(assets, output_dir, steps: int, *, eval_prompts: int = 0, eval_ne
     return TrainJob(
         datasets=[str(assets.train)], output_dir=str(output_dir), steps=steps, checkpoint_interval=steps, **extra
     )
+
+
+def write_tiny_qwen3(out: Path, seed: int = 0) -> Path:
+    """A tiny bf16 Qwen3 causal LM with random weights saved in `out` (4 layers, hidden 128)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=256,
+    )  # fmt: skip
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def write_fp8_checkpoint(bf16_dir: Path, out: Path, block: int = 128) -> Path:
+    """The bf16 checkpoint in `bf16_dir` stored as fine-grained FP8, the way FP8 releases of
+    Qwen3 and DeepSeek are: every decoder linear weight e4m3 with an fp32 `weight_scale_inv` per
+    block x block tile (edge tiles partial), everything else as it was, config.json's
+    quantization_config, and the directory's other files (tokenizer, chat template) copied."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(bf16_dir / "model.safetensors"))
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    stored = {}
+    for key, value in state.items():
+        if key.startswith("model.layers.") and key.endswith("proj.weight"):
+            rows, cols = value.shape
+            r, c = -(-rows // block), -(-cols // block)
+            tiles = torch.nn.functional.pad(value.float(), (0, c * block - cols, 0, r * block - rows))
+            tiles = tiles.reshape(r, block, c, block)
+            inv = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fmax
+            q = (tiles / inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(r * block, c * block)
+            stored[key], stored[key[: -len("weight")] + "weight_scale_inv"] = q[:rows, :cols].contiguous(), inv
+        else:
+            stored[key] = value
+    out.mkdir()
+    save_file(stored, str(out / "model.safetensors"))
+    for f in bf16_dir.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    config = json.loads((bf16_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out

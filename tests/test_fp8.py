@@ -5,7 +5,7 @@ The GPU step itself: tests/gpu/test_fp8_gpu.py."""
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from dflash_core.fp8 import (
     use_fp8_linears,
 )
 from service.config import ConfigError, load_config
-from tests.helpers import run_interpreted_check, tiny_drafter_config
+from tests.helpers import run_interpreted_check, tiny_drafter_config, write_fp8_checkpoint, write_tiny_qwen3
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -168,51 +168,16 @@ def test_fp8_target_captures_features_close_to_the_loaded_ones(assets_dir):
     assert _rel(b, a) < 0.1
 
 
-def _write_fp8_checkpoint(bf16_dir: Path, out: Path, block: int = 128) -> None:
-    """The bf16 checkpoint in `bf16_dir` stored as fine-grained FP8, the way FP8 releases of
-    Qwen3 and DeepSeek are: every decoder linear weight e4m3 with an fp32 `weight_scale_inv` per
-    block x block tile, everything else as it was, and config.json's quantization_config."""
-    from safetensors.torch import load_file, save_file
-
-    state = load_file(str(bf16_dir / "model.safetensors"))
-    stored = {}
-    for key, value in state.items():
-        if key.startswith("model.layers.") and key.endswith("proj.weight"):
-            rows, cols = value.shape
-            tiles = value.float().reshape(rows // block, block, cols // block, block)
-            inv = tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max
-            q = (tiles / inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
-            stored[key], stored[key[: -len("weight")] + "weight_scale_inv"] = q, inv.contiguous()
-        else:
-            stored[key] = value
-    out.mkdir()
-    save_file(stored, str(out / "model.safetensors"))
-    config = json.loads((bf16_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block, block],
-    }
-    (out / "config.json").write_text(json.dumps(config))
-
-
 def test_an_fp8_checkpoint_runs_as_it_is_served(tmp_path):
     """A fine-grained FP8 checkpoint (written here from a tiny bf16 Qwen3) loads with its weights
     as stored (FP8 values times block scales, exactly) and its linears casting activations per
     token and 128 columns, as served; its features are the FP8 target's (close to the bf16
     target's, not equal). target_precision fp8 leaves it as stored."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from dflash_core.target import TargetModel
     from dflash_core.target_precision import ActQuantLinear, dequantize_blocks, fake_quantize_groups
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=256,
-    )  # fmt: skip
-    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    _write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    write_tiny_qwen3(tmp_path / "bf16")
+    write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
     plain = TargetModel(tmp_path / "bf16", [1, 2], "cpu")
     served = TargetModel(tmp_path / "fp8", [1, 2], "cpu", fp8=True)
     assert served.stored_fp8 and not plain.stored_fp8
@@ -234,3 +199,61 @@ def test_an_fp8_checkpoint_runs_as_it_is_served(tmp_path):
     pos, doc = torch.arange(40), torch.zeros(40, dtype=torch.long)
     a, b = plain.capture(ids, pos, doc), served.capture(ids, pos, doc)
     assert not torch.equal(a, b) and _rel(b, a) < 0.1
+
+
+def test_linears_fed_the_same_tensor_share_one_cast():
+    """The FP8 target's linears share an activation cast only for the same tensor at the same
+    version: q, k and v reuse q's, a tensor modified in place or another tensor is cast anew, and
+    every output equals the output of a cast of its own."""
+    from dflash_core.target_precision import Fp8FrozenLinear, InputCasts
+
+    torch.manual_seed(0)
+    shared, alone = InputCasts(), InputCasts()
+    linears = [torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32)]
+    fp8 = [Fp8FrozenLinear(m, shared) for m in linears]
+    own = [Fp8FrozenLinear(m, alone) for m in linears]
+    x = torch.randn(2, 21, 64, dtype=torch.bfloat16)
+    first = shared.cast(x, 64)
+    assert shared.cast(x, 64) is first  # reused: the same tensor, unmodified
+    for a, b in zip(fp8, own, strict=True):
+        alone.clear()
+        assert torch.equal(a(x), b(x))
+    assert first[0].shape == (48, 64) and first[2] == 42  # 42 rows padded to 48
+    x.mul_(2)  # in place: a new version, a new cast
+    assert shared.cast(x, 64) is not first
+    y = x.clone()
+    assert shared.cast(y, 64) is not shared.cast(x, 64)
+    shared.clear()
+    assert shared._local.entry is None
+
+
+def test_fp8_cast_kernel_interpreted():
+    """kernels/fp8_cast.py through Triton's interpreter: the inverse scale equal to
+    fp8.quantize's, the appended rows zero, every value within the format's range. (The
+    interpreter's own FP8 rounding is not the GPU's; tests/gpu compares the values bit for bit.)"""
+    pytest.importorskip("triton")
+    result = run_interpreted_check("tests.fp8_cast_check")
+    assert result["inv_equal"] and result["pad_zero"] and result["in_range"] and result["shape_ok"], result
+
+
+def test_an_engine_job_trains_on_an_fp8_checkpoint(tmp_path):
+    """The embedded default target stored as fine-grained FP8 trains a drafter (on the CPU it
+    runs with the serving numerics like anywhere else): the job succeeds with a finite loss, and
+    the engine's target is the FP8 one."""
+    from dflash_core.defaults import ensure_default_assets
+    from dflash_core.engine import JobCallbacks
+    from tests.helpers import assets_job, build_engine, small_engine_config
+
+    assets = ensure_default_assets(tmp_path / "data")
+    cfg = small_engine_config(target_path=write_fp8_checkpoint(assets.target, tmp_path / "target_fp8"))
+    engine = build_engine(cfg, assets)
+    assert engine.parts is not None and engine.parts.targets[0].stored_fp8
+    losses = []
+
+    class CB(JobCallbacks):
+        def on_step(self, s):
+            losses.append(s.loss)
+
+    res = engine.run_job(assets_job(assets, tmp_path / "out", 3), CB())
+    engine.close()
+    assert res.status == "SUCCEEDED" and len(losses) == 3 and all(math.isfinite(x) for x in losses)

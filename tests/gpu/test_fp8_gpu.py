@@ -118,3 +118,90 @@ def test_fp8_engine_job_compiles_nothing_at_run_time(tmp_path):
     assert all(s.loss == s.loss for s in steps)  # no NaN
     assert any(kind == "first_step" for kind, _ in events)
     engine.close()
+
+
+@needs_fp8
+def test_fp8_cast_kernel_matches_torch_bit_for_bit():
+    """kernels/fp8_cast.py on the GPU: every FP8 value, the inverse scale and the zero rows equal
+    fp8.quantize's on the zero-padded input, at shapes with and without padding."""
+    from tests.fp8_cast_check import compare
+
+    result = compare("cuda:0")
+    assert result == {"inv_equal": True, "pad_zero": True, "in_range": True, "shape_ok": True, "value_mismatches": 0}
+
+
+@needs_fp8
+def test_fp8_target_shares_casts_and_keeps_its_features(tmp_path):
+    """target_precision = "fp8" on the GPU: the Triton casts, shared by q/k/v and gate/up, give
+    the same features as torch-op casts of every linear's own input; the recorded capture graph
+    replays them bit for bit."""
+    from bench.target_capture import TorchOpCasts
+    from dflash_core.defaults import DEFAULT_TARGET_LAYER_IDS, ensure_default_assets
+    from dflash_core.target import TargetModel
+    from dflash_core.target_precision import Fp8FrozenLinear
+
+    assets = ensure_default_assets(tmp_path / "data")
+    target = TargetModel(assets.target, list(DEFAULT_TARGET_LAYER_IDS), "cuda:0", fp8=True)
+    ids = torch.randint(5, target.config.vocab_size, (200,), device="cuda:0")  # 200 rows: padded to 208
+    pos, doc = torch.arange(200, device="cuda:0"), torch.zeros(200, dtype=torch.long, device="cuda:0")
+    fused = target.capture(ids, pos, doc).clone()
+    linears = [m for m in target.decoder_layers().modules() if isinstance(m, Fp8FrozenLinear)]
+    shared = linears[0].casts
+    for m in linears:
+        m.casts = TorchOpCasts()
+    per_linear = target.capture(ids, pos, doc).clone()
+    assert torch.equal(fused, per_linear)
+    for m in linears:
+        m.casts = shared
+    assert target.record_graph(200)
+    assert torch.equal(target.capture(ids, pos, doc), fused)
+
+
+@needs_fp8
+def test_an_fp8_checkpoint_written_here_trains_a_drafter_on_the_gpu(tmp_path):
+    """The embedded default target stored as fine-grained FP8 (written by this test): on the GPU
+    it loads as served (every decoder linear an ActQuantLinear), its features equal the CPU's
+    far closer than to the bf16 target's; an engine job trains on it
+    with its capture graph recorded, no runtime compile, a finite loss."""
+    from dflash_core.defaults import DEFAULT_TARGET_LAYER_IDS, ensure_default_assets
+    from dflash_core.engine import JobCallbacks
+    from dflash_core.target import TargetModel
+    from dflash_core.target_precision import ActQuantLinear
+    from tests.helpers import assets_job, build_engine, small_engine_config, write_fp8_checkpoint
+
+    assets = ensure_default_assets(tmp_path / "data")
+    fp8_dir = write_fp8_checkpoint(assets.target, tmp_path / "target_fp8")
+    ids_list = list(DEFAULT_TARGET_LAYER_IDS)
+    gpu = TargetModel(fp8_dir, ids_list, "cuda:0")
+    cpu = TargetModel(fp8_dir, ids_list, "cpu", dtype=torch.bfloat16)
+    plain = TargetModel(assets.target, ids_list, "cuda:0")
+    assert gpu.stored_fp8 and sum(isinstance(m, ActQuantLinear) for m in gpu.decoder_layers().modules()) == 7 * len(
+        gpu.decoder_layers()
+    )
+    ids = torch.randint(5, gpu.config.vocab_size, (96,))
+    pos, doc = torch.arange(96), torch.zeros(96, dtype=torch.long)
+    on_gpu = gpu.capture(ids.cuda(), pos.cuda(), doc.cuda()).float().cpu()
+    on_cpu = cpu.capture(ids, pos, doc).float()
+    bf16 = plain.capture(ids.cuda(), pos.cuda(), doc.cuda()).float().cpu()
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    # the GPU runs the CPU's numerics (up to bf16 GEMM rounding), not the bf16 target's
+    assert rel(on_gpu, on_cpu) < rel(on_gpu, bf16) / 2 < 0.05, (rel(on_gpu, on_cpu), rel(on_gpu, bf16))
+    del gpu, cpu, plain
+
+    cfg = small_engine_config(
+        drafter_devices=["cuda:0"], target_path=fp8_dir, inductor_cache_dir=tmp_path / "ind", seq_len=256
+    )
+    engine = build_engine(cfg, assets)
+    target = engine.parts.targets[0]
+    assert target.stored_fp8 and target._graph is not None
+    steps = []
+
+    class CB(JobCallbacks):
+        def on_step(self, s):
+            steps.append(s)
+
+    res = engine.run_job(assets_job(assets, tmp_path / "out", 10), CB())
+    assert res.status == "SUCCEEDED" and len(steps) == 10
+    assert all(s.loss == s.loss for s in steps)
+    assert engine.status().compiles["runtime"] == 0
+    engine.close()

@@ -1,0 +1,39 @@
+"""The Triton FP8 cast (dflash_core/kernels/fp8_cast.py) against fp8.quantize on zero-padded input.
+
+Runs on CUDA (tests/gpu, every value bit for bit) and, through Triton's interpreter, on CPU:
+`TRITON_INTERPRET=1 python -m tests.fp8_cast_check` (a separate process: the flag is read when the
+kernel module is imported); prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ((37, 64), (48, 128), (1, 16), (3000, 96), (4099, 4096))
+
+
+def compare(device: str = "cpu", shapes=SHAPES) -> dict:
+    from dflash_core.fp8 import FORWARD_DTYPE, quantize
+    from dflash_core.kernels.fp8_cast import quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    result = {"inv_equal": True, "pad_zero": True, "in_range": True, "shape_ok": True, "value_mismatches": 0}
+    for rows, cols in shapes:
+        x = (torch.randn(rows, cols, generator=g) * 3).bfloat16().to(device)
+        padded = rows + (-rows % 16)
+        a8, a_inv = quantize_rows(x, FORWARD_DTYPE, padded)
+        b8, b_inv = quantize(F.pad(x, (0, 0, 0, padded - rows)), FORWARD_DTYPE)
+        a = a8.float().cpu()
+        result["shape_ok"] &= a8.shape == (padded, cols) and a8.dtype == FORWARD_DTYPE
+        result["inv_equal"] &= bool(torch.equal(a_inv.cpu(), b_inv.cpu()))
+        result["pad_zero"] &= bool((a[rows:] == 0).all())
+        result["in_range"] &= bool(a.abs().max() <= torch.finfo(FORWARD_DTYPE).max)
+        result["value_mismatches"] += int((a8.view(torch.uint8) != b8.view(torch.uint8)).sum())
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(compare(shapes=SHAPES[:4])))

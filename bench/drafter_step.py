@@ -1,6 +1,6 @@
 """Drafter training step at the reference shape (docs/design.md) on one GPU.
 
-    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_fp8,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step,reference]
+    python -m bench.drafter_step [--layers 5] [--variants flex_layer,flex_layer_fp8,flex_layer_q4,flex,sdpa_dense,sdpa_chunked,flex_eager,flex_step,reference,reference_mask_once]
                                  [--warm-jobs 4]   # a cold machine: compile the variants in parallel first
                                  [--reference-src PATH]  # a clone of github.com/z-lab/dflash, for `reference`
 
@@ -66,6 +66,9 @@ VARIANTS = {
     "sdpa_chunked": (replace(EAGER_SDPA, attention="dense_chunked"), "layer", 1),
     "flex_eager": (replace(EAGER_SDPA, attention="flex"), "layer", 1),
 }
+
+# the public reference's step (bench.reference_step): its mask built every step, or once
+REFERENCE_VARIANTS = ("reference", "reference_mask_once")
 
 
 def make_replica(cfg, head, variant, chunk):
@@ -245,8 +248,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
     names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS and n != "reference"]
-    if unknown or ("reference" in names and not args.reference_src):
+    unknown = [n for n in names if n not in VARIANTS and n not in REFERENCE_VARIANTS]
+    if unknown or (set(names) & set(REFERENCE_VARIANTS) and not args.reference_src):
         p.error(f"unknown variants {unknown}" if unknown else "the reference variant needs --reference-src")
     if args.compile_only:
         return compile_variant(args.cases, args.layers, args.chunk, names[0])
@@ -281,10 +284,10 @@ def main(argv=None):
         # replica also times the optimizer and the flatness run before it is dropped
         rep = None
         try:
-            if name == "reference":
+            if name in REFERENCE_VARIANTS:
                 from bench.reference_step import bench_reference
 
-                res = bench_reference(args.reference_src, cfg, head, batch, feats, args.iters)
+                res = bench_reference(args.reference_src, cfg, head, batch, feats, args.iters, name)
                 res["tflops"] = round(flops["total"] / (res["median_ms"] * 1e-3) / 1e12, 1)
                 res["mfu_pct"] = round(100 * res["tflops"] / peak, 1)
                 rows.append(res)

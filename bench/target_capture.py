@@ -75,8 +75,16 @@ def build_target(out, precision: str) -> TargetModel:
     return target
 
 
-def profile_classes(fn, args) -> dict[str, float]:
-    """Device ms per capture by kernel class (an eager capture: the graph replays the same kernels)."""
+KERNEL_CLASSES = (  # first match wins; kernel names as the CUDA profiler reports them
+    ("fp8 cast (Triton)", ("_amax_kernel", "_cast_kernel")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul")),
+)
+
+
+def profile_classes(fn, args) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Device ms per capture by kernel class, and the ten costliest kernels (an eager capture:
+    the graph replays the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -84,22 +92,17 @@ def profile_classes(fn, args) -> dict[str, float]:
             fn(*args)
         torch.cuda.synchronize()
     classes: dict[str, float] = {}
+    kernels: list[tuple[str, float]] = []
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", 0)
         if not us:
             continue
         low = ev.key.lower()
-        label = (
-            "GEMM"
-            if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul"))
-            else "attention"
-            if any(k in low for k in ("flash", "fmha", "attention", "efficient"))
-            else "fp8 cast (Triton)"
-            if "_amax_kernel" in low or "_cast_kernel" in low
-            else "other"
-        )
+        label = next((name for name, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
         classes[label] = classes.get(label, 0.0) + us / 1000 / 3
-    return {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])}
+        kernels.append((ev.key[:90], round(us / 1000 / 3, 2)))
+    top = sorted(kernels, key=lambda kv: -kv[1])[:10]
+    return {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])}, top
 
 
 def main(argv=None) -> None:
@@ -126,7 +129,8 @@ def main(argv=None) -> None:
                 round(v, 2) for v in time_capture(target._capture, batches, args.iters)
             )
         if args.profile:
-            row["profile_ms"] = profile_classes(target._capture, batches[0])
+            row["profile_ms"], top = profile_classes(target._capture, batches[0])
+            print(precision, "top kernels (ms per capture):", *top, sep="\n  ", flush=True)
         t = time.perf_counter()
         assert target.record_graph(args.seq_len)
         row["record_s"] = round(time.perf_counter() - t, 2)

@@ -4,7 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core: each worker, and the daemons and ranks it starts
+    # (they inherit the variable), computes on one thread instead of contending for both cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,8 +7,9 @@ SpecForge's `OnlineDFlashModel` trains it (specforge/algorithms/common/dflash_fa
 bf16 weights, transformers' flex_attention backend with a BlockMask over the context (keys before
 the block's anchor) and the block's own draft keys, the noise block's first token the anchor's, the
 others the mask token, RoPE over context then draft positions, and the loss in chunks of 128 blocks
-(lm_head, cross-entropy against tokens anchor+1.., weighted, each chunk recomputed in the backward
-under activation checkpointing), divided by the weights' sum.
+(lm_head, cross-entropy against tokens anchor+1.., weighted with the position decay of gamma 7,
+each chunk recomputed in the backward under activation checkpointing), divided by the weights'
+sum. Not timed: SpecForge's sampling of the anchors, which our micro-batch brings.
 
 It runs on the same micro-batch as our step: the same anchors, target features, embedding and
 lm_head. Our micro-batch packs documents and our mask keeps each block inside its document;
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_BLOCKS = 128  # SpecForge's objective_chunk_blocks default
+LOSS_DECAY_GAMMA = 7.0
 
 
 def load_reference_model_module(src: str):
@@ -57,6 +59,7 @@ def reference_model(src: str, cfg, device: str = "cuda:0"):
         rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings,
         attention_bias=False,
+        rope_theta=cfg.rope_theta,
     )
     qcfg.num_target_layers = cfg.num_target_layers
     qcfg.block_size = cfg.block_size
@@ -101,7 +104,9 @@ class ReferenceStep:
         safe = label_pos.clamp(max=seq_len - 1)
         self.target_ids = batch.input_ids[safe]
         weight = keep[:, None] & in_bounds & (offsets[None, :] > 0) & batch.loss_mask[safe]
-        self.weight = weight.float()
+        # SpecForge's loss_decay_gamma (7 in its Qwen3-8B recipe, as our step's gamma)
+        decay = torch.exp(-(offsets - 1).clamp(min=0).float() / LOSS_DECAY_GAMMA)
+        self.weight = weight.float() * decay[None, :]
         noise = torch.full((anchors.shape[0], block), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
         noise[:, 0] = torch.where(keep, batch.input_ids[anchors.clamp(max=seq_len - 1)], cfg.mask_token_id)
         self.noise_ids = noise.reshape(1, -1)

@@ -5,9 +5,9 @@ The scheme is the one serving engines apply to a bf16 checkpoint they are asked 
 (vLLM's online `--quantization fp8`): e4m3 weights with one scale per matrix, and activations
 cast with one dynamic scale per tensor, the GEMM a cuBLAS FP8 GEMM (`torch._scaled_mm`) that
 returns the activations' dtype. On CUDA the cast is two Triton passes (kernels/fp8_cast.py), once
-per tensor: q, k and v (gate and up) share theirs. The embedding, the final norm and the LM head stay as they
-are (the drafter's frozen head reads them). The features differ from the bf16 target's by FP8's
-rounding: that is the point, and the reason it is a setting and never a default.
+per tensor: q, k and v (gate and up) share theirs. The embedding, the final norm and the LM head
+stay as they are (the drafter's frozen head reads them). The features differ from the bf16
+target's by FP8's rounding: that is the point, and the reason it is a setting and never a default.
 
 A checkpoint stored in fine-grained FP8 (a `quantization_config` with quant_method "fp8", e4m3
 weights with a scale per 128 x 128 block, activations cast per token and 128 columns) runs so with
@@ -170,17 +170,28 @@ def fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return q.reshape(x.shape).to(x.dtype)
 
 
-def dequantize_blocks(weight8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A [rows, cols] FP8 weight times its [ceil(rows / br), ceil(cols / bc)] block scales."""
+def dequantize_blocks(
+    weight8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, blocks: tuple[int, int]
+) -> torch.Tensor:
+    """A [rows, cols] FP8 weight times its [ceil(rows / br), ceil(cols / bc)] scales, one per
+    br x bc block (`blocks`, the checkpoint's weight_block_size; the last row and column of
+    blocks may be partial)."""
     rows, cols = weight8.shape
-    br, bc = -(-rows // scale_inv.shape[0]), -(-cols // scale_inv.shape[1])
+    br, bc = blocks
+    if tuple(scale_inv.shape) != (-(-rows // br), -(-cols // bc)):
+        raise ValueError(
+            f"FP8 weight [{rows}, {cols}] with {br} x {bc} blocks needs scales "
+            f"[{-(-rows // br)}, {-(-cols // bc)}], not {list(scale_inv.shape)}"
+        )
     scales = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return (weight8.float() * scales).to(dtype)
 
 
-def read_fp8_checkpoint(path: Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The checkpoint's tensors with every FP8 weight dequantized (its `weight_scale_inv` folded
-    in), and the names of those weights."""
+def read_fp8_checkpoint(
+    path: Path, dtype: torch.dtype, blocks: tuple[int, int]
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The checkpoint's tensors with every FP8 weight dequantized (its `weight_scale_inv` per
+    block of `blocks` folded in), and the names of those weights."""
     from safetensors import safe_open
 
     raw: dict[str, torch.Tensor] = {}
@@ -195,7 +206,10 @@ def read_fp8_checkpoint(path: Path, dtype: torch.dtype) -> tuple[dict[str, torch
             continue
         scale = raw.get(key + "_scale_inv") if not key.endswith(".weight") else raw.get(key[:-6] + "weight_scale_inv")
         if scale is not None and value.dtype == FORWARD_DTYPE:
-            state[key] = dequantize_blocks(value, scale, dtype)
+            try:
+                state[key] = dequantize_blocks(value, scale, dtype, blocks)
+            except ValueError as e:
+                raise ValueError(f"{path}: {key}: {e}") from None
             quantized.add(key)
         else:
             state[key] = value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
@@ -210,7 +224,7 @@ def load_fp8_checkpoint(path: Path, config: Any, dtype: torch.dtype, attn: str, 
 
     plain = without_quantization(config)
     model = AutoModelForCausalLM.from_config(plain, dtype=dtype, attn_implementation=attn)
-    state, quantized = read_fp8_checkpoint(path, dtype)
+    state, quantized = read_fp8_checkpoint(path, dtype, blocks)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if getattr(plain, "tie_word_embeddings", False) and k.endswith("lm_head.weight")}
     if set(missing) - tied or unexpected:

@@ -35,5 +35,26 @@ def compare(device: str = "cpu", shapes=SHAPES) -> dict:
     return result
 
 
+def nonfinite(device: str = "cpu") -> dict:
+    """A NaN or an infinity in the tensor: its inverse scale is infinite (so every product of the
+    GEMM is NaN, as with fp8.quantize, whose scale is NaN); a NaN value stays NaN in FP8."""
+    from dflash_core.fp8 import FORWARD_DTYPE
+    from dflash_core.kernels.fp8_cast import quantize_rows
+
+    out = {}
+    for name, bad in (("nan", float("nan")), ("inf", float("inf"))):
+        x = torch.randn(32, 64).bfloat16().to(device)
+        x[3, 5] = bad
+        x8, inv = quantize_rows(x, FORWARD_DTYPE, 32)
+        out[f"{name}_inv_inf"] = bool(torch.isinf(inv).item())
+        out[f"{name}_value_nan"] = bool(torch.isnan(x8[3, 5].float()).item())
+    return out
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--nonfinite" in sys.argv:
+        print(json.dumps(nonfinite()))
+        sys.exit(0)
     print(json.dumps(compare(shapes=SHAPES[:4])))

@@ -189,7 +189,7 @@ def test_an_fp8_checkpoint_runs_as_it_is_served(tmp_path):
     stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     q = layers[0].self_attn.q_proj
     expected = dequantize_blocks(
-        stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale_inv"], torch.float32
+        stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale_inv"], torch.float32, (128, 128)
     )  # fmt: skip
     assert torch.equal(q.linear.weight, expected)
     x = torch.randn(5, 128)
@@ -229,11 +229,14 @@ def test_linears_fed_the_same_tensor_share_one_cast():
 
 def test_fp8_cast_kernel_interpreted():
     """kernels/fp8_cast.py through Triton's interpreter: the inverse scale equal to
-    fp8.quantize's, the appended rows zero, every value within the format's range. (The
-    interpreter's own FP8 rounding is not the GPU's; tests/gpu compares the values bit for bit.)"""
+    fp8.quantize's, the appended rows zero, every value within the format's range; a NaN or an
+    infinity makes the inverse scale infinite. (The interpreter's own FP8 rounding is not the
+    GPU's; tests/gpu compares the values bit for bit.)"""
     pytest.importorskip("triton")
     result = run_interpreted_check("tests.fp8_cast_check")
     assert result["inv_equal"] and result["pad_zero"] and result["in_range"] and result["shape_ok"], result
+    nonfinite = run_interpreted_check("tests.fp8_cast_check", "--nonfinite")
+    assert nonfinite["nan_inv_inf"] and nonfinite["inf_inv_inf"], nonfinite  # the GEMM's output: NaN
 
 
 def test_an_engine_job_trains_on_an_fp8_checkpoint(tmp_path):
@@ -257,3 +260,18 @@ def test_an_engine_job_trains_on_an_fp8_checkpoint(tmp_path):
     res = engine.run_job(assets_job(assets, tmp_path / "out", 3), CB())
     engine.close()
     assert res.status == "SUCCEEDED" and len(losses) == 3 and all(math.isfinite(x) for x in losses)
+
+
+def test_block_scales_follow_the_checkpoints_block_size_with_partial_edge_blocks():
+    """A [200, 384] FP8 weight with 128 x 128 blocks has 2 x 3 scales, the last row of blocks 72
+    rows tall: rows 0-127 take the first row of scales, 128-199 the second (not a block size
+    guessed from the shapes, which would split the rows 100 / 100); a scale grid of another
+    shape is refused."""
+    from dflash_core.target_precision import dequantize_blocks
+
+    ones = torch.ones(200, 384).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    w = dequantize_blocks(ones, scales, torch.float32, (128, 128))
+    assert w[127, 0] == 1 and w[128, 0] == 4 and w[199, 383] == 6 and w[0, 256] == 3 and w[150, 200] == 5
+    with pytest.raises(ValueError, match=r"needs scales \[2, 3\]"):
+        dequantize_blocks(ones, scales[:, :2], torch.float32, (128, 128))

@@ -7,9 +7,11 @@ passes: one reads the tensor for its largest magnitude (per program, then one at
 other reads it again and writes the FP8 values, zero rows appended up to the row count the FP8
 GEMM takes. `python -m bench.target_capture` times the target both ways (docs/performance.md).
 
-Same values as fp8.quantize, bit for bit on CUDA: the scale rounded as torch rounds
-`max_fp8 / amax` (the reciprocal of amax, times max_fp8), the product rounded to nearest even and
-saturated at the format's largest value.
+Same values as fp8.quantize on finite input, bit for bit on CUDA: the scale rounded as torch
+rounds `max_fp8 / amax` (the reciprocal of amax, times max_fp8), the product rounded to nearest
+even and saturated at the format's largest value. A NaN or an infinity in the tensor makes amax
+infinite, so the scale is 0 and its inverse infinite: the GEMM's output is NaN, as with the torch
+ops (whose amax is NaN), and the target's non-finite features do not pass for finite ones.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, tl.where(a == a, a, float("inf")))  # a NaN counts as infinite
     tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
 
 
@@ -43,7 +45,8 @@ def _cast_kernel(x_ptr, amax_ptr, out_ptr, inv_ptr, n, n_out, FMAX: tl.constexpr
     scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), amax) * FMAX  # as torch's `FMAX / amax` rounds
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
+    v = x * scale
+    y = tl.where(v == v, tl.minimum(tl.maximum(v, -FMAX), FMAX), v)  # saturate; a NaN stays NaN
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < n_out)
     if pid == 0:
         tl.store(inv_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale))

@@ -45,25 +45,13 @@ def load_reference_model_module(src: str):
 
 
 def reference_model(src: str, cfg, device: str = "cuda:0"):
-    """DFlashDraftModel with our DrafterConfig's shape, bf16, flex_attention."""
+    """DFlashDraftModel built from the config.json our checkpoints carry for it (so the same
+    shape, RoPE and layer types as our drafter), bf16, flex_attention."""
     from transformers import Qwen3Config
 
-    qcfg = Qwen3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        attention_bias=False,
-        rope_theta=cfg.rope_theta,
-    )
-    qcfg.num_target_layers = cfg.num_target_layers
-    qcfg.block_size = cfg.block_size
-    qcfg.dflash_config = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    from dflash_core.checkpoint import hf_config
+
+    qcfg = Qwen3Config(**hf_config(cfg, torch.bfloat16))
     qcfg._attn_implementation = "flex_attention"
     module = load_reference_model_module(src)
     with torch.device(device):

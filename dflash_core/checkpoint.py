@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from .config import DrafterConfig
 from .confine import ConfinedDir
 from .drafter import DFlashDrafter
+from .recipes import RECIPES, Recipe, layout_of_config, recipe_named
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -36,17 +37,14 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def expected_keys(num_layers: int, recipe: str = "dflash", markov_head_type: str = "vanilla") -> set[str]:
+    """The weight names of a checkpoint: the DFlash backbone's and the recipe's heads'."""
     keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(num_layers):
         p = f"layers.{i}."
         keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         keys |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
         keys |= {p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
-    if recipe == "dspark":
-        from .recipes.dspark import head_keys
-
-        keys |= head_keys(markov_head_type)
-    return keys
+    return keys | recipe_named(recipe).hooks().head_keys(markov_head_type)
 
 
 def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -89,49 +87,53 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "input_embedding_scale": cfg.input_embedding_scale,
-            # vLLM attends within sliding_window only when this says so (its default: full attention)
-            **({"use_swa": True} if cfg.sliding_window is not None else {}),
-        },
+        "dflash_config": dflash_config(cfg),
         # vLLM's spelling of the captured layers (the input of layer id + 1 = the output of id)
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         # every drafter layer attends both ways within a block (vLLM and the reference read it)
         "is_causal": False,
-        **(dspark_fields(cfg) if cfg.recipe == "dspark" else {}),
+        **layout_fields(cfg),
+        **recipe_fields(cfg),
     }
 
 
-def dspark_fields(cfg: DrafterConfig) -> dict[str, Any]:
-    """What a DSpark checkpoint's config.json says beyond a DFlash one, as SpecForge's
-    configs/qwen3-8b-dspark.json: its class, and the heads in dflash_config (beside the fields
-    every DFlash loader reads)."""
+def dflash_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The `dflash_config` every DFlash loader reads (vLLM, SGLang, speculators, z-lab)."""
     return {
-        "architectures": ["DSparkDraftModel"],
-        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.DSparkDraftModel"},
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "input_embedding_scale": cfg.input_embedding_scale,
-            # vLLM attends within sliding_window only when this says so (its default: full attention)
-            **({"use_swa": True} if cfg.sliding_window is not None else {}),
-            "attention_mode": "gqa" if cfg.num_key_value_heads < cfg.num_attention_heads else "mha",
-            "confidence_head_alpha": 1.0,
-            "confidence_head_with_markov": True,
-            "enable_confidence_head": True,
-            "markov_head_type": cfg.markov_head_type,
-            "markov_rank": cfg.markov_rank,
-            "projector_type": "dspark",
-        },
+        "mask_token_id": cfg.mask_token_id,
+        **({"mask_token": cfg.mask_token} if cfg.mask_token else {}),
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "input_embedding_scale": cfg.input_embedding_scale,
+        # vLLM attends within sliding_window only when this says so (its default: full attention)
+        **({"use_swa": True} if cfg.sliding_window is not None else {}),
+        "sample_from_anchor": cfg.block_layout.sample_from_anchor,
     }
+
+
+def layout_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """The block layout, stated always, where the readers look for it: speculators reads the
+    top-level `sample_from_anchor` (its DSpark default true, its DFlash default false: a missing
+    field is a guess), vLLM's DSpark speculator `dspark_bonus_anchor` (true: the fill-in 1 + N
+    block), dflash_config.sample_from_anchor for the loaders that read only dflash_config."""
+    layout = cfg.block_layout
+    return {
+        "sample_from_anchor": layout.sample_from_anchor,
+        "dspark_bonus_anchor": not layout.sample_from_anchor,
+        "block_layout": layout.name,
+        "num_speculative_tokens": cfg.draft_length,
+    }
+
+
+def recipe_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """What the recipe adds to config.json (DSpark: its class, the heads' fields)."""
+    return recipe_named(cfg.recipe).hooks().export_fields(cfg, dflash_config(cfg))
 
 
 def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
+    """The drafter a config.json describes; its layout as stated (recipes.layout_of_config), a
+    config that states none read as the fill_in it was written in."""
     dflash = d.get("dflash_config") or {}
+    recipe = recipe_of_config(d)
     # rope_parameters where present (transformers 5); else the legacy keys, as checkpoints
     # written before it carry them (a rope_scaling of default RoPE reads as none)
     rope_theta, rope_scaling = d.get("rope_theta", 1_000_000.0), d.get("rope_scaling")
@@ -157,10 +159,23 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
         mask_token=dflash.get("mask_token"),
         sliding_window=_sliding_window(d),
-        recipe="dspark" if dflash.get("projector_type") == "dspark" else "dflash",
-        markov_rank=int(dflash.get("markov_rank") or 0) if dflash.get("projector_type") == "dspark" else 0,
+        recipe=recipe.name,
+        markov_rank=int(dflash.get("markov_rank") or 0) if recipe.heads else 0,
         markov_head_type=str(dflash.get("markov_head_type") or "vanilla"),
+        layout=layout_of_config(d).name,
+        num_anchors=d.get("num_anchors") if isinstance(d.get("num_anchors"), int) else None,
     )
+
+
+def recipe_of_config(d: dict[str, Any]) -> Recipe:
+    """The recipe of a config.json: its class where it names one of ours; an older DSpark config
+    says it by dflash_config.projector_type."""
+    archs = d.get("architectures") or []
+    for arch in archs if isinstance(archs, list) else []:
+        recipe = RECIPES.with_architecture(arch)
+        if recipe is not None:
+            return recipe
+    return recipe_named("dspark" if (d.get("dflash_config") or {}).get("projector_type") == "dspark" else "dflash")
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .recipes import Layout, Recipe, layout_named, recipe_named
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Which target decoder layers feed the drafter (the DFlash reference rule).
@@ -110,6 +112,11 @@ class DrafterConfig:
     recipe: str = "dflash"
     markov_rank: int = 0
     markov_head_type: str = "vanilla"  # dspark: "vanilla", "gated" or "rnn"
+    # which token each block slot predicts (recipes.base.Layout): "fill_in" or "anchor_first"
+    layout: str = "fill_in"
+    # the training micro-batch's anchor slots, where known (DeepSpec's model config carries it);
+    # a training setting, not the drafter's architecture
+    num_anchors: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -118,10 +125,10 @@ class DrafterConfig:
             raise ValueError("block_size must be at least 2 (an anchor and one drafted token)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
-        if self.recipe not in ("dflash", "dspark"):
-            raise ValueError(f"recipe must be 'dflash' or 'dspark', got {self.recipe!r}")
-        if (self.recipe == "dspark") != (self.markov_rank > 0):
-            raise ValueError(f"markov_rank must be > 0 exactly for the dspark recipe, got {self.markov_rank}")
+        heads = recipe_named(self.recipe).heads  # raises for an unknown recipe
+        layout_named(self.layout)
+        if heads != (self.markov_rank > 0):
+            raise ValueError(f"markov_rank must be > 0 exactly for a recipe with heads, got {self.markov_rank}")
         if self.markov_head_type not in ("vanilla", "gated", "rnn"):
             raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
         if self.markov_rank >= self.vocab_size:
@@ -129,6 +136,24 @@ class DrafterConfig:
         if self.sliding_window is not None and self.sliding_window < self.block_size:
             raise ValueError(f"sliding_window {self.sliding_window} must be at least the block size {self.block_size}")
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling, self.rope_theta))
+
+    @property
+    def recipe_spec(self) -> Recipe:
+        return recipe_named(self.recipe)
+
+    @property
+    def block_layout(self) -> Layout:
+        return layout_named(self.layout)
+
+    @property
+    def draft_length(self) -> int:
+        """Tokens one block drafts: B - 1 fill-in, B anchor-first."""
+        return self.block_layout.drafted(self.block_size)
+
+    @property
+    def first_slot(self) -> int:
+        """The block's first slot that predicts a token."""
+        return self.block_layout.first_slot
 
     @property
     def layer_types(self) -> list[str]:
@@ -180,6 +205,7 @@ class DrafterConfig:
         recipe: str = "dflash",
         markov_rank: int = 0,
         markov_head_type: str = "vanilla",
+        layout: str | None = None,
     ) -> DrafterConfig:
         """Drafter widths follow the target's, as in the reference drafters."""
         num_target_layers = int(target_config.num_hidden_layers)
@@ -212,6 +238,7 @@ class DrafterConfig:
             recipe=recipe,
             markov_rank=markov_rank,
             markov_head_type=markov_head_type,
+            layout=layout or recipe_named(recipe).layout.name,
         )
 
     def to_dict(self) -> dict[str, Any]:

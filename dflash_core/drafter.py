@@ -184,10 +184,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
-        if cfg.recipe == "dspark":  # the Markov and confidence heads (recipes/dspark.py)
-            from .recipes.dspark import attach_heads
-
-            attach_heads(self, cfg.hidden_size, cfg.vocab_size, cfg.markov_rank, cfg.markov_head_type)
+        cfg.recipe_spec.hooks().attach_heads(self, cfg)  # DSpark's Markov and confidence heads
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic init (normal linears, unit norms) drawn on the parameters' device (a

@@ -2,9 +2,11 @@
 with the semantics of the reference loop.
 
   1. the target reads the prompt and yields the first token: the anchor;
-  2. the drafter drafts B-1 tokens from [anchor, MASK...] and the target features of every
-     position before the anchor;
-  3. the target verifies the block; accepted = matching prefix + 1 (its own next token);
+  2. the drafter drafts a block from [anchor, MASK...] and the target features of every
+     position before the anchor, in its layout: fill_in drafts B-1 tokens from slots 1..B-1,
+     anchor_first B tokens from slots 0..B-1 (DeepSpec's `build_dspark_proposal`); the recipe
+     drafts them (DSpark: left to right with the Markov bias);
+  3. the target verifies the drafts; accepted = matching prefix + 1 (its own next token);
   4. the context grows by the accepted tokens' features; repeat.
 tau = mean accepted length per block. Output is identical to target-only greedy decoding.
 The target is re-run over the whole sequence each block (no KV cache): simple, and exact.
@@ -20,7 +22,6 @@ import torch
 
 from .devices import compute_dtype
 from .drafter import DFlashDrafter, FrozenHead
-from .recipes.dspark import markov_draft
 from .step.micro_step import inference_block_forward
 from .target import TargetModel
 
@@ -83,7 +84,7 @@ def speculative_generate(
     autocast=contextlib.nullcontext,
 ) -> SpeculativeOutput:
     cfg = drafter.config
-    b = cfg.block_size
+    ops, first, drafted = cfg.recipe_spec.hooks(), cfg.first_slot, cfg.draft_length
     logits, feats = target_pass(target, prompt)
     out = list(prompt) + [_argmax_one(logits[-1])]
     lengths: list[int] = []
@@ -92,17 +93,14 @@ def speculative_generate(
         anchor = len(out) - 1
         with autocast():
             hidden = block_hidden(drafter, head, feats, out)
-            if cfg.recipe == "dspark":  # drafted left to right with the Markov bias
-                draft, conf_logits = markov_draft(drafter, head.lm_head_weight, hidden, out[anchor])
-            else:
-                draft = _argmax(hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.t())
+            draft, conf_logits = ops.draft(drafter, head.lm_head_weight, hidden[first:], out[anchor])
         logits, full_feats = target_pass(target, out + draft)
-        posterior = _argmax(logits[anchor:])  # target's token after each block position
+        posterior = _argmax(logits[anchor:])  # the target's token after the anchor and each draft
         accepted = 0
-        while accepted < b - 1 and draft[accepted] == posterior[accepted]:
+        while accepted < drafted and draft[accepted] == posterior[accepted]:
             accepted += 1
-        if cfg.recipe == "dspark":
-            confidence += [(conf_logits[k], float(k < accepted)) for k in range(min(accepted + 1, b - 1))]
+        if conf_logits:
+            confidence += [(conf_logits[k], float(k < accepted)) for k in range(min(accepted + 1, drafted))]
         new_tokens = draft[:accepted] + [posterior[accepted]]
         out += new_tokens
         feats = full_feats[: len(out) - 1]

@@ -2,8 +2,9 @@
 speculative sampling with the standard rejection rule (Leviathan et al. 2023; what SGLang and
 vLLM verify with), so the output is distributed as the target's own sampling at that temperature.
 
-Per block: the drafter samples B-1 tokens from its distributions q_k (DFlash: each position on its
-own; DSpark: left to right with the Markov bias, `recipes.dspark.markov_sample`); the target gives
+Per block: the drafter samples the block's D tokens (D = B-1 fill-in, B anchor-first) from its
+distributions q_k (DFlash: each slot on its own; DSpark: left to right with the Markov bias,
+`recipes.dspark.markov_sample`); the target gives
 p_k for each; draft token x_k is accepted with probability min(1, p_k(x_k) / q_k(x_k)); at the
 first rejection a token is drawn from max(0, p_k - q_k) renormalised and the block ends; when all
 are accepted a bonus token is drawn from the target's next distribution. tau = tokens per block.
@@ -38,14 +39,11 @@ def verify_token(p: torch.Tensor, q: torch.Tensor, x: int, generator: torch.Gene
 def draft_sampled(
     drafter: DFlashDrafter, head: FrozenHead, hidden: torch.Tensor, anchor: int, temperature: float, generator
 ) -> tuple[list[int], torch.Tensor]:
-    """(B-1 drafted tokens, their distributions q [B-1, V]) at `temperature`."""
-    if drafter.config.recipe == "dspark":
-        from .recipes.dspark import markov_sample
-
-        return markov_sample(drafter, head.lm_head_weight, hidden, anchor, temperature, generator)
-    logits = hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.t()
-    q = torch.softmax(logits.float() / temperature, dim=-1)
-    return [_sample(row, generator) for row in q], q
+    """(the block's D drafted tokens, their distributions q [D, V]) at `temperature`, from the
+    block's hidden states [B, H] (its layout's predicting slots)."""
+    cfg = drafter.config
+    slots = hidden[cfg.first_slot :]
+    return cfg.recipe_spec.hooks().sample(drafter, head.lm_head_weight, slots, anchor, temperature, generator)
 
 
 @torch.no_grad()
@@ -61,8 +59,7 @@ def speculative_sample(
     generator: torch.Generator,
     autocast=contextlib.nullcontext,
 ) -> SpeculativeOutput:
-    cfg = drafter.config
-    b = cfg.block_size
+    drafted = drafter.config.draft_length
     logits, feats = target_pass(target, prompt)
     out = list(prompt) + [_sample(torch.softmax(logits[-1].float() / temperature, -1), generator)]
     lengths: list[int] = []
@@ -74,13 +71,13 @@ def speculative_sample(
         logits, full_feats = target_pass(target, out + draft)
         p = torch.softmax(logits[anchor:].float() / temperature, dim=-1)  # p[k]: the token after block position k
         new_tokens: list[int] = []
-        for k in range(b - 1):
+        for k in range(drafted):
             accepted, token = verify_token(p[k], q[k].to(p.device), draft[k], generator)
             new_tokens.append(token)
             if not accepted:
                 break
         else:
-            new_tokens.append(_sample(p[b - 1], generator))
+            new_tokens.append(_sample(p[drafted], generator))
         out += new_tokens
         feats = full_feats[: len(out) - 1]
         lengths.append(len(new_tokens))

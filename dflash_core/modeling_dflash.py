@@ -14,6 +14,11 @@ over the context positions then the block positions, and the queries over the bl
 for the target's LM head. Attention is bidirectional within what it is given: an inference
 caller passes the context before the anchor and one block.
 
+Block layout (config.json `sample_from_anchor`): false, fill_in (z-lab, SpecForge): slot 0 holds
+the anchor and slot k drafts the token k after it, B - 1 drafts per block; true, anchor_first
+(DSpark as DeepSpec, speculators, vLLM and SGLang serve it): slot k drafts the token k + 1 after
+the anchor, B drafts per block. A config without the field was written fill_in.
+
 `spec_generate(target, input_ids, max_new_tokens, stop_token_ids, temperature, top_p, top_k)`
 decodes with the target verifying each drafted block, as the z-lab reference's does: greedy
 (temperature 0) gives exactly the target's greedy output; with temperature > 0, speculative
@@ -159,6 +164,21 @@ class DFlashDraftModel(PreTrainedModel):
     def _dflash(self, name: str, default=None):
         return (getattr(self.config, "dflash_config", None) or {}).get(name, getattr(self.config, name, default))
 
+    def _first_slot(self) -> int:
+        """The block's first drafting slot: 0 anchor_first, 1 fill_in."""
+        value = getattr(self.config, "sample_from_anchor", None)
+        if value is None:
+            value = self._dflash("sample_from_anchor", False)
+        return 0 if value else 1
+
+    def draft_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor_ids: torch.Tensor, sampling: _Sampling):
+        """The drafts of one block from its drafting slots' hidden states [1, n, H]: (tokens
+        [1, n], the distribution each was drawn from [1, n, V], None when greedy). Each slot on
+        its own; DSparkDraftModel drafts left to right."""
+        logits = head(hidden).float()
+        probs = sampling.probs(logits)
+        return (logits.argmax(-1) if probs is None else _draw(probs)), probs
+
     @torch.no_grad()
     def spec_generate(
         self,
@@ -199,15 +219,15 @@ class DFlashDraftModel(PreTrainedModel):
         stopped = bool(torch.isin(out[0, start], stops))
         embed = target.get_input_embeddings().weight  # type: ignore[operator]
         head = target.get_output_embeddings()  # type: ignore[operator]
+        first = self._first_slot()
         while start + 1 < max_len and not stopped:
-            size = min(block, max_len - start)
-            ids = out[:, start : start + size].clone()
+            drafts = min(block - first, max_len - start - 1)
+            ids = out[:, start : start + drafts + first].clone()  # the anchor, then mask tokens
             noise = F.embedding(ids, embed) * scale
-            positions = torch.arange(start + size, device=device).unsqueeze(0)
-            hidden = self(noise.to(self.dtype), context.to(self.dtype), positions)[:, 1:]
-            draft_logits = head(hidden.to(embed.dtype)).float()
-            draft_probs = sampling.probs(draft_logits)
-            ids[:, 1:] = sampling.sample(draft_logits) if draft_probs is None else _draw(draft_probs)
+            positions = torch.arange(start + ids.shape[1], device=device).unsqueeze(0)
+            hidden = self(noise.to(self.dtype), context.to(self.dtype), positions)[:, first:]
+            tokens, draft_probs = self.draft_tokens(hidden.to(embed.dtype), head, ids[:, 0], sampling)
+            ids = torch.cat([ids[:, :1], tokens], dim=1)
             logits, features = runner.forward(ids, start)
             accepted, bonus = sampling.verify(ids[0, 1:], draft_probs, logits[0].float())
             out[0, start : start + accepted + 1] = ids[0, : accepted + 1]
@@ -360,20 +380,39 @@ class DSparkDraftModel(DFlashDraftModel):
         self.confidence_head = DSparkConfidenceHead(config.hidden_size + rank)
         self.post_init()
 
+    def draft_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor_ids: torch.Tensor, sampling: _Sampling):
+        """Left to right: each slot's logits plus the Markov bias of the token drafted before it
+        (the anchor for the first), as DeepSpec's `sample_block_tokens`."""
+        markov = self.markov_head
+        base = head(hidden).float()
+        prev, tokens, dists = anchor_ids, [], []
+        state = hidden.new_zeros(hidden.shape[0], markov.markov_w1.embedding_dim)
+        for k in range(hidden.shape[1]):
+            emb = markov.markov_w1(prev).to(hidden.dtype)
+            latent, state = markov.step(state, emb, hidden[:, k])
+            logits = base[:, k] + markov.markov_w2(latent.to(markov.markov_w2.weight.dtype)).float()
+            probs = sampling.probs(logits)
+            prev = logits.argmax(-1) if probs is None else _draw(probs)
+            tokens.append(prev)
+            dists.append(probs)
+        stacked = None if dists[0] is None else torch.stack(dists, dim=1)  # type: ignore[arg-type]
+        return torch.stack(tokens, dim=1), stacked
+
     @torch.no_grad()
     def draft_block(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, anchor_token_ids: torch.Tensor):
         """hidden [B, Q, H] (this model's output for one block), lm_head_weight [V, H] (the
-        target's), anchor_token_ids [B]: greedy tokens of positions 1..Q-1 [B, Q-1] and the
-        confidence (sigmoid) of each."""
+        target's), anchor_token_ids [B]: greedy tokens of the block's drafting slots (Q - 1 fill_in,
+        Q anchor_first) and the confidence (sigmoid) of each."""
         head = self.markov_head
-        base = hidden[:, 1:].to(lm_head_weight.dtype) @ lm_head_weight.t()
+        first = self._first_slot()
+        base = hidden[:, first:].to(lm_head_weight.dtype) @ lm_head_weight.t()
         prev, tokens, conf = anchor_token_ids, [], []
         state = hidden.new_zeros(hidden.shape[0], head.markov_w1.embedding_dim)
         for k in range(base.shape[1]):
             emb = head.markov_w1(prev).to(hidden.dtype)
-            latent, state = head.step(state, emb, hidden[:, 1 + k])
+            latent, state = head.step(state, emb, hidden[:, first + k])
             logits = base[:, k].float() + head.markov_w2(latent.to(head.markov_w2.weight.dtype)).float()
-            c = self.confidence_head(torch.cat([hidden[:, 1 + k], emb], dim=-1))
+            c = self.confidence_head(torch.cat([hidden[:, first + k], emb], dim=-1))
             prev = logits.argmax(-1)
             tokens.append(prev)
             conf.append(torch.sigmoid(c.float()))

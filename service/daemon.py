@@ -86,7 +86,7 @@ class Daemon:
         self.store = JobStore(self.config.database_path)
         self.host = EngineHost(self.config, self.launch)
         self.manager = JobManager(self.config, self.store, self.host)
-        self.metrics = ServiceMetrics(self.host, self.store, block_size=self.config.engine.block_size)
+        self.metrics = ServiceMetrics(self.host, self.store, draft_length=self.config.engine.draft_length)
         self.manager.metrics = self.metrics
         self.hub = EventHub(
             self.store, event_line, max_streams=self.config.max_event_streams, stopping=lambda: self.shutting_down
@@ -104,7 +104,7 @@ class Daemon:
         self.host = EngineHost(
             self.config, self.launch, on_group_end=self._group_ended, on_follower_step=self._observe_step
         )
-        self.metrics = ServiceMetrics(self.host, None, block_size=self.config.engine.block_size)
+        self.metrics = ServiceMetrics(self.host, None, draft_length=self.config.engine.draft_length)
         self.host.start()
         log.info(
             "daemon started (rank %d of %d: probes and metrics only; jobs come from rank 0)",

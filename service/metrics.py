@@ -199,7 +199,7 @@ class _EngineCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, host: EngineHost, store: JobStore | None, block_size: int):
+    def __init__(self, host: EngineHost, store: JobStore | None, draft_length: int):
         # no `_created` series: they double the series count and no dashboard of ours reads them
         disable_created_metrics()
         self.registry = CollectorRegistry()
@@ -275,7 +275,8 @@ class ServiceMetrics:
             self.generate_rate,
             self.generate_tokens,
         )
-        self._positions = [str(position) for position in range(1, block_size)]
+        # the drafted tokens of a block, 1-based (a fill-in block's slot k drafts token k)
+        self._positions = [str(position) for position in range(1, draft_length + 1)]
         self._job: str | None = None  # whose series the per-job gauges hold
         host.on_engine_created(self._engine_created)
         self.registry.register(_EngineCollector(host, store))

@@ -41,7 +41,11 @@ def test_round_trip_and_exact_key_set(tmp_path):
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": list(cfg.target_layer_ids),
         "input_embedding_scale": 1.0,
+        "sample_from_anchor": False,
     }
+    # the layout, stated where each runtime reads it (a DFlash drafter is fill_in by default)
+    assert conf["sample_from_anchor"] is False and conf["dspark_bonus_anchor"] is True
+    assert conf["num_speculative_tokens"] == cfg.block_size - 1
     assert conf["num_hidden_layers"] == 3 and len(conf["layer_types"]) == 3
 
     loaded = load_drafter(path)

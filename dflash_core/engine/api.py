@@ -59,7 +59,7 @@ class StepStats:
     step: int  # steps completed (1-based)
     total_steps: int
     loss: float
-    position_accuracy: list[float]  # block positions 1..B-1
+    position_accuracy: list[float]  # per drafted token of a block, in order
     expected_acceptance_length: float
     context_tokens: int
     tokens_per_device: dict[str, int]

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..config import ShapeConfig
 from ..confine import resolved_under
 from ..data.tokenize import ChatTemplate
+from ..recipes import Layout, layout_named, recipe_named
 from .api import JobError
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
@@ -51,7 +52,12 @@ class EngineConfig(BaseModel):
     drafter_devices: list[Device] | None = Field(None, min_length=1, description="one drafter replica per entry")
     seq_len: int = Field(512, ge=2, description="packed context tokens per micro-batch")
     num_anchors: int = Field(64, ge=1, description="blocks per micro-batch")
-    block_size: int = Field(8, ge=2, description="tokens per block: the anchor and block_size - 1 drafted tokens")
+    block_size: int = Field(
+        8,
+        ge=2,
+        description="tokens per block: the anchor and mask tokens; a block drafts block_size - 1 tokens in the "
+        "fill_in layout, block_size in anchor_first",
+    )
     drafter_layers: int = Field(2, ge=1, description="decoder layers of the drafter")
     drafter_intermediate_size: int | None = Field(None, ge=1, description="MLP width; unset: the target's")
     drafter_sliding_window: int | None = Field(
@@ -74,8 +80,17 @@ class EngineConfig(BaseModel):
     )
     recipe: Literal["dflash", "dspark"] = Field(
         "dflash",
-        description="the drafter recipe the engine warms: dflash (block CE), or dspark (Markov and confidence "
-        "heads, 0.1 CE + 0.9 TV + 1.0 confidence; implies teacher and block_size 7)",
+        description="the drafter recipe the engine warms: dflash (block CE, fill_in blocks), or dspark (Markov and "
+        "confidence heads, DeepSpec's public recipe: anchor_first blocks of 7, 0.1 CE + 0.9 L1 + 1.0 confidence "
+        "with position decay gamma 4; implies teacher)",
+    )
+    layout: Literal["fill_in", "anchor_first"] | None = Field(
+        None,
+        description="which token each block slot predicts: fill_in (slot 0 holds the anchor, a block drafts "
+        "block_size - 1 tokens; z-lab and SpecForge serve DFlash so) or anchor_first (slot k predicts the token "
+        "k + 1 after the anchor, a block drafts block_size tokens; DSpark as DeepSpec, speculators, vLLM and "
+        "SGLang serve it); unset: the recipe's (dflash fill_in, dspark anchor_first). Every checkpoint states it "
+        "(config.json sample_from_anchor)",
     )
     markov_rank: int | None = Field(
         None, ge=1, description="dspark: rank of the Markov head; unset: 256, capped for small vocabularies"
@@ -117,22 +132,33 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _recipe_defaults(self) -> EngineConfig:
-        """dspark: block_size 7 (the public DSpark configs) unless set, then it must be 7; the
-        teacher on (its TV and confidence terms read the target's distribution)."""
-        if self.recipe == "dspark":
-            from ..recipes.dspark_settings import DSPARK_BLOCK_SIZE
-
-            if "block_size" in self.model_fields_set and self.block_size != DSPARK_BLOCK_SIZE:
+        """A recipe's fixed block size (dspark: 7, the public DSpark configs) unless set, then it
+        must be that; the teacher on where its default loss reads the target's distribution; the
+        settings only a recipe with heads takes refused for one without."""
+        recipe = recipe_named(self.recipe)
+        if recipe.block_size is not None:
+            if "block_size" in self.model_fields_set and self.block_size != recipe.block_size:
                 raise ValueError(
-                    f"block_size: the dspark recipe drafts blocks of {DSPARK_BLOCK_SIZE} (its public configs); "
-                    f"got {self.block_size}. Leave block_size unset or set it to {DSPARK_BLOCK_SIZE}"
+                    f"block_size: the {recipe.name} recipe drafts blocks of {recipe.block_size} (its public "
+                    f"configs); got {self.block_size}. Leave block_size unset or set it to {recipe.block_size}"
                 )
-            self.block_size = DSPARK_BLOCK_SIZE
+            self.block_size = recipe.block_size
+        if recipe.teacher:
             self.teacher = True
-        elif self.markov_rank is not None or self.markov_head_type != "vanilla":
+        if "markov_rank" not in recipe.settings and (self.markov_rank is not None or self.markov_head_type != "vanilla"):
             field = "markov_rank" if self.markov_rank is not None else "markov_head_type"
             raise ValueError(f'{field}: only the dspark recipe has a Markov head (set recipe = "dspark")')
         return self
+
+    @property
+    def block_layout(self) -> Layout:
+        """The layout the engine trains: the configured one, else the recipe's."""
+        return layout_named(self.layout) if self.layout else recipe_named(self.recipe).layout
+
+    @property
+    def draft_length(self) -> int:
+        """Tokens one block drafts (the block positions the per-position statistics have)."""
+        return self.block_layout.drafted(self.block_size)
 
     @model_validator(mode="after")
     def _fp8_needs_the_compiled_step(self) -> EngineConfig:

@@ -6,6 +6,7 @@ block CE step, unchanged."""
 
 from __future__ import annotations
 
+from ..recipes import recipe_named
 from ..step.objective_spec import POSITION_WEIGHTS, Objective, objective_of, parse_loss
 from .api import JobError
 from .config import TrainJob
@@ -18,10 +19,9 @@ def job_objective(job: TrainJob, recipe: str = "dflash") -> Objective:
         mix = parse_loss(job.loss) if job.loss is not None else None
     except ValueError as e:
         raise JobError(str(e), "loss") from None
-    if mix is None and recipe == "dspark":
-        from ..recipes.dspark_settings import DSPARK_LOSS
-
-        mix = dict(DSPARK_LOSS)
+    default = recipe_named(recipe).loss
+    if mix is None and default is not None:
+        mix = dict(default)
     if job.position_weights not in POSITION_WEIGHTS:
         raise JobError(
             f"unknown position weights {job.position_weights!r}; use one of {', '.join(POSITION_WEIGHTS)}",
@@ -43,9 +43,10 @@ def check_objective(job: TrainJob, teacher: bool, recipe: str = "dflash") -> Obj
             "recipe",
         )
     objective = job_objective(job, recipe)
-    if objective.conf > 0 and recipe != "dspark":
+    heads = recipe_named(recipe).heads
+    if objective.conf > 0 and not heads:
         raise JobError('conf trains DSpark\'s confidence head: the daemon must warm recipe = "dspark"', "loss")
-    if recipe == "dspark" and objective.position_weights != "decay":
+    if heads and objective.position_weights != "decay":
         raise JobError(
             "the dspark recipe weights positions by decay (its Markov head's gradient is summed as the logits "
             "pass, before D-PACE could read the block's probabilities)",

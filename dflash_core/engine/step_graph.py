@@ -46,7 +46,8 @@ class StepGraph:
         self.scale = torch.ones((), dtype=torch.float32, device=dev)
         self._scale_value = 1.0
         self.gamma = float(rep.gamma)
-        self.decay = position_decay(rep.config.block_size, self.gamma, dev)
+        self.layout = rep.config.block_layout
+        self.decay = position_decay(rep.config.block_size, self.gamma, dev, self.layout)
         current = torch.cuda.current_stream(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(current)
@@ -93,7 +94,7 @@ class StepGraph:
             self.scale.fill_(loss_scale)
             self._scale_value = loss_scale
         if gamma != self.gamma:
-            self.decay.copy_(position_decay(self.decay.shape[0], gamma, self.device))
+            self.decay.copy_(position_decay(self.decay.shape[0], gamma, self.device, self.layout))
             self.gamma = gamma
         self.graph.replay()
 

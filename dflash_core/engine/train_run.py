@@ -181,7 +181,8 @@ class TrainRun:
         seconds = time.monotonic() - self.step_began
         totals = totals if totals is not None else StepAccumulator.merged(accs)
         correct, counted = totals.correct.float(), totals.counted.float()
-        acc_per_pos = (correct[1:] / counted[1:].clamp_min(1)).tolist()
+        first = self.parts.drafter_config.first_slot  # the layout's first drafting slot
+        acc_per_pos = (correct[first:] / counted[first:].clamp_min(1)).tolist()
         per_dev, secs = self.drafters.count(accs, seconds)
         # rank 0 reports the job's rate; the other ranks their own devices'
         self.engine.rate.add(totals.context_tokens if self.ranks.leads else sum(per_dev.values()), seconds)
@@ -200,7 +201,7 @@ class TrainRun:
             lr,
             norm,
             step * self.per_step / self.per_epoch,
-            int(counted[1:].sum().item()),
+            int(counted[first:].sum().item()),
         )
 
     def _checkpoints(self) -> Checkpointer | NoCheckpoints:

@@ -25,6 +25,7 @@ from ..config import DrafterConfig, LossConfig, ShapeConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
 from ..devices import CudaContexts, default_devices
 from ..parity import check_serving_parity
+from ..recipes import recipe_named
 from ..target import TargetModel
 from .api import WarmupRecord
 from .checkpointing import HostSnapshot, expected_layout
@@ -198,8 +199,11 @@ class _Build:
             recipe=config.recipe,
             markov_rank=engine_markov_rank(config, hf_cfg),
             markov_head_type=config.markov_head_type,
+            layout=config.layout,
         )
-        drafter_config = dataclasses.replace(drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)))
+        drafter_config = dataclasses.replace(
+            drafter_config, mask_token=str(tokenizer.convert_ids_to_tokens(mask_id)), num_anchors=config.num_anchors
+        )
         check_rope_positions(drafter_config, config.seq_len, config.block_size)
         if self.plan.precision == "fp8":
             from ..fp8 import check_fp8_shapes
@@ -307,8 +311,8 @@ class _Build:
 
 def engine_markov_rank(config: EngineConfig, target_config) -> int:
     """The DSpark Markov rank: the configured one (below the vocabulary size), else the public
-    default capped for the target; 0 for the dflash recipe."""
-    if config.recipe != "dspark":
+    default capped for the target; 0 for a recipe without heads."""
+    if not recipe_named(config.recipe).heads:
         return 0
     from ..recipes.dspark_settings import default_markov_rank
 
@@ -322,11 +326,7 @@ def engine_markov_rank(config: EngineConfig, target_config) -> int:
 
 def recipe_gamma(recipe: str, block_size: int) -> float:
     """The position-weight decay of a recipe's default loss."""
-    if recipe == "dspark":
-        from ..recipes.dspark_settings import DSPARK_GAMMA
-
-        return DSPARK_GAMMA
-    return LossConfig().resolved_gamma(block_size)
+    return LossConfig(gamma=recipe_named(recipe).gamma).resolved_gamma(block_size)
 
 
 def _target_source(config: EngineConfig, data_dir: Path) -> tuple[str, list[int] | None]:

@@ -1,5 +1,7 @@
-"""DSpark: a DFlash backbone with a low-rank Markov head and a confidence head (arXiv 2607.05147;
-public definition: SpecForge `specforge/modeling/draft/dspark.py`, `DSparkDraftModel`).
+"""DSpark's torch hooks: a DFlash backbone with a low-rank Markov head and a confidence head
+(arXiv 2607.05147; public definitions: DeepSpec `deepspec/modeling/dspark/`, SpecForge
+`specforge/modeling/draft/dspark.py`, `DSparkDraftModel`). The recipe's plain values are in
+dspark_settings.py.
 
 Markov head: a previous-token logit bias inside the block,
     logits_k = lm_head(h_k) + markov_w2(latent_k),  e_k = markov_w1[prev_k],
@@ -7,13 +9,14 @@ markov_w1 an Embedding(vocab, r), markov_w2 a Linear(r, vocab) without bias, and
 `markov_head_type`: vanilla e_k; gated sigmoid(gate_proj([h_k, e_k])) * e_k; rnn a gated
 recurrence over the block's positions (state_0 = 0; z = [state, e_k, h_k]; gate, candidate,
 output = joint_proj(z) in three; latent_k = tanh(output); state <- g state + (1 - g) tanh(cand)).
-In training prev_k is the true token before the one position k predicts (the anchor for k = 1);
-at inference it is the token drafted at k - 1, so the block is drafted left to right
-(`markov_draft`).
+In training prev_k is the true token before the one slot k predicts (the anchor for the first
+predicting slot); at inference it is the token drafted by the slot before, so the block is
+drafted left to right (`markov_draft`).
 Confidence head (`AcceptRatePredictor`): a Linear(H + r, 1) on [h_k, markov_w1[prev_k]] whose
 sigmoid predicts c* = 1 - TV(p_draft, p_target), the chance the target accepts position k's
 draft; trained with BCE against the detached c*, then calibrated on held-out data (`calibrate`).
-Loss: 0.1 CE + 0.9 TV + 1.0 confidence BCE by default (a job may set other weights).
+Loss: 0.1 CE + 0.9 L1 + 1.0 confidence BCE by default, L1 = sum |p_d - p_t| = 2 TV, every term
+weighted by the decayed position weights (a job may set other weights).
 
 Parameter names are the public class's: markov_head.markov_w1.weight,
 markov_head.markov_w2.weight (gated: markov_head.gate_proj.*, rnn: markov_head.joint_proj.*),
@@ -28,7 +31,7 @@ from torch import nn
 
 from .dspark_settings import DSPARK_BLOCK_SIZE, DSPARK_GAMMA, DSPARK_LOSS, DSPARK_MARKOV_RANK, default_markov_rank
 
-__all__ = ["DSPARK_BLOCK_SIZE", "DSPARK_GAMMA", "DSPARK_LOSS", "DSPARK_MARKOV_RANK", "default_markov_rank"]
+__all__ = ["DSPARK_BLOCK_SIZE", "DSPARK_GAMMA", "DSPARK_LOSS", "DSPARK_MARKOV_RANK", "OPS", "default_markov_rank"]
 
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -161,12 +164,6 @@ class _MarkovObjective(torch.autograd.Function):
         )
 
 
-def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[N, B-1]: the token before each predicted one (a + k - 1 for k = 1..B-1)."""
-    k = torch.arange(block_size - 1, device=anchors.device)
-    return input_ids[(anchors.unsqueeze(1) + k).clamp(max=input_ids.shape[0] - 1)]
-
-
 def dspark_loss(
     drafter,
     rows: torch.Tensor,  # [R, H] drafter hidden states of the predicting positions
@@ -233,17 +230,18 @@ def markov_draft(
     drafter, lm_head: torch.Tensor, hidden: torch.Tensor, anchor_token: int
 ) -> tuple[list[int], list[float]]:
     """Greedy draft of one block left to right with the Markov bias (as the public
-    `sample_block_tokens`): (tokens of positions 1..B-1, the confidence head's logit of each)."""
+    `sample_block_tokens`; hidden: the block's predicting slots [D, H], the anchor the first
+    previous token): (the D tokens, the confidence head's logit of each)."""
     head = drafter.markov_head
-    base = hidden[1:].to(lm_head.dtype) @ lm_head.t()  # [B-1, V]
+    base = hidden.to(lm_head.dtype) @ lm_head.t()  # [D, V]
     prev = torch.tensor([anchor_token], device=hidden.device)
     tokens, conf = [], []
     state = torch.zeros(1, head.markov_w1.embedding_dim, dtype=hidden.dtype, device=hidden.device)
     for k in range(base.shape[0]):
         emb = head.markov_w1(prev)  # [1, r]
-        latent, state = head.step(state, emb.to(hidden.dtype), hidden[1 + k : 2 + k])
+        latent, state = head.step(state, emb.to(hidden.dtype), hidden[k : k + 1])
         logits = base[k].float() + head.markov_w2(latent.to(head.markov_w2.weight.dtype))[0].float()
-        c = drafter.confidence_head(torch.cat([hidden[1 + k : 2 + k], emb.to(hidden.dtype)], -1)).float()
+        c = drafter.confidence_head(torch.cat([hidden[k : k + 1], emb.to(hidden.dtype)], -1)).float()
         tok = int(logits.argmax())
         tokens.append(tok)
         conf.append(float(c))
@@ -298,16 +296,16 @@ def markov_sample(
     drafter, lm_head: torch.Tensor, hidden: torch.Tensor, anchor_token: int, temperature: float, generator
 ) -> tuple[list[int], torch.Tensor]:
     """A block sampled left to right at `temperature` with the Markov bias (as the public
-    `sample_block_tokens` with a temperature): (tokens of positions 1..B-1, the distribution
-    each was drawn from [B-1, V])."""
+    `sample_block_tokens` with a temperature; hidden: the predicting slots [D, H]): (the D
+    tokens, the distribution each was drawn from [D, V])."""
     head = drafter.markov_head
-    base = hidden[1:].to(lm_head.dtype) @ lm_head.t()
+    base = hidden.to(lm_head.dtype) @ lm_head.t()
     prev = torch.tensor([anchor_token], device=hidden.device)
     state = torch.zeros(1, head.markov_w1.embedding_dim, dtype=hidden.dtype, device=hidden.device)
     tokens, dists = [], []
     for k in range(base.shape[0]):
         emb = head.markov_w1(prev)
-        latent, state = head.step(state, emb.to(hidden.dtype), hidden[1 + k : 2 + k])
+        latent, state = head.step(state, emb.to(hidden.dtype), hidden[k : k + 1])
         logits = base[k].float() + head.markov_w2(latent.to(head.markov_w2.weight.dtype))[0].float()
         q = torch.softmax(logits / temperature, dim=-1)
         tok = int(torch.multinomial(q.cpu(), 1, generator=generator))
@@ -315,3 +313,82 @@ def markov_sample(
         dists.append(q)
         prev = torch.tensor([tok], device=hidden.device)
     return tokens, torch.stack(dists)
+
+
+# ----------------------------------------------------------------------------- checkpoint config
+def dspark_fields(cfg, dflash_config: dict) -> dict:
+    """What a DSpark checkpoint's config.json says beyond a DFlash one: its class, and the heads'
+    fields both where vLLM and SpecForge read them (dflash_config, as SpecForge's
+    configs/qwen3-8b-dspark.json) and where DeepSpec's Qwen3DSparkModel reads them (the top level:
+    it refuses a config without target_layer_ids, mask_token_id, num_anchors, markov_rank,
+    markov_head_type, enable_confidence_head and confidence_head_with_markov there)."""
+    heads = {
+        "confidence_head_alpha": 1.0,
+        "confidence_head_with_markov": True,
+        "enable_confidence_head": True,
+        "markov_head_type": cfg.markov_head_type,
+        "markov_rank": cfg.markov_rank,
+    }
+    return {
+        "architectures": ["DSparkDraftModel"],
+        "auto_map": {"AutoModel": "modeling_dflash.DSparkDraftModel"},
+        "dflash_config": {
+            **dflash_config,
+            "attention_mode": "gqa" if cfg.num_key_value_heads < cfg.num_attention_heads else "mha",
+            **heads,
+            "projector_type": "dspark",
+        },
+        **heads,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        **({"num_anchors": cfg.num_anchors} if cfg.num_anchors else {}),
+        # TensorRT-LLM's DSpark reader looks for the layout here
+        "dspark_config": {"sample_from_anchor": cfg.block_layout.sample_from_anchor},
+    }
+
+
+# ----------------------------------------------------------------------------- the recipe's hooks
+class DSparkOps:
+    """What the step, the evaluator and the checkpoint ask the DSpark recipe."""
+
+    @staticmethod
+    def attach_heads(drafter: nn.Module, cfg) -> None:
+        attach_heads(drafter, cfg.hidden_size, cfg.vocab_size, cfg.markov_rank, cfg.markov_head_type)
+
+    @staticmethod
+    def head_keys(markov_head_type: str) -> set[str]:
+        return head_keys(markov_head_type)
+
+    @staticmethod
+    def row_loss(drafter, rows, teacher_rows, lm_head, prev, labels, decayed, objective, chunk_size, kernel):
+        """(loss, terms [R, 3], hits [R], weights [N, D]) of the predicting rows of N blocks."""
+        loss, terms, hits = dspark_loss(
+            drafter,
+            rows,
+            teacher_rows,
+            lm_head,
+            prev.reshape(-1),
+            labels,
+            decayed.reshape(-1),
+            objective.mix,
+            objective.conf,
+            chunk_size,
+            kernel,
+            decayed.shape[1],
+        )
+        return loss, terms, hits, decayed
+
+    @staticmethod
+    def draft(drafter, lm_head, slots, anchor_token):
+        return markov_draft(drafter, lm_head, slots, anchor_token)
+
+    @staticmethod
+    def sample(drafter, lm_head, slots, anchor_token, temperature, generator):
+        return markov_sample(drafter, lm_head, slots, anchor_token, temperature, generator)
+
+    @staticmethod
+    def export_fields(cfg, dflash_config: dict) -> dict:
+        return dspark_fields(cfg, dflash_config)
+
+
+OPS = DSparkOps()

@@ -117,19 +117,19 @@ def micro_step(
         step_attention(batch, cfg.block_size, attention, kernels, cfg.sliding_window),
         kernels,
     )
-    labels, weights = block_labels(batch, cfg.block_size, gamma, decay)
+    labels, weights = block_labels(batch, cfg.block_size, gamma, decay, cfg.block_layout)
     if objective is not None:
         assert teacher is not None
         loss, correct, weights = objective_loss(
             drafter, hidden, teacher, head, batch, labels, weights, objective, chunk_size, kernels.loss
         )
         return MicroStepResult(loss, correct, weights)
-    n, b = batch.anchors.shape[0], cfg.block_size
+    n, b, first = batch.anchors.shape[0], cfg.block_size, cfg.first_slot
 
     def predicting(t: torch.Tensor) -> torch.Tensor:
-        # position 0 (the anchor's own token) never counts: no logits for it, 1/B of the
-        # lm_head GEMMs and CE passes saved; the loss is the same (its weight is 0)
-        return t.reshape(n, b, *t.shape[1:])[:, 1:].reshape(n * (b - 1), *t.shape[1:])
+        # a fill-in block's slot 0 (the anchor's own token) never counts: no logits for it, 1/B
+        # of the lm_head GEMMs and CE passes saved; the loss is the same (its weight is 0)
+        return t.reshape(n, b, *t.shape[1:])[:, first:].reshape(n * (b - first), *t.shape[1:])
 
     loss, correct = chunked_lm_head_loss(
         predicting(hidden),
@@ -139,8 +139,8 @@ def micro_step(
         chunk_size,
         kernels.loss,
     )
-    correct = torch.cat([torch.zeros(n, 1, dtype=torch.bool, device=correct.device), correct.view(n, b - 1)], dim=1)
-    return MicroStepResult(loss, correct, weights.view(n, b))
+    skipped = torch.zeros(n, first, dtype=torch.bool, device=correct.device)
+    return MicroStepResult(loss, torch.cat([skipped, correct.view(n, b - first)], dim=1), weights.view(n, b))
 
 
 def inference_block_forward(

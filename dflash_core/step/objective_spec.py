@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# conf: DSpark's confidence-head BCE (a dspark engine only)
-TERMS = ("ce", "kl", "tv", "conf")
-DRAFT_TERMS = ("ce", "kl", "tv")
+# l1: sum |p_d - p_t| = 2 tv, DeepSpec's name and scale for the distribution term (its
+# l1_loss_alpha reads as this weight); conf: DSpark's confidence-head BCE (a dspark engine only)
+TERMS = ("ce", "kl", "tv", "l1", "conf")
+DRAFT_TERMS = ("ce", "kl", "tv", "l1")
 POSITION_WEIGHTS = ("decay", "dpace")
 DEFAULT_DPACE_ALPHA = 0.5
 
@@ -69,7 +70,7 @@ def parse_loss(value: Any) -> dict[str, float]:
             raise ValueError(f"the weight of {name!r} must lie in [0, {MAX_WEIGHT:g}], got {weight:g}")
         out[name] = weight
     if not any(out.get(t, 0.0) for t in DRAFT_TERMS):
-        raise ValueError("the mix must give ce, kl or tv a weight above 0 (they train the drafter's logits)")
+        raise ValueError("the mix must give ce, kl, tv or l1 a weight above 0 (they train the drafter's logits)")
     return out
 
 
@@ -82,7 +83,7 @@ def objective_of(loss: Mapping[str, float] | None, position_weights: str, dpace_
     return Objective(
         ce=mix.get("ce", 0.0),
         kl=mix.get("kl", 0.0),
-        tv=mix.get("tv", 0.0),
+        tv=mix.get("tv", 0.0) + 2.0 * mix.get("l1", 0.0),
         conf=mix.get("conf", 0.0),
         position_weights=position_weights,
         dpace_alpha=float(dpace_alpha),

@@ -15,8 +15,8 @@ import torch
 from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import FrozenHead
-from ..recipes.dspark import dspark_loss, previous_tokens
-from .objectives import ObjectiveInputs, chunked_objective_terms, position_weights, weighted_objective_loss
+from .blocks import label_positions, previous_tokens
+from .objectives import ObjectiveInputs
 
 
 def split_teacher(features: torch.Tensor, cfg: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,42 +43,34 @@ def objective_loss(
     chunk_size: int,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, argmax hits [N, B], weights [N, B]); block position 0 never counts."""
+    """(loss, argmax hits [N, B], weights [N, B]) of the layout's predicting slots (the recipe's
+    row_loss: the DFlash mix, or DSpark's Markov bias and confidence head); a slot before the
+    layout's first predicting one never counts."""
     if kernel == "triton_fp8":  # the distillation chunks keep their lm_head GEMMs in bf16
         kernel = "triton"
+    cfg = drafter.config
     n = batch.anchors.shape[0]
-    b = labels.shape[0] // n
+    b, first = labels.shape[0] // n, cfg.first_slot
+    d = b - first
     seq_len = teacher.shape[0]
-    # block position k (1..B-1) predicts token a + k; the target's distribution for it is the
-    # one it forms at a + k - 1
-    k = torch.arange(1, b, device=batch.anchors.device)
-    teacher_pos = (batch.anchors.unsqueeze(1) + k - 1).clamp(max=seq_len - 1).reshape(-1)
-    rows = hidden.reshape(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)
-    row_labels = labels.view(n, b)[:, 1:].reshape(-1)
+    # the target's distribution for the token at position p is the one it forms at p - 1
+    teacher_pos = (label_positions(batch, b, cfg.block_layout)[:, first:] - 1).clamp(max=seq_len - 1).reshape(-1)
+    rows = hidden.reshape(n, b, -1)[:, first:].reshape(n * d, -1)
+    row_labels = labels.view(n, b)[:, first:].reshape(-1)
     teacher_rows = teacher[teacher_pos].to(rows.dtype)
-    if drafter.config.recipe == "dspark":  # the Markov bias in the logits, and the confidence head
-        weights = decayed.view(n, b)[:, 1:]
-        prev = previous_tokens(batch.input_ids, batch.anchors, b).reshape(-1)
-        loss, terms, hits = dspark_loss(
-            drafter,
-            rows,
-            teacher_rows,
-            head.lm_head_weight,
-            prev,
-            row_labels,
-            weights.reshape(-1),
-            objective.mix,
-            objective.conf,
-            chunk_size,
-            kernel,
-            b - 1,
-        )
-    else:
-        mixed, terms, hits = chunked_objective_terms(
-            rows, teacher_rows, head.lm_head_weight, row_labels, objective.mix, chunk_size, kernel
-        )
-        weights = position_weights(decayed.view(n, b)[:, 1:], terms[:, 0].view(n, b - 1), objective)
-        loss = weighted_objective_loss(mixed, weights.reshape(-1))
-    zero = torch.zeros(n, 1, dtype=weights.dtype, device=weights.device)
-    correct = torch.cat([torch.zeros(n, 1, dtype=torch.bool, device=hits.device), hits.view(n, b - 1)], dim=1)
-    return loss, correct, torch.cat([zero, weights], dim=1)
+    prev = previous_tokens(batch.input_ids, batch.anchors, d)
+    loss, terms, hits, weights = cfg.recipe_spec.hooks().row_loss(
+        drafter,
+        rows,
+        teacher_rows,
+        head.lm_head_weight,
+        prev,
+        row_labels,
+        decayed.view(n, b)[:, first:],
+        objective,
+        chunk_size,
+        kernel,
+    )
+    skipped = torch.zeros(n, first, dtype=weights.dtype, device=weights.device)
+    correct = torch.cat([skipped.bool(), hits.view(n, d)], dim=1)
+    return loss, correct, torch.cat([skipped, weights], dim=1)

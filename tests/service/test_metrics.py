@@ -16,14 +16,14 @@ from service.jobs.store import JobStore
 from service.metrics import ServiceMetrics
 from tests.metric_names import PER_JOB_GAUGES
 
-BLOCK_SIZE = 4  # accuracy positions 1..3
+DRAFT_LENGTH = 3  # accuracy positions 1..3
 
 
 def _metrics() -> ServiceMetrics:
     """The real collector over a real host that has not started its engine and a real store."""
     directory = Path(tempfile.mkdtemp(prefix="dflash-metrics-"))
     config = ServiceConfig(data_dir=directory)
-    return ServiceMetrics(EngineHost(config), JobStore(config.database_path), block_size=BLOCK_SIZE)
+    return ServiceMetrics(EngineHost(config), JobStore(config.database_path), draft_length=DRAFT_LENGTH)
 
 
 def _stats(loss: float) -> SimpleNamespace:

@@ -133,7 +133,11 @@ def test_checkpoint_has_the_public_dspark_format(tmp_path, kind):
     assert d["architectures"] == ["DSparkDraftModel"]
     # the public DSpark fields, and beside them only what the DFlash serving contract adds
     assert set(d["dflash_config"]) >= PUBLIC_DFLASH_CONFIG_KEYS
-    assert set(d["dflash_config"]) - PUBLIC_DFLASH_CONFIG_KEYS <= {"input_embedding_scale", "mask_token", "sample_from_anchor"}
+    assert set(d["dflash_config"]) - PUBLIC_DFLASH_CONFIG_KEYS <= {
+        "input_embedding_scale",
+        "mask_token",
+        "sample_from_anchor",
+    }
     assert d["dflash_config"]["projector_type"] == "dspark" and d["dflash_config"]["markov_head_type"] == kind
     assert d["dflash_config"]["markov_rank"] == 8 and d["block_size"] == cfg.block_size
     assert config_from_hf(d) == cfg

@@ -145,7 +145,9 @@ class EngineConfig(BaseModel):
             self.block_size = recipe.block_size
         if recipe.teacher:
             self.teacher = True
-        if "markov_rank" not in recipe.settings and (self.markov_rank is not None or self.markov_head_type != "vanilla"):
+        if "markov_rank" not in recipe.settings and (
+            self.markov_rank is not None or self.markov_head_type != "vanilla"
+        ):
             field = "markov_rank" if self.markov_rank is not None else "markov_head_type"
             raise ValueError(f'{field}: only the dspark recipe has a Markov head (set recipe = "dspark")')
         return self

@@ -26,7 +26,9 @@ class DFlashOps:
         mixed terms beside the drafter's logits, weighted by decay or D-PACE."""
         from ..step.objectives import chunked_objective_terms, position_weights, weighted_objective_loss
 
-        mixed, terms, hits = chunked_objective_terms(rows, teacher_rows, lm_head, labels, objective.mix, chunk_size, kernel)
+        mixed, terms, hits = chunked_objective_terms(
+            rows, teacher_rows, lm_head, labels, objective.mix, chunk_size, kernel
+        )
         n, d = decayed.shape
         weights = position_weights(decayed, terms[:, 0].view(n, d), objective)
         return weighted_objective_loss(mixed, weights.reshape(-1)), terms, hits, weights

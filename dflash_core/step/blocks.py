@@ -85,4 +85,11 @@ def expected_acceptance_length(position_accuracy: list[float]) -> float:
     return total
 
 
-__all__ = ["block_inputs", "block_labels", "expected_acceptance_length", "label_positions", "position_decay", "previous_tokens"]
+__all__ = [
+    "block_inputs",
+    "block_labels",
+    "expected_acceptance_length",
+    "label_positions",
+    "position_decay",
+    "previous_tokens",
+]

@@ -59,7 +59,7 @@ def objective_loss(
     row_labels = labels.view(n, b)[:, first:].reshape(-1)
     teacher_rows = teacher[teacher_pos].to(rows.dtype)
     prev = previous_tokens(batch.input_ids, batch.anchors, d)
-    loss, terms, hits, weights = cfg.recipe_spec.hooks().row_loss(
+    loss, _terms, hits, weights = cfg.recipe_spec.hooks().row_loss(
         drafter,
         rows,
         teacher_rows,

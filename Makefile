@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-gpu check lint format-check typecheck clean
+.PHONY: venv demo test test-fast test-gpu check lint format-check typecheck clean speculators
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,12 +17,23 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 
 venv: $(STAMP)
 
+# speculators beside the venv, not in it (requirements-speculators.txt says why)
+SPECULATORS := .speculators
+SPEC_STAMP := $(SPECULATORS)/.installed
+$(SPEC_STAMP): $(STAMP) requirements-speculators.txt requirements-speculators-deps.txt
+	rm -rf $(SPECULATORS)
+	$(PY) -m pip install -q --no-deps --target $(SPECULATORS) -r requirements-speculators.txt
+	$(PY) -m pip install -q --target $(SPECULATORS) -r requirements-speculators-deps.txt
+	touch $(SPEC_STAMP)
+
+speculators: $(SPEC_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m service.demo
 
 # two workers (pytest-xdist): many tests wait on real daemons and processes, so two share two
 # cores well; each worker builds its own session fixtures
-test: $(STAMP)
+test: $(STAMP) $(SPEC_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests
 
 test-fast: $(STAMP)
@@ -51,4 +62,4 @@ test-gpu:
 	@rc=0; for f in tests/gpu/test_*.py; do python3 -m pytest -q -p no:cacheprovider -m gpu $$f || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SPECULATORS) build *.egg-info

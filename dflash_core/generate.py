@@ -278,11 +278,14 @@ class SlotDecoder:
         # slot_attention for this forward only (the engine's other users of the target keep theirs)
         saved = self.config._attn_implementation
         self.config._attn_implementation = SLOT_ATTENTION
+        # a mask per layer kind where the model has several (Qwen3, Gemma read the dict); the one
+        # mask where it has one, since some decoders (Llama) take only a tensor, used as given
+        attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
         try:
             out = self.decoder(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                attention_mask=masks,
+                attention_mask=attention_mask,
                 past_key_values=self.cache,
                 use_cache=True,
             )

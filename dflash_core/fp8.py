@@ -71,7 +71,8 @@ def drafter_gemm_dims(cfg, seq_len: int, num_anchors: int, block_size: int) -> d
         "num_key_value_heads * head_dim": cfg.num_key_value_heads * cfg.head_dim,
         "seq_len": seq_len,
         "num_anchors * block_size": num_anchors * block_size,
-        "num_anchors * (block_size - 1)": num_anchors * (block_size - 1),  # the loss's rows
+        # the loss's rows: the blocks' drafting slots (B - 1 fill_in, B anchor_first)
+        "num_anchors * drafted tokens": num_anchors * cfg.block_layout.drafted(block_size),
     }
 
 

@@ -23,8 +23,11 @@ def test_triton_distill_chunk_matches_eager_on_cuda():
     assert diff["hit_mismatches"] == 0 and diff["forward_only_same"], diff
 
 
-@pytest.mark.parametrize("recipe", ["dflash", "dspark"])
-def test_recorded_objective_step_replays_the_eager_step(recipe):
+@pytest.mark.parametrize(
+    ("recipe", "layout"),
+    [("dflash", "fill_in"), ("dspark", "fill_in"), ("dflash", "anchor_first"), ("dspark", "anchor_first")],
+)
+def test_recorded_objective_step_replays_the_eager_step(recipe, layout):
     import numpy as np
 
     from dflash_core.config import ShapeConfig
@@ -37,6 +40,7 @@ def test_recorded_objective_step_replays_the_eager_step(recipe):
 
     block = 4
     cfg = tiny_drafter_config(vocab_size=512, block_size=block, hidden=128, heads=4, kv_heads=2)
+    cfg = replace(cfg, layout=layout)
     if recipe == "dspark":
         cfg = replace(cfg, recipe="dspark", markov_rank=16)
     shape = ShapeConfig(seq_len=256, num_anchors=32, block_size=block)

@@ -13,6 +13,8 @@ drafted tokens per block (fill_in block 8 = anchor_first block 7 = 7 drafts).
      dflash_af7   DFlash, CE, anchor_first, block 7, gamma 4 (DeepSpec's DFlash baseline)
      dspark       DSpark, the public recipe (anchor_first, block 7, gamma 4, 0.1 CE + 0.9 L1 + 1 BCE)
      dspark_warm  DSpark warm-started from the same seed's dflash_b8 checkpoint (backbone; heads fresh)
+     dspark_fill_in  DSpark as the daemon trained it before the public recipe (fill_in block 7:
+                  6 drafts; uniform weights, TV 0.9), for its step cost (not in the default arms)
 3. τ on the held-out prompts: greedy (speculative decoding checked by the target) and at
    temperature 1 (speculative sampling); the median step time of each arm after its first steps.
 
@@ -36,6 +38,12 @@ ARMS = {  # name -> (engine settings, job fields)
     "dflash_af7": ({"recipe": "dflash", "block_size": 7, "layout": "anchor_first"}, {"loss_gamma": 4.0}),
     "dspark": ({"recipe": "dspark"}, {}),
     "dspark_warm": ({"recipe": "dspark"}, {"init_from": "dflash_b8"}),
+    # the DSpark recipe as the daemon trained it before it took the public one (fill_in, uniform
+    # position weights, TV at 0.9): its step cost and tau beside the public recipe's
+    "dspark_fill_in": (
+        {"recipe": "dspark", "layout": "fill_in"},
+        {"loss": {"ce": 0.1, "tv": 0.9, "conf": 1.0}, "loss_gamma": float("inf")},
+    ),
 }
 
 TEMPLATES = (
@@ -160,7 +168,7 @@ def main(argv=None):
     p.add_argument("--data-dir", default=None)
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default="dflash_b8,dflash_af7,dspark,dspark_warm")
     p.add_argument("--train-prompts", type=int, default=len(TEMPLATES) * len(TOPICS))
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=256)

@@ -53,3 +53,41 @@ def test_a_manifest_names_only_shards_beside_it(roots, file):
     (out / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DatasetError, match="not a file name in this directory"):
         dataset_files(out, "regen")
+
+
+def test_a_planted_manifest_is_read_only_as_a_bounded_regular_file(tmp_path):
+    """A FIFO, a symlink or a huge file planted as the manifest is refused at once, naming it as
+    the dataset was named: the reader never waits on a FIFO nor holds a huge file in memory."""
+    import os
+    import threading
+
+    from dflash_core.data.regenerated import MANIFEST_LIMIT
+
+    (tmp_path / "secret.json").write_text(json.dumps({"format": FORMAT, "shards": [], "secret": 1}))
+    cases = {
+        "fifo": lambda p: os.mkfifo(p),
+        "link": lambda p: p.symlink_to(tmp_path / "secret.json"),
+        "huge": lambda p: p.write_bytes(b" " * (MANIFEST_LIMIT + 1)),
+    }
+    for case, plant in cases.items():
+        out = tmp_path / case
+        out.mkdir()
+        plant(out / MANIFEST)
+        failure: list[BaseException] = []
+
+        def read(out=out, failure=failure, case=case):
+            try:
+                dataset_files(out, f"given-{case}")
+            except BaseException as e:  # noqa: BLE001 - the test checks which
+                failure.append(e)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10)
+        if reader.is_alive():
+            with open(out / MANIFEST, "wb"):  # let the waiting reader go
+                pass
+            raise AssertionError(f"{case}: the reader waited on the manifest")
+        assert failure and isinstance(failure[0], DatasetError), (case, failure)
+        message = str(failure[0])
+        assert f"given-{case}/{MANIFEST}" in message and "secret" not in message, message

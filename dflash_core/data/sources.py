@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,8 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
         if path.is_dir():
             from .regenerated import MANIFEST, regenerated_sources
 
-            if (path / MANIFEST).is_file():  # a regeneration job's output: its complete shards
+            # a regeneration job's output (its complete shards), whatever its manifest turns out to be
+            if os.path.lexists(path / MANIFEST):
                 return regenerated_sources(path, label)
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
                 return [SourceFile(path, "arrow", label)]

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash_core.confine import under
+
 from .paths import Roots, check_dataset_readable, unique_datasets
 from .regenerate_spec import JOB_SCHEME, RegenerateSpec, check_prompts_readable, resolve_job_dataset
 from .schemas import JobSpec, SpecError
@@ -31,7 +33,7 @@ def to_engine_job(spec: JobSpec | RegenerateSpec, job_id: str, roots: Roots, job
 def _train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None):
     from dflash_core.engine import TrainJob
 
-    jobs_read = _job_datasets(spec.datasets, job_outputs)
+    jobs_read = _job_datasets(spec.datasets, job_outputs, roots)
     roots = roots.reading_also(jobs_read.values())
     if spec.report_to:
         from ..tracking import unavailable
@@ -87,14 +89,28 @@ def _regenerate_job(spec: RegenerateSpec, job_id: str, roots: Roots):
     return RegenerateJob(**values)
 
 
-def _job_datasets(datasets: list[str], job_outputs: JobOutputs | None) -> dict[int, Path]:
-    """{index: output directory} of the datasets named job://<id>."""
+def _job_datasets(datasets: list[str], job_outputs: JobOutputs | None, roots: Roots) -> dict[int, Path]:
+    """{index: output directory} of the datasets named job://<id>. The stored directory is where
+    the regeneration wrote; resolved now (symlinks followed) it must still lie under the roots,
+    else it was replaced by a link since and is refused without saying where it leads."""
     out = {}
     for i, raw in enumerate(datasets):
         if raw.startswith(JOB_SCHEME):
+            field_name = f"datasets[{i}]"
             if job_outputs is None:
-                raise SpecError(f"datasets[{i}]", "job:// datasets are resolved by the daemon")
-            out[i] = resolve_job_dataset(raw, f"datasets[{i}]", job_outputs).resolve()
+                raise SpecError(field_name, "job:// datasets are resolved by the daemon")
+            stored = resolve_job_dataset(raw, field_name, job_outputs)
+            try:
+                real = stored.resolve()
+            except (OSError, RuntimeError):
+                real = None
+            if real is None or real != stored or not under(real, [*roots.reads, *roots.writes]):
+                raise SpecError(
+                    field_name,
+                    f"{raw!r}: the job's output directory is no longer a plain directory under the roots "
+                    "(it was replaced by a symlink, or the roots changed); regenerate it again",
+                )
+            out[i] = real
     return out
 
 

@@ -130,3 +130,32 @@ def test_cli_regenerates_then_trains_on_the_output(daemon):
     trained = cli("submit", str(examples / "train-on-regenerated.json"), "--follow", url=daemon.url, timeout=600)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "SUCCEEDED at step 40/40" in trained.stdout
+
+
+def test_a_job_output_replaced_by_a_link_is_not_read(daemon, tmp_path):
+    """job://<id> reads the directory the regeneration wrote: replaced by a symlink to a place
+    outside the roots it is refused, and what lies there is neither read nor echoed."""
+    import shutil
+
+    d = daemon
+    prompts = d.data_dir / "two-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("yes", "no")))
+    out = d.data_dir / "regen-linked"
+    job = d.submit(_spec(datasets=[str(prompts)], max_new_tokens=4, output_dir=str(out)))
+    assert d.wait_terminal(job["id"], timeout=300)["state"] == "SUCCEEDED"
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(out, outside)
+    manifest = json.loads((outside / "regeneration.json").read_text())
+    manifest["secret_key_outside"] = 1
+    (outside / "regeneration.json").write_text(json.dumps(manifest))
+    out.rename(d.data_dir / "regen-moved")
+    out.symlink_to(outside)
+    message = _errors(d.http.post("/jobs", json={"datasets": [f"job://{job['id']}"], "steps": 2}))["datasets[0]"]
+    assert "no longer a plain directory" in message and str(outside) not in message
+
+    # a manifest planted as a symlink in a directory a training job names is not followed either
+    planted = d.data_dir / "regen-planted"
+    planted.mkdir()
+    (planted / "regeneration.json").symlink_to(outside / "regeneration.json")
+    message = _errors(d.http.post("/jobs", json={"datasets": [str(planted)], "steps": 2}))["datasets[0]"]
+    assert "symlink" in message and "secret_key_outside" not in message and str(outside) not in message

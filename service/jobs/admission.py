@@ -8,7 +8,9 @@ it with `job_from_json` to run it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,38 @@ def _job_datasets(datasets: list[str], job_outputs: JobOutputs | None, roots: Ro
                 )
             out[i] = real
     return out
+
+
+def with_roots_now(engine_job: Any, spec: dict[str, Any], roots: Roots) -> Any:
+    """The stored engine job with the roots of the configuration in force now (a job runs, or
+    resumes, under the roots the daemon has when it runs, not those it had at submission): its
+    output_dir and every path it reads must still lie under them, else SpecError naming the field.
+    The engine checks the same roots again at every read and write."""
+    now = roots.for_engine()
+    reads, writes = [Path(r) for r in now["dataset_roots"]], [Path(r) for r in now["output_roots"]]
+
+    def check(path: str | None, field_name: str, given: Any, allowed: list[Path], which: str) -> None:
+        if path and not under(Path(os.path.realpath(path)), allowed):
+            label = f"{field_name} {given!r}" if isinstance(given, str) else field_name
+            raise SpecError(
+                field_name,
+                f"{label} is outside the daemon's {which} now (its configuration changed since the job was "
+                "submitted); the job was not run",
+            )
+
+    check(engine_job.output_dir, "output_dir", spec.get("output_dir"), writes, "output_roots")
+    job_dirs = []
+    for i, (path, given) in enumerate(zip(engine_job.datasets, spec.get("datasets") or [], strict=False)):
+        from_job = isinstance(given, str) and given.startswith(JOB_SCHEME)
+        check(path, f"datasets[{i}]", given, [*reads, *writes] if from_job else reads, "roots")
+        if from_job:
+            job_dirs.append(path)
+    for key in ("eval_prompts", "chat_template"):
+        check(getattr(engine_job, key, None), key, spec.get(key), reads, "dataset_roots")
+    check(getattr(engine_job, "init_from", None), "init_from", spec.get("init_from"), [*reads, *writes], "roots")
+    return dataclasses.replace(
+        engine_job, dataset_roots=[*now["dataset_roots"], *job_dirs], output_roots=now["output_roots"]
+    )
 
 
 def job_to_json(job: Any) -> str:

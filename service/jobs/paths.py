@@ -115,7 +115,14 @@ class Roots:
         """The job's output directory; unset: <data_dir>/jobs/<job id>. Whether it is free is the
         manager's to say when the job is queued (another job's, or old checkpoints in it: 409)."""
         if raw is None:
-            return (self.data_dir / "jobs" / job_id).resolve()
+            default = (self.data_dir / "jobs" / job_id).resolve()
+            if not under(default, list(self.writes)):  # refused now, not FAILED when the job starts
+                raise SpecError(
+                    "output_dir",
+                    "the default output_dir <data_dir>/jobs/<job id> is outside the daemon's output_roots; "
+                    "give an output_dir under them",
+                )
+            return default
         path = self.resolve(raw, "output_dir", self.writes)
         try:
             not_a_dir = path.exists() and not path.is_dir()

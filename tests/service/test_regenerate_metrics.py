@@ -13,7 +13,7 @@ def _series(metrics) -> dict[tuple[str, str], float]:
     for family in text_string_to_metric_families(metrics.render().decode()):
         for s in family.samples:
             if s.name.startswith("dflash_generate_"):
-                out[(s.name, s.labels["job"])] = s.value
+                out[(s.name, s.labels["job_id"])] = s.value
     return out
 
 

@@ -26,6 +26,7 @@ EXIT_JOB_STOPPED = 3
 EXIT_UNREACHABLE = 4  # no daemon answered at --url
 EXIT_DAEMON_ERROR = 5  # the daemon answered with a server error (5xx)
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # stdout's reader closed it (`| head`): a SIGPIPE death's status, without the death
 EXIT_CODES = {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_JOB_FAILED, "STOPPED": EXIT_JOB_STOPPED}
 # how long a follower keeps reconnecting to a daemon that went away (a restart takes seconds to
 # minutes: warm-up); then it gives up with EXIT_UNREACHABLE

@@ -150,10 +150,11 @@ def _event_message(event: dict[str, Any]) -> str | None:
 
 def generation_line(p: dict[str, Any]) -> str:
     """A regeneration's progress (a `generate` event, or a job's progress.data)."""
+    eta = p.get("eta_seconds")  # absent once the job is not running: nothing is left to estimate
     return (
         f"prompts {p.get('prompts_done')}/{p.get('prompts_total')}  rows {p.get('rows_done')}/{p.get('rows_total')}"
         f"  {p.get('tokens_generated')} tokens  {_fmt(p.get('tokens_per_second'), ',.0f')} tok/s"
-        f"  ETA {duration(p.get('eta_seconds'))}"
+        + (f"  ETA {duration(eta)}" if eta is not None else "")
     )
 
 

@@ -159,3 +159,20 @@ def test_a_job_output_replaced_by_a_link_is_not_read(daemon, tmp_path):
     (planted / "regeneration.json").symlink_to(outside / "regeneration.json")
     message = _errors(d.http.post("/jobs", json={"datasets": [str(planted)], "steps": 2}))["datasets[0]"]
     assert "symlink" in message and "secret_key_outside" not in message and str(outside) not in message
+
+
+def test_a_stopped_regeneration_shows_no_eta(daemon):
+    """A time left is estimated only while the job runs: once it is STOPPED neither the API nor the
+    CLI's status reports one."""
+    from tests.service.test_cli import cli
+
+    d = daemon
+    job = d.submit(_spec(output_dir=str(d.data_dir / "regen-stopped")))
+    d.wait_job(job["id"], lambda j: (j["progress"]["data"] or {}).get("eta_seconds") is not None, timeout=300)
+    d.http.post(f"/jobs/{job['id']}/cancel")
+    stopped = d.wait_terminal(job["id"], timeout=300)
+    assert stopped["state"] == "STOPPED", stopped
+    data = stopped["progress"]["data"]
+    assert data["rows_done"] < data["rows_total"] and data["eta_seconds"] is None, data
+    status = cli("status", job["id"], url=d.url)
+    assert status.returncode == 0 and "prompts " in status.stdout and "ETA" not in status.stdout, status.stdout

@@ -7,6 +7,9 @@ sample) a row, the rows sorted by prompt length (longest first: slots prefilled 
 similar lengths, and a prompt too large for the device fails the first shard, not the last) and
 cut into shards of `shard_rows`. The plan (sources and their hashes, target, template, sampling,
 counts) is in the manifest; a run that finds its own plan there skips the shards already written.
+The output names every path (a dataset, a row's source, the target) relative to the output
+directory, never as the host's absolute path: the output can be moved or shared with the paths
+meaning the same relative to it.
 
 The decode shapes (slots, cache positions per sequence) are engine settings; unset, the slots
 follow from the memory the device has left when the job starts (after the drafters), and the
@@ -18,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -224,7 +228,8 @@ class RegenerationRun:
             except OutsideRoots as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
             try:
-                sources.append({"dataset": entry, "sha256": _tree_hash(path, entry, job.dataset_roots)})
+                shown = relative_to_output(entry, job.output_dir)
+                sources.append({"dataset": shown, "sha256": _tree_hash(path, entry, job.dataset_roots)})
                 prompts = read_prompts(
                     path, skip_bad_lines=job.skip_bad_lines, report=report, name=entry, roots=job.dataset_roots
                 )
@@ -239,7 +244,8 @@ class RegenerationRun:
                             raise err
                         report.note_skip(err)
                         continue
-                    messages.append((prompt.messages, prompt.source))
+                    source = shown + prompt.source[len(entry) :] if prompt.source.startswith(entry) else prompt.source
+                    messages.append((prompt.messages, source))
                     ids.append(np.asarray(tokens, dtype=np.int32))
             except (DatasetError, OutsideRoots) as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
@@ -256,7 +262,7 @@ class RegenerationRun:
         return {
             "sources": work.sources,
             "target": {
-                "path": str(engine.parts.target_path) if engine.parts else None,
+                "path": relative_to_output(str(engine.parts.target_path), job.output_dir) if engine.parts else None,
                 "config_sha256": hashlib.sha256(target_config.encode()).hexdigest(),
             },
             "chat_template": {
@@ -333,6 +339,11 @@ class RegenerationRun:
         stopped = bool(pending)
         meter.report(decoder.tokens_generated, force=True)
         return stopped
+
+
+def relative_to_output(path: str, output_dir: str) -> str:
+    """`path` as the output records it: relative to the output directory."""
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
 
 
 @dataclass

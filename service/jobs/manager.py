@@ -140,8 +140,9 @@ class JobManager(JobWorker):
 
     def resume(self, job_id: str) -> JobRecord:
         """Put a FAILED or STOPPED job back in the queue; it resumes from its newest checkpoint, with
-        optimizer state and data order, as after a restart. Raises JobNotFound (404), JobConflict
-        (409: another state, no checkpoint), Unavailable (503)."""
+        optimizer state and data order, as after a restart (a regeneration: from the shards it
+        wrote, none if it failed before the first). Raises JobNotFound (404), JobConflict (409:
+        another state, a training job without a checkpoint), Unavailable (503)."""
         try:
             return self._resume(job_id)
         except StoreUnavailable as e:
@@ -157,7 +158,8 @@ class JobManager(JobWorker):
                 "submit it again with another output_dir"
             )
         checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
-        if checkpoint_path is None:
+        # a regeneration resumes from the shards its manifest lists, however many (none included)
+        if checkpoint_path is None and job.spec.get("kind") != "regenerate":
             raise JobConflict(f"job {job_id} has no checkpoint to resume from; submit it again as a new job")
         if self.shutting_down:
             raise Unavailable("the daemon is shutting down; resume the job after it restarted")

@@ -6,6 +6,7 @@ named by its directory or as job://<id>; progress, events and metrics show it.""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pyarrow.parquet as pq
 import pytest
@@ -176,3 +177,29 @@ def test_a_stopped_regeneration_shows_no_eta(daemon):
     assert data["rows_done"] < data["rows_total"] and data["eta_seconds"] is None, data
     status = cli("status", job["id"], url=d.url)
     assert status.returncode == 0 and "prompts " in status.stdout and "ETA" not in status.stdout, status.stdout
+
+
+def test_a_regeneration_failed_before_its_first_shard_resumes(daemon):
+    """A full disk fails a regeneration before it wrote a shard; with space back, resuming it
+    continues into the same output_dir (its unit of resume is the manifest, not a checkpoint)."""
+    from tests.helpers import mount_tmpfs, unmount
+
+    d = daemon
+    prompts = d.data_dir / "three-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("yes", "no", "maybe")))
+    small = d.data_dir / "small-disk"
+    mount_tmpfs(small, "size=256k")
+    try:
+        job = d.submit(_spec(datasets=[str(prompts)], max_new_tokens=4, shard_rows=2, output_dir=str(small / "out")))
+        failed = d.wait_terminal(job["id"], timeout=300)
+        assert failed["state"] == "FAILED" and "ENOSPC" in failed["error"], failed
+        assert not list((small / "out").glob("shard-*.parquet"))
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        r = d.http.post(f"/jobs/{job['id']}/resume")
+        assert r.status_code == 202, r.text
+        done = d.wait_terminal(job["id"], timeout=300)
+        assert done["state"] == "SUCCEEDED", done
+        manifest, rows = _rows(small / "out")
+        assert manifest["complete"] and len(rows) == 3
+    finally:
+        unmount(small)

@@ -91,3 +91,39 @@ def test_a_planted_manifest_is_read_only_as_a_bounded_regular_file(tmp_path):
         assert failure and isinstance(failure[0], DatasetError), (case, failure)
         message = str(failure[0])
         assert f"given-{case}/{MANIFEST}" in message and "secret" not in message, message
+
+
+def test_a_chat_template_replaced_by_a_fifo_is_refused_at_once(tmp_path):
+    """The template a job reads when it runs may have been replaced since submission: a FIFO is
+    refused without waiting on it, a file grown past the bound is refused too."""
+    import os
+    import threading
+
+    from dflash_core.engine import JobError
+    from dflash_core.engine.config import MAX_TEMPLATE_BYTES, TrainJob, job_template
+
+    template = tmp_path / "template.jinja"
+    os.mkfifo(template)
+    job = TrainJob(
+        datasets=[], output_dir=str(tmp_path / "out"), chat_template=str(template), dataset_roots=[str(tmp_path)]
+    )
+    failure: list[BaseException] = []
+
+    def read():
+        try:
+            job_template(job)
+        except BaseException as e:  # noqa: BLE001 - the test checks which
+            failure.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():
+        with open(template, "wb"):  # let the waiting reader go
+            pass
+        raise AssertionError("the job waited on a FIFO chat template")
+    assert failure and isinstance(failure[0], JobError) and "regular file" in str(failure[0]), failure
+    template.unlink()
+    template.write_bytes(b"x" * (MAX_TEMPLATE_BYTES + 1))
+    with pytest.raises(JobError, match="chat_template"):
+        job_template(job)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_core.confine import under
+from dflash_core.confine import UnsafeFile, read_regular, under
 
 from .schemas import SpecError
 
@@ -98,13 +98,11 @@ class Roots:
     def template(self, raw: str) -> Path:
         path = self.resolve(raw, "chat_template", self.reads)
         try:
-            if not path.is_file():
-                raise SpecError("chat_template", f"{raw!r} is not a file")
-            with path.open("rb") as f:  # bounded while reading, whatever its size says
-                text = f.read(MAX_TEMPLATE_BYTES + 1)
-            if len(text) > MAX_TEMPLATE_BYTES:
-                raise SpecError("chat_template", f"{raw!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
+            # a regular file, bounded while reading whatever its size says; never a FIFO's wait
+            text = read_regular(path, MAX_TEMPLATE_BYTES, repr(raw))
             text.decode("utf-8")
+        except UnsafeFile as e:
+            raise SpecError("chat_template", str(e)) from None
         except UnicodeDecodeError:
             raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
         except OSError as e:

@@ -25,6 +25,7 @@ import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -87,6 +88,20 @@ def read_regular(name: str | Path, limit: int, what: str, dir_fd: int | None = N
         return data
     finally:
         os.close(fd)
+
+
+def open_regular(path: str | Path, what: str) -> BinaryIO:
+    """`path` opened for reading without blocking on it (a FIFO would wait for a writer for good),
+    which must be a regular file: a FIFO, a device or a directory is UnsafeFile naming `what`."""
+    fd = os.open(path, _READ_FLAGS & ~_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeFile(f"{what} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class ConfinedDir:

@@ -127,3 +127,37 @@ def test_a_chat_template_replaced_by_a_fifo_is_refused_at_once(tmp_path):
     template.write_bytes(b"x" * (MAX_TEMPLATE_BYTES + 1))
     with pytest.raises(JobError, match="chat_template"):
         job_template(job)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_a_dataset_file_replaced_by_a_fifo_is_refused_at_once(tmp_path, suffix):
+    """A dataset file listed, then replaced by a FIFO before it is read, is refused without
+    waiting for a writer, naming the file."""
+    import os
+    import threading
+
+    from dflash_core.data.sources import iter_records
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / f"a{suffix}").write_text(_prompt_line("hi"))
+    (src,) = dataset_files(ds, "given")
+    (ds / f"a{suffix}").unlink()
+    os.mkfifo(ds / f"a{suffix}")
+    failure: list[BaseException] = []
+
+    def read():
+        try:
+            list(iter_records(src))
+        except BaseException as e:  # noqa: BLE001 - the test checks which
+            failure.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():
+        with open(ds / f"a{suffix}", "wb"):  # let the waiting reader go
+            pass
+        raise AssertionError("the reader waited on a FIFO")
+    assert failure and isinstance(failure[0], DatasetError), failure
+    assert f"given/a{suffix}" in str(failure[0]) and "not a regular file" in str(failure[0]), failure

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..confine import UnsafeFile, open_regular
 from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
 from .errors import DatasetError
 
@@ -95,7 +96,8 @@ def child_name(entry_name: str, relative: str) -> str:
 def unreadable(name: str, error: OSError) -> DatasetError:
     """A dataset file the system refused to read, named as the user named it (an OSError's own
     text names the path that was opened)."""
-    return DatasetError(name, 0, f"cannot be read ({error.strerror or type(error).__name__})")
+    reason = str(error) if isinstance(error, UnsafeFile) else error.strerror or type(error).__name__
+    return DatasetError(name, 0, f"cannot be read ({reason})")
 
 
 def _file_source(path: Path, name: str) -> SourceFile:
@@ -107,7 +109,7 @@ def _file_source(path: Path, name: str) -> SourceFile:
 
 
 def _first_char(path: Path) -> str:
-    with path.open("rb") as f:
+    with open_regular(path, str(path)) as f:
         head = f.read(4096)
     text = head.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="replace").lstrip()
     return text[:1]
@@ -133,7 +135,7 @@ def iter_records(
 
 
 def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
-    with src.path.open("rb") as f:
+    with open_regular(src.path, src.name) as f:
         yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
 
 
@@ -173,7 +175,7 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
     """Elements of a top-level JSON array, read incrementally (the file is never held whole)."""
     decoder = json.JSONDecoder()
     path = src.name  # in errors
-    with src.path.open("rb") as f:
+    with open_regular(src.path, src.name) as f:
         reader = codecs.getincrementaldecoder("utf-8")()
         buf, pos, line, eof = "", 0, 1, False
 
@@ -277,16 +279,17 @@ def _named(error: BaseException, src: SourceFile) -> str:
 def _parquet(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:
     import pyarrow.parquet as pq
 
-    try:
-        pf = pq.ParquetFile(src.path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-        raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
-    column = _conversation_column(pf.schema_arrow.names, src.name, columns)
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[column]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield row, {column: value}
+    with open_regular(src.path, src.name) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
+            raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
+        column = _conversation_column(pf.schema_arrow.names, src.name, columns)
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield row, {column: value}
 
 
 def _arrow(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:

@@ -313,6 +313,8 @@ class JobWorker:
             self._record(lambda: self.store.finish(job.id, FAILED, error=outside))
             return
         backends = job.spec.get("report_to")
+        if job.spec.get("kind") == "regenerate":  # it reports no training scalars: nothing to track
+            backends = []
         tracker = Tracker(
             list(self.config.report_to if backends is None else backends),
             job_id=job.id,

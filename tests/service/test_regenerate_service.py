@@ -90,6 +90,10 @@ def test_killed_regeneration_resumes_without_loss_or_duplicates(daemon):
     assert final["state"] == "SUCCEEDED", final
     manifest, rows = _rows(d.data_dir / "regen-killed")
     assert manifest["complete"] and manifest["counts"]["rows"] == len(rows) == len(ref_rows) == 64
+    # a regeneration reports no training scalars: no experiment tracking directory of its own
+    assert sorted(p.name for p in (d.data_dir / "regen-killed").iterdir() if not p.name.startswith("shard-")) == [
+        "regeneration.json"
+    ]
 
     def key(r):
         return (r["source"], r["sample"])

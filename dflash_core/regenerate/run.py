@@ -19,7 +19,6 @@ cache is allocated for the job and given back at its end, so that training jobs 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
@@ -40,6 +39,7 @@ from ..engine.api import JobCallbacks, JobError, JobResult
 from ..engine.config import job_template
 from ..engine.kinds import readable_failures
 from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
+from ..target_identity import config_sha256, target_identity
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
 
@@ -256,17 +256,19 @@ class RegenerationRun:
     def _plan(self, job: RegenerateJob, work: _Work) -> dict[str, Any]:
         """What the output is a function of: a resume continues only an output of the same plan."""
         engine = self.engine
-        target_config = json.dumps(engine.targets[0].config.to_dict(), sort_keys=True, default=str)
         template = job_template(job)  # type: ignore[arg-type]
         template_text = template.template or getattr(engine.tokenizer, "chat_template", None) or ""
+        # the target named as a checkpoint trained on this output names it (one identity everywhere)
+        target = (
+            target_identity(engine.parts.target_path)
+            if engine.parts
+            else {"config_sha256": config_sha256(engine.targets[0].config.to_dict())}
+        )
         return {
             "sources": work.sources,
-            "target": {
-                "path": relative_to_output(str(engine.parts.target_path), job.output_dir) if engine.parts else None,
-                "config_sha256": hashlib.sha256(target_config.encode()).hexdigest(),
-            },
+            "target": target,
             "chat_template": {
-                "file": job.chat_template,
+                "file": relative_to_output(job.chat_template, job.output_dir) if job.chat_template else None,
                 "sha256": hashlib.sha256(str(template_text).encode()).hexdigest(),
                 "kwargs": job.chat_template_kwargs,
             },

@@ -125,7 +125,10 @@ def with_roots_now(engine_job: Any, spec: dict[str, Any], roots: Roots) -> Any:
     reads, writes = [Path(r) for r in now["dataset_roots"]], [Path(r) for r in now["output_roots"]]
 
     def check(path: str | None, field_name: str, given: Any, allowed: list[Path], which: str) -> None:
-        if path and not under(Path(os.path.realpath(path)), allowed):
+        # the stored paths were resolved at submission: judged as they are, the question is
+        # whether the roots still hold them (a component swapped for a symlink since is refused
+        # by the engine, which resolves every path again when it reads or writes)
+        if path and not under(Path(os.path.abspath(path)), allowed):
             label = f"{field_name} {given!r}" if isinstance(given, str) else field_name
             raise SpecError(
                 field_name,

@@ -102,6 +102,11 @@ class JobManager(JobWorker):
         no earlier run left checkpoints in it."""
         if (other := self.store.any_job_using(output_dir)) is not None:
             raise _output_dir_taken(given, other)
+        if (other := self.store.job_nesting_with(output_dir)) is not None:
+            raise JobConflict(
+                f"output_dir {given} and the output_dir of job {other.id} ({other.state}) lie one inside the "
+                "other; choose an output_dir outside every other job's"
+            )
         checkpoints = Path(output_dir) / "checkpoints"
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")

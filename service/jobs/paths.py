@@ -122,6 +122,11 @@ class Roots:
                 )
             return default
         path = self.resolve(raw, "output_dir", self.writes)
+        if path == self.data_dir.resolve() or self.data_dir.resolve().is_relative_to(path):
+            # the job store, the caches and every job's default directory live there
+            raise SpecError(
+                "output_dir", f"{raw!r} is the daemon's data directory or holds it; choose a directory in it"
+            )
         try:
             not_a_dir = path.exists() and not path.is_dir()
         except OSError as e:

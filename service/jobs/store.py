@@ -197,6 +197,18 @@ class JobStore:
         with self._read() as db:
             return self._output_dir_owner(db, output_dir)
 
+    def job_nesting_with(self, output_dir: str) -> JobRecord | None:
+        """A job whose output directory lies inside `output_dir` or holds it (not equal to it):
+        two jobs' directories nested would write into, rotate and sweep each other's files."""
+        inside = output_dir.rstrip("/") + "/"
+        with self._read() as db:
+            for row in db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owns_output_dir = 1"):
+                job = job_record(row)
+                other = job.output_dir.rstrip("/") + "/"
+                if other != inside and (other.startswith(inside) or inside.startswith(other)):
+                    return job
+        return None
+
     def _output_dir_owner(self, db: sqlite3.Connection, output_dir: str) -> JobRecord | None:
         row = db.execute(
             f"SELECT {JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND owns_output_dir = 1", (output_dir,)

@@ -61,3 +61,15 @@ def test_roots_are_those_in_force_when_the_job_runs(make_daemon, tmp_path):
     r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 2})
     assert r.status_code == 422, r.text
     assert r.json()["errors"][0]["field"] == "output_dir", r.text
+
+
+def test_an_output_dir_overlapping_the_data_dir_or_another_jobs_is_refused(daemon):
+    d = daemon
+    for raw in (str(d.data_dir), str(d.data_dir.parent)):
+        r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": raw})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "output_dir", r.text
+    first = d.submit({"datasets": ["builtin://train"], "steps": 2, "output_dir": str(d.data_dir / "runs" / "a")})
+    assert d.wait_terminal(first["id"])["state"] == "SUCCEEDED"
+    for nested in (d.data_dir / "runs" / "a" / "checkpoints" / "b", d.data_dir / "runs"):
+        r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": str(nested)})
+        assert r.status_code == 409 and first["id"] in r.text, r.text

@@ -117,7 +117,10 @@ def _event_message(event: dict[str, Any]) -> str | None:
         extra = f": {event['error']}" if event.get("error") else ""
         return f"state {event.get('state')}{extra}"
     if kind == "checkpoint":
-        return f"checkpoint step {event.get('step')}: {event.get('path')}"
+        path = str(event.get("path") or "")
+        if path.endswith(".parquet"):  # a regeneration's checkpoint is a shard; its count is rows
+            return f"shard {Path(path).name} written: {event.get('step')} rows so far"
+        return f"checkpoint step {event.get('step')}: {path}"
     if kind == "eval":
         return f"eval step {event.get('step')}: acceptance length {_fmt(event.get('acceptance_length'), '.3f')}"
     if kind == "resumed":

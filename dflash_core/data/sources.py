@@ -1,12 +1,13 @@
 """Where conversations come from: the dataset layouts users keep, read record by record.
 
 A dataset entry is one of
-  * a JSONL file (`.jsonl`, or a `.json` file whose first character is not `[`),
+  * a JSONL file (`.jsonl`, or a `.json` file whose first character is not `[`), or one
+    gzip-compressed (`.jsonl.gz`, read as it is decompressed: never whole in memory),
   * a JSON array file (`.json` starting with `[`),
   * a parquet file (`.parquet`),
   * a directory written by `datasets.Dataset.save_to_disk` (or a `DatasetDict`, whose `train`
     split is used),
-  * a directory of shards: its `*.jsonl`, `*.json` and `*.parquet` files, in sorted order,
+  * a directory of shards: its `*.jsonl`, `*.jsonl.gz`, `*.json` and `*.parquet` files, in sorted order,
   * a regeneration job's output directory: the complete shards its manifest lists (regenerated.py).
 Every record is a conversation in OpenAI `messages` or ShareGPT `conversations` form
 (conversations.py). Parquet and `save_to_disk` data are read with pyarrow and HF `datasets`;
@@ -32,12 +33,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
 from ..confine import UnsafeFile, open_regular
 from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
 from .errors import DatasetError
 
-SHARD_SUFFIXES = (".jsonl", ".json", ".parquet")
+SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 # One record larger than this is refused: a single conversation of that size is a broken file,
 # and reading it whole would cost host memory out of proportion.
 MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -59,7 +61,7 @@ class SourceFile:
     def unit(self) -> str:
         """How positions in this file are counted in messages: lines of JSONL, elements of a JSON
         array (several can share a line), rows of tables."""
-        return {"jsonl": "line", "json_array": "element"}.get(self.kind, "row")
+        return {"jsonl": "line", "jsonl_gz": "line", "json_array": "element"}.get(self.kind, "row")
 
 
 def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile]:
@@ -77,9 +79,9 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
                 return regenerated_sources(path, label)
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
                 return [SourceFile(path, "arrow", label)]
-            shards = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
+            shards = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES))
             if not shards:
-                raise DatasetError(label, 0, "the directory holds no .jsonl, .json or .parquet files")
+                raise DatasetError(label, 0, "the directory holds no .jsonl, .jsonl.gz, .json or .parquet files")
             return [_file_source(p, child_name(label, p.name)) for p in shards]
         if not path.is_file():
             raise DatasetError(label, 0, "does not exist")
@@ -101,6 +103,8 @@ def unreadable(name: str, error: OSError) -> DatasetError:
 
 
 def _file_source(path: Path, name: str) -> SourceFile:
+    if path.name.endswith(".jsonl.gz"):
+        return SourceFile(path, "jsonl_gz", name)
     if path.suffix == ".parquet":
         return SourceFile(path, "parquet", name)
     if path.suffix == ".json":
@@ -124,6 +128,8 @@ def iter_records(
     try:
         if src.kind == "jsonl":
             yield from _jsonl(src, window)
+        elif src.kind == "jsonl_gz":
+            yield from _jsonl_gz(src, window)
         elif src.kind == "json_array":
             yield from _json_array(src)
         elif src.kind == "parquet":
@@ -137,6 +143,23 @@ def iter_records(
 def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
     with open_regular(src.path, src.name) as f:
         yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
+
+
+def _jsonl_gz(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
+    """A gzip-compressed JSONL file, decompressed as it is read; `window` bounds the bytes
+    decompressed. A corrupt or truncated stream is a DatasetError naming the file and the line
+    it broke at, after the lines before it."""
+    import gzip
+    import zlib
+
+    line = 0
+    with open_regular(src.path, src.name) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
+        lines = bounded_lines(cast(IO[bytes], f), MAX_RECORD_BYTES, window, partial_last=False)
+        try:
+            for line, record in _jsonl_lines(src.name, lines, 1):
+                yield line, record
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise DatasetError(src.name, line + 1, f"not a readable gzip stream ({e})") from None
 
 
 def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:

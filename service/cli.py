@@ -102,6 +102,11 @@ def _add_local_commands(sub) -> None:
     serve.add_argument("--log-json", action="store_true", help="log JSON lines")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration (and what serve would refuse) without starting the daemon; exit 0 or 2",
+    )
+    serve.add_argument(
         "--distributed",
         action="store_true",
         help="join a multi-host group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "

@@ -31,6 +31,18 @@ def untrusted_store(config: Any) -> str | None:
     return None
 
 
+def _check_only(config: Any) -> int:
+    """serve --check: what serve would refuse, found without starting anything (no engine, no
+    port, nothing written); a config that passes is summarised, one that does not exits 2."""
+    target = config.engine.target_path  # load_config checked it holds a config.json
+    print(
+        f"configuration OK: serves {config.host}:{config.port}, data_dir {config.data_dir}, target "
+        f"{target if target is not None else 'the embedded default'}, drafters on "
+        f"{', '.join(config.engine.drafter_devices) if config.engine.drafter_devices else 'the default devices'}"
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -72,6 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if (problem := untrusted_store(config)) is not None:
         print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
         return 2
+    if getattr(args, "check", False):
+        return _check_only(config)
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
     log = logging.getLogger("dflash.service")
     use_bytecode_cache(config.data_dir / BYTECODE_DIR)  # before the engine's thread imports torch

@@ -350,7 +350,8 @@ class ServiceMetrics:
         """A regeneration's progress (new tokens since its last report, its rate)."""
         self._for_job(job)
         self.generate_tokens.labels(job_id=job).inc(max(0, int(progress.get("new_tokens", 0))))
-        self.generate_rate.labels(job_id=job).set(float(progress.get("tokens_per_second") or 0.0))
+        rate = progress.get("tokens_per_second")  # not measured yet: NaN, never a made-up 0
+        self.generate_rate.labels(job_id=job).set(math.nan if rate is None else float(rate))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .store_lists import JobListing
 from .store_schema import (
     FAILED,
     JOB_COLUMNS,
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 
-class JobStore:
+class JobStore(JobListing):
     """Thread-safe: one connection, one lock; every call is short."""
 
     def __init__(self, path: str | Path):
@@ -176,21 +177,6 @@ class JobStore:
                     "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)
                 ).fetchone()[0]
             return job
-
-    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
-        """The newest `limit` jobs (in that state), oldest first, with their queue positions."""
-        where, args = ("WHERE state = ?", [state]) if state else ("", [])
-        with self._read() as db:
-            rows = db.execute(
-                f"SELECT * FROM (SELECT {JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
-                (*args, limit),
-            ).fetchall()
-            pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
-        jobs = [job_record(r) for r in rows]
-        position = {seq: i for i, seq in enumerate(pending)}
-        for job in jobs:
-            job.queue_position = position.get(job.seq)
-        return jobs
 
     def any_job_using(self, output_dir: str) -> JobRecord | None:
         """The job, in any state, that owns this output directory (its checkpoints live there)."""

@@ -137,9 +137,9 @@ def list_jobs(
         AfterValidator(_job_state),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=100_000, description="the newest this many jobs")] = 1000,
-) -> JSONResponse:
-    assert daemon.store is not None  # set by Daemon.start(), which the lifespan runs before any request
-    return JSONResponse({"jobs": [job_json(j) for j in daemon.store.list_jobs(state=state, limit=limit)]})
+) -> Response:
+    assert daemon.job_list is not None  # set by Daemon.start(), which the lifespan runs before any request
+    return Response(daemon.job_list.render(state, limit), media_type="application/json")
 
 
 @router.get("/{job_id}", responses={200: doc("the job, with its checkpoints", models.Job), 404: NOT_FOUND})

@@ -102,6 +102,13 @@ def _add_local_commands(sub) -> None:
     serve.add_argument("--log-json", action="store_true", help="log JSON lines")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a configuration setting, over the file's and the environment's (repeatable), e.g. "
+        "--set engine.generate_slots=4",
+    )
+    serve.add_argument(
         "--check",
         action="store_true",
         help="validate the configuration (and what serve would refuse) without starting the daemon; exit 0 or 2",

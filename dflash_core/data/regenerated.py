@@ -14,7 +14,8 @@ from .conversations import DatasetError
 
 MANIFEST = "regeneration.json"
 FORMAT = "dflash-regeneration"
-MANIFEST_LIMIT = 64 << 20  # far above a manifest of a million shards; a planted huge file is refused
+MANIFEST_LIMIT = 2 << 20  # tens of thousands of shards; a planted file larger is refused unread, and one
+# within it costs the reader little memory even as pathological JSON
 
 
 def read_manifest(directory: Path, label: str | None = None) -> dict:

@@ -69,8 +69,8 @@ class ShardOutput:
 
     def start(self, plan: dict[str, Any]) -> dict[str, Any]:
         """The manifest to continue: the existing one when it was written for the same plan (a
-        resume), a new one when there is none; a JobError when the directory holds another
-        regeneration's output."""
+        resume), a new one when there is none or it lists no shard; a JobError when the directory
+        holds another regeneration's output."""
         if self.dir.exists(MANIFEST):
             try:
                 existing = json.loads(self.dir.read(MANIFEST, MANIFEST_LIMIT).decode("utf-8"))
@@ -80,7 +80,10 @@ class ShardOutput:
                     f"({e}); choose another output_dir",
                     "output_dir",
                 ) from None
-            if not isinstance(existing, dict) or existing.get("format") != FORMAT or existing.get("plan") != plan:
+            ours = isinstance(existing, dict) and existing.get("format") == FORMAT
+            if ours and not existing.get("shards"):  # a run that wrote nothing: nothing to keep or continue
+                existing = None
+            elif not ours or existing.get("plan") != plan:
                 plan_then = existing.get("plan") if isinstance(existing, dict) else None
                 plan_then = plan_then if isinstance(plan_then, dict) else {}
                 differ = sorted(k for k in plan if plan_then.get(k) != plan[k])
@@ -89,8 +92,8 @@ class ShardOutput:
                     f"{', '.join(differ) or 'its format'}); choose another output_dir",
                     "output_dir",
                 )
-            self.manifest = existing
-        else:
+            self.manifest = existing or {}
+        if not self.manifest:
             self.manifest = {
                 "format": FORMAT,
                 "version": 1,

@@ -100,7 +100,9 @@ class JobManager(JobWorker):
     def _check_output_dir_free(self, output_dir: str, given: str) -> None:
         """No other job owns it (the store decides again, atomically, when it records the job) and
         no earlier run left checkpoints in it."""
-        if (other := self.store.any_job_using(output_dir)) is not None:
+        other = self.store.any_job_using(output_dir)
+        # one that ended before it wrote a checkpoint (or a shard) gives the directory up
+        if other is not None and not (other.state in (FAILED, STOPPED) and not self.store.checkpoints(other.id)):
             raise _output_dir_taken(given, other)
         if (other := self.store.job_nesting_with(output_dir)) is not None:
             raise JobConflict(
@@ -159,7 +161,7 @@ class JobManager(JobWorker):
             raise JobConflict(f"job {job_id} is {job.state}; only a FAILED or STOPPED job can be resumed")
         if not job.owns_output_dir:
             raise JobConflict(
-                f"job {job_id} shares output_dir {_given_output_dir(job.spec)} with an earlier job, which keeps it; "
+                f"job {job_id} no longer owns output_dir {_given_output_dir(job.spec)} (another job has it); "
                 "submit it again with another output_dir"
             )
         checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)

@@ -121,7 +121,8 @@ class JobStore(JobListing):
     ) -> tuple[JobRecord, bool]:
         """Insert a PENDING job. Returns (job, created); an existing job with the same submission_id
         and fingerprint is returned with created=False; a different fingerprint raises SubmissionConflict;
-        an output_dir that another job owns raises OutputDirInUse."""
+        an output_dir that another job owns raises OutputDirInUse (one that FAILED or STOPPED before
+        it wrote anything gives it up)."""
         now = time.time()
         with self._tx() as db:
             if submission_id is not None:
@@ -130,6 +131,12 @@ class JobStore(JobListing):
                     if existing.spec_fingerprint != fingerprint:
                         raise SubmissionConflict(existing)
                     return existing, False
+            # an ended job that left nothing in its directory (no checkpoint, no shard) gives it up
+            db.execute(
+                "UPDATE jobs SET owns_output_dir = 0 WHERE output_dir = ? AND owns_output_dir = 1 AND state IN (?, ?)"
+                " AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE checkpoints.job_id = jobs.id)",
+                (output_dir, FAILED, STOPPED),
+            )
             try:
                 db.execute(
                     "INSERT INTO jobs (id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at)"

@@ -207,3 +207,30 @@ def test_a_regeneration_failed_before_its_first_shard_resumes(daemon):
         assert manifest["complete"] and len(rows) == 3
     finally:
         unmount(small)
+
+
+def test_a_regeneration_failed_before_its_first_shard_gives_its_output_dir_up(daemon):
+    """Submitted again into the same output_dir, with other settings, once the first one FAILED
+    before writing a shard: nothing is there to keep, so the new job takes the directory."""
+    from tests.helpers import mount_tmpfs, unmount
+
+    d = daemon
+    prompts = d.data_dir / "two-more-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("up", "down")))
+    small = d.data_dir / "small-disk-2"
+    mount_tmpfs(small, "size=256k")
+    try:
+        spec = _spec(datasets=[str(prompts)], max_new_tokens=4, shard_rows=2, output_dir=str(small / "out"))
+        first = d.submit(spec)
+        assert d.wait_terminal(first["id"], timeout=300)["state"] == "FAILED"
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        again = d.submit({**spec, "max_new_tokens": 5})
+        done = d.wait_terminal(again["id"], timeout=300)
+        assert done["state"] == "SUCCEEDED", done
+        manifest, rows = _rows(small / "out")
+        assert manifest["complete"] and manifest["plan"]["sampling"]["max_new_tokens"] == 5 and len(rows) == 2
+        # a job that wrote something keeps its directory
+        r = d.http.post("/jobs", json={**spec, "max_new_tokens": 6})
+        assert r.status_code == 409 and again["id"] in r.text, r.text
+    finally:
+        unmount(small)

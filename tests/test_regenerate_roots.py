@@ -161,3 +161,32 @@ def test_a_dataset_file_replaced_by_a_fifo_is_refused_at_once(tmp_path, suffix):
         raise AssertionError("the reader waited on a FIFO")
     assert failure and isinstance(failure[0], DatasetError), failure
     assert f"given/a{suffix}" in str(failure[0]) and "not a regular file" in str(failure[0]), failure
+
+
+def test_content_digests_never_wait_on_a_fifo(tmp_path):
+    """What names a dataset file's content (the tokenization cache key, a regeneration's plan)
+    reads it as a regular file: a FIFO in its place is refused at once."""
+    import os
+    import threading
+
+    from dflash_core.confine import UnsafeFile
+    from dflash_core.data.cache_entry import file_digest
+
+    fifo = tmp_path / "a.jsonl"
+    os.mkfifo(fifo)
+    failure: list[BaseException] = []
+
+    def digest():
+        try:
+            file_digest(fifo)
+        except BaseException as e:  # noqa: BLE001 - the test checks which
+            failure.append(e)
+
+    reader = threading.Thread(target=digest, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():
+        with open(fifo, "wb"):  # let the waiting reader go
+            pass
+        raise AssertionError("the digest waited on a FIFO")
+    assert failure and isinstance(failure[0], UnsafeFile), failure

@@ -48,8 +48,10 @@ class BadEntry(Exception):
 def file_digest(path: str | Path) -> str:
     """A digest of the file's size and content: all of it up to FULL_HASH_BYTES, else SAMPLE_BLOCKS
     blocks spread from its head to its tail."""
+    from ..confine import open_regular
+
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with open_regular(path, str(path)) as f:  # a dataset file may have become a FIFO: never wait on it
         size = os.fstat(f.fileno()).st_size
         h.update(size.to_bytes(8, "little"))
         if size <= FULL_HASH_BYTES:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from ..confine import OutsideRoots, resolved_under
+from ..confine import OutsideRoots, open_regular, resolved_under
 from ..data.conversations import DatasetError, ReadReport
 from ..data.prompts import read_prompts
 from ..data.regenerated import MANIFEST
@@ -421,7 +421,7 @@ def _tree_hash(path: Path, name: str, roots: list[str] | list[Path]) -> str:
         if f.name == MANIFEST or f.name.startswith("."):
             continue
         h.update(str(f.relative_to(path) if f.is_relative_to(path) else f.name).encode() + b"\0")
-        with f.open("rb") as fh:
+        with open_regular(f, name) as fh:  # never a FIFO's wait
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()

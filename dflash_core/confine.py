@@ -104,6 +104,22 @@ def open_regular(path: str | Path, what: str) -> BinaryIO:
         raise
 
 
+def made_by_us(dir_fd: int) -> bool:
+    """Whether the directory is owned as a file this process creates in it is (its uid, or the
+    one the file system gives it, such as NFS's squashed root): not another user's, who could
+    have put anything in it."""
+    try:
+        probe = os.open(".owner-probe", _CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+    except FileExistsError:  # a directory just made holds nothing
+        return False
+    try:
+        ours = os.fstat(probe).st_uid
+    finally:
+        os.close(probe)
+        os.unlink(".owner-probe", dir_fd=dir_fd)
+    return os.fstat(dir_fd).st_uid == ours
+
+
 class ConfinedDir:
     """A directory under one of `roots`, reached without following symlinks below the root,
     created if missing, and held open: every operation inside it goes through its descriptor."""
@@ -175,9 +191,8 @@ class ConfinedDir:
         child.path, child.what = self.path / name, self.what
         child.fd = os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=self.fd)
         # in a directory others can write, the new one may have been swapped between mkdir and
-        # open: what was opened must be this user's and writable by no one else
-        st = os.fstat(child.fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        # open: what was opened must be one this process made
+        if not made_by_us(child.fd):
             child.close()
             raise OutsideRoots(f"{self.what} {str(child.path)!r} was replaced while it was being created")
         return child

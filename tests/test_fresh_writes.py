@@ -110,3 +110,26 @@ def test_a_planted_event_file_name_is_not_followed(tmp_path):
     assert all(p.read_text() == "outside" for p in outside.iterdir())
     written = [p for p in board.rglob("*tfevents*") if not p.is_symlink()]
     assert len(written) == 1 and written[0].is_file() and written[0].stat().st_size > 0
+
+
+def test_a_directory_of_another_user_is_not_taken_for_ours(tmp_path):
+    """What a private directory is checked against when it was swapped between mkdir and open:
+    one this process made passes, another user's (tests run as root: one chowned away) does not,
+    nor one that already holds the probe's name."""
+    from dflash_core.confine import made_by_us
+
+    def check(path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return made_by_us(fd)
+        finally:
+            os.close(fd)
+
+    (tmp_path / "mine").mkdir()
+    assert check(tmp_path / "mine") and not list((tmp_path / "mine").iterdir())
+    (tmp_path / "theirs").mkdir()
+    os.chown(tmp_path / "theirs", 4242, 4242)
+    assert not check(tmp_path / "theirs")
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted" / ".owner-probe").symlink_to(tmp_path / "elsewhere")
+    assert not check(tmp_path / "planted") and not (tmp_path / "elsewhere").exists()

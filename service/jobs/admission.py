@@ -133,7 +133,7 @@ def with_roots_now(engine_job: Any, spec: dict[str, Any], roots: Roots) -> Any:
             raise SpecError(
                 field_name,
                 f"{label} is outside the daemon's {which} now (its configuration changed since the job was "
-                "submitted); the job was not run",
+                "submitted); it does not run under this configuration",
             )
 
     check(engine_job.output_dir, "output_dir", spec.get("output_dir"), writes, "output_roots")

@@ -166,7 +166,9 @@ class TargetModel:
             with torch.device(home):
                 model = load_fp8_checkpoint(self.path, config, self.dtype, attn, fp8_blocks)
         else:
-            check_safetensors_files(self.path)  # the loader's own error would not name the file
+            # the loader's own error would not name the file; a quantized checkpoint's integer
+            # weights are its quantization's to read
+            check_safetensors_files(self.path, float_weights=getattr(config, "quantization_config", None) is None)
             model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation=attn)
         model.requires_grad_(False).eval().to(home)
         self.model = model

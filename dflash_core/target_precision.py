@@ -211,15 +211,25 @@ def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def check_safetensors_files(path: Path) -> None:
-    """Every safetensors file of a checkpoint directory has a readable header that its size covers;
-    ValueError naming the first that does not (read before a loader that would not name it)."""
+def check_safetensors_files(path: Path, *, float_weights: bool = True) -> None:
+    """Every safetensors file of a checkpoint directory has a readable header that its size
+    covers, and (float_weights: a checkpoint that declares no quantization) floating-point
+    weights: an FP8 or integer weight would be cast to the compute dtype as raw codes, without
+    the scales that give it its value. ValueError naming the file, and the tensor (read before a
+    loader that would name neither)."""
     from safetensors import SafetensorError, safe_open
 
     for file in sorted(Path(path).glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as f:
-                f.keys()
+                for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                    dtype = f.get_slice(key).get_dtype() if float_weights else ""
+                    floating = dtype.startswith(("F16", "BF16", "F32", "F64"))
+                    if float_weights and key.endswith((".weight", ".bias")) and not floating:
+                        raise ValueError(
+                            f"{file}: {key}: a {dtype} weight in a checkpoint whose config.json declares no "
+                            "quantization_config (its values would be raw codes without their scales)"
+                        )
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 

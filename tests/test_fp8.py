@@ -368,3 +368,19 @@ def test_an_unreadable_safetensors_file_is_named(tmp_path, damage):
         with pytest.raises(ValueError) as e:
             TargetModel(target, [1, 2], "cpu")
         assert str(file) in str(e.value) and "not a readable safetensors file" in str(e.value), e.value
+
+
+def test_fp8_weights_in_a_target_without_fp8_quantization_are_refused(tmp_path):
+    """A checkpoint whose config.json declares no FP8 quantization but that stores an e4m3 weight
+    would load its raw codes as weights: refused, naming the file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.target import TargetModel
+
+    target = write_tiny_qwen3(tmp_path / "bf16")
+    tensors = load_file(str(target / "model.safetensors"))
+    tensors[Q] = tensors[Q].float().to(torch.float8_e4m3fn)
+    save_file(tensors, str(target / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        TargetModel(target, [1, 2], "cpu")
+    assert "model.safetensors" in str(e.value) and Q in str(e.value) and "F8_E4M3" in str(e.value), e.value

@@ -11,13 +11,24 @@ from .recipes import Layout, Recipe, layout_named, recipe_named
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Which target decoder layers feed the drafter (the DFlash reference rule).
 
-    Qwen3-8B (36 layers) with 5 draft layers -> [1, 9, 17, 25, 33].
+    Qwen3-8B (36 layers) with 5 draft layers -> [1, 9, 17, 25, 33]. The layers are distinct: a
+    target too shallow for the rule's range (layers 1 to n - 3) has them spread over all its
+    layers instead, and one with fewer layers than the drafter is a ValueError (a layer fed
+    twice would be a drafter input that carries nothing new).
     """
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    if num_draft_layers > num_target_layers:
+        raise ValueError(
+            f"a drafter of {num_draft_layers} layers needs as many distinct target layers; the target has "
+            f"{num_target_layers}: use fewer drafter layers or give target_layer_ids"
+        )
+    for start, end in ((1, num_target_layers - 3), (0, num_target_layers - 1)):
+        span = end - start
+        ids = [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+        if span >= 0 and len(set(ids)) == len(ids):
+            return ids
+    raise AssertionError("unreachable: the whole range always holds distinct layers")
 
 
 # RoPE variants the drafter takes from its target. The drafter computes them with transformers'
@@ -215,6 +226,9 @@ class DrafterConfig:
         bad = [i for i in ids if not 0 <= i < num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside the target's {num_target_layers} layers")
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ValueError(f"target_layer_ids {ids} name layer(s) {twice} more than once; each must be distinct")
         heads = int(target_config.num_attention_heads)
         head_dim = int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads)
         rope_theta, rope_scaling = drafter_rope(target_config)

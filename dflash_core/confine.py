@@ -5,20 +5,32 @@ Reading: a path is resolved again (symlinks followed) right before use and must 
 a dataset root; what is read is the resolved path. Writing: an output directory is opened by a
 walk from its root that follows no symlink (`O_NOFOLLOW` on every component below the root) and
 is then used through its file descriptor: directories are created, renamed and deleted relative
-to it, so a component swapped for a symlink later cannot redirect a write or a deletion.
+to it, so a component swapped for a symlink later cannot redirect a write or a deletion. A file
+is written only when this process created it (`O_CREAT|O_EXCL|O_NOFOLLOW` relative to such a
+descriptor), so a name planted beforehand, a symlink included, is never written through; files
+written by name by a library go into a private directory this process has just created.
+
+Reading a file from a place others can write: opened without following a final symlink and
+without blocking (a FIFO would wedge the reader), checked to be a regular file, and read up to a
+size bound.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class OutsideRoots(PermissionError):
@@ -41,6 +53,71 @@ def resolved_under(path: str | Path, roots: list[str] | list[Path], what: str, n
         label = str(path) if name is None else name
         raise OutsideRoots(f"{what} {label!r} now resolves outside the allowed roots; it changed after submission")
     return real
+
+
+class UnsafeFile(OSError):
+    """A file that is not a plain regular file of a bounded size where one was to be read."""
+
+
+def read_regular(name: str | Path, limit: int, what: str, dir_fd: int | None = None) -> bytes:
+    """The bytes of `name` (relative to `dir_fd` when given), which must be a regular file of at
+    most `limit` bytes: a symlink, a FIFO, a device or a directory is refused, never followed or
+    waited on. UnsafeFile names `what` (how the caller calls the file)."""
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):
+            raise UnsafeFile(f"{what} is a symlink; refusing to follow it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{what} is not a regular file")
+        if st.st_size > limit:
+            raise UnsafeFile(f"{what} is {st.st_size} bytes, more than the {limit} this file may hold")
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise UnsafeFile(f"{what} grew past the {limit} bytes this file may hold while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str | Path, what: str) -> BinaryIO:
+    """`path` opened for reading without blocking on it (a FIFO would wait for a writer for good),
+    which must be a regular file: a FIFO, a device or a directory is UnsafeFile naming `what`."""
+    fd = os.open(path, _READ_FLAGS & ~_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeFile(f"{what} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def made_by_us(dir_fd: int) -> bool:
+    """Whether the directory is owned as a file this process creates in it is (its uid, or the
+    one the file system gives it, such as NFS's squashed root): not another user's, who could
+    have put anything in it."""
+    try:
+        probe = os.open(".owner-probe", _CREATE_FLAGS, 0o600, dir_fd=dir_fd)
+    except FileExistsError:  # a directory just made holds nothing
+        return False
+    try:
+        ours = os.fstat(probe).st_uid
+    finally:
+        os.close(probe)
+        os.unlink(".owner-probe", dir_fd=dir_fd)
+    return os.fstat(dir_fd).st_uid == ours
 
 
 class ConfinedDir:
@@ -90,11 +167,34 @@ class ConfinedDir:
         with os.scandir(self.fd) as it:
             yield from it
 
-    def mkdir_private(self, name: str) -> ConfinedDir:
-        os.mkdir(name, 0o700, dir_fd=self.fd)
+    def create(self, name: str, mode: int = 0o644) -> int:
+        """A descriptor of a file this call creates as `name` (write-only); FileExistsError when
+        anything, a symlink included, already has that name."""
+        return os.open(name, _CREATE_FLAGS, mode, dir_fd=self.fd)
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The bytes of the regular file `name` in this directory (read_regular)."""
+        return read_regular(name, limit, f"{self.what} file {name!r}", dir_fd=self.fd)
+
+    def mkdir_fresh(self, prefix: str, mode: int = 0o700) -> tuple[str, ConfinedDir]:
+        """A directory this call creates under a new name starting with `prefix` (its name and
+        the directory): no one else can have put anything in it."""
+        while True:
+            name = f"{prefix}{uuid.uuid4().hex[:12]}"
+            with contextlib.suppress(FileExistsError):
+                return name, self.mkdir_private(name, mode)
+
+    def mkdir_private(self, name: str, mode: int = 0o700) -> ConfinedDir:
+        """The directory `name`, which this call creates (FileExistsError when the name is taken)."""
+        os.mkdir(name, mode, dir_fd=self.fd)
         child = object.__new__(ConfinedDir)
         child.path, child.what = self.path / name, self.what
         child.fd = os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=self.fd)
+        # in a directory others can write, the new one may have been swapped between mkdir and
+        # open: what was opened must be one this process made
+        if not made_by_us(child.fd):
+            child.close()
+            raise OutsideRoots(f"{self.what} {str(child.path)!r} was replaced while it was being created")
         return child
 
     def rename(self, src: str, dst: str) -> None:

@@ -147,7 +147,12 @@ class TargetModel:
         attn = attention_implementation(config)
         # a split target is assembled on the host, then each stage moves to its device
         home = self.device if len(stages) == 1 else torch.device("cpu")
-        from .target_precision import fp8_checkpoint_blocks, load_fp8_checkpoint, without_quantization
+        from .target_precision import (
+            check_safetensors_files,
+            fp8_checkpoint_blocks,
+            load_fp8_checkpoint,
+            without_quantization,
+        )
 
         fp8_blocks = fp8_checkpoint_blocks(config)  # a checkpoint stored in fine-grained FP8
         if random_init:
@@ -161,6 +166,9 @@ class TargetModel:
             with torch.device(home):
                 model = load_fp8_checkpoint(self.path, config, self.dtype, attn, fp8_blocks)
         else:
+            # the loader's own error would not name the file; a quantized checkpoint's integer
+            # weights are its quantization's to read
+            check_safetensors_files(self.path, float_weights=getattr(config, "quantization_config", None) is None)
             model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype, attn_implementation=attn)
         model.requires_grad_(False).eval().to(home)
         self.model = model

@@ -138,7 +138,15 @@ def fp8_checkpoint_blocks(config: Any) -> tuple[int, int] | None:
         return None
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"an FP8 checkpoint with activation_scheme {q.get('activation_scheme')!r}: only dynamic")
-    block = q.get("weight_block_size") or (128, 128)
+    block = q.get("weight_block_size", (128, 128))
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"config.json: quantization_config.weight_block_size must be two positive integers, not {block!r}"
+        )
     return int(block[0]), int(block[1])
 
 
@@ -187,30 +195,100 @@ def dequantize_blocks(
     return (weight8.float() * scales).to(dtype)
 
 
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; ValueError naming the file when its header is corrupt
+    or the file is shorter than its header says (a truncated copy)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has keys()
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def check_safetensors_files(path: Path, *, float_weights: bool = True) -> None:
+    """Every safetensors file of a checkpoint directory has a readable header that its size
+    covers, and (float_weights: a checkpoint that declares no quantization) floating-point
+    weights: an FP8 or integer weight would be cast to the compute dtype as raw codes, without
+    the scales that give it its value. ValueError naming the file, and the tensor (read before a
+    loader that would name neither)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                    dtype = f.get_slice(key).get_dtype() if float_weights else ""
+                    floating = dtype.startswith(("F16", "BF16", "F32", "F64"))
+                    if float_weights and key.endswith((".weight", ".bias")) and not floating:
+                        raise ValueError(
+                            f"{file}: {key}: a {dtype} weight in a checkpoint whose config.json declares no "
+                            "quantization_config (its values would be raw codes without their scales)"
+                        )
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _scale_problem(weight: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int]) -> str | None:
+    """Why `scale` cannot be the block scales of the FP8 `weight` (None: it can)."""
+    if weight.dtype != FORWARD_DTYPE:
+        return f"a weight with block scales must be float8_e4m3fn, not {weight.dtype}"
+    if weight.dim() != 2:
+        return f"an FP8 weight must be a matrix, not of shape {list(weight.shape)}"
+    if scale.dtype not in SCALE_DTYPES:
+        return f"its scales must be floating point (float32, bfloat16 or float16), not {scale.dtype}"
+    rows, cols = weight.shape
+    grid = (-(-rows // blocks[0]), -(-cols // blocks[1]))
+    if tuple(scale.shape) != grid:
+        return (
+            f"FP8 weight [{rows}, {cols}] with {blocks[0]} x {blocks[1]} blocks needs scales "
+            f"{list(grid)}, not {list(scale.shape)}"
+        )
+    values = scale.float()
+    if not bool(torch.isfinite(values).all()):
+        return "its scales hold NaN or infinite values"
+    if not bool((values > 0).all()):
+        return "its scales must be positive; some are 0 or negative"
+    return None
+
+
 def read_fp8_checkpoint(
     path: Path, dtype: torch.dtype, blocks: tuple[int, int]
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The checkpoint's tensors with every FP8 weight dequantized (its `weight_scale_inv` per
-    block of `blocks` folded in), and the names of those weights."""
-    from safetensors import safe_open
-
+    block of `blocks` folded in), and the names of those weights. Only e4m3 weights with finite
+    positive floating-point scales of their block grid's shape are accepted: anything else
+    (scales stored as integers, an integer or e5m2 weight beside its scales, an e4m3 weight
+    without them, an integer weight) would load as numbers that are not the target's, so it is
+    a ValueError naming the file and the tensor."""
     raw: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                raw[key] = f.get_tensor(key)
+        for key, value in read_safetensors(file).items():
+            raw[key], where[key] = value, file
     state: dict[str, torch.Tensor] = {}
     quantized: set[str] = set()
     for key, value in raw.items():
-        if key.endswith("_scale_inv"):
+        if key.endswith(SCALE_SUFFIX):
+            if key[: -len(SCALE_SUFFIX)] not in raw:
+                raise ValueError(f"{where[key]}: {key}: block scales of no weight ({key[: -len(SCALE_SUFFIX)]})")
             continue
-        scale = raw.get(key + "_scale_inv") if not key.endswith(".weight") else raw.get(key[:-6] + "weight_scale_inv")
-        if scale is not None and value.dtype == FORWARD_DTYPE:
-            try:
-                state[key] = dequantize_blocks(value, scale, dtype, blocks)
-            except ValueError as e:
-                raise ValueError(f"{path}: {key}: {e}") from None
+        scale = raw.get(key + SCALE_SUFFIX)
+        if scale is not None:
+            problem = _scale_problem(value, scale, blocks)
+            if problem is not None:
+                raise ValueError(f"{where[key]}: {key}: {problem}")
+            state[key] = dequantize_blocks(value, scale, dtype, blocks)
             quantized.add(key)
+        elif value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+            raise ValueError(f"{where[key]}: {key}: an FP8 tensor without block scales ({key}{SCALE_SUFFIX})")
+        elif not value.is_floating_point() and key.endswith((".weight", ".bias")):
+            raise ValueError(f"{where[key]}: {key}: a {value.dtype} tensor where weights are floating point")
         else:
             state[key] = value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     return state, quantized

@@ -9,6 +9,7 @@ service.cli_local (serve, precompile, export, eval) and service.cli_jobs (the cl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 from .cli_jobs import (
     EXIT_BAD_REQUEST,
+    EXIT_BROKEN_PIPE,
     EXIT_DAEMON_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-trainer",
         description="DFlash drafter training daemon",
         epilog="exit codes: 0 done (a followed job SUCCEEDED), 1 job FAILED, 2 bad request or arguments, "
-        "3 job STOPPED, 4 daemon unreachable, 5 daemon error, 130 interrupted",
+        "3 job STOPPED, 4 daemon unreachable, 5 daemon error, 130 interrupted, 141 output closed early",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -99,6 +101,18 @@ def _add_local_commands(sub) -> None:
     serve.add_argument("--data-dir", help=DATA_DIR_HELP)
     serve.add_argument("--log-json", action="store_true", help="log JSON lines")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a configuration setting, over the file's and the environment's (repeatable), e.g. "
+        "--set engine.generate_slots=4",
+    )
+    serve.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration (and what serve would refuse) without starting the daemon; exit 0 or 2",
+    )
     serve.add_argument(
         "--distributed",
         action="store_true",
@@ -232,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
     except DaemonError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_REQUEST if 400 <= e.status < 500 else EXIT_DAEMON_ERROR
@@ -243,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("submit", "logs"):
             print("\nstopped following; the job keeps running (dflash-trainer status / cancel)", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _reader_went_away() -> int:
+    """The reader of stdout closed it (`| head`): stop quietly, as a tool killed by SIGPIPE does,
+    with its exit status; what is still buffered is dropped, not flushed into the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ EXIT_JOB_STOPPED = 3
 EXIT_UNREACHABLE = 4  # no daemon answered at --url
 EXIT_DAEMON_ERROR = 5  # the daemon answered with a server error (5xx)
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # stdout's reader closed it (`| head`): a SIGPIPE death's status, without the death
 EXIT_CODES = {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_JOB_FAILED, "STOPPED": EXIT_JOB_STOPPED}
 # how long a follower keeps reconnecting to a daemon that went away (a restart takes seconds to
 # minutes: warm-up); then it gives up with EXIT_UNREACHABLE
@@ -116,7 +117,10 @@ def _event_message(event: dict[str, Any]) -> str | None:
         extra = f": {event['error']}" if event.get("error") else ""
         return f"state {event.get('state')}{extra}"
     if kind == "checkpoint":
-        return f"checkpoint step {event.get('step')}: {event.get('path')}"
+        path = str(event.get("path") or "")
+        if path.endswith(".parquet"):  # a regeneration's checkpoint is a shard; its count is rows
+            return f"shard {Path(path).name} written: {event.get('step')} rows so far"
+        return f"checkpoint step {event.get('step')}: {path}"
     if kind == "eval":
         return f"eval step {event.get('step')}: acceptance length {_fmt(event.get('acceptance_length'), '.3f')}"
     if kind == "resumed":
@@ -149,10 +153,11 @@ def _event_message(event: dict[str, Any]) -> str | None:
 
 def generation_line(p: dict[str, Any]) -> str:
     """A regeneration's progress (a `generate` event, or a job's progress.data)."""
+    eta = p.get("eta_seconds")  # absent once the job is not running: nothing is left to estimate
     return (
         f"prompts {p.get('prompts_done')}/{p.get('prompts_total')}  rows {p.get('rows_done')}/{p.get('rows_total')}"
         f"  {p.get('tokens_generated')} tokens  {_fmt(p.get('tokens_per_second'), ',.0f')} tok/s"
-        f"  ETA {duration(p.get('eta_seconds'))}"
+        + (f"  ETA {duration(eta)}" if eta is not None else "")
     )
 
 

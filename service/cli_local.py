@@ -31,6 +31,46 @@ def untrusted_store(config: Any) -> str | None:
     return None
 
 
+def settings_from(assignments: list[str]) -> dict[str, Any]:
+    """`--set section.key=value` assignments as the nested settings a config file would hold; the
+    value is read as a TOML value (a number, a boolean, a quoted string, a list), else taken as
+    the string it is. ConfigError naming an assignment that is not KEY=VALUE."""
+    import tomllib
+
+    from .config import ConfigError
+
+    out: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(part.strip() for part in parts):
+            raise ConfigError(f"--set {assignment!r}: give KEY=VALUE, e.g. --set engine.generate_slots=4")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part.strip(), {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {assignment!r}: {part.strip()!r} was set to a value above")
+            node = child
+        node[parts[-1].strip()] = value
+    return out
+
+
+def _check_only(config: Any) -> int:
+    """serve --check: what serve would refuse, found without starting anything (no engine, no
+    port, nothing written); a config that passes is summarised, one that does not exits 2."""
+    target = config.engine.target_path  # load_config checked it holds a config.json
+    print(
+        f"configuration OK: serves {config.host}:{config.port}, data_dir {config.data_dir}, target "
+        f"{target if target is not None else 'the embedded default'}, drafters on "
+        f"{', '.join(config.engine.drafter_devices) if config.engine.drafter_devices else 'the default devices'}"
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -40,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .http_guard import MAX_REQUEST_HEAD_BYTES, bounded_h11_protocol
     from .logs import configure_logging
 
-    overrides: dict[str, Any] = {
+    flags: dict[str, Any] = {
         "host": args.host,
         "port": args.port,
         "data_dir": args.data_dir,
@@ -48,6 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log_json": True if args.log_json else None,
     }
     try:
+        overrides = {
+            **settings_from(getattr(args, "set", None) or []),
+            **{k: v for k, v in flags.items() if v is not None},
+        }
         config = load_config(args.config, overrides=overrides)
     except ConfigError as e:
         print(f"dflash-trainer: invalid configuration: {e}", file=sys.stderr)
@@ -72,6 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if (problem := untrusted_store(config)) is not None:
         print(f"dflash-trainer: refusing to serve: {problem}", file=sys.stderr)
         return 2
+    if getattr(args, "check", False):
+        return _check_only(config)
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
     log = logging.getLogger("dflash.service")
     use_bytecode_cache(config.data_dir / BYTECODE_DIR)  # before the engine's thread imports torch

@@ -17,6 +17,7 @@ from dflash_core.engine.launch import Launch
 from .config import ServiceConfig
 from .engine_host import EngineHost
 from .event_feed import EventHub, StreamCollector
+from .job_list import JobListCache
 from .jobs.manager import JobManager
 from .jobs.store import JobStore
 from .metrics import ServiceMetrics
@@ -73,6 +74,7 @@ class Daemon:
         self.store: JobStore | None = None
         self.host: EngineHost | None = None
         self.manager: JobManager | None = None
+        self.job_list: JobListCache | None = None
         self.metrics: ServiceMetrics | None = None
         self.hub: EventHub | None = None
         self._shutting_down = threading.Event()
@@ -84,6 +86,7 @@ class Daemon:
             self._start_follower()
             return
         self.store = JobStore(self.config.database_path)
+        self.job_list = JobListCache(self.store)
         self.host = EngineHost(self.config, self.launch)
         self.manager = JobManager(self.config, self.store, self.host)
         self.metrics = ServiceMetrics(self.host, self.store, draft_length=self.config.engine.draft_length)

@@ -9,6 +9,12 @@ reached through its descriptor's /proc/self/fd path. A `tensorboard` symlink pla
 output directory, or an output directory swapped for a symlink while the job waited, is refused
 (the job's `tracking` event says why), never followed out of the roots. MLflow without a tracking
 URI of its own writes its file store under the output directory too, not into the current one.
+
+The TensorBoard event file is this module's own: created fresh (`O_CREAT|O_EXCL|O_NOFOLLOW`) in
+the held directory and written through its descriptor in TensorBoard's record format, so a name
+planted there beforehand, a symlink included, is never written through. Libraries that open
+their files by name (W&B, MLflow) get a directory this run has just created for them, where no
+one else can have planted anything.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
+import struct
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +85,16 @@ class Tracker:
                 log.warning("report_to %s: not started (%s)", backend, e, extra={"fields": {"job": job_id}})
                 self.errors.append({"backend": backend, "error": str(e)})
 
-    def _confined(self, path: Path, roots: list[Any]) -> str:
-        """`path` opened without following a symlink below its root, held open until close(); the
-        path of its descriptor, which a later swap of a component cannot redirect."""
+    def _confined(self, path: Path, roots: list[Any]) -> ConfinedDir:
+        """`path` opened without following a symlink below its root, held open until close()."""
         directory = ConfinedDir(path, roots, "output_dir")
+        self._dirs.append(directory)
+        return directory
+
+    def _private(self, path: Path, prefix: str, roots: list[Any]) -> str:
+        """A directory created now under `path` for a library that opens its files by name; the
+        path of its descriptor, which a later swap of a component cannot redirect."""
+        _, directory = self._confined(path, roots).mkdir_fresh(prefix, 0o755)
         self._dirs.append(directory)
         return f"/proc/self/fd/{directory.fd}"
 
@@ -86,10 +102,10 @@ class Tracker:
         if backend == "tensorboard":
             return _TensorBoard(self._confined(self.directory, roots))
         if backend == "wandb":
-            return _Wandb(job_id, name, self._confined(Path(output_dir), roots), spec)
+            return _Wandb(job_id, name, self._private(Path(output_dir), "wandb-", roots), spec)
         if backend == "mlflow":
-            uri = None if _USER_MLFLOW_URI else "file://" + self._confined(Path(output_dir), roots)
-            return _MLflow(job_id, name, spec, None if uri is None else uri + "/mlruns")
+            uri = None if _USER_MLFLOW_URI else "file://" + self._private(Path(output_dir), "mlruns-", roots)
+            return _MLflow(job_id, name, spec, uri)
         raise ValueError(f"unknown report_to backend {backend!r}")
 
     def step(self, stats: Any) -> None:
@@ -125,17 +141,39 @@ class Tracker:
 
 
 class _TensorBoard:
-    def __init__(self, directory: str):
-        from tensorboardX import SummaryWriter
+    """An event file of its own in `directory`, one record per call, flushed as it is written
+    (what a killed run leaves is readable up to its last step)."""
 
-        self._w = SummaryWriter(logdir=directory, flush_secs=10)
+    def __init__(self, directory: ConfinedDir):
+        from tensorboardX.proto import event_pb2, summary_pb2
+        from tensorboardX.record_writer import masked_crc32c
+
+        self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        while True:  # TensorBoard reads any file whose name holds "tfevents"
+            try:
+                fd = directory.create(f"{stem}.{uuid.uuid4().hex[:8]}")
+                break
+            except FileExistsError:
+                continue
+        self._file = os.fdopen(fd, "wb")
+        self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._file.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
+        self._file.flush()
 
     def __call__(self, scalars: dict[str, float], step: int) -> None:
-        for tag, value in scalars.items():
-            self._w.add_scalar(tag, value, step)
+        values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+        self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
 
     def close(self) -> None:
-        self._w.close()
+        try:
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
 
 
 class _Wandb:

@@ -30,6 +30,15 @@ def finite(value: Any) -> Any:
     return value
 
 
+def _data_progress(job: JobRecord) -> dict[str, Any] | None:
+    """A job's data progress as reported; an estimate of the time left only while it runs (a
+    stopped or ended job has none left to estimate)."""
+    data = job.data
+    if isinstance(data, dict) and data.get("eta_seconds") is not None and job.state != "RUNNING":
+        return {**data, "eta_seconds": None}
+    return data
+
+
 def job_json(job: JobRecord) -> dict[str, Any]:
     total = job.total_steps
     out: dict[str, Any] = {
@@ -44,7 +53,7 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "queue_position": job.queue_position,
         "progress": {
             "phase": job.phase if job.state == "RUNNING" else None,
-            "data": job.data,
+            "data": _data_progress(job),
             "step": job.step,
             "total_steps": total,
             "fraction": round(job.step / total, 4) if total else None,

@@ -36,9 +36,8 @@ CONTRACT_METRICS = frozenset(
     }
 )
 
-# the gauges labelled with the job whose values they hold (service/metrics.py); a Prometheus that
-# does not honour the target's labels (the shipped configs) stores that label as exported_job, its
-# own `job` being the scrape job's name
+# the gauges labelled `job_id` with the job whose values they hold (service/metrics.py); never
+# `job`, which Prometheus sets on every scraped series to the scrape job's name
 PER_JOB_GAUGES = (
     "dflash_train_loss",
     "dflash_train_accuracy",

@@ -208,3 +208,23 @@ def test_a_killed_daemon_leaves_no_workers_and_its_partial_entry_is_swept(record
     small.write_text("\n".join(records[:5]) + "\n")
     prepare_corpus([str(small)], tokenization, cache)  # the next start sweeps what the killed one left
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_quarantined_copies_do_not_pile_up(records, tokenization, tmp_path):
+    """A quarantined copy is as large as its entry: the next data preparation removes those set
+    aside longer ago than the quarantine keeps them, and never keeps more than the newest few."""
+    from dflash_core.data.cache_entry import QUARANTINE_KEEP, QUARANTINE_SECONDS
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(records[:8]) + "\n")
+    cache = tmp_path / "cache"
+    place = cache / "quarantine"
+    place.mkdir(parents=True)
+    now = time.time_ns()
+    old = [place / f"entry{i}-{now - int(2 * QUARANTINE_SECONDS * 1e9) - i}" for i in range(3)]
+    recent = [place / f"entry{i}-{now - i * 1000}" for i in range(QUARANTINE_KEEP + 2)]
+    for p in old + recent:
+        p.mkdir()
+        (p / "tokens.i32").write_bytes(b"\0" * 64)
+    prepare_corpus([str(path)], tokenization, cache)
+    assert sorted(p.name for p in place.iterdir()) == sorted(p.name for p in recent[:QUARANTINE_KEEP])

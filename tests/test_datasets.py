@@ -5,6 +5,7 @@ templates, checked against the tokenizer's own assistant mask."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def write_layouts(root: Path, records: list[dict]) -> dict[str, Path]:
     out = {}
     out["jsonl"] = root / "all.jsonl"
     out["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records))
+    out["jsonl_gz"] = root / "all.jsonl.gz"
+    out["jsonl_gz"].write_bytes(gzip.compress(out["jsonl"].read_bytes()))
     out["json_array"] = root / "all.json"
     out["json_array"].write_text(json.dumps([as_sharegpt(r) for r in records], indent=2))
     out["parquet"] = root / "all.parquet"
@@ -89,7 +92,7 @@ def test_every_layout_reads_the_same_conversations(layouts, records):
 def test_corpus_equals_in_memory_tokenization_and_is_cached(layouts, records, tokenizer, tokenization, tmp_path):
     expected = [encode_conversation(tokenizer, Conversation(r["messages"], "x")) for r in records]
     cache = tmp_path / "cache"
-    for name in ("jsonl", "shards", "save_to_disk"):
+    for name in ("jsonl", "jsonl_gz", "shards", "save_to_disk"):
         seen = []
         corpus = prepare_corpus([str(layouts[name])], tokenization, cache, progress=seen.append)
         assert len(corpus) == len(records), name
@@ -163,7 +166,7 @@ def test_structural_problems_are_refused(tmp_path, records):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DatasetError, match=r"no \.jsonl, \.json or \.parquet"):
+    with pytest.raises(DatasetError, match=r"no \.jsonl, \.jsonl\.gz, \.json or \.parquet"):
         check_dataset(empty)
     pq.write_table(pa.Table.from_pylist([{"text": "a"}]), tmp_path / "wrong.parquet")
     with pytest.raises(DatasetError, match=r"wrong.parquet: no 'messages' or 'conversations' column \(columns: text\)"):
@@ -306,3 +309,15 @@ def test_errors_name_the_entry_as_given_not_where_it_resolves(records, tokenizat
     with pytest.raises(OutsideRoots) as refused:
         prepare_corpus([entry], tokenization, cache, roots=[str(roots)], names={entry: "given/shards"})
     assert "'given/shards/c.jsonl'" in str(refused.value) and str(tmp_path) not in str(refused.value)
+
+
+def test_a_corrupt_gzip_dataset_names_file_and_line(records, tmp_path):
+    """A truncated .jsonl.gz reads up to where the stream breaks, then names the file and the
+    line; a .jsonl.gz that is not gzip at all is named too."""
+    data = gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatasetError, match=r"cut\.jsonl\.gz:\d+: not a readable gzip stream"):
+        list(read_conversations(tmp_path / "cut.jsonl.gz"))
+    (tmp_path / "plain.jsonl.gz").write_text(json.dumps(records[0]) + "\n")
+    with pytest.raises(DatasetError, match=r"plain\.jsonl\.gz:1: not a readable gzip stream"):
+        check_dataset(tmp_path / "plain.jsonl.gz")

@@ -5,7 +5,9 @@ The GPU step itself: tests/gpu/test_fp8_gpu.py."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -275,3 +277,110 @@ def test_block_scales_follow_the_checkpoints_block_size_with_partial_edge_blocks
     assert w[127, 0] == 1 and w[128, 0] == 4 and w[199, 383] == 6 and w[0, 256] == 3 and w[150, 200] == 5
     with pytest.raises(ValueError, match=r"needs scales \[2, 3\]"):
         dequantize_blocks(ones, scales[:, :2], torch.float32, (128, 128))
+
+
+def _fp8_variant(tmp_path, name: str, edit) -> Path:
+    """The tiny FP8 checkpoint with edit(tensors, config) applied to what it stores."""
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "fp8"
+    if not base.exists():
+        write_tiny_qwen3(tmp_path / "bf16")
+        write_fp8_checkpoint(tmp_path / "bf16", base)
+    out = tmp_path / name
+    shutil.copytree(base, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _set(key, value_of):
+    def edit(tensors, config):
+        value = value_of(tensors)
+        if value is None:
+            del tensors[key]
+        else:
+            tensors[key] = value
+
+    return edit
+
+
+def _block(value):
+    def edit(tensors, config):
+        config["quantization_config"]["weight_block_size"] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, tensor, why",
+    [
+        (_set(Q + "_scale_inv", lambda t: t[Q + "_scale_inv"].to(torch.int32)), Q, "floating point"),
+        (_set(Q, lambda t: t[Q].view(torch.int8)), Q, "must be float8_e4m3fn"),
+        (_set(Q, lambda t: t[Q].float().to(torch.float8_e5m2)), Q, "must be float8_e4m3fn"),
+        (_set(Q + "_scale_inv", lambda t: None), Q, "without block scales"),
+        (_set(Q + "_scale_inv", lambda t: torch.full_like(t[Q + "_scale_inv"], float("nan"))), Q, "NaN"),
+        (_set(Q + "_scale_inv", lambda t: torch.zeros_like(t[Q + "_scale_inv"])), Q, "positive"),
+        (_set(Q + "_scale_inv", lambda t: t[Q + "_scale_inv"].repeat(2, 1)), Q, "needs scales"),
+        (_block([0, 0]), "weight_block_size", "two positive integers"),
+        (_block([128]), "weight_block_size", "two positive integers"),
+    ],
+    ids=[
+        "int-scales",
+        "int8-weight",
+        "e5m2-weight",
+        "no-scales",
+        "nan-scales",
+        "zero-scales",
+        "grid",
+        "block-0",
+        "block-1",
+    ],
+)
+def test_a_corrupt_fp8_checkpoint_is_refused_naming_file_and_tensor(tmp_path, edit, tensor, why):
+    from dflash_core.target import TargetModel
+
+    target = _fp8_variant(tmp_path, "bad", edit)
+    with pytest.raises(ValueError) as e:
+        TargetModel(target, [1, 2], "cpu")
+    message = str(e.value)
+    assert tensor in message and why in message, message
+    assert "config.json" in message if tensor == "weight_block_size" else "model.safetensors" in message
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_an_unreadable_safetensors_file_is_named(tmp_path, damage):
+    """A truncated shard or a corrupt header, of a plain or an FP8 target: the error names the file."""
+    from dflash_core.target import TargetModel
+
+    write_tiny_qwen3(tmp_path / "bf16")
+    write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+    for target in (tmp_path / "bf16", tmp_path / "fp8"):
+        file = target / "model.safetensors"
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2] if damage == "truncated" else data[:8] + b"{garbage" + data[16:])
+        with pytest.raises(ValueError) as e:
+            TargetModel(target, [1, 2], "cpu")
+        assert str(file) in str(e.value) and "not a readable safetensors file" in str(e.value), e.value
+
+
+def test_fp8_weights_in_a_target_without_fp8_quantization_are_refused(tmp_path):
+    """A checkpoint whose config.json declares no FP8 quantization but that stores an e4m3 weight
+    would load its raw codes as weights: refused, naming the file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.target import TargetModel
+
+    target = write_tiny_qwen3(tmp_path / "bf16")
+    tensors = load_file(str(target / "model.safetensors"))
+    tensors[Q] = tensors[Q].float().to(torch.float8_e4m3fn)
+    save_file(tensors, str(target / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        TargetModel(target, [1, 2], "cpu")
+    assert "model.safetensors" in str(e.value) and Q in str(e.value) and "F8_E4M3" in str(e.value), e.value

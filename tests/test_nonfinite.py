@@ -84,3 +84,55 @@ def test_a_job_that_trained_on_nothing_fails(engine, default_assets, tmp_path):
         engine.run_job(job(default_assets, tmp_path / "out", steps=3, datasets=[str(empty)]), watch)
     assert "trained on 0 tokens" in str(e.value), e.value
     assert watch.steps == [1, 2, 3] and watch.checkpoints == []  # not even the last step's
+
+
+class Steps(JobCallbacks):
+    def __init__(self):
+        self.stats = []
+
+    def on_step(self, stats):
+        self.stats.append(stats)
+
+
+@pytest.fixture(scope="module")
+def teacher_engine(default_assets):
+    """An engine whose step reads the job's loss mix (the teacher's terms need one)."""
+    from dflash_core.engine import Engine
+    from tests.test_engine import engine_config
+
+    e = Engine(engine_config(["cpu"], teacher=True), default_assets.root.parent.parent).build()
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        ({"loss": {"ce": 1e-30}}, "gradient was exactly 0"),
+        ({"loss": {"ce": 1e-300}}, "loss was exactly 0"),
+        ({"learning_rate": 1e-300}, "weights did not change"),
+    ],
+    ids=["ce-1e-30", "ce-1e-300", "lr-1e-300"],
+)
+def test_a_job_whose_update_underflows_fails(teacher_engine, default_assets, tmp_path, settings, why):
+    """The data has labels, yet the loss weights or the learning rate are so small that no update
+    changes a single bit of the weights: the job fails saying why, and writes no checkpoint."""
+    watch = Steps()
+    with pytest.raises(JobError) as e:
+        teacher_engine.run_job(
+            job(default_assets, tmp_path / "out", steps=3, checkpoint_interval=1000, **settings), watch
+        )
+    assert "did not train" in str(e.value) and why in str(e.value), e.value
+    assert len(watch.stats) == 3 and all(s.labels > 0 for s in watch.stats)
+    assert not any((tmp_path / "out" / "checkpoints").glob("step-*"))
+
+
+def test_grad_clip_zero_reports_the_measured_gradient_norm(engine, default_assets, tmp_path):
+    """With clipping off the gradient norm is still measured: the non-finite guard and the metrics
+    read it, so it must never be a constant."""
+    clipped, unclipped = Steps(), Steps()
+    engine.run_job(job(default_assets, tmp_path / "a", steps=2, grad_clip=1e6), clipped)
+    engine.run_job(job(default_assets, tmp_path / "b", steps=2, grad_clip=0.0), unclipped)
+    norms = [s.grad_norm for s in unclipped.stats]
+    assert all(n > 0 for n in norms), norms
+    assert norms == pytest.approx([s.grad_norm for s in clipped.stats], rel=1e-5)

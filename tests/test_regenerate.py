@@ -89,7 +89,15 @@ def test_prompt_layouts(engine, prompts, tmp_path):
         *asked, answer = row["messages"]
         assert asked[-1]["role"] == "user" and answer["role"] == "assistant"
         assert "old answer" not in json.dumps(asked)
-    parquet_rows = [r for r in rows if r["source"].startswith(str(tmp_path / "prompts.parquet"))]
+    # every path the output records is relative to the output directory, none the host's
+    recorded = (out / MANIFEST).read_text() + json.dumps([r["source"] for r in rows])
+    assert str(tmp_path) not in recorded, recorded[:2000]
+    assert [s["dataset"] for s in manifest["plan"]["sources"]] == ["../prompts.parquet", "../sharegpt.json", "../hf"]
+    # the target named by the identity a checkpoint trained on the output records
+    from dflash_core.target_identity import target_identity
+
+    assert manifest["plan"]["target"] == target_identity(engine.parts.target_path)
+    parquet_rows = [r for r in rows if r["source"].startswith("../prompts.parquet")]
     assert sorted(r["messages"][0]["content"] for r in parquet_rows) == sorted(questions * 2)
     # greedy: the two samples of a prompt agree
     by_prompt = {}

@@ -310,3 +310,30 @@ def test_engine_trains_with_a_split_target(default_assets, tmp_path):
         assert res.status == "SUCCEEDED"
     finally:
         engine.close()
+
+
+def test_target_layers_fed_to_the_drafter_are_distinct():
+    """The reference rule where the target is deep enough; a shallow target gets distinct layers
+    spread over all of its own, one shallower than the drafter is refused, and so are given ids
+    that name a layer twice."""
+    from transformers import Qwen3Config
+
+    from dflash_core.config import DrafterConfig, build_target_layer_ids
+
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    for layers in range(1, 41):
+        for drafter in range(1, min(layers, 8) + 1):
+            ids = build_target_layer_ids(layers, drafter)
+            assert len(set(ids)) == drafter and all(0 <= i < layers for i in ids), (layers, drafter, ids)
+    assert build_target_layer_ids(4, 2) == [0, 3]
+    with pytest.raises(ValueError, match="distinct target layers"):
+        build_target_layer_ids(3, 5)
+    tiny = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16)  # fmt: skip
+    assert DrafterConfig.from_target_config(
+        tiny, num_hidden_layers=2, block_size=4, mask_token_id=1
+    ).target_layer_ids == (0, 3)
+    with pytest.raises(ValueError, match="more than once"):
+        DrafterConfig.from_target_config(
+            tiny, num_hidden_layers=2, block_size=4, mask_token_id=1, target_layer_ids=[1, 1]
+        )

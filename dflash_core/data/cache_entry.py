@@ -8,7 +8,8 @@ checked against it whenever it is opened, set aside and rebuilt when it does not
   content for the cache key: an in-place edit that keeps size and mtime is still noticed);
 - checked on open: meta.json parses, the array sizes agree with the manifest and with the counts
   (tokens, documents), the lengths add up to the tokens, the digests match. A bad entry is named,
-  moved to `<cache>/quarantine/` (the newest QUARANTINE_KEEP are kept for a look) and rebuilt;
+  moved to `<cache>/quarantine/` and rebuilt; the newest QUARANTINE_KEEP are kept for a look, none
+  longer than QUARANTINE_SECONDS (a copy is as large as the entry: they must not pile up);
 - partial entries (`.tmp-*`) whose writer process is gone are swept before a corpus is prepared.
 """
 
@@ -38,6 +39,7 @@ FULL_HASH_BYTES = 1 << 20
 SAMPLE_BLOCK = 64 << 10
 SAMPLE_BLOCKS = 16
 QUARANTINE_KEEP = 8
+QUARANTINE_SECONDS = 7 * 24 * 3600
 MAX_META_BYTES = 1 << 20  # meta.json holds counts and at most a few error messages
 
 
@@ -48,8 +50,10 @@ class BadEntry(Exception):
 def file_digest(path: str | Path) -> str:
     """A digest of the file's size and content: all of it up to FULL_HASH_BYTES, else SAMPLE_BLOCKS
     blocks spread from its head to its tail."""
+    from ..confine import open_regular
+
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with open_regular(path, str(path)) as f:  # a dataset file may have become a FIFO: never wait on it
         size = os.fstat(f.fileno()).st_size
         h.update(size.to_bytes(8, "little"))
         if size <= FULL_HASH_BYTES:
@@ -152,11 +156,28 @@ def quarantine(directory: Path, reason: str, dataset: str) -> Path | None:
         "tokenized cache entry is corrupt: quarantined, the dataset is tokenized again",
         extra={"fields": {"dataset": dataset, "entry": directory.name, "reason": reason, "moved_to": str(target)}},
     )
-    with contextlib.suppress(OSError):
-        old = sorted(place.iterdir(), key=lambda p: p.stat().st_mtime_ns)[:-QUARANTINE_KEEP]
-        for p in old:
-            shutil.rmtree(p, ignore_errors=True)
+    prune_quarantine(directory.parent)
     return target
+
+
+def _quarantined_at(path: Path) -> float:
+    """When a copy was set aside (seconds): the time its name ends with, else its mtime."""
+    stamp = path.name.rsplit("-", 1)[-1]
+    return int(stamp) / 1e9 if stamp.isdigit() else path.stat().st_mtime
+
+
+def prune_quarantine(cache_root: Path, now: float | None = None) -> list[str]:
+    """Remove the quarantined copies beyond the newest QUARANTINE_KEEP and those set aside more
+    than QUARANTINE_SECONDS ago; the names removed."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    with contextlib.suppress(OSError):
+        copies = sorted((p for p in (cache_root / "quarantine").iterdir()), key=_quarantined_at, reverse=True)
+        for i, p in enumerate(copies):
+            if i >= QUARANTINE_KEEP or now - _quarantined_at(p) > QUARANTINE_SECONDS:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+    return removed
 
 
 def temp_name(final: str) -> str:

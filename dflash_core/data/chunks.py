@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..confine import open_regular
 from .bounded import bounded_lines, count_newlines, next_line_start
 from .conversations import DatasetError, parse_conversation
 from .sources import (
@@ -69,7 +70,7 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
     kind = task[0]
     if kind == "bytes":  # JSONL lines in [start, end), the first of them line `first_line`
         _, start, end, first_line = task
-        with src.path.open("rb") as f:
+        with open_regular(src.path, src.name) as f:
             f.seek(start)
             # split on newlines only, as the JSONL reader and the line count of chunk_tasks do (splitlines
             # would also split on a bare carriage return and shift every later line number)
@@ -85,7 +86,8 @@ def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]
     if src.kind == "parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(src.path, columns=[_column(src)]).slice(start, stop - start)
+        with open_regular(src.path, src.name) as f:
+            table = pq.read_table(f, columns=[_column(src)]).slice(start, stop - start)
         column = table.column_names[0]
         values = table.column(0).to_pylist()
     else:
@@ -156,7 +158,7 @@ def chunk_tasks(src: SourceFile) -> Iterator[tuple[tuple, int]]:
     """(task, bytes of progress it stands for) covering the whole file, in order."""
     if src.kind == "jsonl":
         size = src.path.stat().st_size
-        with src.path.open("rb") as f:
+        with open_regular(src.path, src.name) as f:
             start, line = 0, 1
             while start < size:
                 # to the end of the line the boundary falls in (scanned, never read whole)
@@ -185,5 +187,6 @@ def _row_count(src: SourceFile) -> int:
     if src.kind == "parquet":
         import pyarrow.parquet as pq
 
-        return int(pq.ParquetFile(src.path).metadata.num_rows)
+        with open_regular(src.path, src.name) as f:
+            return int(pq.ParquetFile(f).metadata.num_rows)
     return len(load_arrow_dataset(src.path, src.name))

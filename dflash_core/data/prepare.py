@@ -39,6 +39,7 @@ from ..confine import resolved_under
 from .cache_entry import (
     BadEntry,
     file_digest,
+    prune_quarantine,
     quarantine,
     sweep_partial,
     sync_dir,
@@ -290,6 +291,7 @@ def prepare_corpus(
     shards: dict[int, Shard] = {}
     cache_root.mkdir(parents=True, exist_ok=True)
     sweep_partial(cache_root)
+    prune_quarantine(cache_root)  # copies set aside long ago go, even when nothing is quarantined again
     for i, src in enumerate(sources):
         directory = cache_root / _reading(src, tok.key)
         if os.path.lexists(directory):

@@ -1,24 +1,33 @@
 """The output of a regeneration job read as a dataset: a directory with a manifest that lists its
 complete parquet shards (the shards a run wrote to the end; a shard being written is a hidden
 temporary file the manifest does not name). A training job that names such a directory reads
-exactly the shards of its manifest, in order."""
+exactly the shards of its manifest, in order. Others may write where the output lies, so its
+manifest is read as a bounded regular file, never through a symlink (confine.read_regular)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ..confine import read_regular
 from .conversations import DatasetError
 
 MANIFEST = "regeneration.json"
 FORMAT = "dflash-regeneration"
+MANIFEST_LIMIT = 2 << 20  # tens of thousands of shards; a planted file larger is refused unread, and one
+# within it costs the reader little memory even as pathological JSON
 
 
 def read_manifest(directory: Path, label: str | None = None) -> dict:
     label = str(directory) if label is None else label
     try:
-        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        data = read_regular(directory / MANIFEST, MANIFEST_LIMIT, f"{label}/{MANIFEST}")
+        manifest = json.loads(data.decode("utf-8"))
+    except OSError as e:
+        raise DatasetError(
+            f"{label}/{MANIFEST}", 0, f"not a readable regeneration manifest ({e.strerror or e})"
+        ) from None
+    except ValueError as e:
         raise DatasetError(f"{label}/{MANIFEST}", 0, f"not a readable regeneration manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DatasetError(f"{label}/{MANIFEST}", 0, f"not a regeneration manifest (format != {FORMAT!r})")

@@ -1,12 +1,13 @@
 """Where conversations come from: the dataset layouts users keep, read record by record.
 
 A dataset entry is one of
-  * a JSONL file (`.jsonl`, or a `.json` file whose first character is not `[`),
+  * a JSONL file (`.jsonl`, or a `.json` file whose first character is not `[`), or one
+    gzip-compressed (`.jsonl.gz`, read as it is decompressed: never whole in memory),
   * a JSON array file (`.json` starting with `[`),
   * a parquet file (`.parquet`),
   * a directory written by `datasets.Dataset.save_to_disk` (or a `DatasetDict`, whose `train`
     split is used),
-  * a directory of shards: its `*.jsonl`, `*.json` and `*.parquet` files, in sorted order,
+  * a directory of shards: its `*.jsonl`, `*.jsonl.gz`, `*.json` and `*.parquet` files, in sorted order,
   * a regeneration job's output directory: the complete shards its manifest lists (regenerated.py).
 Every record is a conversation in OpenAI `messages` or ShareGPT `conversations` form
 (conversations.py). Parquet and `save_to_disk` data are read with pyarrow and HF `datasets`;
@@ -28,14 +29,17 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
+from ..confine import UnsafeFile, open_regular
 from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
 from .errors import DatasetError
 
-SHARD_SUFFIXES = (".jsonl", ".json", ".parquet")
+SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 # One record larger than this is refused: a single conversation of that size is a broken file,
 # and reading it whole would cost host memory out of proportion.
 MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -57,7 +61,7 @@ class SourceFile:
     def unit(self) -> str:
         """How positions in this file are counted in messages: lines of JSONL, elements of a JSON
         array (several can share a line), rows of tables."""
-        return {"jsonl": "line", "json_array": "element"}.get(self.kind, "row")
+        return {"jsonl": "line", "jsonl_gz": "line", "json_array": "element"}.get(self.kind, "row")
 
 
 def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile]:
@@ -70,13 +74,14 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
         if path.is_dir():
             from .regenerated import MANIFEST, regenerated_sources
 
-            if (path / MANIFEST).is_file():  # a regeneration job's output: its complete shards
+            # a regeneration job's output (its complete shards), whatever its manifest turns out to be
+            if os.path.lexists(path / MANIFEST):
                 return regenerated_sources(path, label)
             if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
                 return [SourceFile(path, "arrow", label)]
-            shards = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
+            shards = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES))
             if not shards:
-                raise DatasetError(label, 0, "the directory holds no .jsonl, .json or .parquet files")
+                raise DatasetError(label, 0, "the directory holds no .jsonl, .jsonl.gz, .json or .parquet files")
             return [_file_source(p, child_name(label, p.name)) for p in shards]
         if not path.is_file():
             raise DatasetError(label, 0, "does not exist")
@@ -93,10 +98,13 @@ def child_name(entry_name: str, relative: str) -> str:
 def unreadable(name: str, error: OSError) -> DatasetError:
     """A dataset file the system refused to read, named as the user named it (an OSError's own
     text names the path that was opened)."""
-    return DatasetError(name, 0, f"cannot be read ({error.strerror or type(error).__name__})")
+    reason = str(error) if isinstance(error, UnsafeFile) else error.strerror or type(error).__name__
+    return DatasetError(name, 0, f"cannot be read ({reason})")
 
 
 def _file_source(path: Path, name: str) -> SourceFile:
+    if path.name.endswith(".jsonl.gz"):
+        return SourceFile(path, "jsonl_gz", name)
     if path.suffix == ".parquet":
         return SourceFile(path, "parquet", name)
     if path.suffix == ".json":
@@ -105,7 +113,7 @@ def _file_source(path: Path, name: str) -> SourceFile:
 
 
 def _first_char(path: Path) -> str:
-    with path.open("rb") as f:
+    with open_regular(path, str(path)) as f:
         head = f.read(4096)
     text = head.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="replace").lstrip()
     return text[:1]
@@ -120,6 +128,8 @@ def iter_records(
     try:
         if src.kind == "jsonl":
             yield from _jsonl(src, window)
+        elif src.kind == "jsonl_gz":
+            yield from _jsonl_gz(src, window)
         elif src.kind == "json_array":
             yield from _json_array(src)
         elif src.kind == "parquet":
@@ -131,8 +141,25 @@ def iter_records(
 
 
 def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
-    with src.path.open("rb") as f:
+    with open_regular(src.path, src.name) as f:
         yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
+
+
+def _jsonl_gz(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
+    """A gzip-compressed JSONL file, decompressed as it is read; `window` bounds the bytes
+    decompressed. A corrupt or truncated stream is a DatasetError naming the file and the line
+    it broke at, after the lines before it."""
+    import gzip
+    import zlib
+
+    line = 0
+    with open_regular(src.path, src.name) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
+        lines = bounded_lines(cast(IO[bytes], f), MAX_RECORD_BYTES, window, partial_last=False)
+        try:
+            for line, record in _jsonl_lines(src.name, lines, 1):
+                yield line, record
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise DatasetError(src.name, line + 1, f"not a readable gzip stream ({e})") from None
 
 
 def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
@@ -171,7 +198,7 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
     """Elements of a top-level JSON array, read incrementally (the file is never held whole)."""
     decoder = json.JSONDecoder()
     path = src.name  # in errors
-    with src.path.open("rb") as f:
+    with open_regular(src.path, src.name) as f:
         reader = codecs.getincrementaldecoder("utf-8")()
         buf, pos, line, eof = "", 0, 1, False
 
@@ -275,16 +302,17 @@ def _named(error: BaseException, src: SourceFile) -> str:
 def _parquet(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:
     import pyarrow.parquet as pq
 
-    try:
-        pf = pq.ParquetFile(src.path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-        raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
-    column = _conversation_column(pf.schema_arrow.names, src.name, columns)
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[column]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield row, {column: value}
+    with open_regular(src.path, src.name) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
+            raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
+        column = _conversation_column(pf.schema_arrow.names, src.name, columns)
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield row, {column: value}
 
 
 def _arrow(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:

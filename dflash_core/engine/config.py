@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import ShapeConfig
-from ..confine import resolved_under
+from ..confine import UnsafeFile, read_regular, resolved_under
 from ..data.tokenize import ChatTemplate
 from ..recipes import Layout, layout_named, recipe_named
 from .api import JobError
@@ -292,9 +292,11 @@ def job_template(job: TrainJob) -> ChatTemplate:
     path = resolved_under(job.chat_template, job.dataset_roots, "chat_template") if job.chat_template else None
     text = None
     if path is not None:
-        with path.open("rb") as f:  # bounded while reading: the file may have grown since submission
-            raw = f.read(MAX_TEMPLATE_BYTES + 1)
-        if len(raw) > MAX_TEMPLATE_BYTES:
-            raise JobError(f"chat_template is larger than {MAX_TEMPLATE_BYTES >> 20} MiB", "chat_template")
+        # a regular file, bounded while reading: it may have grown or been replaced (by a FIFO
+        # that would block the job) since submission
+        try:
+            raw = read_regular(path, MAX_TEMPLATE_BYTES, "chat_template")
+        except UnsafeFile as e:
+            raise JobError(str(e), "chat_template") from None
         text = raw.decode("utf-8")
     return ChatTemplate.of(text, job.chat_template_kwargs)

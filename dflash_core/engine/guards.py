@@ -7,7 +7,10 @@ letting it report success on garbage.
 - a checkpoint whose weights are not finite is not written, so the newest checkpoint on disk (the
   one rotation keeps, and a resume reads) is always a finite one;
 - a job whose data holds no token to train on, or that ran steps without training a single token,
-  fails instead of succeeding with a loss of 0.
+  fails instead of succeeding with a loss of 0;
+- a run whose steps had labels but whose loss was exactly 0 at every step, or whose weights ended
+  bit-identical to where they started (loss weights or a learning rate so small that the update
+  underflows), fails: it reported steps but trained nothing.
 """
 
 from __future__ import annotations
@@ -63,11 +66,33 @@ def check_data_tokens(tokens: int) -> None:
         )
 
 
-def check_trained(steps: int, labels: int) -> None:
+def check_trained(
+    steps: int, labels: int, *, any_loss: bool = True, any_grad: bool = True, weights_changed: bool = True
+) -> None:
     """After the job's steps of this run: raise when steps ran but no position had a label (the
-    loss was 0 by construction: e.g. every assistant turn empty)."""
-    if steps > 0 and labels <= 0:
+    loss was 0 by construction: e.g. every assistant turn empty), when the loss or the gradient
+    was exactly 0 at every step (any_loss, any_grad False), or when the weights did not change
+    (weights_changed False)."""
+    if steps <= 0:
+        return
+    if labels <= 0:
         raise JobError(
             f"the job ran {steps} steps but trained on 0 tokens: no block position had a label (are the "
             "assistant turns empty?); it did not train"
+        )
+    if not any_loss:
+        raise JobError(
+            f"the job ran {steps} steps on {labels} labelled positions but its loss was exactly 0 at every step: "
+            "the loss weights (loss) are too small to give a gradient; it did not train. Use weights near 1"
+        )
+    if not any_grad:
+        raise JobError(
+            f"the job ran {steps} steps on {labels} labelled positions but the gradient was exactly 0 at every "
+            "step: the loss weights (loss) are too small for the gradient to be represented; it did not train. "
+            "Use weights near 1"
+        )
+    if not weights_changed:
+        raise JobError(
+            f"the job ran {steps} steps on {labels} labelled positions but the weights did not change at all: "
+            "every update was 0 (a learning_rate too small for fp32 weights); it did not train. Raise learning_rate"
         )

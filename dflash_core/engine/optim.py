@@ -67,14 +67,18 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def clipped_step(opt: torch.optim.Optimizer, grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the step's gradients (the tensors the optimizer reads) to a global L2 norm of
-    max_norm (<= 0: no clipping), then step; the norm before clipping, on the device. The same
+    max_norm (<= 0: no clipping), then step; the norm before clipping (measured either way), on
+    the device. The same
     result as clip_grad_norm_ then step; with TritonAdamW the scaling happens inside the
     optimizer's kernel, so the gradients are left unscaled (nothing reads them before they are
     zeroed)."""
-    if max_norm <= 0 or not grads:
+    if not grads:
         opt.step()
         return torch.zeros((), device=opt.param_groups[0]["params"][0].device)
-    norm = grad_norm(grads)
+    norm = grad_norm(grads)  # measured with clipping off too: the non-finite guard and the metrics read it
+    if max_norm <= 0:
+        opt.step()
+        return norm
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s; 1 leaves small ones alone
     if TritonAdamW is not None and isinstance(opt, TritonAdamW):
         opt.step(grad_scale=coefficient)

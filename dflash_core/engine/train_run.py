@@ -30,6 +30,7 @@ from .admission import admit_training
 from .api import JobCallbacks, JobError, JobResult, StepStats
 from .checkpointing import Checkpointer, checkpoint_due
 from .config import TrainJob
+from .distributed import weights_checksum
 from .guards import check_data_tokens, check_step, check_trained
 from .kinds import readable_failures
 from .optim import lr_factor
@@ -139,6 +140,9 @@ class TrainRun:
         evaluates = (
             ranks.leads and bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
         )
+        # what the run starts from: a run that ends on the same bits trained nothing
+        start_weights = self._weights_checksum() if self.step < self.total else None
+        any_loss = any_grad = False
         while self.step < self.total:
             cancel = cb.should_cancel()
             if ranks.stops_before_step(cancel):
@@ -149,10 +153,15 @@ class TrainRun:
             self.step += 1
             check_step(self.stats)  # before the step is recorded or checkpointed
             self.trained += self.stats.labels
+            any_loss = any_loss or self.stats.loss != 0.0
+            any_grad = any_grad or self.stats.grad_norm != 0.0
             cb.on_step(self.stats)
             self.clock.first_step(cb.on_event)
             if self.step == self.total:  # before the last checkpoint: a job that trained on nothing writes none
-                check_trained(self.step - self.start, self.trained)
+                changed = start_weights is None or self._weights_checksum() != start_weights
+                check_trained(
+                    self.step - self.start, self.trained, any_loss=any_loss, any_grad=any_grad, weights_changed=changed
+                )
             ranks.check_weights(self.step, self.stop is not None or checkpoint_due(job, self.step, self.total))
             if evaluates and ((job.eval_interval and self.step % job.eval_interval == 0) or self.step == self.total):
                 self.eval_result = self.drafters.evaluate(
@@ -163,6 +172,9 @@ class TrainRun:
             if self.stop is not None:
                 self.status = "STOPPED"
                 break
+
+    def _weights_checksum(self) -> int:
+        return weights_checksum(m for _, m in self.drafters.replicas[0].named_masters())
 
     def train_step(self, lr: float, cancel: bool) -> tuple[StepStats, str | None]:
         """One optimizer step across the drafters (and, in a group, the ranks)."""
@@ -297,11 +309,13 @@ class TrainRun:
         job = self.job
         resume_from = self.resume_from if self.ranks.leads else None
         source = (resume_from or job.init_from) if self.ranks.leads else None  # a resume starts from its checkpoint
-        if source and job.init_from and not resume_from:
-            try:
+        try:  # a checkpoint is read only from where the job may read when it runs, a resume's too
+            if source and job.init_from and not resume_from:
                 source = str(resolved_under(job.init_from, job.dataset_roots + job.output_roots, "init_from"))
-            except OutsideRoots as e:
-                raise JobError(str(e), "init_from") from None
+            elif resume_from:
+                source = str(resolved_under(resume_from, job.output_roots, "the checkpoint to resume from"))
+        except OutsideRoots as e:
+            raise JobError(str(e), "init_from" if not resume_from else "output_dir") from None
         weights = load_weights(source, self.parts.drafter_config.num_hidden_layers, masters=True) if source else None
         reset_weights(self.engine.replicas, job.seed, weights)
         gamma = job.loss_gamma if job.loss_gamma is not None else self.parts.gamma

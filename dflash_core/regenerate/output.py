@@ -6,17 +6,20 @@ renamed to its name, and only then added to the manifest, itself replaced by a r
 killed at any point leaves the manifest of the shards written to the end; the next run skips
 exactly those and writes the others again, so no row is lost and none written twice. Everything
 goes through the directory's descriptor (confine.ConfinedDir): a component swapped for a symlink
-after submission cannot redirect a write.
+after submission cannot redirect a write. Temporary files are created fresh (never opened by a
+name someone else may have planted) inside a private staging directory this run creates, then
+renamed into the output directory; the manifest is read back as a bounded regular file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..confine import ConfinedDir, OutsideRoots
-from ..data.regenerated import FORMAT, MANIFEST
+from ..data.regenerated import FORMAT, MANIFEST, MANIFEST_LIMIT
 from ..engine.api import JobError
 
 TEMP_PREFIX = ".tmp-"
@@ -55,26 +58,42 @@ class ShardOutput:
             if entry.name.startswith(TEMP_PREFIX):
                 self.dir.remove_tree(entry.name)
         self.manifest: dict[str, Any] = {}
+        self._staging_name, self._staging = self.dir.mkdir_fresh(f"{TEMP_PREFIX}staging-")
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._staging.close()
+            if self.dir.exists(self._staging_name):
+                self.dir.remove_tree(self._staging_name)
         self.dir.close()
 
     def start(self, plan: dict[str, Any]) -> dict[str, Any]:
         """The manifest to continue: the existing one when it was written for the same plan (a
-        resume), a new one when there is none; a JobError when the directory holds another
-        regeneration's output."""
+        resume), a new one when there is none or it lists no shard; a JobError when the directory
+        holds another regeneration's output."""
         if self.dir.exists(MANIFEST):
-            with open(self.dir.at(MANIFEST), encoding="utf-8") as f:
-                existing = json.load(f)
-            if existing.get("format") != FORMAT or existing.get("plan") != plan:
-                differ = sorted(k for k in plan if (existing.get("plan") or {}).get(k) != plan[k])
+            try:
+                existing = json.loads(self.dir.read(MANIFEST, MANIFEST_LIMIT).decode("utf-8"))
+            except (OSError, ValueError) as e:
+                raise JobError(
+                    f"output_dir {self.output_dir!r}: {MANIFEST} cannot be read as a regeneration manifest "
+                    f"({e}); choose another output_dir",
+                    "output_dir",
+                ) from None
+            ours = isinstance(existing, dict) and existing.get("format") == FORMAT
+            if ours and not existing.get("shards"):  # a run that wrote nothing: nothing to keep or continue
+                existing = None
+            elif not ours or existing.get("plan") != plan:
+                plan_then = existing.get("plan") if isinstance(existing, dict) else None
+                plan_then = plan_then if isinstance(plan_then, dict) else {}
+                differ = sorted(k for k in plan if plan_then.get(k) != plan[k])
                 raise JobError(
                     f"output_dir {self.output_dir!r} holds another regeneration's output (it differs in "
                     f"{', '.join(differ) or 'its format'}); choose another output_dir",
                     "output_dir",
                 )
-            self.manifest = existing
-        else:
+            self.manifest = existing or {}
+        if not self.manifest:
             self.manifest = {
                 "format": FORMAT,
                 "version": 1,
@@ -105,13 +124,9 @@ class ShardOutput:
                 f"about {need / 2**20:.1f} MiB (ENOSPC); the complete shards stay and the job resumes from them"
             )
         try:
-            pq.write_table(table, self.dir.at(tmp), compression="zstd")
-            fd = os.open(tmp, os.O_RDONLY, dir_fd=self.dir.fd)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self.dir.rename(tmp, name)
+            with self._fresh(tmp) as f:
+                pq.write_table(table, f, compression="zstd")
+            self._publish(tmp, name)
             tokens = sum(int(r["completion_tokens"]) for r in rows)
             self.manifest["shards"].append(
                 {"index": index, "file": name, "rows": len(rows), "tokens_generated": tokens}
@@ -125,8 +140,8 @@ class ShardOutput:
                 reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
             self._write_manifest()
         except OSError as e:
-            if self.dir.exists(tmp):
-                self.dir.remove_tree(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._staging.fd)
             raise JobError(
                 f"shard {name} not written: {e.strerror or e}; the complete shards stay and the job resumes from them"
             ) from None
@@ -136,11 +151,22 @@ class ShardOutput:
         self.manifest["complete"] = True
         self._write_manifest()
 
+    def _fresh(self, name: str) -> BinaryIO:
+        """A file created now in the staging directory, written through its descriptor."""
+        return os.fdopen(self._staging.create(name), "wb")
+
+    def _publish(self, tmp: str, name: str) -> None:
+        """The staged file `tmp`, flushed to disk, renamed to `name` in the output directory."""
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._staging.fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=self._staging.fd, dst_dir_fd=self.dir.fd)
+        self.dir.fsync()
+
     def _write_manifest(self) -> None:
         tmp = f"{TEMP_PREFIX}{MANIFEST}"
-        with open(self.dir.at(tmp), "w", encoding="utf-8") as f:
-            json.dump(self.manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        self.dir.rename(tmp, MANIFEST)
-        self.dir.fsync()
+        with self._fresh(tmp) as f:
+            f.write(json.dumps(self.manifest, indent=1, sort_keys=True).encode("utf-8"))
+        self._publish(tmp, MANIFEST)

@@ -7,6 +7,9 @@ sample) a row, the rows sorted by prompt length (longest first: slots prefilled 
 similar lengths, and a prompt too large for the device fails the first shard, not the last) and
 cut into shards of `shard_rows`. The plan (sources and their hashes, target, template, sampling,
 counts) is in the manifest; a run that finds its own plan there skips the shards already written.
+The output names every path (a dataset, a row's source, the target) relative to the output
+directory, never as the host's absolute path: the output can be moved or shared with the paths
+meaning the same relative to it.
 
 The decode shapes (slots, cache positions per sequence) are engine settings; unset, the slots
 follow from the memory the device has left when the job starts (after the drafters), and the
@@ -16,8 +19,8 @@ cache is allocated for the job and given back at its end, so that training jobs 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from ..confine import OutsideRoots, resolved_under
+from ..confine import OutsideRoots, open_regular, resolved_under
 from ..data.conversations import DatasetError, ReadReport
 from ..data.prompts import read_prompts
 from ..data.regenerated import MANIFEST
@@ -36,6 +39,7 @@ from ..engine.api import JobCallbacks, JobError, JobResult
 from ..engine.config import job_template
 from ..engine.kinds import readable_failures
 from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
+from ..target_identity import config_sha256, target_identity
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
 
@@ -224,7 +228,8 @@ class RegenerationRun:
             except OutsideRoots as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
             try:
-                sources.append({"dataset": entry, "sha256": _tree_hash(path, entry, job.dataset_roots)})
+                shown = relative_to_output(entry, job.output_dir)
+                sources.append({"dataset": shown, "sha256": _tree_hash(path, entry, job.dataset_roots)})
                 prompts = read_prompts(
                     path, skip_bad_lines=job.skip_bad_lines, report=report, name=entry, roots=job.dataset_roots
                 )
@@ -239,7 +244,8 @@ class RegenerationRun:
                             raise err
                         report.note_skip(err)
                         continue
-                    messages.append((prompt.messages, prompt.source))
+                    source = shown + prompt.source[len(entry) :] if prompt.source.startswith(entry) else prompt.source
+                    messages.append((prompt.messages, source))
                     ids.append(np.asarray(tokens, dtype=np.int32))
             except (DatasetError, OutsideRoots) as e:
                 raise JobError(str(e), f"datasets[{i}]") from None
@@ -250,17 +256,19 @@ class RegenerationRun:
     def _plan(self, job: RegenerateJob, work: _Work) -> dict[str, Any]:
         """What the output is a function of: a resume continues only an output of the same plan."""
         engine = self.engine
-        target_config = json.dumps(engine.targets[0].config.to_dict(), sort_keys=True, default=str)
         template = job_template(job)  # type: ignore[arg-type]
         template_text = template.template or getattr(engine.tokenizer, "chat_template", None) or ""
+        # the target named as a checkpoint trained on this output names it (one identity everywhere)
+        target = (
+            target_identity(engine.parts.target_path)
+            if engine.parts
+            else {"config_sha256": config_sha256(engine.targets[0].config.to_dict())}
+        )
         return {
             "sources": work.sources,
-            "target": {
-                "path": str(engine.parts.target_path) if engine.parts else None,
-                "config_sha256": hashlib.sha256(target_config.encode()).hexdigest(),
-            },
+            "target": target,
             "chat_template": {
-                "file": job.chat_template,
+                "file": relative_to_output(job.chat_template, job.output_dir) if job.chat_template else None,
                 "sha256": hashlib.sha256(str(template_text).encode()).hexdigest(),
                 "kwargs": job.chat_template_kwargs,
             },
@@ -333,6 +341,11 @@ class RegenerationRun:
         stopped = bool(pending)
         meter.report(decoder.tokens_generated, force=True)
         return stopped
+
+
+def relative_to_output(path: str, output_dir: str) -> str:
+    """`path` as the output records it: relative to the output directory."""
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
 
 
 @dataclass
@@ -408,7 +421,7 @@ def _tree_hash(path: Path, name: str, roots: list[str] | list[Path]) -> str:
         if f.name == MANIFEST or f.name.startswith("."):
             continue
         h.update(str(f.relative_to(path) if f.is_relative_to(path) else f.name).encode() + b"\0")
-        with f.open("rb") as fh:
+        with open_regular(f, name) as fh:  # never a FIFO's wait
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()

@@ -8,10 +8,14 @@ it with `job_from_json` to run it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dflash_core.confine import under
 
 from .paths import Roots, check_dataset_readable, unique_datasets
 from .regenerate_spec import JOB_SCHEME, RegenerateSpec, check_prompts_readable, resolve_job_dataset
@@ -31,7 +35,7 @@ def to_engine_job(spec: JobSpec | RegenerateSpec, job_id: str, roots: Roots, job
 def _train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None):
     from dflash_core.engine import TrainJob
 
-    jobs_read = _job_datasets(spec.datasets, job_outputs)
+    jobs_read = _job_datasets(spec.datasets, job_outputs, roots)
     roots = roots.reading_also(jobs_read.values())
     if spec.report_to:
         from ..tracking import unavailable
@@ -87,15 +91,64 @@ def _regenerate_job(spec: RegenerateSpec, job_id: str, roots: Roots):
     return RegenerateJob(**values)
 
 
-def _job_datasets(datasets: list[str], job_outputs: JobOutputs | None) -> dict[int, Path]:
-    """{index: output directory} of the datasets named job://<id>."""
+def _job_datasets(datasets: list[str], job_outputs: JobOutputs | None, roots: Roots) -> dict[int, Path]:
+    """{index: output directory} of the datasets named job://<id>. The stored directory is where
+    the regeneration wrote; resolved now (symlinks followed) it must still lie under the roots,
+    else it was replaced by a link since and is refused without saying where it leads."""
     out = {}
     for i, raw in enumerate(datasets):
         if raw.startswith(JOB_SCHEME):
+            field_name = f"datasets[{i}]"
             if job_outputs is None:
-                raise SpecError(f"datasets[{i}]", "job:// datasets are resolved by the daemon")
-            out[i] = resolve_job_dataset(raw, f"datasets[{i}]", job_outputs).resolve()
+                raise SpecError(field_name, "job:// datasets are resolved by the daemon")
+            stored = resolve_job_dataset(raw, field_name, job_outputs)
+            try:
+                real = stored.resolve()
+            except (OSError, RuntimeError):
+                real = None
+            if real is None or real != stored or not under(real, [*roots.reads, *roots.writes]):
+                raise SpecError(
+                    field_name,
+                    f"{raw!r}: the job's output directory is no longer a plain directory under the roots "
+                    "(it was replaced by a symlink, or the roots changed); regenerate it again",
+                )
+            out[i] = real
     return out
+
+
+def with_roots_now(engine_job: Any, spec: dict[str, Any], roots: Roots) -> Any:
+    """The stored engine job with the roots of the configuration in force now (a job runs, or
+    resumes, under the roots the daemon has when it runs, not those it had at submission): its
+    output_dir and every path it reads must still lie under them, else SpecError naming the field.
+    The engine checks the same roots again at every read and write."""
+    now = roots.for_engine()
+    reads, writes = [Path(r) for r in now["dataset_roots"]], [Path(r) for r in now["output_roots"]]
+
+    def check(path: str | None, field_name: str, given: Any, allowed: list[Path], which: str) -> None:
+        # the stored paths were resolved at submission: judged as they are, the question is
+        # whether the roots still hold them (a component swapped for a symlink since is refused
+        # by the engine, which resolves every path again when it reads or writes)
+        if path and not under(Path(os.path.abspath(path)), allowed):
+            label = f"{field_name} {given!r}" if isinstance(given, str) else field_name
+            raise SpecError(
+                field_name,
+                f"{label} is outside the daemon's {which} now (its configuration changed since the job was "
+                "submitted); it does not run under this configuration",
+            )
+
+    check(engine_job.output_dir, "output_dir", spec.get("output_dir"), writes, "output_roots")
+    job_dirs = []
+    for i, (path, given) in enumerate(zip(engine_job.datasets, spec.get("datasets") or [], strict=False)):
+        from_job = isinstance(given, str) and given.startswith(JOB_SCHEME)
+        check(path, f"datasets[{i}]", given, [*reads, *writes] if from_job else reads, "roots")
+        if from_job:
+            job_dirs.append(path)
+    for key in ("eval_prompts", "chat_template"):
+        check(getattr(engine_job, key, None), key, spec.get(key), reads, "dataset_roots")
+    check(getattr(engine_job, "init_from", None), "init_from", spec.get("init_from"), [*reads, *writes], "roots")
+    return dataclasses.replace(
+        engine_job, dataset_roots=[*now["dataset_roots"], *job_dirs], output_roots=now["output_roots"]
+    )
 
 
 def job_to_json(job: Any) -> str:

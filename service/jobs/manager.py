@@ -100,8 +100,15 @@ class JobManager(JobWorker):
     def _check_output_dir_free(self, output_dir: str, given: str) -> None:
         """No other job owns it (the store decides again, atomically, when it records the job) and
         no earlier run left checkpoints in it."""
-        if (other := self.store.any_job_using(output_dir)) is not None:
+        other = self.store.any_job_using(output_dir)
+        # one that ended before it wrote a checkpoint (or a shard) gives the directory up
+        if other is not None and not (other.state in (FAILED, STOPPED) and not self.store.checkpoints(other.id)):
             raise _output_dir_taken(given, other)
+        if (other := self.store.job_nesting_with(output_dir)) is not None:
+            raise JobConflict(
+                f"output_dir {given} and the output_dir of job {other.id} ({other.state}) lie one inside the "
+                "other; choose an output_dir outside every other job's"
+            )
         checkpoints = Path(output_dir) / "checkpoints"
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")
@@ -140,8 +147,9 @@ class JobManager(JobWorker):
 
     def resume(self, job_id: str) -> JobRecord:
         """Put a FAILED or STOPPED job back in the queue; it resumes from its newest checkpoint, with
-        optimizer state and data order, as after a restart. Raises JobNotFound (404), JobConflict
-        (409: another state, no checkpoint), Unavailable (503)."""
+        optimizer state and data order, as after a restart (a regeneration: from the shards it
+        wrote, none if it failed before the first). Raises JobNotFound (404), JobConflict (409:
+        another state, a training job without a checkpoint), Unavailable (503)."""
         try:
             return self._resume(job_id)
         except StoreUnavailable as e:
@@ -153,11 +161,12 @@ class JobManager(JobWorker):
             raise JobConflict(f"job {job_id} is {job.state}; only a FAILED or STOPPED job can be resumed")
         if not job.owns_output_dir:
             raise JobConflict(
-                f"job {job_id} shares output_dir {_given_output_dir(job.spec)} with an earlier job, which keeps it; "
+                f"job {job_id} no longer owns output_dir {_given_output_dir(job.spec)} (another job has it); "
                 "submit it again with another output_dir"
             )
         checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
-        if checkpoint_path is None:
+        # a regeneration resumes from the shards its manifest lists, however many (none included)
+        if checkpoint_path is None and job.spec.get("kind") != "regenerate":
             raise JobConflict(f"job {job_id} has no checkpoint to resume from; submit it again as a new job")
         if self.shutting_down:
             raise Unavailable("the daemon is shutting down; resume the job after it restarted")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_core.confine import under
+from dflash_core.confine import UnsafeFile, read_regular, under
 
 from .schemas import SpecError
 
@@ -98,13 +98,11 @@ class Roots:
     def template(self, raw: str) -> Path:
         path = self.resolve(raw, "chat_template", self.reads)
         try:
-            if not path.is_file():
-                raise SpecError("chat_template", f"{raw!r} is not a file")
-            with path.open("rb") as f:  # bounded while reading, whatever its size says
-                text = f.read(MAX_TEMPLATE_BYTES + 1)
-            if len(text) > MAX_TEMPLATE_BYTES:
-                raise SpecError("chat_template", f"{raw!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
+            # a regular file, bounded while reading whatever its size says; never a FIFO's wait
+            text = read_regular(path, MAX_TEMPLATE_BYTES, repr(raw))
             text.decode("utf-8")
+        except UnsafeFile as e:
+            raise SpecError("chat_template", str(e)) from None
         except UnicodeDecodeError:
             raise SpecError("chat_template", f"{raw!r} is not UTF-8 text") from None
         except OSError as e:
@@ -115,8 +113,20 @@ class Roots:
         """The job's output directory; unset: <data_dir>/jobs/<job id>. Whether it is free is the
         manager's to say when the job is queued (another job's, or old checkpoints in it: 409)."""
         if raw is None:
-            return (self.data_dir / "jobs" / job_id).resolve()
+            default = (self.data_dir / "jobs" / job_id).resolve()
+            if not under(default, list(self.writes)):  # refused now, not FAILED when the job starts
+                raise SpecError(
+                    "output_dir",
+                    "the default output_dir <data_dir>/jobs/<job id> is outside the daemon's output_roots; "
+                    "give an output_dir under them",
+                )
+            return default
         path = self.resolve(raw, "output_dir", self.writes)
+        if path == self.data_dir.resolve() or self.data_dir.resolve().is_relative_to(path):
+            # the job store, the caches and every job's default directory live there
+            raise SpecError(
+                "output_dir", f"{raw!r} is the daemon's data directory or holds it; choose a directory in it"
+            )
         try:
             not_a_dir = path.exists() and not path.is_dir()
         except OSError as e:

@@ -121,7 +121,7 @@ class JobSpec(SpecModel):
     datasets: list[str] = Field(
         min_length=1,
         max_length=1024,
-        description="conversation datasets: JSONL, JSON array or parquet files, directories of such shards, "
+        description="conversation datasets: JSONL (or .jsonl.gz), JSON array or parquet files, directories of such shards, "
         "datasets.save_to_disk directories, or builtin://train|heldout",
     )
     steps: int | None = Field(None, ge=1, le=10**9)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .store_lists import JobListing
 from .store_schema import (
     FAILED,
     JOB_COLUMNS,
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 
-class JobStore:
+class JobStore(JobListing):
     """Thread-safe: one connection, one lock; every call is short."""
 
     def __init__(self, path: str | Path):
@@ -120,7 +121,8 @@ class JobStore:
     ) -> tuple[JobRecord, bool]:
         """Insert a PENDING job. Returns (job, created); an existing job with the same submission_id
         and fingerprint is returned with created=False; a different fingerprint raises SubmissionConflict;
-        an output_dir that another job owns raises OutputDirInUse."""
+        an output_dir that another job owns raises OutputDirInUse (one that FAILED or STOPPED before
+        it wrote anything gives it up)."""
         now = time.time()
         with self._tx() as db:
             if submission_id is not None:
@@ -129,6 +131,12 @@ class JobStore:
                     if existing.spec_fingerprint != fingerprint:
                         raise SubmissionConflict(existing)
                     return existing, False
+            # an ended job that left nothing in its directory (no checkpoint, no shard) gives it up
+            db.execute(
+                "UPDATE jobs SET owns_output_dir = 0 WHERE output_dir = ? AND owns_output_dir = 1 AND state IN (?, ?)"
+                " AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE checkpoints.job_id = jobs.id)",
+                (output_dir, FAILED, STOPPED),
+            )
             try:
                 db.execute(
                     "INSERT INTO jobs (id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at)"
@@ -177,25 +185,22 @@ class JobStore:
                 ).fetchone()[0]
             return job
 
-    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
-        """The newest `limit` jobs (in that state), oldest first, with their queue positions."""
-        where, args = ("WHERE state = ?", [state]) if state else ("", [])
-        with self._read() as db:
-            rows = db.execute(
-                f"SELECT * FROM (SELECT {JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
-                (*args, limit),
-            ).fetchall()
-            pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
-        jobs = [job_record(r) for r in rows]
-        position = {seq: i for i, seq in enumerate(pending)}
-        for job in jobs:
-            job.queue_position = position.get(job.seq)
-        return jobs
-
     def any_job_using(self, output_dir: str) -> JobRecord | None:
         """The job, in any state, that owns this output directory (its checkpoints live there)."""
         with self._read() as db:
             return self._output_dir_owner(db, output_dir)
+
+    def job_nesting_with(self, output_dir: str) -> JobRecord | None:
+        """A job whose output directory lies inside `output_dir` or holds it (not equal to it):
+        two jobs' directories nested would write into, rotate and sweep each other's files."""
+        inside = output_dir.rstrip("/") + "/"
+        with self._read() as db:
+            for row in db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owns_output_dir = 1"):
+                job = job_record(row)
+                other = job.output_dir.rstrip("/") + "/"
+                if other != inside and (other.startswith(inside) or inside.startswith(other)):
+                    return job
+        return None
 
     def _output_dir_owner(self, db: sqlite3.Connection, output_dir: str) -> JobRecord | None:
         row = db.execute(

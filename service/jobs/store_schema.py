@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     phase TEXT,
     data_json TEXT,
     resume_step INTEGER,                           -- the checkpoint step the current run started from
-    owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: a duplicate from before output dirs were unique
+    owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: gave it up (ended having written nothing), or a duplicate from before output dirs were unique
     resume_with_group INTEGER NOT NULL DEFAULT 0   -- group losses in a row without a new checkpoint
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);

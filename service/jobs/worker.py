@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..tracking import Tracker
-from .admission import job_from_json
+from .admission import job_from_json, with_roots_now
 from .errors import JobNotFound
 from .paths import Roots, given_paths, name_as_given
 from .run_callbacks import RunCallbacks
+from .schemas import SpecError
 from .store import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, TERMINAL, JobRecord, JobStore, StoreUnavailable
 from .sweep import sweep_all_partial_checkpoints
 
@@ -305,7 +306,15 @@ class JobWorker:
             unreadable = f"stored job cannot be read by this version: {e}"
             self._record(lambda: self.store.finish(job.id, FAILED, error=unreadable))
             return
+        try:  # it runs, and resumes, under the roots configured now
+            train_job = with_roots_now(train_job, job.spec, self.roots)
+        except SpecError as e:
+            outside = e.message
+            self._record(lambda: self.store.finish(job.id, FAILED, error=outside))
+            return
         backends = job.spec.get("report_to")
+        if job.spec.get("kind") == "regenerate":  # it reports no training scalars: nothing to track
+            backends = []
         tracker = Tracker(
             list(self.config.report_to if backends is None else backends),
             job_id=job.id,

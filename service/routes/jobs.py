@@ -32,12 +32,30 @@ STATE_PATTERN = "^(" + "|".join("".join(f"[{c}{c.lower()}]" for c in state) for 
 NOT_FOUND = doc("no job with this id")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: with a key twice, which value counts is the parser's
+    choice, and the request would not mean what its reader sees."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SpecError(key, f"the key {key!r} appears more than once in one JSON object")
+        out[key] = value
+    return out
+
+
 def decode_json_body(raw: bytes) -> Any:
-    """The body as JSON, or a SpecError naming `body` (at most MAX_BODY_BYTES: the guard read it)."""
+    """The body as JSON, or a SpecError naming `body` (at most MAX_BODY_BYTES: the guard read it).
+    JSON is UTF-8 (RFC 8259): another encoding is refused rather than guessed."""
     try:
-        body = json.loads(raw) if raw.strip() else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError("body", f"not UTF-8 text ({e.reason} at byte {e.start}); send JSON encoded as UTF-8") from None
+    try:
+        body = json.loads(text, object_pairs_hook=_unique_keys) if text.strip() else None
+    except json.JSONDecodeError as e:
         raise SpecError("body", f"not valid JSON: {e}") from None
+    except SpecError:  # a key given twice (a ValueError too)
+        raise
     except (RecursionError, ValueError) as e:  # absurdly nested or huge numbers
         raise SpecError("body", f"not a usable JSON document ({type(e).__name__})") from None
     if body is None:
@@ -119,9 +137,9 @@ def list_jobs(
         AfterValidator(_job_state),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=100_000, description="the newest this many jobs")] = 1000,
-) -> JSONResponse:
-    assert daemon.store is not None  # set by Daemon.start(), which the lifespan runs before any request
-    return JSONResponse({"jobs": [job_json(j) for j in daemon.store.list_jobs(state=state, limit=limit)]})
+) -> Response:
+    assert daemon.job_list is not None  # set by Daemon.start(), which the lifespan runs before any request
+    return Response(daemon.job_list.render(state, limit), media_type="application/json")
 
 
 @router.get("/{job_id}", responses={200: doc("the job, with its checkpoints", models.Job), 404: NOT_FOUND})

@@ -133,12 +133,13 @@ def test_the_check_reports_missing_and_nan_data(scraped):
     assert {r.target.ref_id for r in report.failures} == ({"A", "B", "C", "D"} if report.cuda else {"A", "B", "C"})
 
 
-def test_the_job_label_is_stored_as_exported_job(scraped):
-    """The daemon labels its per-job gauges `job` (the job id); Prometheus keeps the scrape job's name as `job`
-    and the daemon's as exported_job, which the dashboard's legends read."""
+def test_the_job_id_label_is_stored_as_it_is_exported(scraped):
+    """The daemon labels its per-job gauges `job_id` (the job id), which Prometheus stores as it is, beside
+    its own `job` (the scrape job's name); the dashboard's legends read job_id."""
     for name in ("dflash_train_loss", "dflash_train_accuracy", "dflash_eval_acceptance_length"):
         series = scraped.prom.query(name, scraped.at)
-        assert {s["metric"].get("exported_job") for s in series} == {scraped.job_id}, name
+        assert {s["metric"].get("job_id") for s in series} == {scraped.job_id}, name
+        assert all("exported_job" not in s["metric"] for s in series), name
         assert {s["metric"]["job"] for s in series} == {"dflash-trainer"}, name
 
 

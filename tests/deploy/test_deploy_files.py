@@ -448,7 +448,7 @@ def test_time_series_of_per_job_gauges_name_the_job():
             continue
         for target in panel["targets"]:
             if metric_families(target["expr"]) & PER_JOB_METRICS:
-                assert "{{exported_job}}" in target["legendFormat"], f"{panel['title']} [{target['refId']}]"
+                assert "{{job_id}}" in target["legendFormat"], f"{panel['title']} [{target['refId']}]"
                 checked += 1
     assert checked >= 6  # loss, accuracy, both acceptance lengths, learning rate, gradient norm
 

@@ -278,7 +278,7 @@ def test_metrics_after_a_job(finished_job, daemon):
     # the per-job gauges hold the series of the job that ran last (other tests of this module run jobs
     # after finished_job; test_per_job_gauges_follow_the_job checks their values)
     for name in PER_JOB_GAUGES:
-        jobs = {s.labels.get("job") for s in families[name].samples}
+        jobs = {s.labels.get("job_id") for s in families[name].samples}
         assert len(jobs) == 1 and next(iter(jobs)).startswith("job-"), (name, jobs)
     assert _value(families, "dflash_warmup_seconds", component="drafter", device="cpu") > 0
     assert _value(families, "dflash_queue_depth", queue="jobs") >= 0
@@ -290,12 +290,14 @@ def test_metrics_after_a_job(finished_job, daemon):
 
 def _job_samples(families, name: str) -> dict[tuple[str, ...], float]:
     """A per-job gauge's samples: (job,) or (job, position) -> value."""
-    return {tuple(s.labels[k] for k in ("job", "position") if k in s.labels): s.value for s in families[name].samples}
+    return {
+        tuple(s.labels[k] for k in ("job_id", "position") if k in s.labels): s.value for s in families[name].samples
+    }
 
 
 def test_per_job_gauges_follow_the_job(daemon):
     """Loss, accuracy, learning rate, gradient norm, acceptance lengths and data preparation carry the
-    job's id as `job`; a finished job's values stay until the next job starts, which removes them."""
+    job's id as `job_id`; a finished job's values stay until the next job starts, which removes them."""
     first = daemon.submit(
         {
             "datasets": ["builtin://train"],

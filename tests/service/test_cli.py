@@ -69,3 +69,25 @@ def test_submit_follow_survives_a_daemon_restart(daemon, tmp_path):
             follower.kill()
     assert follower.returncode == 0, err + out
     assert "reconnecting" in out and "SUCCEEDED at step 60/60" in out
+
+
+def _into_closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """The CLI with its stdout a pipe whose reader is gone before it writes, as `| head` leaves it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "service.cli", *args], stdout=write, stderr=subprocess.PIPE, env=env, timeout=120
+        )
+    finally:
+        os.close(write)
+
+
+def test_output_closed_early_ends_quietly(daemon):
+    daemon.submit({"datasets": ["builtin://train"], "steps": 1})
+    for args in (("completion", "bash"), ("status", "--json", "--url", daemon.url), ("status", "--url", daemon.url)):
+        done = _into_closed_pipe(*args)
+        assert done.returncode == 141, (args, done.returncode, done.stderr)
+        assert done.stderr == b"", (args, done.stderr.decode(errors="replace"))

@@ -95,3 +95,12 @@ def test_the_eta_of_a_real_job_is_its_recent_step_rate_over_the_steps_left(daemo
     running = next(e["time"] for e in events if e["kind"] == "state" and e.get("state") == "RUNNING")
     assert eta == pytest.approx(expected) and eta > 0
     assert elapsed == pytest.approx(t1 - running)
+
+
+def test_a_regeneration_shard_is_told_as_a_shard_not_a_step():
+    from service.cli_jobs import _event_message
+
+    shard = {"kind": "checkpoint", "step": 128, "path": "/data/out/shard-00003.parquet"}
+    assert _event_message(shard) == "shard shard-00003.parquet written: 128 rows so far"
+    step = {"kind": "checkpoint", "step": 40, "path": "/data/out/checkpoints/step-00000040"}
+    assert _event_message(step) == "checkpoint step 40: /data/out/checkpoints/step-00000040"

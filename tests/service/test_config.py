@@ -158,3 +158,45 @@ def test_a_target_split_over_devices_is_a_nested_list(tmp_path):
     path.write_text('[engine]\ntarget_devices = [["cuda:0", "gpu1"]]\n')
     with pytest.raises(ConfigError, match=r"engine\.target_devices"):
         load_config(path, env={})
+
+
+def test_serve_check_validates_without_starting(tmp_path):
+    """serve --check answers whether the configuration would serve, and starts nothing: no port,
+    no data directory written."""
+    from tests.helpers import run_cli
+
+    data_dir = tmp_path / "data"
+    good = tmp_path / "good.toml"
+    good.write_text(f'data_dir = "{data_dir}"\nport = 8123\n')
+    done = run_cli("serve", "--config", str(good), "--check", cwd=tmp_path, timeout=60)
+    assert done.returncode == 0 and "configuration OK" in done.stdout and "8123" in done.stdout, done.stderr
+    assert not data_dir.exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'data_dir = "{data_dir}"\n[engine]\nqueue_depth = "four"\n')
+    done = run_cli("serve", "--config", str(bad), "--check", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "queue_depth" in done.stderr, done.stderr
+    exposed = tmp_path / "exposed.toml"
+    exposed.write_text(f'data_dir = "{data_dir}"\nhost = "0.0.0.0"\n')
+    done = run_cli("serve", "--config", str(exposed), "--check", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "refusing to serve" in done.stderr, done.stderr
+
+
+def test_serve_set_overrides_a_setting(tmp_path):
+    """--set section.key=value takes a setting over the file's, values read as TOML; a setting
+    that is wrong is named, and so is an assignment that is not KEY=VALUE."""
+    from tests.helpers import run_cli
+
+    data_dir = tmp_path / "data"
+    file = tmp_path / "c.toml"
+    file.write_text(f'data_dir = "{data_dir}"\nport = 8123\n[engine]\ngenerate_slots = 2\n')
+    base = ("serve", "--config", str(file), "--check")
+    done = run_cli(*base, "--set", "port=9321", "--set", "engine.generate_slots=4", cwd=tmp_path, timeout=60)
+    assert done.returncode == 0 and ":9321," in done.stdout, done.stdout + done.stderr
+    done = run_cli(*base, "--set", "engine.generate_slots=four", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "engine.generate_slots" in done.stderr, done.stderr
+    done = run_cli(*base, "--set", "engine.generate_slots", cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "KEY=VALUE" in done.stderr, done.stderr
+    from service.cli_local import settings_from
+
+    config = load_config(file, env={}, overrides=settings_from(["engine.generate_slots=4", 'log_level="debug"']))
+    assert config.engine.generate_slots == 4 and config.log_level == "debug"

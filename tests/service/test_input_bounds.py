@@ -96,3 +96,24 @@ def test_a_1gb_newline_free_file_is_refused_without_an_rss_spike(daemon, skip_ba
     assert ".jsonl:1:" in r.text and "longer than 16 MiB" in r.text, r.text
     growth_mib = (_rss_kib(pid, "VmHWM") - before) / 1024
     assert growth_mib < 64, growth_mib
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ('{"kind": "train", "datasets": ["builtin://train"], "steps": 1, "kind": "regenerate"}', "kind"),
+        ('{"datasets": ["builtin://train"], "steps": 1, "loss": {"ce": 1, "ce": 0.5}}', "ce"),
+    ],
+)
+def test_a_key_given_twice_is_a_422_naming_it(daemon, body, key):
+    r = daemon.http.post("/jobs", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert [e["field"] for e in r.json()["errors"]] == [key], r.text
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "latin-1"])
+def test_a_body_not_in_utf8_is_refused(daemon, encoding):
+    body = '{"datasets": ["builtin://train"], "steps": 1, "name": "caf\u00e9"}'.encode(encoding)
+    r = daemon.http.post("/jobs", content=body, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["errors"][0]["field"] == "body" and "UTF-8" in r.text, r.text

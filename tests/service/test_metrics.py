@@ -42,8 +42,8 @@ def _samples(metrics: ServiceMetrics) -> dict[str, dict[tuple[str, ...], float]]
     out: dict[str, dict[tuple[str, ...], float]] = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for s in family.samples:
-            if "job" in s.labels:
-                key = tuple(s.labels[k] for k in ("job", "position") if k in s.labels)
+            if "job_id" in s.labels:
+                key = tuple(s.labels[k] for k in ("job_id", "position") if k in s.labels)
                 out.setdefault(s.name, {})[key] = s.value
     return out
 
@@ -99,3 +99,15 @@ def test_a_resumed_job_keeps_its_values_and_prepares_its_data_again():
     assert samples["dflash_train_loss"] == {("job-a",): 3.0}
     assert samples["dflash_eval_acceptance_length"] == {("job-a",): 2.25}
     assert samples["dflash_data_prepare_progress_ratio"] == {("job-a",): 0.0}
+
+
+def test_no_series_carries_prometheus_own_job_label():
+    """Every per-job series names its job as `job_id`: a `job` label would collide with the one
+    Prometheus sets on every scraped series (and be stored renamed)."""
+    metrics = _metrics()
+    metrics.observe_step(_stats(3.0), "job-a")
+    metrics.observe_generate({"new_tokens": 5, "tokens_per_second": 2.0}, "job-a")
+    families = list(text_string_to_metric_families(metrics.render().decode()))
+    assert not [s.name for f in families for s in f.samples if "job" in s.labels]
+    labelled = {s.name for f in families for s in f.samples if s.labels.get("job_id") == "job-a"}
+    assert set(PER_JOB_GAUGES) | {"dflash_generate_tokens_total", "dflash_generate_tokens_per_second"} <= labelled

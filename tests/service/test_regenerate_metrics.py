@@ -13,7 +13,7 @@ def _series(metrics) -> dict[tuple[str, str], float]:
     for family in text_string_to_metric_families(metrics.render().decode()):
         for s in family.samples:
             if s.name.startswith("dflash_generate_"):
-                out[(s.name, s.labels["job"])] = s.value
+                out[(s.name, s.labels["job_id"])] = s.value
     return out
 
 
@@ -29,3 +29,11 @@ def test_generate_series_per_job():
     }
     metrics.start_job("job-t")
     assert _series(metrics) == {}
+
+
+def test_an_unmeasured_generation_rate_is_nan_not_zero():
+    import math
+
+    metrics = _metrics()
+    metrics.observe_generate({"new_tokens": 0, "tokens_per_second": None}, "job-r")
+    assert math.isnan(_series(metrics)[("dflash_generate_tokens_per_second", "job-r")])

@@ -6,6 +6,7 @@ named by its directory or as job://<id>; progress, events and metrics show it.""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pyarrow.parquet as pq
 import pytest
@@ -89,6 +90,10 @@ def test_killed_regeneration_resumes_without_loss_or_duplicates(daemon):
     assert final["state"] == "SUCCEEDED", final
     manifest, rows = _rows(d.data_dir / "regen-killed")
     assert manifest["complete"] and manifest["counts"]["rows"] == len(rows) == len(ref_rows) == 64
+    # a regeneration reports no training scalars: no experiment tracking directory of its own
+    assert sorted(p.name for p in (d.data_dir / "regen-killed").iterdir() if not p.name.startswith("shard-")) == [
+        "regeneration.json"
+    ]
 
     def key(r):
         return (r["source"], r["sample"])
@@ -130,3 +135,102 @@ def test_cli_regenerates_then_trains_on_the_output(daemon):
     trained = cli("submit", str(examples / "train-on-regenerated.json"), "--follow", url=daemon.url, timeout=600)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "SUCCEEDED at step 40/40" in trained.stdout
+
+
+def test_a_job_output_replaced_by_a_link_is_not_read(daemon, tmp_path):
+    """job://<id> reads the directory the regeneration wrote: replaced by a symlink to a place
+    outside the roots it is refused, and what lies there is neither read nor echoed."""
+    import shutil
+
+    d = daemon
+    prompts = d.data_dir / "two-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("yes", "no")))
+    out = d.data_dir / "regen-linked"
+    job = d.submit(_spec(datasets=[str(prompts)], max_new_tokens=4, output_dir=str(out)))
+    assert d.wait_terminal(job["id"], timeout=300)["state"] == "SUCCEEDED"
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(out, outside)
+    manifest = json.loads((outside / "regeneration.json").read_text())
+    manifest["secret_key_outside"] = 1
+    (outside / "regeneration.json").write_text(json.dumps(manifest))
+    out.rename(d.data_dir / "regen-moved")
+    out.symlink_to(outside)
+    message = _errors(d.http.post("/jobs", json={"datasets": [f"job://{job['id']}"], "steps": 2}))["datasets[0]"]
+    assert "no longer a plain directory" in message and str(outside) not in message
+
+    # a manifest planted as a symlink in a directory a training job names is not followed either
+    planted = d.data_dir / "regen-planted"
+    planted.mkdir()
+    (planted / "regeneration.json").symlink_to(outside / "regeneration.json")
+    message = _errors(d.http.post("/jobs", json={"datasets": [str(planted)], "steps": 2}))["datasets[0]"]
+    assert "symlink" in message and "secret_key_outside" not in message and str(outside) not in message
+
+
+def test_a_stopped_regeneration_shows_no_eta(daemon):
+    """A time left is estimated only while the job runs: once it is STOPPED neither the API nor the
+    CLI's status reports one."""
+    from tests.service.test_cli import cli
+
+    d = daemon
+    job = d.submit(_spec(output_dir=str(d.data_dir / "regen-stopped")))
+    d.wait_job(job["id"], lambda j: (j["progress"]["data"] or {}).get("eta_seconds") is not None, timeout=300)
+    d.http.post(f"/jobs/{job['id']}/cancel")
+    stopped = d.wait_terminal(job["id"], timeout=300)
+    assert stopped["state"] == "STOPPED", stopped
+    data = stopped["progress"]["data"]
+    assert data["rows_done"] < data["rows_total"] and data["eta_seconds"] is None, data
+    status = cli("status", job["id"], url=d.url)
+    assert status.returncode == 0 and "prompts " in status.stdout and "ETA" not in status.stdout, status.stdout
+
+
+def test_a_regeneration_failed_before_its_first_shard_resumes(daemon):
+    """A full disk fails a regeneration before it wrote a shard; with space back, resuming it
+    continues into the same output_dir (its unit of resume is the manifest, not a checkpoint)."""
+    from tests.helpers import mount_tmpfs, unmount
+
+    d = daemon
+    prompts = d.data_dir / "three-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("yes", "no", "maybe")))
+    small = d.data_dir / "small-disk"
+    mount_tmpfs(small, "size=256k")
+    try:
+        job = d.submit(_spec(datasets=[str(prompts)], max_new_tokens=4, shard_rows=2, output_dir=str(small / "out")))
+        failed = d.wait_terminal(job["id"], timeout=300)
+        assert failed["state"] == "FAILED" and "ENOSPC" in failed["error"], failed
+        assert not list((small / "out").glob("shard-*.parquet"))
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        r = d.http.post(f"/jobs/{job['id']}/resume")
+        assert r.status_code == 202, r.text
+        done = d.wait_terminal(job["id"], timeout=300)
+        assert done["state"] == "SUCCEEDED", done
+        manifest, rows = _rows(small / "out")
+        assert manifest["complete"] and len(rows) == 3
+    finally:
+        unmount(small)
+
+
+def test_a_regeneration_failed_before_its_first_shard_gives_its_output_dir_up(daemon):
+    """Submitted again into the same output_dir, with other settings, once the first one FAILED
+    before writing a shard: nothing is there to keep, so the new job takes the directory."""
+    from tests.helpers import mount_tmpfs, unmount
+
+    d = daemon
+    prompts = d.data_dir / "two-more-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}"}) + "\n" for w in ("up", "down")))
+    small = d.data_dir / "small-disk-2"
+    mount_tmpfs(small, "size=256k")
+    try:
+        spec = _spec(datasets=[str(prompts)], max_new_tokens=4, shard_rows=2, output_dir=str(small / "out"))
+        first = d.submit(spec)
+        assert d.wait_terminal(first["id"], timeout=300)["state"] == "FAILED"
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True)
+        again = d.submit({**spec, "max_new_tokens": 5})
+        done = d.wait_terminal(again["id"], timeout=300)
+        assert done["state"] == "SUCCEEDED", done
+        manifest, rows = _rows(small / "out")
+        assert manifest["complete"] and manifest["plan"]["sampling"]["max_new_tokens"] == 5 and len(rows) == 2
+        # a job that wrote something keeps its directory
+        r = d.http.post("/jobs", json={**spec, "max_new_tokens": 6})
+        assert r.status_code == 409 and again["id"] in r.text, r.text
+    finally:
+        unmount(small)

@@ -94,12 +94,18 @@ def test_one_job_owns_an_output_dir_in_any_state(tmp_path):
     store = JobStore(tmp_path / "jobs.sqlite3")
     out = str(tmp_path / "out")
     _job(store, "job-1", out)
+    store.add_checkpoint("job-1", 1, out + "/checkpoints/step-00000001")
     store.finish("job-1", FAILED, error="boom")  # an ended job keeps its checkpoints, so its directory
     with pytest.raises(OutputDirInUse) as e:
         _job(store, "job-2", out)
     assert e.value.owner.id == "job-1"
     assert store.get_job("job-2") is None and [j.id for j in store.list_jobs()] == ["job-1"]
     _job(store, "job-3", str(tmp_path / "other"))  # the failed insert left the store usable
+    # one that ended before it wrote anything gives its directory up to the next job
+    store.finish("job-3", FAILED, error="boom before the first checkpoint")
+    _job(store, "job-4", str(tmp_path / "other"))
+    owners = {j.id: j.owns_output_dir for j in store.list_jobs()}
+    assert owners["job-3"] is False and owners["job-4"] is True
 
 
 def _old_database(path) -> None:

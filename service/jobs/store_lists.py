@@ -1,0 +1,63 @@
+"""The job list's reads of the store (JobStore inherits them): the newest jobs with their queue
+positions, and the cheap version of each that lets a reader reuse what it rendered before."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from .store_schema import JOB_COLUMNS, PENDING, JobRecord, job_record
+
+# what changes in a job's row when anything the list shows of it changes, for a job that ended
+# (a job that has not ended is read whole every time: its progress moves)
+VERSION_COLUMNS = "state, finished_at, resumes, step, last_checkpoint_step, error IS NULL"
+
+
+class JobListing:
+    def _read(self) -> AbstractContextManager[sqlite3.Connection]:  # JobStore's
+        raise NotImplementedError
+
+    def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
+        """The newest `limit` jobs (in that state), oldest first, with their queue positions."""
+        where, args = ("WHERE state = ?", [state]) if state else ("", [])
+        with self._read() as db:
+            rows = db.execute(
+                f"SELECT * FROM (SELECT {JOB_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+                (*args, limit),
+            ).fetchall()
+            position = self._queue_positions(db)
+        jobs = [job_record(r) for r in rows]
+        for job in jobs:
+            job.queue_position = position.get(job.seq)
+        return jobs
+
+    def list_versions(self, state: str | None = None, limit: int = 1000) -> list[tuple[str, str, tuple[Any, ...]]]:
+        """(id, state, version) of the jobs list_jobs would return, in its order: the version
+        changes whenever what the list shows of an ended job does."""
+        where, args = ("WHERE state = ?", [state]) if state else ("", [])
+        with self._read() as db:
+            rows = db.execute(
+                f"SELECT * FROM (SELECT seq, id, {VERSION_COLUMNS} FROM jobs {where} ORDER BY seq DESC LIMIT ?) "
+                "ORDER BY seq",
+                (*args, limit),
+            ).fetchall()
+        return [(r[1], r[2], tuple(r[2:])) for r in rows]
+
+    def jobs_by_id(self, ids: list[str]) -> Iterator[JobRecord]:
+        """These jobs (those that exist), with their queue positions."""
+        with self._read() as db:
+            position = self._queue_positions(db)
+            for start in range(0, len(ids), 500):  # SQLite bounds the parameters of one statement
+                chunk = ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                for row in db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id IN ({marks})", chunk).fetchall():
+                    job = job_record(row)
+                    job.queue_position = position.get(job.seq)
+                    yield job
+
+    @staticmethod
+    def _queue_positions(db: sqlite3.Connection) -> dict[int, int]:
+        pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
+        return {seq: i for i, seq in enumerate(pending)}

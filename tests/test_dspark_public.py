@@ -2,7 +2,10 @@
 (specforge/modeling/draft/dspark.py at commit a6b6b023) loads a checkpoint the engine trained,
 strictly (no missing or unexpected keys), and its `spec_generate` decodes held-out prompts
 losslessly (the target's greedy output) in as many blocks as our evaluator, so with the same tau;
-for each Markov head type (vanilla, gated, rnn).
+for each Markov head type (vanilla, gated, rnn). SpecForge's `spec_generate` decodes the fill_in
+layout (it drafts from slots 1..B-1), so this checkpoint is trained fill_in: the test proves our
+keys and the fill_in decode, not how the public stacks serve DSpark (anchor_first:
+tests/test_dspark_served.py).
 
 SpecForge is not a dependency (not installable in CI): the test runs when DFLASH_SPECFORGE_SRC
 names a SpecForge source tree (the directory holding the `specforge` package), e.g.
@@ -40,7 +43,7 @@ def test_public_dspark_model_loads_and_decodes_our_checkpoint(default_assets, tm
     from dflash_core.engine import EngineConfig
     from dflash_core.evaluate import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
-    cfg = EngineConfig(drafter_devices=["cpu"], recipe="dspark", markov_head_type=kind)
+    cfg = EngineConfig(drafter_devices=["cpu"], recipe="dspark", layout="fill_in", markov_head_type=kind)
     engine = build_engine(cfg, default_assets)
     try:
         res = engine.run_job(assets_job(default_assets, tmp_path, 60, learning_rate=3e-3))

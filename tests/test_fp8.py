@@ -92,8 +92,10 @@ def test_gemm_dimensions_fp8_cannot_take_are_named():
     odd = replace(good, hidden_size=72, intermediate_size=144)
     with pytest.raises(ValueError, match=r"hidden_size = 72"):
         check_fp8_shapes(odd, seq_len=512, num_anchors=32, block_size=8)
-    with pytest.raises(ValueError, match=r"num_anchors \* \(block_size - 1\) = 70"):
+    with pytest.raises(ValueError, match=r"num_anchors \* drafted tokens = 70"):
         check_fp8_shapes(good, seq_len=512, num_anchors=10, block_size=8)  # 80 block tokens, 70 loss rows
+    # anchor_first: every slot drafts, so the loss has a row per block token
+    check_fp8_shapes(replace(good, layout="anchor_first"), seq_len=512, num_anchors=10, block_size=8)
 
 
 # ---------------------------------------------------------------------------- the math

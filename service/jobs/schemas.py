@@ -139,8 +139,8 @@ class JobSpec(SpecModel):
     loss: Any = Field(
         None,
         description='"ce" (default), "kl", "tv", or a weighted mix such as {"ce": 0.1, "tv": 0.9}; kl and tv '
-        'need a daemon started with [engine] teacher = true; "conf" (a dspark daemon) weights the confidence head. '
-        "Default: ce, or on a dspark daemon 0.1 ce + 0.9 tv + 1.0 conf",
+        'need a daemon started with [engine] teacher = true; "conf" (a dspark daemon) weights the confidence head; '
+        '"l1" is 2 tv (DeepSpec\'s scale). Default: ce, or on a dspark daemon 0.1 ce + 0.9 l1 + 1.0 conf',
     )
     position_weights: Literal["decay", "dpace"] = Field(
         "decay", description="decay: exp(-(k-1)/loss_gamma); dpace: D-PACE weights (teacher daemon)"

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from .config import DrafterConfig
 from .confine import ConfinedDir
 from .drafter import DFlashDrafter
-from .recipes import RECIPES, Recipe, layout_of_config, recipe_named
+from .recipes import RECIPES, layout_of_config, recipe_named
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -133,7 +133,7 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
     """The drafter a config.json describes; its layout as stated (recipes.layout_of_config), a
     config that states none read as the fill_in it was written in."""
     dflash = d.get("dflash_config") or {}
-    recipe = recipe_of_config(d)
+    recipe = RECIPES.of_config(d)
     # rope_parameters where present (transformers 5); else the legacy keys, as checkpoints
     # written before it carry them (a rope_scaling of default RoPE reads as none)
     rope_theta, rope_scaling = d.get("rope_theta", 1_000_000.0), d.get("rope_scaling")
@@ -165,17 +165,6 @@ def config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         layout=layout_of_config(d).name,
         num_anchors=d.get("num_anchors") if isinstance(d.get("num_anchors"), int) else None,
     )
-
-
-def recipe_of_config(d: dict[str, Any]) -> Recipe:
-    """The recipe of a config.json: its class where it names one of ours; an older DSpark config
-    says it by dflash_config.projector_type."""
-    archs = d.get("architectures") or []
-    for arch in archs if isinstance(archs, list) else []:
-        recipe = RECIPES.with_architecture(arch)
-        if recipe is not None:
-            return recipe
-    return recipe_named("dspark" if (d.get("dflash_config") or {}).get("projector_type") == "dspark" else "dflash")
 
 
 def _sliding_window(d: dict[str, Any]) -> int | None:

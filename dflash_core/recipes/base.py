@@ -84,6 +84,9 @@ class Recipe:
     ops: str  # the module of its torch hooks, imported on first use
     # settings of the engine that only this recipe takes
     settings: tuple[str, ...] = field(default=())
+    # dflash_config.projector_type of its checkpoints (what configs written before they named the
+    # class by architecture say); None: none
+    projector: str | None = None
 
     def hooks(self) -> Any:
         """The recipe's torch hooks (its ops module's OPS)."""
@@ -111,5 +114,14 @@ class RecipeTable:
     def names(self) -> tuple[str, ...]:
         return tuple(self._by_name)
 
-    def with_architecture(self, architecture: str | None) -> Recipe | None:
-        return next((r for r in self._by_name.values() if r.architecture == architecture), None)
+    def of_config(self, d: Mapping[str, Any]) -> Recipe:
+        """The recipe a checkpoint's config.json describes: by its class where it names one of
+        ours, else by dflash_config.projector_type, else the first recipe (DFlash)."""
+        archs = d.get("architectures")
+        for arch in archs if isinstance(archs, list) else []:
+            for recipe in self._by_name.values():
+                if recipe.architecture == arch:
+                    return recipe
+        projector = (d.get("dflash_config") or {}).get("projector_type")
+        by_projector = [r for r in self._by_name.values() if projector is not None and r.projector == projector]
+        return by_projector[0] if by_projector else next(iter(self._by_name.values()))

@@ -23,6 +23,7 @@ DSPARK = Recipe(
     architecture="DSparkDraftModel",
     ops="dflash_core.recipes.dspark",
     settings=("markov_rank", "markov_head_type"),
+    projector="dspark",
 )
 
 

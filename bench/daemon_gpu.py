@@ -240,7 +240,7 @@ inductor_cache_dir = "{work / "inductor"}"
                 row["env"] = variant or "-"
             record[f"phases_{phase}"] = phases
             if phase == "cold":
-                job = httpx.post(
+                answer = httpx.post(
                     url + "/jobs",
                     json={
                         "name": "gpu-100",
@@ -251,7 +251,10 @@ inductor_cache_dir = "{work / "inductor"}"
                         **json.loads(args.job_extra),
                     },
                     timeout=10,
-                ).json()
+                )
+                if answer.status_code >= 400:  # the daemon's reason, not a KeyError on a missing id
+                    raise SystemExit(f"the daemon refused the job: HTTP {answer.status_code}: {answer.text[:2000]}")
+                job = answer.json()
                 steps, reserved = [], {}  # reserved: device -> bytes sampled after every step from step 11 on
                 sampler = None
                 with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:

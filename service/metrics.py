@@ -168,7 +168,8 @@ class _EngineCollector(Collector):
         yield tokens
         yield GaugeMetricFamily(
             "dflash_train_tokens_per_second",
-            "Tokens per second over the recent steps",
+            "Non-padding context tokens trained per second over the recent steps: the micro-batches' packed "
+            "context tokens of every drafter replica (and, on rank 0 of a group, of every rank), not block tokens",
             value=status.tokens_per_second if status is not None else 0.0,
         )
 

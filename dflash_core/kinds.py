@@ -60,6 +60,14 @@ KINDS: tuple[JobKind, ...] = (
         "service.jobs.admission:regenerate_job",
         False,
     ),
+    JobKind(
+        "continual",
+        "dflash_core.continual.job:ContinualJob",
+        "dflash_core.continual.run:ContinualRun",
+        "service.jobs.continual_spec:ContinualSpec",
+        "service.jobs.continual_spec:continual_job",
+        False,
+    ),
 )
 
 _BY_NAME = {k.name: k for k in KINDS}

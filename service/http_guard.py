@@ -39,6 +39,9 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # what probes, load balancers and Prometheus read without credentials; they disclose no job data
 UNGUARDED_READS = frozenset({"/healthz", "/livez", "/metrics"})
 JSON_MEDIA_TYPE = "application/json"
+# what a body may be declared as: JSON, or newline-delimited JSON (records for a continual job);
+# neither is a type a cross-site page can send without a CORS preflight
+BODY_MEDIA_TYPES = frozenset({JSON_MEDIA_TYPE, "application/x-ndjson"})
 
 Scope = Mapping[str, Any]
 Message = dict[str, Any]
@@ -248,7 +251,7 @@ class RequestGuard:
         content_type = header(scope, b"content-type")
         if content_type is not None or has_body:
             media = (content_type or b"").split(b";")[0].strip().lower().decode("latin-1")
-            if media != JSON_MEDIA_TYPE:
+            if media not in BODY_MEDIA_TYPES:
                 got = f" (got {media[:100]!r})" if media else " (no Content-Type was sent)"
                 return 415, f"the body must be JSON sent with 'Content-Type: {JSON_MEDIA_TYPE}'{got}"
         if length is not None:

@@ -77,10 +77,10 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
             shards = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
             if not shards:
                 raise DatasetError(label, 0, "the directory holds no .jsonl, .json or .parquet files")
-            return [_file_source(p, child_name(label, p.name)) for p in shards]
+            return [file_source(p, child_name(label, p.name)) for p in shards]
         if not path.is_file():
             raise DatasetError(label, 0, "does not exist")
-        return [_file_source(path, label)]
+        return [file_source(path, label)]
     except OSError as e:
         raise unreadable(label, e) from None
 
@@ -96,7 +96,7 @@ def unreadable(name: str, error: OSError) -> DatasetError:
     return DatasetError(name, 0, f"cannot be read ({error.strerror or type(error).__name__})")
 
 
-def _file_source(path: Path, name: str) -> SourceFile:
+def file_source(path: Path, name: str) -> SourceFile:
     if path.suffix == ".parquet":
         return SourceFile(path, "parquet", name)
     if path.suffix == ".json":
@@ -132,10 +132,10 @@ def iter_records(
 
 def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
     with src.path.open("rb") as f:
-        yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
+        yield from jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
 
 
-def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
+def jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
     """JSON lines (bytes, newline kept; None for a line over MAX_RECORD_BYTES, see bounded_lines)
     numbered from `first_line`; `path` names the file in errors."""
     for line_no, raw in enumerate(lines, start=first_line):

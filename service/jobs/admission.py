@@ -31,6 +31,12 @@ def to_engine_job(spec: SpecModel, job_id: str, roots: Roots, job_outputs: JobOu
 def train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
     from dflash_core.engine import TrainJob
 
+    return TrainJob(**train_values(spec, job_id, roots, job_outputs))
+
+
+def train_values(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None) -> dict[str, Any]:
+    """The training fields of an engine job for this spec (a training job's, and those every kind
+    that trains shares), every path resolved and checked."""
     jobs_read = _job_datasets(spec.datasets, job_outputs)
     roots = roots.reading_also(jobs_read.values())
     if spec.report_to:
@@ -57,7 +63,7 @@ def train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs 
         from dflash_core.step.objective_spec import parse_loss
 
         values["loss"] = parse_loss(spec.loss)
-    return TrainJob(**values)
+    return values
 
 
 def _eval_prompts(spec: JobSpec, roots: Roots) -> str | None:

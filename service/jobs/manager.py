@@ -15,6 +15,7 @@ from typing import Any
 
 from .admission import job_to_json, to_engine_job
 from .errors import JobConflict, JobNotFound, Unavailable
+from .records import Ingest
 from .schemas import SpecError, SpecModel
 from .store import FAILED, PENDING, STOPPED, TERMINAL, JobRecord, OutputDirInUse, StoreUnavailable, SubmissionConflict
 from .worker import MAX_CRASH_RESUMES, JobWorker
@@ -31,6 +32,10 @@ ENGINE_CREATE_TIMEOUT = 120.0
 class JobManager(JobWorker):
     """The queue's requests, answered from the HTTP threads (the thread that runs the jobs is the
     base class's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ingest = Ingest(self)  # records sent to running continual jobs
 
     def submit(self, spec: SpecModel) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (job, created). Raises SpecError (422), SubmissionConflict/JobConflict (409),

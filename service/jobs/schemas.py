@@ -66,6 +66,8 @@ class SpecModel(BaseModel):
         json_schema_extra=lambda schema, cls: _document_checks(schema),
     )
     if TYPE_CHECKING:  # every kind declares these, each where it belongs in its own field order
+        name: str | None
+        submission_id: str | None
         datasets: list[str]
         chat_template_kwargs: dict[str, Any]
 

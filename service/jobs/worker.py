@@ -47,6 +47,7 @@ STORE_RETRY_FIRST_SECONDS = 0.5
 STORE_RETRY_MAX_SECONDS = 5.0
 # the reason a job put back in the queue by resume() gives for its resume
 RESUME_REQUESTED = "resume requested"
+YIELDED = "YIELDED"  # a run's result: it gave the devices to a queued job (engine JobResult.status)
 
 
 class JobWorker:
@@ -139,6 +140,14 @@ class JobWorker:
         if job is None:
             raise JobNotFound(job_id)
         return job
+
+    def records_of(self, job_id: str) -> dict[str, int]:
+        """A running continual job's records as its run last reported them (zeros before it did)."""
+        with self._current_lock:
+            current = self._current
+        if current is not None and current.job_id == job_id:
+            return dict(current.records)
+        return {"ingested": 0, "pending": 0, "spool_lines_read": 0}
 
     @property
     def job_running(self) -> bool:
@@ -352,6 +361,11 @@ class JobWorker:
         if result.status == SUCCEEDED:
             if self._record(lambda: self.store.finish(job.id, SUCCEEDED, payload=summary)):
                 log.info("job succeeded", extra={"fields": {"job": job.id, **summary}})
+        elif result.status == YIELDED:  # a continual job gave the devices to a queued one
+            if self._record(lambda: self.store.requeue_yielded(job.id, result.steps_done)):
+                log.info(
+                    "job yielded to a queued job; it resumes after it", extra={"fields": {"job": job.id, **summary}}
+                )
         elif callbacks.cancel.is_set():
             if self._record(lambda: self.store.finish(job.id, STOPPED, payload={"reason": "cancelled", **summary})):
                 log.info("job stopped (cancelled)", extra={"fields": {"job": job.id, **summary}})

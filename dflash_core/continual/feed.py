@@ -1,0 +1,133 @@
+"""The ingest thread of a continual job: it polls the watched sources and the job's ingest spool
+every `poll_seconds` (a timed wait, never a busy loop), turns each new record into a tokenized
+document with the job's chat template, and hands it to the record pool.
+
+A bad record (unreadable, not a conversation) is skipped and counted, never the job's failure:
+a live source is written by someone else while the job runs, and one broken line must not stop
+a job that has no end. The first few are reported with their places.
+
+Tokenization shares the tokenizer with the evaluation that decides a publish; they take turns
+through `tokenizer_lock` (a fast tokenizer is not safe to call from two threads at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..data.conversations import Conversation, parse_conversation
+from ..data.errors import DatasetError
+from ..data.tokenize import ChatTemplate, encode_conversation
+from .replay import Doc, RecordPool
+from .sources import SourceWatcher
+
+log = logging.getLogger("dflash.continual")
+FIRST_ERRORS = 10
+
+
+@dataclass
+class FeedCounts:
+    ingested: int = 0  # records read and tokenized (trained or held out)
+    skipped: int = 0
+    first_errors: list[str] = field(default_factory=list)
+    reported_skips: int = 0
+
+
+class Feed:
+    def __init__(
+        self,
+        watcher: SourceWatcher,
+        pool: RecordPool,
+        tokenizer: Any,
+        template: ChatTemplate,
+        poll_seconds: float,
+    ):
+        self.watcher, self.pool, self.tokenizer, self.template = watcher, pool, tokenizer, template
+        self.poll_seconds = max(0.05, poll_seconds)
+        self.tokenizer_lock = threading.Lock()
+        self.counts = FeedCounts()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the watcher's cursor: polled here, saved by the job's thread
+        self._thread = threading.Thread(target=self._run, name="continual-ingest", daemon=True)
+        # (records arrived, the watcher's cursor) after each poll that read something: a checkpoint
+        # saves the newest cursor all of whose records are trained (cursor_through)
+        self._snapshots: list[tuple[int, dict[str, Any]]] = [(0, watcher.cursor())]
+
+    def start(self) -> Feed:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=60)
+
+    def cursor_through(self, seq: int) -> dict[str, Any]:
+        """The newest cursor whose records all have arrival numbers up to `seq` (all trained):
+        a job resumed from it reads again only what it had not trained."""
+        with self._lock:
+            keep = max(i for i, (added, _) in enumerate(self._snapshots) if added <= seq or i == 0)
+            del self._snapshots[:keep]
+            return self._snapshots[0][1]
+
+    def poll_once(self) -> int:
+        """Read what the sources hold now into the pool; the records added."""
+        added = 0
+        with self._lock, self.tokenizer_lock:
+            for record in self.watcher.poll():
+                if self._add(record.source, record.value):
+                    added += 1
+            if self.watcher.cursor() != self._snapshots[-1][1]:
+                self._snapshots.append((self.pool.added, self.watcher.cursor()))
+        return added
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.poll_once()
+                self._stop.wait(self.poll_seconds)
+        except BaseException as e:  # noqa: BLE001 - the job's thread raises it as the job's failure
+            self.error = e
+            log.exception("the continual job's ingest thread failed")
+
+    def _add(self, source: str, value: object) -> bool:
+        try:
+            if isinstance(value, DatasetError):
+                raise value
+            conversation = parse_conversation(value, source, 0)
+            conversation = Conversation(conversation.messages, source)
+            encoded = encode_conversation(self.tokenizer, conversation, self.template)
+        except DatasetError as e:
+            self._skip(_prompt_only(value) or str(e))
+            return False
+        self.pool.add(conversation, Doc(encoded.input_ids, encoded.loss_mask))
+        self.counts.ingested += 1
+        return True
+
+    def _skip(self, message: str) -> None:
+        self.counts.skipped += 1
+        if len(self.counts.first_errors) < FIRST_ERRORS:
+            self.counts.first_errors.append(message)
+
+    def new_skips(self) -> dict[str, Any] | None:
+        """The skipped-records report when more were skipped since the last one."""
+        if self.counts.skipped == self.counts.reported_skips:
+            return None
+        self.counts.reported_skips = self.counts.skipped
+        return {"count": self.counts.skipped, "first": list(self.counts.first_errors)}
+
+
+def _prompt_only(value: object) -> str | None:
+    """The reason a record that asks for an answer (a prompt with no assistant turn) is not trained."""
+    if isinstance(value, dict) and ("prompt" in value or "messages" in value or "conversations" in value):
+        try:
+            from ..data.prompts import parse_prompt
+
+            parse_prompt(value, "record", 0)
+        except DatasetError:
+            return None
+        return "a prompt without an answer: this job does not regenerate answers (it trains on conversations)"
+    return None

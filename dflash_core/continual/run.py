@@ -1,0 +1,299 @@
+"""The continual run: a training run (engine/train_run.py: the same step, drafters, feature
+pipeline and checkpoints) whose data arrives while it runs and which has no end.
+
+Its loop, per step: stop on a cancel; wait (a timed wait, woken by new records) until the step's
+micro-batches are packed, so an idle source idles the job and a cancel is seen while it waits;
+one step at the warmed shapes; every `publish_every_steps` steps the candidate's and the
+published drafter's acceptance length on the held-out window of recent records, and a new
+version published when the candidate wins by `publish_margin` (publish.py); the checkpoint when
+due, with the sources' cursor beside it; at a checkpoint, with `yield_to_queue`, the job gives
+the devices to a queued job (status YIELDED: the service queues it again behind that job, and it
+resumes from this checkpoint).
+
+The learning rate warms up over `warmup_ratio` of the first `publish_every_steps` steps and then
+stays at `learning_rate`: a job without an end has no schedule to decay over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..checkpoint import cpu_copy, load_drafter
+from ..confine import ConfinedDir, OutsideRoots, resolved_under
+from ..data.batches import DocumentList
+from ..data.job import JobData
+from ..engine.admission import check_init_from, check_output, check_shapes, check_template
+from ..engine.api import JobCallbacks, JobError
+from ..engine.checkpointing import checkpoint_due
+from ..engine.config import job_template
+from ..engine.guards import check_step
+from ..engine.objective import check_objective
+from ..engine.optim import lr_factor
+from ..engine.train_run import NoCheckpoints, Prepared, TrainRun
+from ..target_identity import resolve_export_dtype, target_identity
+from .feed import Feed
+from .job import ENDLESS_STEPS, STATE_FILE, ContinualJob
+from .publish import Publisher, notify_reload
+from .replay import ContinualStream, RecordPool
+from .sources import SourceWatcher
+
+if TYPE_CHECKING:
+    from ..engine.checkpointing import Checkpointer
+    from ..engine.engine import Engine
+
+YIELDED = "YIELDED"  # the job's result when it gave the devices to a queued job
+REPORT_SECONDS = 2.0  # how often the records' counts are reported while the job waits for data
+STATES_KEPT = 8  # cursors kept in the state file, one per recent checkpoint
+
+
+class ContinualRun(TrainRun):
+    """A continual job on the built engine (the run protocol of engine/kinds.py)."""
+
+    job: ContinualJob
+
+    @classmethod
+    def validate(cls, engine: Engine, job: ContinualJob) -> None:  # type: ignore[override]
+        check_shapes(job, engine.config)
+        check_objective(job, engine.config.teacher, engine.config.recipe)
+        for name in ("target_watch", "regenerate"):
+            if getattr(job, name) is not None:
+                raise JobError(f"this daemon does not run {name} for continual jobs yet; leave it unset", name)
+        for i, source in enumerate(job.sources):
+            try:
+                if not resolved_under(source, job.dataset_roots, "source").is_dir():
+                    raise JobError("not a directory (a source is a directory watched for new files)", f"sources[{i}]")
+            except OutsideRoots as e:
+                raise JobError(str(e), f"sources[{i}]") from None
+        if engine.parts is not None:
+            check_init_from(job, engine.parts)
+            check_template(job, engine.parts)
+            check_output(job, engine.parts)
+
+    def __init__(self, engine: Engine, job: ContinualJob, callbacks: JobCallbacks, resume_from: str | None):
+        super().__init__(engine, job, callbacks, resume_from)
+        self.pool = RecordPool(engine.config.seq_len, job.replay_records, job.eval_max_prompts, job.heldout_every)
+        self.feed: Feed | None = None
+        self.stream: ContinualStream | None = None
+        self.publisher: Publisher | None = None
+        self._published_drafter: tuple[int, Any] | None = None  # (version, drafter) evaluated against
+        self._reported = 0.0
+        self.export_dtype = "fp32"  # the publish dtype: set from the target when the job prepares
+
+    # ------------------------------------------------------------------ preparing
+    def prepare(self) -> Prepared:
+        job, parts = self.job, self.parts
+        no_data = JobData(DocumentList([]), [], np.zeros(0, dtype=np.int64))  # type: ignore[arg-type]
+        data = self._load_data() if job.datasets else no_data
+        self.pool.set_corpus(data.corpus, data.heldout, data.exclude, fresh=self.resume_from is None)
+        directories = [
+            (resolved_under(s, job.dataset_roots, "source"), s, list(job.dataset_roots)) for s in job.sources
+        ]
+        spool = ConfinedDir(job.spool_dir(), job.output_roots, "output_dir")  # created, so it can be watched
+        spool.close()
+        directories.append((job.spool_dir(), "records", list(job.output_roots)))
+        cursor = self._saved_cursor() if self.resume_from else None
+        self.feed = Feed(
+            SourceWatcher(directories, cursor), self.pool, parts.tokenizer, job_template(job), job.poll_seconds
+        )
+        self.feed.poll_once()  # what the sources hold now, before the first step
+        self.stream = ContinualStream(
+            self.pool, self.engine.config.shape, parts.pad_token_id, job.seed, job.replay_ratio
+        )
+        self.clock.mark("data_open")
+        self.cb.on_event(
+            "data",
+            {
+                "documents": len(data.corpus) - len(data.exclude),
+                "tokens": int(data.corpus.lengths.sum()),
+                "sources": len(job.sources),
+                "records": self.feed.counts.ingested,
+                "pending": self.pool.pending,
+                "heldout": len(self.pool.heldout),
+            },
+        )
+        start = self._start_state()
+        self.clock.mark("start_state")
+        target = target_identity(parts.target_path)
+        try:
+            self.publisher = Publisher(job.publish_dir, job.output_roots, job.keep_versions, target)
+        except OutsideRoots as e:
+            raise JobError(str(e), "publish_dir") from None
+        self.export_dtype = resolve_export_dtype(job.export_dtype, target["dtype"])
+        self.feed.start()
+        return Prepared(data, self.stream, ENDLESS_STEPS, start)
+
+    # ------------------------------------------------------------------ the loop
+    def loop(self, data: JobData, checkpoints: Checkpointer | NoCheckpoints) -> None:
+        job, cb = self.job, self.cb
+        assert self.stream is not None and self.feed is not None
+        warmup_steps = int(job.warmup_ratio * job.publish_every_steps)
+        while True:
+            if cb.should_cancel():
+                self.status = "STOPPED"
+                break
+            first = self.step * self.per_step
+            if not self.stream.wait_built(first, first + self.per_step, self._idle):
+                if self.status == YIELDED and self.step > self.start:  # resumes from the progress made
+                    checkpoints.save(self.step, self.stats, self.eval_result, force=True)  # type: ignore[call-arg]
+                break  # cancelled, or yielded while it waited
+            lr = job.learning_rate * lr_factor(self.step, ENDLESS_STEPS, warmup_steps, 1.0)
+            self.stats, _ = self.train_step(lr, False)
+            self.step += 1
+            check_step(self.stats)
+            self.trained += self.stats.labels
+            cb.on_step(self.stats)
+            self.clock.first_step(cb.on_event)
+            self._report_records(force=True)
+            if self.step % job.publish_every_steps == 0:
+                self._evaluate_and_publish()
+            checkpoints.save(self.step, self.stats, self.eval_result)
+            if checkpoint_due(job, self.step, ENDLESS_STEPS):
+                self._save_cursor(self.step)
+                if self._should_yield():
+                    self.status = YIELDED
+                    break
+
+    def _idle(self) -> bool:
+        """While the job waits for data: True to stop waiting (a cancel, or a yield to a queued
+        job after a checkpoint of the progress made); reports the records' counts."""
+        assert self.feed is not None
+        if self.feed.error is not None:
+            raise JobError(f"reading the sources failed: {type(self.feed.error).__name__}: {self.feed.error}")
+        self._report_records()
+        if self.cb.should_cancel():
+            self.status = "STOPPED"
+            return True
+        if self._should_yield():
+            self.status = YIELDED
+            return True
+        return False
+
+    def _should_yield(self) -> bool:
+        return self.job.yield_to_queue and self.cb.should_yield()
+
+    def run(self, prepared: Prepared) -> str | None:
+        try:
+            last = super().run(prepared)
+            if self.step > self.start and self.status != YIELDED:  # the checkpoint a stop wrote last
+                self._save_cursor(self.step)
+            return last
+        finally:
+            if self.feed is not None:
+                self.feed.close()
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def _close_pipeline(self) -> None:
+        if self.stream is not None:  # first: a target thread waiting for records stops waiting
+            self.stream.close()
+        super()._close_pipeline()
+
+    # ------------------------------------------------------------------ records
+    def _report_records(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._reported < REPORT_SECONDS:
+            return
+        self._reported = now
+        assert self.feed is not None
+        spool_line = 1
+        for key, state in self.feed.watcher.files.items():
+            if Path(key).parent == self.job.spool_dir():
+                spool_line = max(spool_line, int(state.get("line", 1)))
+        self.cb.on_records(
+            {"ingested": self.feed.counts.ingested, "pending": self.pool.pending, "spool_lines_read": spool_line - 1}
+        )
+        skipped = self.feed.new_skips()
+        if skipped is not None:
+            self.cb.on_event("skipped_records", skipped)
+
+    def _save_cursor(self, step: int) -> None:
+        """The sources' cursor for the checkpoint of `step` (the newest all of whose records are
+        trained), kept for the last few checkpoints: a resume reads on from its checkpoint's."""
+        assert self.feed is not None and self.stream is not None
+        states = self._read_states()
+        states[str(step)] = self.feed.cursor_through(self.stream.trained_seq)
+        kept = dict(sorted(states.items(), key=lambda kv: int(kv[0]))[-STATES_KEPT:])
+        with ConfinedDir(self.job.output_dir, self.job.output_roots, "output_dir") as directory:
+            tmp = f".{STATE_FILE}.tmp"
+            with open(directory.at(tmp), "w") as f:
+                f.write(json.dumps({"cursors": kept}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            directory.rename(tmp, STATE_FILE)
+            directory.fsync()
+
+    def _read_states(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self.job.state_path().read_text()).get("cursors", {}))
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def _saved_cursor(self) -> dict[str, Any] | None:
+        """The cursor of the checkpoint the job resumes from (else the newest before it): records
+        after it are read again, so none is lost; None reads every source from its start."""
+        assert self.resume_from is not None
+        from ..engine.checkpointing import checkpoint_step
+
+        step = checkpoint_step(Path(self.resume_from).name) or 0
+        older = [int(s) for s in self._read_states() if int(s) <= step]
+        return self._read_states()[str(max(older))] if older else None
+
+    # ------------------------------------------------------------------ publishing
+    def _evaluate_and_publish(self) -> None:
+        assert self.feed is not None and self.publisher is not None
+        window = self.pool.heldout_window()
+        payload: dict[str, Any] = {"step": self.step, "heldout": len(window)}
+        if not window:
+            self.cb.on_publish({**payload, "published": False, "reason": "no held-out records yet"})
+            return
+        target, tokenizer = self.parts.targets[0], self.parts.tokenizer
+        latest = self.publisher.latest
+        with self.feed.tokenizer_lock:
+            candidate = self.drafters.evaluate(target, tokenizer, window, self.job)["acceptance_length"]
+            published = self._published_tau(latest, window) if latest is not None else None
+        payload.update(candidate_tau=candidate, published_tau=published)
+        wins = published is None or (candidate > published and candidate >= published * (1 + self.job.publish_margin))
+        if not wins:
+            self.cb.on_publish({**payload, "published": False, "reason": "the candidate does not win by the margin"})
+            return
+        rep = self.engine.replicas[0]
+        weights = cpu_copy(rep.weights_state())
+        entry = self.publisher.publish(
+            rep.drafter.config, weights, step=self.step, tau=candidate, export_dtype=self.export_dtype
+        )
+        payload.update(published=True, version=entry["version"], tau=candidate, path=entry["path"])
+        if self.job.reload_url:
+            payload["reload"] = notify_reload(self.job.reload_url, entry)
+        self.cb.on_publish(payload)
+
+    def _published_tau(self, latest: dict[str, Any], window: list[Any]) -> float:
+        """The published drafter's acceptance length on the same window, loaded once per version."""
+        from ..evaluate import evaluate_acceptance
+
+        assert self.publisher is not None
+        rep = self.engine.replicas[0]
+        if self._published_drafter is None or self._published_drafter[0] != latest["version"]:
+            drafter = load_drafter(self.publisher.path_of(latest), rep.device)
+            self._published_drafter = (latest["version"], drafter)
+        drafter = self._published_drafter[1]
+        result = (
+            self.drafters.pools[0]
+            .submit(
+                evaluate_acceptance,
+                self.parts.targets[0],
+                drafter,
+                self.parts.tokenizer,
+                window[: self.job.eval_max_prompts],
+                max_new_tokens=self.job.eval_max_new_tokens,
+                drafter_device=rep.device,
+                head=rep.head,
+            )
+            .result()
+        )
+        return float(result.acceptance_length)

@@ -16,6 +16,8 @@ stays at `learning_rate`: a job without an end has no schedule to decay over.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import dataclasses
 import json
 import os
 import time
@@ -83,6 +85,10 @@ class ContinualRun(TrainRun):
         self.publisher: Publisher | None = None
         self._published_drafter: tuple[int, Any] | None = None  # (version, drafter) evaluated against
         self._reported = 0.0
+        self._writing: Checkpointer | NoCheckpoints | None = None  # the run's checkpoints, while it loops
+        # a version being written (in the publisher's thread, as a checkpoint is: training goes on)
+        self._publish_writer = cf.ThreadPoolExecutor(1, thread_name_prefix="continual-publish")
+        self._publishing: tuple[cf.Future, dict[str, Any]] | None = None
         self.export_dtype = "fp32"  # the publish dtype: set from the target when the job prepares
 
     # ------------------------------------------------------------------ preparing
@@ -132,6 +138,7 @@ class ContinualRun(TrainRun):
     def loop(self, data: JobData, checkpoints: Checkpointer | NoCheckpoints) -> None:
         job, cb = self.job, self.cb
         assert self.stream is not None and self.feed is not None
+        self._writing = checkpoints
         warmup_steps = int(job.warmup_ratio * job.publish_every_steps)
         while True:
             if cb.should_cancel():
@@ -150,6 +157,7 @@ class ContinualRun(TrainRun):
             cb.on_step(self.stats)
             self.clock.first_step(cb.on_event)
             self._report_records(force=True)
+            self._report_publish()
             if self.step % job.publish_every_steps == 0:
                 self._evaluate_and_publish()
             checkpoints.save(self.step, self.stats, self.eval_result)
@@ -166,6 +174,9 @@ class ContinualRun(TrainRun):
         if self.feed.error is not None:
             raise JobError(f"reading the sources failed: {type(self.feed.error).__name__}: {self.feed.error}")
         self._report_records()
+        self._report_publish()
+        if self._writing is not None and self.step > self.start:  # a write that finished is recorded now
+            self._writing.save(self.step, self.stats, self.eval_result)
         if self.cb.should_cancel():
             self.status = "STOPPED"
             return True
@@ -184,10 +195,16 @@ class ContinualRun(TrainRun):
                 self._save_cursor(self.step)
             return last
         finally:
+            self._report_publish(wait=True)  # a version being written completes (or fails) first
+            self._publish_writer.shutdown()
             if self.feed is not None:
                 self.feed.close()
             if self.publisher is not None:
                 self.publisher.close()
+
+    def step_stats(self, *args: Any, **kwargs: Any) -> Any:
+        # a job without an end reports no total (the store shows no fraction done)
+        return dataclasses.replace(super().step_stats(*args, **kwargs), total_steps=0)
 
     def _close_pipeline(self) -> None:
         if self.stream is not None:  # first: a target thread waiting for records stops waiting
@@ -253,6 +270,7 @@ class ContinualRun(TrainRun):
             self.cb.on_publish({**payload, "published": False, "reason": "no held-out records yet"})
             return
         target, tokenizer = self.parts.targets[0], self.parts.tokenizer
+        self._report_publish(wait=True)  # the previous version is the one to beat
         latest = self.publisher.latest
         with self.feed.tokenizer_lock:
             candidate = self.drafters.evaluate(target, tokenizer, window, self.job)["acceptance_length"]
@@ -263,14 +281,28 @@ class ContinualRun(TrainRun):
             self.cb.on_publish({**payload, "published": False, "reason": "the candidate does not win by the margin"})
             return
         rep = self.engine.replicas[0]
-        weights = cpu_copy(rep.weights_state())
-        entry = self.publisher.publish(
-            rep.drafter.config, weights, step=self.step, tau=candidate, export_dtype=self.export_dtype
-        )
-        payload.update(published=True, version=entry["version"], tau=candidate, path=entry["path"])
-        if self.job.reload_url:
-            payload["reload"] = notify_reload(self.job.reload_url, entry)
-        self.cb.on_publish(payload)
+        weights = cpu_copy(rep.weights_state())  # now, between steps: the candidate that was evaluated
+        publisher, config, dtype, url = self.publisher, rep.drafter.config, self.export_dtype, self.job.reload_url
+
+        def write() -> dict[str, Any]:
+            entry = publisher.publish(config, weights, step=payload["step"], tau=candidate, export_dtype=dtype)
+            done = {**payload, "published": True, "version": entry["version"], "tau": candidate, "path": entry["path"]}
+            if url:
+                done["reload"] = notify_reload(url, entry)
+            return done
+
+        self._publishing = (self._publish_writer.submit(write), payload)
+
+    def _report_publish(self, wait: bool = False) -> None:
+        """Report a version whose write finished (wait: the one in flight, too)."""
+        if self._publishing is None or not (wait or self._publishing[0].done()):
+            return
+        future, payload = self._publishing
+        self._publishing = None
+        try:
+            self.cb.on_publish(future.result())
+        except Exception as e:  # noqa: BLE001 - the previous version stays published; the job goes on
+            self.cb.on_publish({**payload, "published": False, "reason": f"{type(e).__name__}: {e}"})
 
     def _published_tau(self, latest: dict[str, Any], window: list[Any]) -> float:
         """The published drafter's acceptance length on the same window, loaded once per version."""

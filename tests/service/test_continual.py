@@ -195,3 +195,26 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
     assert stopped["state"] == "STOPPED" and stopped["published"]["version"] >= 1
     assert (publish_dir / "latest").resolve().is_dir()
     assert http.post(f"/jobs/{job_id}/records", content=records, headers=ndjson).status_code == 409
+
+
+def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
+    from tests.service.test_cli import cli
+
+    source = daemon.data_dir / "serving-log"
+    source.mkdir()
+    started = cli(
+        "continual", str(source), "--publish-every", "2", "--replay-ratio", "0.25", "--name", "from-cli",
+        url=daemon.url,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.split()[0]
+    records = tmp_path / "records.jsonl"
+    write_lines(records, [conversation(300 + i) for i in range(40)], mode="w")
+    fed = cli("feed", job_id, str(records), "--batch", "16", url=daemon.url)
+    assert fed.returncode == 0 and "40 records accepted" in fed.stdout, fed.stderr
+    daemon.wait_job(job_id, lambda j: "published" in j, timeout=120)
+    shown = cli("published", job_id, url=daemon.url)
+    assert shown.returncode == 0 and "published v000001" in shown.stdout, shown.stdout
+    assert "from-cli" in cli("status", url=daemon.url).stdout
+    assert cli("cancel", job_id, url=daemon.url).returncode == 0
+    assert daemon.wait_terminal(job_id)["state"] == "STOPPED"

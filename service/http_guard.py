@@ -7,8 +7,9 @@
    the daemon's own origin or one listed in `allowed_origins` (cross-site requests) -> 403;
 3. the bearer token: `auth_token` on mutating requests, a read token on GETs other than the probes
    when reads are protected -> 401;
-4. a mutating request with a body, or with a declared content type, declares application/json: a
-   cross-site page can send text/plain or a form without a CORS preflight, never JSON -> 415;
+4. a mutating request with a body, or with a declared content type, declares application/json (or
+   application/x-ndjson, a continual job's records): a cross-site page can send text/plain or a
+   form without a CORS preflight, never these -> 415;
 5. its body is at most MAX_BODY_BYTES: a declared Content-Length above it is refused before a byte
    of the body is read, a chunked body is read up to the cap and no further -> 413.
 

@@ -28,7 +28,7 @@ _GUARD = {
 _GUARD_MUTATING = {
     "403": "a browser page of another origin (allowed_origins)",
     "413": f"a body of more than {MAX_BODY_BYTES} bytes",
-    "415": "a body not sent as Content-Type: application/json",
+    "415": "a body not sent as Content-Type: application/json (or application/x-ndjson)",
 }
 
 

@@ -395,6 +395,10 @@ class ServiceMetrics:
         self._ingested[job_id] = ingested
         self.records_pending.labels(job_id=job_id).set(pending)
 
+    def observe_target_swap(self, seconds: float, job_id: str) -> None:
+        self.target_swaps.labels(job_id=job_id).inc()
+        self.target_swap_seconds.labels(job_id=job_id).observe(seconds)
+
     def observe_publish(self, result: dict, job_id: str) -> None:
         if result.get("candidate_tau") is not None:
             self.candidate_acceptance.labels(job_id=job_id).set(float(result["candidate_tau"]))

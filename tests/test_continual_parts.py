@@ -128,3 +128,49 @@ def test_publisher_versions_latest_rotation_and_a_killed_publish(tmp_path):
     again.close()
     with pytest.raises(PermissionError):
         Publisher(str(tmp_path.parent / "elsewhere"), [str(tmp_path)], 2, target)
+
+
+def test_a_target_version_loads_in_place_and_other_shapes_are_refused(default_assets, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.continual.target_swap import SwapRefused, check_version, load_in_place, refresh_heads
+    from dflash_core.target import TargetModel
+
+    target = TargetModel(default_assets.target, [1, 2], "cpu", dtype=torch.float32)
+    head = target.frozen_head().to("cpu", torch.float64)  # a drafter's own copy (another dtype)
+    storage = target.model.model.norm.weight.data_ptr()
+
+    def version(name, change=lambda k, v: v, config=None):
+        out = tmp_path / name
+        shutil.copytree(default_assets.target, out)
+        weights = load_file(str(out / "model.safetensors"))
+        save_file({k: change(k, v) for k, v in weights.items()}, str(out / "model.safetensors"))
+        if config:
+            cfg = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**cfg, **config}))
+        return out
+
+    v2 = version("v2", lambda k, v: v + 1.0 if v.is_floating_point() else v)
+    load_in_place([target], check_version(target, v2, [str(tmp_path)]))
+    refresh_heads(target, [head])
+    assert target.model.model.norm.weight.data_ptr() == storage  # the same storage, new values
+    assert torch.equal(target.model.model.norm.weight, load_file(str(v2 / "model.safetensors"))["model.norm.weight"])
+    assert torch.allclose(head.lm_head_weight, target.model.get_output_embeddings().weight.double())
+    with pytest.raises(SwapRefused, match=r"model\.norm\.weight has shape"):
+        check_version(target, version("v3", lambda k, v: v[:-1] if k == "model.norm.weight" else v), [])
+    with pytest.raises(SwapRefused, match="num_hidden_layers"):
+        check_version(target, version("v4", config={"num_hidden_layers": 9}), [])
+    with pytest.raises(SwapRefused, match="missing"):
+        check_version(target, _without(version("v5"), "model.norm.weight"), [])
+
+
+def _without(path, key):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    del weights[key]
+    save_file(weights, str(path / "model.safetensors"))
+    return path

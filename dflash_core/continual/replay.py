@@ -124,9 +124,9 @@ class RecordPool:
             head = self.fresh[0] = self._corpus_doc(head)
         return head
 
-    def take(self, replay_ratio: float, rng: np.random.Generator) -> list[Doc] | None:
-        """The documents of one packed sequence, None when it must wait for new records.
-        Call under self.cond."""
+    def take(self, replay_ratio: float, rng: np.random.Generator) -> tuple[list[Doc], int] | None:
+        """The documents of one packed sequence (the first n of them new), None when it must
+        wait for new records. Call under self.cond."""
         budget = self.seq_len
         docs: list[Doc] = []
         if replay_ratio < 1.0:
@@ -147,6 +147,7 @@ class RecordPool:
             budget -= used
         elif not self._replay_size():
             return None
+        fresh = len(docs)
         if replay_ratio > 0 and self._replay_size():
             misses = 0
             while budget >= 2 and misses < REPLAY_DRAWS:
@@ -156,7 +157,14 @@ class RecordPool:
                     continue
                 docs.append(doc)
                 budget -= len(doc.input_ids)
-        return docs
+        return docs, fresh
+
+    def give_back(self, docs: list[Doc]) -> None:
+        """New records of micro-batches that will not be trained, first in line again."""
+        with self.cond:
+            self.fresh.extendleft(reversed(docs))
+            self.trained_new -= len(docs)
+            self.cond.notify_all()
 
 
 class ContinualStream:
@@ -172,17 +180,20 @@ class ContinualStream:
         self.replay_ratio = replay_ratio
         self.stop = threading.Event()
         self._built: dict[int, int] = {}  # packed micro-batch -> the newest record arrival number in it
+        self._new: dict[int, list[Doc]] = {}  # packed micro-batch -> its new records (until it is trained)
         self._low = 0  # every index below is built and forgotten
         self.trained_seq = 0  # every record with an arrival number up to this is in a trained micro-batch
 
     def get(self, index: int) -> MicroBatch:
         rng = np.random.default_rng([self.seed, 2, index])
         with self.pool.cond:
-            while (docs := self.pool.take(self.replay_ratio, rng)) is None:
+            while (taken := self.pool.take(self.replay_ratio, rng)) is None:
                 if self.stop.is_set():
                     raise StreamStopped
                 self.pool.cond.wait(WAIT_SECONDS)
+            docs, fresh = taken
             self._built[index] = max((d.seq for d in docs), default=-1)
+            self._new[index] = docs[:fresh]
             self.pool.cond.notify_all()
         seq = build_sequence([(d.input_ids, d.loss_mask) for d in docs], self.shape.seq_len, self.pad)
         return make_micro_batch(seq, self.shape, rng, index)
@@ -194,6 +205,7 @@ class ContinualStream:
             if done:
                 for i in [i for i in self._built if i < hi]:
                     self.trained_seq = max(self.trained_seq, self._built.pop(i))
+                    self._new.pop(i, None)
                 self._low = max(self._low, hi)
             return done
 
@@ -210,3 +222,15 @@ class ContinualStream:
         self.stop.set()
         with self.pool.cond:
             self.pool.cond.notify_all()
+
+    def rewind(self, first: int) -> None:
+        """After the pipeline was closed before micro-batch `first`: the micro-batches packed from
+        there on are dropped and their new records go back to the pool, first in line; the
+        stream can be read again (a new pipeline starts at `first`)."""
+        with self.pool.cond:
+            dropped = sorted(i for i in self._built if i >= first)
+            docs = [d for i in dropped for d in self._new.pop(i, [])]
+            for i in dropped:
+                del self._built[i]
+            self.stop.clear()
+        self.pool.give_back(docs)

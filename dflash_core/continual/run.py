@@ -44,6 +44,7 @@ from .job import ENDLESS_STEPS, STATE_FILE, ContinualJob
 from .publish import Publisher, notify_reload
 from .replay import ContinualStream, RecordPool
 from .sources import SourceWatcher
+from .target_swap import SwapRefused, TargetSwapper, TargetWatch, check_version, load_in_place, refresh_heads, swappable
 
 if TYPE_CHECKING:
     from ..engine.checkpointing import Checkpointer
@@ -63,9 +64,10 @@ class ContinualRun(TrainRun):
     def validate(cls, engine: Engine, job: ContinualJob) -> None:  # type: ignore[override]
         check_shapes(job, engine.config)
         check_objective(job, engine.config.teacher, engine.config.recipe)
-        for name in ("target_watch", "regenerate"):
-            if getattr(job, name) is not None:
-                raise JobError(f"this daemon does not run {name} for continual jobs yet; leave it unset", name)
+        if job.regenerate is not None:
+            raise JobError("this daemon does not answer prompt-only records yet; leave it unset", "regenerate")
+        if job.target_watch is not None:
+            cls._check_target_watch(engine, job)
         for i, source in enumerate(job.sources):
             try:
                 if not resolved_under(source, job.dataset_roots, "source").is_dir():
@@ -76,6 +78,25 @@ class ContinualRun(TrainRun):
             check_init_from(job, engine.parts)
             check_template(job, engine.parts)
             check_output(job, engine.parts)
+
+    @staticmethod
+    def _check_target_watch(engine: Engine, job: ContinualJob) -> None:
+        assert job.target_watch is not None
+        try:
+            if not resolved_under(job.target_watch, job.dataset_roots, "target_watch").is_dir():
+                raise JobError("not a directory (new target versions appear in it as subdirectories)", "target_watch")
+        except OutsideRoots as e:
+            raise JobError(str(e), "target_watch") from None
+        if engine.config.target_random_init:
+            raise JobError(
+                "the engine's target has random weights: it could not be restored after a swap", "target_watch"
+            )
+        if engine.parts is not None:
+            why = swappable(engine.parts.targets[0])
+            if why is None and any(r.head.lm_head_fp8 is not None for r in engine.parts.replicas):
+                why = "the drafters' loss runs on an FP8 copy of the LM head; it is not swapped in place"
+            if why is not None:
+                raise JobError(why, "target_watch")
 
     def __init__(self, engine: Engine, job: ContinualJob, callbacks: JobCallbacks, resume_from: str | None):
         super().__init__(engine, job, callbacks, resume_from)
@@ -90,6 +111,11 @@ class ContinualRun(TrainRun):
         self._publish_writer = cf.ThreadPoolExecutor(1, thread_name_prefix="continual-publish")
         self._publishing: tuple[cf.Future, dict[str, Any]] | None = None
         self.export_dtype = "fp32"  # the publish dtype: set from the target when the job prepares
+        self.swapper: TargetSwapper | None = None
+        self._swap_checked = 0.0
+        self._swapped = False  # a watched version is loaded: the engine's own target comes back at the end
+        self._published_tau: float | None = None  # the published drafter's, last measured
+        self._identity: dict[str, Any] | None = None  # the loaded target version's, once one is
 
     # ------------------------------------------------------------------ preparing
     def prepare(self) -> Prepared:
@@ -131,6 +157,12 @@ class ContinualRun(TrainRun):
         except OutsideRoots as e:
             raise JobError(str(e), "publish_dir") from None
         self.export_dtype = resolve_export_dtype(job.export_dtype, target["dtype"])
+        if job.target_watch is not None:
+            watch = TargetWatch(job.target_watch, job.dataset_roots)
+            heads = [r.head for r in self.engine.replicas]
+            self.swapper = TargetSwapper(watch, parts.targets, heads, job.dataset_roots)
+            watch.newest()  # a version already there (a resumed job's target) is loaded before the first step
+            self._maybe_swap(at_start=True)
         self.feed.start()
         return Prepared(data, self.stream, ENDLESS_STEPS, start)
 
@@ -161,6 +193,7 @@ class ContinualRun(TrainRun):
             if self.step % job.publish_every_steps == 0:
                 self._evaluate_and_publish()
             checkpoints.save(self.step, self.stats, self.eval_result)
+            self._maybe_swap()
             if checkpoint_due(job, self.step, ENDLESS_STEPS):
                 self._save_cursor(self.step)
                 if self._should_yield():
@@ -177,6 +210,7 @@ class ContinualRun(TrainRun):
         self._report_publish()
         if self._writing is not None and self.step > self.start:  # a write that finished is recorded now
             self._writing.save(self.step, self.stats, self.eval_result)
+        self._maybe_swap()
         if self.cb.should_cancel():
             self.status = "STOPPED"
             return True
@@ -197,6 +231,7 @@ class ContinualRun(TrainRun):
         finally:
             self._report_publish(wait=True)  # a version being written completes (or fails) first
             self._publish_writer.shutdown()
+            self._restore_target()
             if self.feed is not None:
                 self.feed.close()
             if self.publisher is not None:
@@ -205,6 +240,12 @@ class ContinualRun(TrainRun):
     def step_stats(self, *args: Any, **kwargs: Any) -> Any:
         # a job without an end reports no total (the store shows no fraction done)
         return dataclasses.replace(super().step_stats(*args, **kwargs), total_steps=0)
+
+    def _checkpoints(self) -> Checkpointer | NoCheckpoints:
+        checkpoints = super()._checkpoints()
+        if self._identity is not None and hasattr(checkpoints, "target"):  # a version loaded at the start
+            checkpoints.target = self._identity
+        return checkpoints
 
     def _close_pipeline(self) -> None:
         if self.stream is not None:  # first: a target thread waiting for records stops waiting
@@ -261,6 +302,61 @@ class ContinualRun(TrainRun):
         older = [int(s) for s in self._read_states() if int(s) <= step]
         return self._read_states()[str(max(older))] if older else None
 
+    # ------------------------------------------------------------------ the target
+    def _maybe_swap(self, at_start: bool = False) -> None:
+        """Between steps, every poll_seconds: load a new target version from target_watch."""
+        if self.swapper is None or (not at_start and time.monotonic() - self._swap_checked < self.job.poll_seconds):
+            return
+        self._swap_checked = time.monotonic()
+        path = self.swapper.watch.newest()
+        if path is None:
+            return
+        if not at_start:  # what reads the target stops; its packed micro-batches' new records go back
+            assert self.stream is not None
+            self.stream.close()
+            super()._close_pipeline()
+            self.stream.rewind(self.step * self.per_step)
+        try:
+            payload = self.swapper.swap(path)
+        except SwapRefused as e:
+            self.cb.on_target_swap({"version": path.name, "refused": True, "reason": str(e)})
+        else:
+            self._swapped = True
+            identity = self._identity = target_identity(path)
+            for holder in (self.publisher, self._writing):  # what versions and checkpoints now record
+                if holder is not None and hasattr(holder, "target"):
+                    holder.target = identity
+            self.cb.on_target_swap({**payload, "refused": False, "target": identity, "step": self.step})
+            self._measure_drift(path.name)
+        finally:
+            if not at_start:
+                assert self.stream is not None
+                self.pipeline = self._start_pipeline(self.stream, first_step=self.step)
+
+    def _measure_drift(self, version: str) -> None:
+        """The published drafter's acceptance length against the new target, at once."""
+        assert self.publisher is not None and self.feed is not None
+        latest, window = self.publisher.latest, self.pool.heldout_window()
+        if latest is None or not window:
+            return
+        with self.feed.tokenizer_lock:
+            tau = self._published_tau_on(latest, window)
+        self.cb.on_event(
+            "drift",
+            {"step": self.step, "version": version, "published_tau_before": self._published_tau, "published_tau": tau},
+        )
+        self._published_tau = tau
+
+    def _restore_target(self) -> None:
+        """The engine's own target back in place after the job loaded watched versions: the next
+        job trains against the target the daemon was started with."""
+        if self.swapper is None or not self._swapped:
+            return
+        where = check_version(self.parts.targets[0], Path(self.parts.target_path), [])
+        load_in_place(self.parts.targets, where)
+        refresh_heads(self.parts.targets[0], self.swapper.heads)
+        self._swapped = False
+
     # ------------------------------------------------------------------ publishing
     def _evaluate_and_publish(self) -> None:
         assert self.feed is not None and self.publisher is not None
@@ -274,7 +370,8 @@ class ContinualRun(TrainRun):
         latest = self.publisher.latest
         with self.feed.tokenizer_lock:
             candidate = self.drafters.evaluate(target, tokenizer, window, self.job)["acceptance_length"]
-            published = self._published_tau(latest, window) if latest is not None else None
+            published = self._published_tau_on(latest, window) if latest is not None else None
+        self._published_tau = published
         payload.update(candidate_tau=candidate, published_tau=published)
         wins = published is None or (candidate > published and candidate >= published * (1 + self.job.publish_margin))
         if not wins:
@@ -304,7 +401,7 @@ class ContinualRun(TrainRun):
         except Exception as e:  # noqa: BLE001 - the previous version stays published; the job goes on
             self.cb.on_publish({**payload, "published": False, "reason": f"{type(e).__name__}: {e}"})
 
-    def _published_tau(self, latest: dict[str, Any], window: list[Any]) -> float:
+    def _published_tau_on(self, latest: dict[str, Any], window: list[Any]) -> float:
         """The published drafter's acceptance length on the same window, loaded once per version."""
         from ..evaluate import evaluate_acceptance
 

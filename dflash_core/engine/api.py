@@ -93,6 +93,9 @@ class JobCallbacks:
         """A continual job's publish decision: candidate and published acceptance lengths, and
         whether (and as which version, where) it published."""
 
+    def on_target_swap(self, result: dict[str, Any]) -> None:
+        """A continual job loaded a new target version in place (its seconds), or refused one (why)."""
+
     def should_cancel(self) -> bool:
         return False
 

@@ -218,12 +218,13 @@ class TrainRun:
             snapshot=self.parts.snapshot,
         )
 
-    def _start_pipeline(self, stream: BatchSource) -> FeaturePipeline:
+    def _start_pipeline(self, stream: BatchSource, first_step: int | None = None) -> FeaturePipeline:
+        """The feature pipeline from the micro-batches of `first_step` (default: the run's first)."""
         pipeline = FeaturePipeline(
             self.parts.targets,
             [r.device for r in self.engine.replicas],
             stream,
-            first=self.start * self.per_step,
+            first=(self.start if first_step is None else first_step) * self.per_step,
             end=self.total * self.per_step,
             grad_accum=self.job.grad_accum,
             feature_spec=self.parts.feature_spec,

@@ -102,10 +102,16 @@ def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: J
         if publish.exists() and not publish.is_dir():
             raise SpecError("publish_dir", f"{spec.publish_dir!r} exists and is not a directory")
         publish_dir = str(publish)
+    target_watch = None
+    if spec.target_watch is not None:
+        watch = roots.resolve(spec.target_watch, "target_watch", roots.reads)
+        if not watch.is_dir():
+            raise SpecError("target_watch", f"{spec.target_watch!r} is not a directory (target versions appear in it)")
+        target_watch = str(watch)
     values.update(
         sources=sources,
         publish_dir=publish_dir,
-        target_watch=spec.target_watch,
+        target_watch=target_watch,
         steps=None,
         epochs=None,
     )

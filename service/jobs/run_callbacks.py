@@ -123,6 +123,12 @@ class RunCallbacks:
         if self.manager.metrics is not None:
             self.manager.metrics.observe_publish(result, self.job_id)
 
+    def on_target_swap(self, result: dict) -> None:
+        payload = {k: name_as_given(v, self.paths) if isinstance(v, str) else v for k, v in result.items()}
+        self._store(self.manager.store.add_event, self.job_id, "target_swap", payload, result.get("step"))
+        if self.manager.metrics is not None and not result.get("refused"):
+            self.manager.metrics.observe_target_swap(float(result["seconds"]), self.job_id)
+
     def should_cancel(self) -> bool:
         return self.cancel.is_set() or self.manager.shutting_down
 

@@ -100,7 +100,8 @@ def test_bad_continual_specs_name_the_field(daemon, tmp_path):
     (source / "f.jsonl").write_text("")
     assert "sources[0]" in errors(post(spec(source / "f.jsonl")))  # not a directory
     assert "publish_dir" in errors(post(spec(source, publish_dir=str(tmp_path / "pub"))))
-    assert "target_watch" in errors(post(spec(source, target_watch=str(source))))
+    assert "target_watch" in errors(post(spec(source, target_watch=str(tmp_path))))  # outside the roots
+    assert "regenerate" in errors(post(spec(source, regenerate={"temperature": 0})))
     assert "publish_every_steps" in errors(post(spec(source, publish_every_steps=0)))
 
 
@@ -217,4 +218,50 @@ def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
     assert shown.returncode == 0 and "published v000001" in shown.stdout, shown.stdout
     assert "from-cli" in cli("status", url=daemon.url).stdout
     assert cli("cancel", job_id, url=daemon.url).returncode == 0
+    assert daemon.wait_terminal(job_id)["state"] == "STOPPED"
+
+
+def _target_version(daemon, watch: Path, name: str, change) -> None:
+    """A copy of the daemon's target under watch/name, its tensors changed by change(name, tensor);
+    written under a hidden name and renamed, as a trainer saving a policy would."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    original = next((daemon.data_dir / "defaults").glob("*/target"))
+    tmp = watch / f".{name}"
+    shutil.copytree(original, tmp)
+    weights = load_file(str(tmp / "model.safetensors"))
+    save_file({k: change(k, v) for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    tmp.rename(watch / name)
+
+
+def test_a_new_target_version_is_swapped_in_place_and_another_shape_refused(daemon):
+    source, watch = daemon.data_dir / "policy-rollouts", daemon.data_dir / "policy"
+    source.mkdir()
+    watch.mkdir()
+    write_lines(source / "rollouts.jsonl", [conversation(500 + i) for i in range(30)])
+    job_id = daemon.submit(spec(source, target_watch=str(watch)))["id"]
+    daemon.wait_job(job_id, lambda j: "published" in j, timeout=120)
+    _target_version(daemon, watch, "step-0100", lambda k, v: v * 1.01 if v.is_floating_point() else v)
+
+    def swaps(_job=None):
+        return daemon.events(job_id, kind="target_swap")
+
+    swapped = daemon.wait_job(job_id, lambda j: bool(swaps(j)), timeout=60)
+    event = swaps(swapped)[0]
+    assert event["version"] == "step-0100" and not event["refused"] and event["seconds"] >= 0
+    assert event["target"]["config_sha256"]
+    _target_version(daemon, watch, "step-0200", lambda k, v: v[:-1] if k == "model.norm.weight" else v)
+    daemon.wait_job(job_id, lambda j: len(swaps(j)) >= 2, timeout=60)
+    refused = swaps(None)[1]
+    assert refused["version"] == "step-0200" and refused["refused"] and "model.norm.weight" in refused["reason"]
+    before = daemon.job(job_id)["progress"]["step"]
+    write_lines(source / "rollouts.jsonl", [conversation(600 + i) for i in range(20)])
+    daemon.wait_job(job_id, lambda j: j["progress"]["step"] > before, timeout=60)  # trains on with the new target
+    metrics = daemon.http.get("/metrics").text
+    assert f'dflash_target_swaps_total{{job_id="{job_id}"}} 1.0' in metrics
+    assert f'dflash_target_swap_seconds_count{{job_id="{job_id}"}} 1.0' in metrics
+    assert daemon.events(job_id, kind="drift")
+    assert daemon.http.post(f"/jobs/{job_id}/cancel").status_code == 202
     assert daemon.wait_terminal(job_id)["state"] == "STOPPED"

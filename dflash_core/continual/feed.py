@@ -20,6 +20,7 @@ from typing import Any
 from ..data.conversations import Conversation, parse_conversation
 from ..data.errors import DatasetError
 from ..data.tokenize import ChatTemplate, encode_conversation
+from .answer import Answerer
 from .replay import Doc, RecordPool
 from .sources import SourceWatcher
 
@@ -43,8 +44,11 @@ class Feed:
         tokenizer: Any,
         template: ChatTemplate,
         poll_seconds: float,
+        answerer: Answerer | None = None,
     ):
+        """answerer: where prompt-only records go to be answered by the target (None: they are skipped)."""
         self.watcher, self.pool, self.tokenizer, self.template = watcher, pool, tokenizer, template
+        self.answerer = answerer
         self.poll_seconds = max(0.05, poll_seconds)
         self.tokenizer_lock = threading.Lock()
         self.counts = FeedCounts()
@@ -98,16 +102,31 @@ class Feed:
             if isinstance(value, DatasetError):
                 raise value
             conversation = parse_conversation(value, source, 0)
-            conversation = Conversation(conversation.messages, source)
+        except DatasetError as e:
+            prompt = _prompt(value)
+            if prompt is None:
+                self.skip(str(e))
+            elif self.answerer is None:
+                self.skip(f"{source}: a prompt without an answer, and the job has no regenerate settings")
+            else:
+                self.answerer.add(prompt, source)
+                return True
+            return False
+        return self.add_conversation(Conversation(conversation.messages, source))
+
+    def add_conversation(self, conversation: Conversation) -> bool:
+        """A conversation tokenized into the pool (under the tokenizer lock); False when its
+        template fails (skipped and counted)."""
+        try:
             encoded = encode_conversation(self.tokenizer, conversation, self.template)
         except DatasetError as e:
-            self._skip(_prompt_only(value) or str(e))
+            self.skip(str(e))
             return False
         self.pool.add(conversation, Doc(encoded.input_ids, encoded.loss_mask))
         self.counts.ingested += 1
         return True
 
-    def _skip(self, message: str) -> None:
+    def skip(self, message: str) -> None:
         self.counts.skipped += 1
         if len(self.counts.first_errors) < FIRST_ERRORS:
             self.counts.first_errors.append(message)
@@ -120,14 +139,11 @@ class Feed:
         return {"count": self.counts.skipped, "first": list(self.counts.first_errors)}
 
 
-def _prompt_only(value: object) -> str | None:
-    """The reason a record that asks for an answer (a prompt with no assistant turn) is not trained."""
-    if isinstance(value, dict) and ("prompt" in value or "messages" in value or "conversations" in value):
-        try:
-            from ..data.prompts import parse_prompt
+def _prompt(value: object) -> list[dict[str, str]] | None:
+    """The messages of a record that asks for an answer (a prompt, no assistant turn after it)."""
+    from ..data.prompts import parse_prompt
 
-            parse_prompt(value, "record", 0)
-        except DatasetError:
-            return None
-        return "a prompt without an answer: this job does not regenerate answers (it trains on conversations)"
-    return None
+    try:
+        return parse_prompt(value, "record", 0).messages
+    except DatasetError:
+        return None

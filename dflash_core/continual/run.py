@@ -39,12 +39,21 @@ from ..engine.objective import check_objective
 from ..engine.optim import lr_factor
 from ..engine.train_run import NoCheckpoints, Prepared, TrainRun
 from ..target_identity import resolve_export_dtype, target_identity
+from .answer import Answerer, answerer_for, check_answering
 from .feed import Feed
 from .job import ENDLESS_STEPS, STATE_FILE, ContinualJob
 from .publish import Publisher, notify_reload
 from .replay import ContinualStream, RecordPool
 from .sources import SourceWatcher
-from .target_swap import SwapRefused, TargetSwapper, TargetWatch, check_version, load_in_place, refresh_heads, swappable
+from .target_swap import (
+    SwapRefused,
+    TargetSwapper,
+    TargetWatch,
+    check_target_watch,
+    check_version,
+    load_in_place,
+    refresh_heads,
+)
 
 if TYPE_CHECKING:
     from ..engine.checkpointing import Checkpointer
@@ -65,9 +74,9 @@ class ContinualRun(TrainRun):
         check_shapes(job, engine.config)
         check_objective(job, engine.config.teacher, engine.config.recipe)
         if job.regenerate is not None:
-            raise JobError("this daemon does not answer prompt-only records yet; leave it unset", "regenerate")
+            check_answering(engine, job)
         if job.target_watch is not None:
-            cls._check_target_watch(engine, job)
+            check_target_watch(engine, job)
         for i, source in enumerate(job.sources):
             try:
                 if not resolved_under(source, job.dataset_roots, "source").is_dir():
@@ -78,25 +87,6 @@ class ContinualRun(TrainRun):
             check_init_from(job, engine.parts)
             check_template(job, engine.parts)
             check_output(job, engine.parts)
-
-    @staticmethod
-    def _check_target_watch(engine: Engine, job: ContinualJob) -> None:
-        assert job.target_watch is not None
-        try:
-            if not resolved_under(job.target_watch, job.dataset_roots, "target_watch").is_dir():
-                raise JobError("not a directory (new target versions appear in it as subdirectories)", "target_watch")
-        except OutsideRoots as e:
-            raise JobError(str(e), "target_watch") from None
-        if engine.config.target_random_init:
-            raise JobError(
-                "the engine's target has random weights: it could not be restored after a swap", "target_watch"
-            )
-        if engine.parts is not None:
-            why = swappable(engine.parts.targets[0])
-            if why is None and any(r.head.lm_head_fp8 is not None for r in engine.parts.replicas):
-                why = "the drafters' loss runs on an FP8 copy of the LM head; it is not swapped in place"
-            if why is not None:
-                raise JobError(why, "target_watch")
 
     def __init__(self, engine: Engine, job: ContinualJob, callbacks: JobCallbacks, resume_from: str | None):
         super().__init__(engine, job, callbacks, resume_from)
@@ -116,6 +106,8 @@ class ContinualRun(TrainRun):
         self._swapped = False  # a watched version is loaded: the engine's own target comes back at the end
         self._published_tau: float | None = None  # the published drafter's, last measured
         self._identity: dict[str, Any] | None = None  # the loaded target version's, once one is
+        self.answerer: Answerer | None = None
+        self._train_seconds = 0.0  # since the last report of the split of time with answering
 
     # ------------------------------------------------------------------ preparing
     def prepare(self) -> Prepared:
@@ -130,9 +122,10 @@ class ContinualRun(TrainRun):
         spool.close()
         directories.append((job.spool_dir(), "records", list(job.output_roots)))
         cursor = self._saved_cursor() if self.resume_from else None
-        self.feed = Feed(
-            SourceWatcher(directories, cursor), self.pool, parts.tokenizer, job_template(job), job.poll_seconds
-        )
+        if job.regenerate is not None:
+            self.answerer = answerer_for(self.engine, job)
+        watcher = SourceWatcher(directories, cursor)
+        self.feed = Feed(watcher, self.pool, parts.tokenizer, job_template(job), job.poll_seconds, self.answerer)
         self.feed.poll_once()  # what the sources hold now, before the first step
         self.stream = ContinualStream(
             self.pool, self.engine.config.shape, parts.pad_token_id, job.seed, job.replay_ratio
@@ -176,6 +169,7 @@ class ContinualRun(TrainRun):
             if cb.should_cancel():
                 self.status = "STOPPED"
                 break
+            self._answer()
             first = self.step * self.per_step
             if not self.stream.wait_built(first, first + self.per_step, self._idle):
                 if self.status == YIELDED and self.step > self.start:  # resumes from the progress made
@@ -186,6 +180,7 @@ class ContinualRun(TrainRun):
             self.step += 1
             check_step(self.stats)
             self.trained += self.stats.labels
+            self._train_seconds += self.stats.step_seconds
             cb.on_step(self.stats)
             self.clock.first_step(cb.on_event)
             self._report_records(force=True)
@@ -208,6 +203,7 @@ class ContinualRun(TrainRun):
             raise JobError(f"reading the sources failed: {type(self.feed.error).__name__}: {self.feed.error}")
         self._report_records()
         self._report_publish()
+        self._answer()
         if self._writing is not None and self.step > self.start:  # a write that finished is recorded now
             self._writing.save(self.step, self.stats, self.eval_result)
         self._maybe_swap()
@@ -263,8 +259,13 @@ class ContinualRun(TrainRun):
         for key, state in self.feed.watcher.files.items():
             if Path(key).parent == self.job.spool_dir():
                 spool_line = max(spool_line, int(state.get("line", 1)))
+        waiting = self.answerer.pending if self.answerer is not None else 0
         self.cb.on_records(
-            {"ingested": self.feed.counts.ingested, "pending": self.pool.pending, "spool_lines_read": spool_line - 1}
+            {
+                "ingested": self.feed.counts.ingested,
+                "pending": self.pool.pending + waiting,
+                "spool_lines_read": spool_line - 1,
+            }
         )
         skipped = self.feed.new_skips()
         if skipped is not None:
@@ -301,6 +302,23 @@ class ContinualRun(TrainRun):
         step = checkpoint_step(Path(self.resume_from).name) or 0
         older = [int(s) for s in self._read_states() if int(s) <= step]
         return self._read_states()[str(max(older))] if older else None
+
+    # ------------------------------------------------------------------ answering prompts
+    def _answer(self) -> None:
+        """Between steps: the target answers waiting prompts, which then train as new records."""
+        if self.answerer is None or not self.answerer.pending:
+            return
+        assert self.feed is not None
+        with self.feed.tokenizer_lock:
+            conversations, skipped = self.answerer.answer()
+            for conversation in conversations:
+                self.feed.add_conversation(conversation)
+        for reason in skipped:
+            self.feed.skip(reason)
+        report = self.answerer.report(self._train_seconds)
+        if report is not None:
+            self._train_seconds = 0.0
+            self.cb.on_event("regenerate", {"step": self.step, **report})
 
     # ------------------------------------------------------------------ the target
     def _maybe_swap(self, at_start: bool = False) -> None:

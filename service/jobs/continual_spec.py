@@ -7,16 +7,29 @@ are optional initial data."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .admission import JobOutputs, train_values
 from .paths import Roots, _reason
 from .schemas import JobSpec, SpecError, _document_checks
 
 DEFAULT_PUBLISH_DIR = "published"  # under the job's output_dir
+
+
+class AnswerSpec(BaseModel):
+    """How the target answers a continual job's prompt-only records (unknown fields refused)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    max_new_tokens: int = Field(128, ge=1, le=10**6, description="new tokens per answer at most")
+    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, le=10**7, description="0: no top-k filter")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="each prompt's seed is derived from it and its arrival")
+    slots: int = Field(8, ge=1, le=4096, description="prompts answered at once (the decoder's cache, allocated once)")
 
 
 class ContinualSpec(JobSpec):
@@ -47,7 +60,7 @@ class ContinualSpec(JobSpec):
     reload_url: str | None = Field(
         None, max_length=2048, description="POSTed {model_path, version, tau, step} after each publish"
     )
-    regenerate: dict[str, Any] | None = Field(None, description="sampling settings: answer prompt-only records")
+    regenerate: AnswerSpec | None = Field(None, description="sampling settings: the target answers prompt-only records")
     yield_to_queue: bool = Field(True, description="give the devices to a queued job at the next checkpoint")
     poll_seconds: float = Field(1.0, ge=0.05, le=3600, description="how often the sources are looked at")
     max_pending_records: int = Field(

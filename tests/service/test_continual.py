@@ -101,7 +101,9 @@ def test_bad_continual_specs_name_the_field(daemon, tmp_path):
     assert "sources[0]" in errors(post(spec(source / "f.jsonl")))  # not a directory
     assert "publish_dir" in errors(post(spec(source, publish_dir=str(tmp_path / "pub"))))
     assert "target_watch" in errors(post(spec(source, target_watch=str(tmp_path))))  # outside the roots
-    assert "regenerate" in errors(post(spec(source, regenerate={"temperature": 0})))
+    assert "regenerate.temperature" in errors(post(spec(source, regenerate={"temperature": -1})))
+    assert "regenerate.top_q" in errors(post(spec(source, regenerate={"top_q": 0.5})))
+    assert "regenerate.max_new_tokens" in errors(post(spec(source, regenerate={"max_new_tokens": 10**5})))
     assert "publish_every_steps" in errors(post(spec(source, publish_every_steps=0)))
 
 
@@ -263,5 +265,23 @@ def test_a_new_target_version_is_swapped_in_place_and_another_shape_refused(daem
     assert f'dflash_target_swaps_total{{job_id="{job_id}"}} 1.0' in metrics
     assert f'dflash_target_swap_seconds_count{{job_id="{job_id}"}} 1.0' in metrics
     assert daemon.events(job_id, kind="drift")
+    assert daemon.http.post(f"/jobs/{job_id}/cancel").status_code == 202
+    assert daemon.wait_terminal(job_id)["state"] == "STOPPED"
+
+
+def test_prompt_only_records_are_answered_by_the_target_then_trained(daemon):
+    source = daemon.data_dir / "prompts-only"
+    source.mkdir()
+    job_id = daemon.submit(spec(source, regenerate={"max_new_tokens": 8, "slots": 4}))["id"]
+    daemon.wait_job(job_id, lambda j: j["state"] == "RUNNING")
+    prompts = [{"prompt": f"What is {i} plus {i}?"} for i in range(24)]
+    body = "\n".join(json.dumps(p) for p in prompts).encode()
+    r = daemon.http.post(f"/jobs/{job_id}/records", content=body, headers={"Content-Type": "application/x-ndjson"})
+    assert r.status_code == 202 and r.json() == {"accepted": 24}
+    daemon.wait_job(job_id, lambda j: j["progress"]["step"] >= 1, timeout=120)  # answered, then trained
+    report = daemon.wait_job(job_id, lambda j: bool(daemon.events(job_id, kind="regenerate")), timeout=60)
+    assert report["state"] == "RUNNING"
+    split = daemon.events(job_id, kind="regenerate")[0]
+    assert split["answered"] >= 1 and split["answer_seconds"] > 0 and "train_seconds" in split
     assert daemon.http.post(f"/jobs/{job_id}/cancel").status_code == 202
     assert daemon.wait_terminal(job_id)["state"] == "STOPPED"

@@ -198,6 +198,13 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
     assert stopped["state"] == "STOPPED" and stopped["published"]["version"] >= 1
     assert (publish_dir / "latest").resolve().is_dir()
     assert http.post(f"/jobs/{job_id}/records", content=records, headers=ndjson).status_code == 409
+    # resumable as a training job is: it continues from its newest checkpoint, its versions numbered on
+    last = stopped["progress"]["last_checkpoint_step"]
+    assert http.post(f"/jobs/{job_id}/resume").status_code == 202
+    resumed = daemon.wait_job(job_id, lambda j: j["state"] == "RUNNING" and j["progress"]["step"] >= last)
+    assert resumed["published"]["version"] == stopped["published"]["version"]
+    assert http.post(f"/jobs/{job_id}/cancel").status_code == 202
+    assert daemon.wait_terminal(job_id)["state"] == "STOPPED"
 
 
 def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):

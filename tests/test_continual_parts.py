@@ -174,3 +174,15 @@ def _without(path, key):
     del weights[key]
     save_file(weights, str(path / "model.safetensors"))
     return path
+
+
+def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path):
+    from dflash_core.continual.feed import Feed
+    from dflash_core.data.tokenize import ChatTemplate
+
+    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    feed = Feed(SourceWatcher([], None), pool, None, ChatTemplate(), 1.0, max_pending=2)
+    pool.add(Conversation(conv(0)["messages"], "s:0"), doc(8))
+    assert not feed.full
+    pool.add(Conversation(conv(1)["messages"], "s:1"), doc(8))
+    assert feed.full

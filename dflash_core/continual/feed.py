@@ -45,10 +45,14 @@ class Feed:
         template: ChatTemplate,
         poll_seconds: float,
         answerer: Answerer | None = None,
+        max_pending: int | None = None,
     ):
-        """answerer: where prompt-only records go to be answered by the target (None: they are skipped)."""
+        """answerer: where prompt-only records go to be answered by the target (None: they are
+        skipped); max_pending: the sources are not read while this many records wait to be
+        trained (they stay in their files, read on later), so a large backlog is not held in memory."""
         self.watcher, self.pool, self.tokenizer, self.template = watcher, pool, tokenizer, template
         self.answerer = answerer
+        self.max_pending = max_pending
         self.poll_seconds = max(0.05, poll_seconds)
         self.tokenizer_lock = threading.Lock()
         self.counts = FeedCounts()
@@ -77,6 +81,11 @@ class Feed:
             del self._snapshots[:keep]
             return self._snapshots[0][1]
 
+    @property
+    def full(self) -> bool:
+        waiting = self.pool.pending + (self.answerer.pending if self.answerer is not None else 0)
+        return self.max_pending is not None and waiting >= self.max_pending
+
     def poll_once(self) -> int:
         """Read what the sources hold now into the pool; the records added."""
         added = 0
@@ -91,7 +100,8 @@ class Feed:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self.poll_once()
+                if not self.full:
+                    self.poll_once()
                 self._stop.wait(self.poll_seconds)
         except BaseException as e:  # noqa: BLE001 - the job's thread raises it as the job's failure
             self.error = e

@@ -125,7 +125,10 @@ class ContinualRun(TrainRun):
         if job.regenerate is not None:
             self.answerer = answerer_for(self.engine, job)
         watcher = SourceWatcher(directories, cursor)
-        self.feed = Feed(watcher, self.pool, parts.tokenizer, job_template(job), job.poll_seconds, self.answerer)
+        template = job_template(job)
+        self.feed = Feed(
+            watcher, self.pool, parts.tokenizer, template, job.poll_seconds, self.answerer, job.max_pending_records
+        )
         self.feed.poll_once()  # what the sources hold now, before the first step
         self.stream = ContinualStream(
             self.pool, self.engine.config.shape, parts.pad_token_id, job.seed, job.replay_ratio

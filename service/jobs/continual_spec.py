@@ -67,7 +67,9 @@ class ContinualSpec(JobSpec):
         100_000, ge=1, le=10**8, description="records accepted but not yet trained at most (then 429)"
     )
     replay_records: int = Field(20_000, ge=1, le=10**7, description="older records kept for replay")
-    heldout_every: int = Field(8, ge=0, le=10**6, description="every n-th new record is held out for evaluation")
+    heldout_every: int = Field(
+        8, ge=1, le=10**6, description="every n-th new record is held out for the publish evaluation"
+    )
 
     @model_validator(mode="after")
     def _checks(self) -> ContinualSpec:  # replaces the training spec's: no steps or epochs here

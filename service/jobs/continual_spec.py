@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .admission import JobOutputs, train_values
-from .paths import Roots, _reason
+from .paths import Roots
 from .schemas import JobSpec, SpecError, _document_checks
 
 DEFAULT_PUBLISH_DIR = "published"  # under the job's output_dir
@@ -108,7 +108,7 @@ def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: J
             if not path.is_dir():
                 raise SpecError(field_name, f"{raw!r} is not a directory (a source is a directory watched for files)")
         except OSError as e:
-            raise SpecError(field_name, f"{raw[:200]!r} cannot be read ({_reason(e)})") from None
+            raise SpecError(field_name, f"{raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})") from None
         sources.append(str(path))
     if spec.publish_dir is None:
         publish_dir = f"{values['output_dir']}/{DEFAULT_PUBLISH_DIR}"

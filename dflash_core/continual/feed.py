@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..data.conversations import Conversation, parse_conversation
@@ -59,6 +60,7 @@ class Feed:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the watcher's cursor: polled here, saved by the job's thread
+        self._counting = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="continual-ingest", daemon=True)
         # (records arrived, the watcher's cursor) after each poll that read something: a checkpoint
         # saves the newest cursor all of whose records are trained (cursor_through)
@@ -72,6 +74,12 @@ class Feed:
         self._stop.set()
         if self._thread.ident is not None:
             self._thread.join(timeout=60)
+
+    def lines_read(self, directory: Path) -> int:
+        """JSONL lines read so far from the files directly in `directory` (the ingest spool)."""
+        with self._lock:
+            lines = [int(v.get("line", 1)) - 1 for k, v in self.watcher.files.items() if Path(k).parent == directory]
+        return sum(lines)
 
     def cursor_through(self, seq: int) -> dict[str, Any]:
         """The newest cursor whose records all have arrival numbers up to `seq` (all trained):
@@ -133,13 +141,15 @@ class Feed:
             self.skip(str(e))
             return False
         self.pool.add(conversation, Doc(encoded.input_ids, encoded.loss_mask))
-        self.counts.ingested += 1
+        with self._counting:  # the ingest thread and the job's thread (answered prompts) both count
+            self.counts.ingested += 1
         return True
 
     def skip(self, message: str) -> None:
-        self.counts.skipped += 1
-        if len(self.counts.first_errors) < FIRST_ERRORS:
-            self.counts.first_errors.append(message)
+        with self._counting:
+            self.counts.skipped += 1
+            if len(self.counts.first_errors) < FIRST_ERRORS:
+                self.counts.first_errors.append(message)
 
     def new_skips(self) -> dict[str, Any] | None:
         """The skipped-records report when more were skipped since the last one."""

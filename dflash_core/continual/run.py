@@ -258,16 +258,12 @@ class ContinualRun(TrainRun):
             return
         self._reported = now
         assert self.feed is not None
-        spool_line = 1
-        for key, state in self.feed.watcher.files.items():
-            if Path(key).parent == self.job.spool_dir():
-                spool_line = max(spool_line, int(state.get("line", 1)))
         waiting = self.answerer.pending if self.answerer is not None else 0
         self.cb.on_records(
             {
                 "ingested": self.feed.counts.ingested,
                 "pending": self.pool.pending + waiting,
-                "spool_lines_read": spool_line - 1,
+                "spool_lines_read": self.feed.lines_read(self.job.spool_dir()),
             }
         )
         skipped = self.feed.new_skips()

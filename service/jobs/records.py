@@ -150,7 +150,9 @@ class Ingest:
         spool = self._spool(job_id, job.output_dir, self.worker.roots.for_engine()["output_roots"])
         with spool.lock:
             reported = self.worker.records_of(job_id)
-            pending = spool.lines - reported["spool_lines_read"] + reported["pending"]
+            # before the run's first report (it starts in a moment) how far it read is not known:
+            # the spool takes the records, bounded by the request size, and the run reads them
+            pending = spool.lines - reported["spool_lines_read"] + reported["pending"] if reported else 0
             if pending + len(lines) > limit:
                 raise BufferFull(
                     f"job {job_id} holds {pending} records not yet trained (max_pending_records {limit}); "

@@ -32,8 +32,9 @@ class RunCallbacks:
         self.cancel = threading.Event()
         # the store's failure that ended the run (the engine reports any callback error as the job's)
         self.store_error: StoreUnavailable | None = None
-        # a continual job's records as its run last reported them (the ingest route's bound reads it)
-        self.records: dict[str, int] = {"ingested": 0, "pending": 0, "spool_lines_read": 0}
+        # a continual job's records as its run last reported them (the ingest route's bound reads
+        # it); None until the run's first report
+        self.records: dict[str, int] | None = None
 
     def _store(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call, whose failure is noted before it propagates through the engine."""
@@ -106,9 +107,10 @@ class RunCallbacks:
             self.manager.metrics.observe_generate(progress, self.job_id)
 
     def on_records(self, progress: dict) -> None:
-        self.records = {k: int(progress.get(k, 0)) for k in self.records}
+        records = {k: int(progress.get(k, 0)) for k in ("ingested", "pending", "spool_lines_read")}
+        self.records = records
         if self.manager.metrics is not None:
-            self.manager.metrics.observe_records(self.records["ingested"], self.records["pending"], self.job_id)
+            self.manager.metrics.observe_records(records["ingested"], records["pending"], self.job_id)
 
     def on_publish(self, result: dict) -> None:
         """A publish decision: a new version is the job's `published` and a `publish` event; a

@@ -141,13 +141,14 @@ class JobWorker:
             raise JobNotFound(job_id)
         return job
 
-    def records_of(self, job_id: str) -> dict[str, int]:
-        """A running continual job's records as its run last reported them (zeros before it did)."""
+    def records_of(self, job_id: str) -> dict[str, int] | None:
+        """A running continual job's records as its run last reported them; None before it did
+        (a run that has not started yet, or is just starting)."""
         with self._current_lock:
             current = self._current
-        if current is not None and current.job_id == job_id:
+        if current is not None and current.job_id == job_id and current.records is not None:
             return dict(current.records)
-        return {"ingested": 0, "pending": 0, "spool_lines_read": 0}
+        return None
 
     @property
     def job_running(self) -> bool:

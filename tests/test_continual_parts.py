@@ -186,3 +186,27 @@ def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path):
     assert not feed.full
     pool.add(Conversation(conv(1)["messages"], "s:1"), doc(8))
     assert feed.full
+
+
+def test_the_spool_rolls_over_and_read_files_go_while_a_cursor_still_needs_none(tmp_path):
+    from dflash_core.confine import ConfinedDir
+    from dflash_core.continual.sources import drop_read_spool
+    from service.jobs.records import RecordSpool
+
+    spool_dir = tmp_path / "records"
+    spool_dir.mkdir()
+    spool = RecordSpool(str(spool_dir), [str(tmp_path)], file_bytes=100)
+    for i in range(6):
+        spool.append([json.dumps(conv(i))])  # each line ~90 bytes: a new file after each
+    names = sorted(p.name for p in spool_dir.iterdir())
+    assert names[0] == "ingested-000001.jsonl" and len(names) >= 3
+    watcher = SourceWatcher([(spool_dir, "records", [str(tmp_path)])], None)
+    assert len(list(watcher.poll())) == 6
+    read = {key.rsplit("/", 1)[-1]: state["line"] - 1 for key, state in watcher.files.items()}
+    assert spool.pending(read) == 0 and spool.pending({}) == 6
+    behind = {"files": {str(spool_dir / names[0]): {"offset": 0, "line": 1}}}
+    with ConfinedDir(spool_dir, [str(tmp_path)]) as directory:
+        assert drop_read_spool(directory, [watcher.cursor(), behind]) == []  # an older cursor still needs it
+        dropped = drop_read_spool(directory, [watcher.cursor()])
+    assert dropped == names[:-1] and sorted(p.name for p in spool_dir.iterdir()) == names[-1:]
+    assert RecordSpool(str(spool_dir), [str(tmp_path)]).pending(read) == 0  # counted again after a restart

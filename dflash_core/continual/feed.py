@@ -75,11 +75,11 @@ class Feed:
         if self._thread.ident is not None:
             self._thread.join(timeout=60)
 
-    def lines_read(self, directory: Path) -> int:
-        """JSONL lines read so far from the files directly in `directory` (the ingest spool)."""
+    def lines_read(self, directory: Path) -> dict[str, int]:
+        """JSONL lines read so far per file directly in `directory` (the ingest spool), by name."""
         with self._lock:
-            lines = [int(v.get("line", 1)) - 1 for k, v in self.watcher.files.items() if Path(k).parent == directory]
-        return sum(lines)
+            files = list(self.watcher.files.items())
+        return {Path(k).name: int(v.get("line", 1)) - 1 for k, v in files if Path(k).parent == directory}
 
     def cursor_through(self, seq: int) -> dict[str, Any]:
         """The newest cursor whose records all have arrival numbers up to `seq` (all trained):

@@ -13,8 +13,9 @@ from ..engine.config import TrainJob
 KIND = "continual"
 # the step count a continual job runs to: it has no end but a cancel (or a yield to the queue)
 ENDLESS_STEPS = 10**12
-SPOOL_DIR = "records"  # under output_dir: what POST /jobs/{id}/records accepted, one NDJSON file
-SPOOL_FILE = "ingested.jsonl"
+SPOOL_DIR = "records"  # under output_dir: what POST /jobs/{id}/records accepted, as NDJSON files
+SPOOL_PREFIX = "ingested-"  # ingested-000001.jsonl, ...: a new file once the current one is this large
+SPOOL_FILE_BYTES = 64 << 20
 STATE_FILE = "continual-state.json"  # under output_dir: how far each source was read at a checkpoint
 
 
@@ -43,6 +44,13 @@ class ContinualJob(TrainJob):
         return Path(self.output_dir) / STATE_FILE
 
 
-def spool_path(output_dir: str | Path) -> Path:
-    """The ingest spool of the continual job whose output directory this is."""
-    return Path(output_dir) / SPOOL_DIR / SPOOL_FILE
+def spool_name(number: int) -> str:
+    return f"{SPOOL_PREFIX}{number:06d}.jsonl"
+
+
+def spool_number(name: str) -> int | None:
+    """The number of a spool file's name (ingested-000012.jsonl -> 12), None for other names."""
+    digits = name.removeprefix(SPOOL_PREFIX).removesuffix(".jsonl")
+    if not (name.startswith(SPOOL_PREFIX) and name.endswith(".jsonl") and digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits)

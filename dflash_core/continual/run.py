@@ -44,7 +44,7 @@ from .feed import Feed
 from .job import ENDLESS_STEPS, STATE_FILE, ContinualJob
 from .publish import Publisher, notify_reload
 from .replay import ContinualStream, RecordPool
-from .sources import SourceWatcher
+from .sources import SourceWatcher, drop_read_spool
 from .target_swap import (
     SwapRefused,
     TargetSwapper,
@@ -285,6 +285,8 @@ class ContinualRun(TrainRun):
                 os.fsync(f.fileno())
             directory.rename(tmp, STATE_FILE)
             directory.fsync()
+        with ConfinedDir(self.job.spool_dir(), self.job.output_roots, "output_dir") as spool:
+            drop_read_spool(spool, list(kept.values()))
 
     def _read_states(self) -> dict[str, Any]:
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..confine import OutsideRoots, resolved_under
+from ..confine import ConfinedDir, OutsideRoots, resolved_under
 from ..data.errors import DatasetError
 from ..data.prompts import PROMPT_COLUMNS
 from ..data.sources import MAX_RECORD_BYTES, SHARD_SUFFIXES, SourceFile, file_source, iter_records, jsonl_lines
@@ -129,3 +129,20 @@ class SourceWatcher:
         self.files[key] = {"done": True}
         for position, value in iter_records(src, columns=PROMPT_COLUMNS):
             yield Record(f"{src.name} {src.unit} {position}", value)
+
+
+def drop_read_spool(directory: ConfinedDir, cursors: list[dict[str, Any]]) -> list[str]:
+    """Remove the ingest spool's files (in `directory`) that every one of `cursors` read to their
+    end, but the newest (still written to): what the ingest route accepted stays on disk exactly as
+    long as a resume from one of those cursors may need it. The names removed."""
+    from .job import spool_number
+
+    numbered = sorted((n, e.name) for e in directory.entries() if (n := spool_number(e.name)) is not None)
+    removed = []
+    for _, name in numbered[:-1]:
+        size = os.stat(name, dir_fd=directory.fd, follow_symlinks=False).st_size
+        key = str(directory.path / name)
+        if cursors and all(c.get("files", {}).get(key, {}).get("offset", -1) >= size for c in cursors):
+            directory.remove_tree(name)
+            removed.append(name)
+    return removed

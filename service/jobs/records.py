@@ -1,5 +1,5 @@
 """Records sent to a running continual job (POST /jobs/{id}/records): validated line by line,
-then appended to the job's ingest spool (<output_dir>/records/ingested.jsonl) and fsync'd before
+then appended to the job's ingest spool (<output_dir>/records/ingested-NNNNNN.jsonl) and fsync'd before
 the request is answered, so that an accepted record survives a SIGKILL of the daemon. The job's
 run watches the spool as it watches its sources, and reports how far it has read it: records
 accepted and not yet trained are bounded by the job's `max_pending_records` (429 beyond it).
@@ -16,6 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from dflash_core.confine import ConfinedDir, OutsideRoots
+from dflash_core.continual.job import SPOOL_DIR, SPOOL_FILE_BYTES, spool_name, spool_number
 from dflash_core.data.bounded import MAX_JSON_DEPTH, too_deep
 from dflash_core.data.conversations import parse_conversation
 from dflash_core.data.errors import DatasetError
@@ -83,19 +84,34 @@ def _problem(record: Any, prompts_allowed: bool) -> str | None:
 
 
 class RecordSpool:
-    """One continual job's spool file: appends under a lock, each fsync'd; its line count."""
+    """One continual job's spool: appends under a lock, each fsync'd, to the newest file (a new one
+    once it reached SPOOL_FILE_BYTES; the run removes files it has read and trained); the lines of
+    each file there."""
 
-    def __init__(self, directory: str, roots: list[str], name: str):
-        self.directory, self.roots, self.name = directory, roots, name
+    def __init__(self, directory: str, roots: list[str], file_bytes: int = SPOOL_FILE_BYTES):
+        self.directory, self.roots, self.file_bytes = directory, roots, file_bytes
         self.lock = threading.Lock()
-        self.lines = self._count()
+        self.lines = {name: self._count(name) for name in self._names()}  # per spool file
+        self.number = max((spool_number(n) or 0 for n in self.lines), default=1) or 1
 
-    def _count(self) -> int:
+    def _names(self) -> list[str]:
         try:
-            with open(os.path.join(self.directory, self.name), "rb") as f:
+            return sorted(name for name in os.listdir(self.directory) if spool_number(name) is not None)
+        except FileNotFoundError:
+            return []
+
+    def _count(self, name: str) -> int:
+        try:
+            with open(os.path.join(self.directory, name), "rb") as f:
                 return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
         except FileNotFoundError:
             return 0
+
+    def pending(self, read: dict[str, int]) -> int:
+        """Lines of the spool files still there that the run has not read (`read`: lines read per file)."""
+        present = set(self._names())
+        self.lines = {name: n for name, n in self.lines.items() if name in present}
+        return sum(max(0, n - read.get(name, 0)) for name, n in self.lines.items())
 
     def append(self, lines: list[str]) -> None:
         data = ("\n".join(lines) + "\n").encode()
@@ -104,9 +120,13 @@ class RecordSpool:
         except OutsideRoots as e:
             raise JobConflict(f"the job's spool cannot be written: {e}") from None
         with directory:
-            fd = os.open(
-                directory.at(self.name), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-            )
+            try:
+                if os.stat(directory.at(spool_name(self.number))).st_size >= self.file_bytes:
+                    self.number += 1
+            except FileNotFoundError:
+                pass
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(directory.at(spool_name(self.number)), flags, 0o644)
             try:
                 view = memoryview(data)
                 while view:
@@ -115,7 +135,8 @@ class RecordSpool:
             finally:
                 os.close(fd)
             directory.fsync()
-        self.lines += len(lines)
+        name = spool_name(self.number)
+        self.lines[name] = self.lines.get(name, 0) + len(lines)
 
 
 class Ingest:
@@ -127,11 +148,9 @@ class Ingest:
         self._lock = threading.Lock()
 
     def _spool(self, job_id: str, output_dir: str, roots: list[str]) -> RecordSpool:
-        from dflash_core.continual.job import SPOOL_DIR, SPOOL_FILE
-
         with self._lock:
             if job_id not in self._spools:
-                self._spools[job_id] = RecordSpool(os.path.join(output_dir, SPOOL_DIR), roots, SPOOL_FILE)
+                self._spools[job_id] = RecordSpool(os.path.join(output_dir, SPOOL_DIR), roots)
             return self._spools[job_id]
 
     def accept(self, job_id: str, body: bytes) -> int:
@@ -152,7 +171,7 @@ class Ingest:
             reported = self.worker.records_of(job_id)
             # before the run's first report (it starts in a moment) how far it read is not known:
             # the spool takes the records, bounded by the request size, and the run reads them
-            pending = spool.lines - reported["spool_lines_read"] + reported["pending"] if reported else 0
+            pending = spool.pending(reported["spool_lines_read"]) + reported["pending"] if reported else 0
             if pending + len(lines) > limit:
                 raise BufferFull(
                     f"job {job_id} holds {pending} records not yet trained (max_pending_records {limit}); "

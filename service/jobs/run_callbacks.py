@@ -34,7 +34,7 @@ class RunCallbacks:
         self.store_error: StoreUnavailable | None = None
         # a continual job's records as its run last reported them (the ingest route's bound reads
         # it); None until the run's first report
-        self.records: dict[str, int] | None = None
+        self.records: dict[str, Any] | None = None
 
     def _store(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call, whose failure is noted before it propagates through the engine."""
@@ -107,10 +107,15 @@ class RunCallbacks:
             self.manager.metrics.observe_generate(progress, self.job_id)
 
     def on_records(self, progress: dict) -> None:
-        records = {k: int(progress.get(k, 0)) for k in ("ingested", "pending", "spool_lines_read")}
-        self.records = records
+        ingested, pending = int(progress.get("ingested", 0)), int(progress.get("pending", 0))
+        # lines read per spool file: the ingest route's bound on what is not trained yet
+        self.records = {
+            "ingested": ingested,
+            "pending": pending,
+            "spool_lines_read": dict(progress.get("spool_lines_read") or {}),
+        }
         if self.manager.metrics is not None:
-            self.manager.metrics.observe_records(records["ingested"], records["pending"], self.job_id)
+            self.manager.metrics.observe_records(ingested, pending, self.job_id)
 
     def on_publish(self, result: dict) -> None:
         """A publish decision: a new version is the job's `published` and a `publish` event; a

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..tracking import Tracker
 from .admission import job_from_json
@@ -141,7 +141,7 @@ class JobWorker:
             raise JobNotFound(job_id)
         return job
 
-    def records_of(self, job_id: str) -> dict[str, int] | None:
+    def records_of(self, job_id: str) -> dict[str, Any] | None:
         """A running continual job's records as its run last reported them; None before it did
         (a run that has not started yet, or is just starting)."""
         with self._current_lock:

@@ -186,7 +186,7 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
     r = http.post(f"/jobs/{job_id}/records", content=records, headers=ndjson)
     assert r.status_code == 202
     daemon.kill()
-    spool = Path(job["output_dir"]) / "records" / "ingested.jsonl"
+    spool = Path(job["output_dir"]) / "records" / "ingested-000001.jsonl"
     assert len(spool.read_text().splitlines()) == 24
     daemon.start()
     daemon.wait_ready()

@@ -214,7 +214,7 @@ def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
     source.mkdir()
     started = cli(
         "continual", str(source), "--publish-every", "2", "--replay-ratio", "0.25", "--name", "from-cli",
-        url=daemon.url,
+        "--no-yield", url=daemon.url,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.split()[0]
@@ -226,8 +226,13 @@ def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
     shown = cli("published", job_id, url=daemon.url)
     assert shown.returncode == 0 and "published v000001" in shown.stdout, shown.stdout
     assert "from-cli" in cli("status", url=daemon.url).stdout
+    # yield_to_queue off: a queued job waits until the continual job is cancelled
+    queued = daemon.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 2})
+    time.sleep(1.5)
+    assert daemon.job(queued["id"])["state"] == "PENDING" and daemon.job(job_id)["state"] == "RUNNING"
     assert cli("cancel", job_id, url=daemon.url).returncode == 0
     assert daemon.wait_terminal(job_id)["state"] == "STOPPED"
+    assert daemon.wait_terminal(queued["id"])["state"] == "SUCCEEDED"
 
 
 def _target_version(daemon, watch: Path, name: str, change) -> None:

@@ -22,7 +22,7 @@ from .daemon import Daemon, DataDirInUse
 from .http_errors import HANDLERS, error
 from .http_guard import RequestGuard
 from .openapi import guarded_openapi
-from .routes import health, jobs
+from .routes import health, jobs, records
 
 __all__ = ["DataDirInUse", "create_app"]
 
@@ -48,7 +48,7 @@ def create_app(config: ServiceConfig, launch: Launch | None = None) -> FastAPI:
     )
     app.state.daemon = daemon
     app.add_middleware(RequestGuard, config=config)
-    routers = [health.router] if daemon.follower else [health.router, jobs.router]
+    routers = [health.router] if daemon.follower else [health.router, jobs.router, records.router]
     for router in routers:
         app.include_router(router)
     app.state.routes = [route for router in routers for route in router.routes]  # what a 405 names

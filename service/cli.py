@@ -20,6 +20,7 @@ from .jobs.store import STATES
 if TYPE_CHECKING:
     pass
 
+from .cli_continual import register as register_continual
 from .cli_jobs import (
     EXIT_BAD_REQUEST,
     EXIT_BROKEN_PIPE,
@@ -194,6 +195,7 @@ def _add_client_commands(sub) -> None:
 
     cancel = register_client_command(sub, "cancel", cmd_cancel, "stop a queued or running job")
     cancel.add_argument("job_id", metavar="JOB_ID")
+    register_continual(sub, register_client_command)
 
 
 def _add_eval_arguments(ev: argparse.ArgumentParser) -> None:

@@ -192,7 +192,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _print_outcome(job: dict[str, Any]) -> None:
     p = job["progress"]
-    print(f"{job['id']} {job['state']} at step {p['step']}/{p['total_steps']}")
+    print(f"{job['id']} {job['state']} at step {p['step']}/{p['total_steps'] or '-'}")
     if p.get("last_checkpoint"):
         print(f"checkpoint: {p['last_checkpoint']}")
     if p.get("eval_acceptance_length") is not None:
@@ -219,6 +219,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"step        {p['step']}/{p['total_steps'] or '?'}\nloss        {_fmt(p['loss'], '.4f')}")
                 print(f"tokens/s    {_fmt(p['tokens_per_second'], ',.0f')}\ncheckpoint  {p['last_checkpoint'] or '-'}")
                 print(f"eval tau    {_fmt(p['eval_acceptance_length'], '.3f')}\noutput      {job['output_dir']}")
+                if job.get("published"):  # a continual job's newest version
+                    v = job["published"]
+                    print(f"published   v{v['version']:06d} tau {_fmt(v['tau'], '.3f')} {v['path']}")
                 if job.get("error"):
                     print(f"error       {job['error']}")
             return 0

@@ -110,6 +110,15 @@ class DaemonClient:
                 if line.strip():
                     yield json.loads(line)
 
+    def post_records(self, job_id: str, body: bytes) -> tuple[int, dict[str, Any], float]:
+        """NDJSON records to a running continual job: (status, answer, Retry-After seconds)."""
+        r = self._http.post(f"/jobs/{job_id}/records", content=body, headers={"Content-Type": "application/x-ndjson"})
+        try:
+            answer = r.json()
+        except json.JSONDecodeError:
+            answer = {"detail": r.text}
+        return r.status_code, answer, float(r.headers.get("Retry-After") or 1)
+
     def metrics(self) -> str:
         r = self._http.get("/metrics")
         if r.status_code != 200:

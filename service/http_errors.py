@@ -15,6 +15,7 @@ from starlette.routing import Match, Route
 
 from .event_feed import TooManyStreams
 from .jobs.errors import JobConflict, JobNotFound, Unavailable
+from .jobs.records import BufferFull
 from .jobs.schemas import SpecError, field_errors
 from .jobs.store import SubmissionConflict
 from .views import job_json
@@ -83,6 +84,11 @@ async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
     return error(503, str(exc))
 
 
+async def _buffer_full(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BufferFull)
+    return error(429, str(exc), headers={"Retry-After": str(exc.retry_after)})
+
+
 async def _too_many_streams(request: Request, exc: Exception) -> JSONResponse:
     return error(429, f"{exc}; retry later", headers={"Retry-After": str(STREAM_RETRY_AFTER_SECONDS)})
 
@@ -96,4 +102,5 @@ HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, An
     JobConflict: _conflict,
     Unavailable: _unavailable,
     TooManyStreams: _too_many_streams,
+    BufferFull: _buffer_full,
 }

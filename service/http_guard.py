@@ -7,8 +7,9 @@
    the daemon's own origin or one listed in `allowed_origins` (cross-site requests) -> 403;
 3. the bearer token: `auth_token` on mutating requests, a read token on GETs other than the probes
    when reads are protected -> 401;
-4. a mutating request with a body, or with a declared content type, declares application/json: a
-   cross-site page can send text/plain or a form without a CORS preflight, never JSON -> 415;
+4. a mutating request with a body, or with a declared content type, declares application/json (or
+   application/x-ndjson, a continual job's records): a cross-site page can send text/plain or a
+   form without a CORS preflight, never these -> 415;
 5. its body is at most MAX_BODY_BYTES: a declared Content-Length above it is refused before a byte
    of the body is read, a chunked body is read up to the cap and no further -> 413.
 
@@ -39,6 +40,9 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # what probes, load balancers and Prometheus read without credentials; they disclose no job data
 UNGUARDED_READS = frozenset({"/healthz", "/livez", "/metrics"})
 JSON_MEDIA_TYPE = "application/json"
+# what a body may be declared as: JSON, or newline-delimited JSON (records for a continual job);
+# neither is a type a cross-site page can send without a CORS preflight
+BODY_MEDIA_TYPES = frozenset({JSON_MEDIA_TYPE, "application/x-ndjson"})
 
 Scope = Mapping[str, Any]
 Message = dict[str, Any]
@@ -248,7 +252,7 @@ class RequestGuard:
         content_type = header(scope, b"content-type")
         if content_type is not None or has_body:
             media = (content_type or b"").split(b";")[0].strip().lower().decode("latin-1")
-            if media != JSON_MEDIA_TYPE:
+            if media not in BODY_MEDIA_TYPES:
                 got = f" (got {media[:100]!r})" if media else " (no Content-Type was sent)"
                 return 415, f"the body must be JSON sent with 'Content-Type: {JSON_MEDIA_TYPE}'{got}"
         if length is not None:

@@ -266,6 +266,46 @@ class ServiceMetrics:
             ["job_id"],
             registry=self.registry,
         )
+        # a continual job's series, labelled `job_id`: kept across other jobs' runs (a continual job
+        # yields to them and resumes), one set per continual job
+        self.published_version = Gauge(
+            "dflash_published_version", "Newest version a continual job published", ["job_id"], registry=self.registry
+        )
+        self.published_acceptance = Gauge(
+            "dflash_published_acceptance_length",
+            "Acceptance length of the published drafter on the latest held-out window of recent records",
+            ["job_id"],
+            registry=self.registry,
+        )
+        self.candidate_acceptance = Gauge(
+            "dflash_candidate_acceptance_length",
+            "Acceptance length of the drafter in training on the latest held-out window of recent records",
+            ["job_id"],
+            registry=self.registry,
+        )
+        self.records_ingested = Counter(
+            "dflash_records_ingested",
+            "Records a continual job read from its sources and ingest route and tokenized",
+            ["job_id"],
+            registry=self.registry,
+        )
+        self.records_pending = Gauge(
+            "dflash_records_pending",
+            "Records a continual job holds that are not trained yet",
+            ["job_id"],
+            registry=self.registry,
+        )
+        self.target_swaps = Counter(
+            "dflash_target_swaps", "Target versions a continual job loaded in place", ["job_id"], registry=self.registry
+        )
+        self.target_swap_seconds = Histogram(
+            "dflash_target_swap_seconds",
+            "Seconds to load a new target version in place",
+            ["job_id"],
+            buckets=CHECKPOINT_PAUSE_BUCKETS,
+            registry=self.registry,
+        )
+        self._ingested: dict[str, int] = {}  # per job: the run's ingested count last seen
         # the gauges of one job, all labelled `job_id` (never `job`, which is Prometheus's own target
         # label): a new job's start clears them together
         self._job_gauges = (
@@ -354,6 +394,26 @@ class ServiceMetrics:
         self.generate_tokens.labels(job_id=job).inc(max(0, int(progress.get("new_tokens", 0))))
         rate = progress.get("tokens_per_second")  # not measured yet: NaN, never a made-up 0
         self.generate_rate.labels(job_id=job).set(math.nan if rate is None else float(rate))
+
+    def observe_records(self, ingested: int, pending: int, job_id: str) -> None:
+        """A continual job's records: the run's count of ingested records (a new run counts from 0)."""
+        last = self._ingested.get(job_id, 0)
+        self.records_ingested.labels(job_id=job_id).inc(max(0, ingested - last) if ingested >= last else ingested)
+        self._ingested[job_id] = ingested
+        self.records_pending.labels(job_id=job_id).set(pending)
+
+    def observe_target_swap(self, seconds: float, job_id: str) -> None:
+        self.target_swaps.labels(job_id=job_id).inc()
+        self.target_swap_seconds.labels(job_id=job_id).observe(seconds)
+
+    def observe_publish(self, result: dict, job_id: str) -> None:
+        if result.get("candidate_tau") is not None:
+            self.candidate_acceptance.labels(job_id=job_id).set(float(result["candidate_tau"]))
+        if result.get("published"):
+            self.published_version.labels(job_id=job_id).set(int(result["version"]))
+            self.published_acceptance.labels(job_id=job_id).set(float(result["tau"]))
+        elif result.get("published_tau") is not None:
+            self.published_acceptance.labels(job_id=job_id).set(float(result["published_tau"]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,10 +12,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from dflash_core.kinds import DEFAULT_KIND, KINDS
+
 from . import api_models as models
 from .config import ServiceConfig
 from .http_guard import MAX_BODY_BYTES, SAFE_METHODS, UNGUARDED_READS
-from .jobs.regenerate_spec import RegenerateSpec
 from .jobs.schemas import JobSpec
 
 # what every request may be answered by the guard, before any route runs
@@ -27,7 +28,7 @@ _GUARD = {
 _GUARD_MUTATING = {
     "403": "a browser page of another origin (allowed_origins)",
     "413": f"a body of more than {MAX_BODY_BYTES} bytes",
-    "415": "a body not sent as Content-Type: application/json",
+    "415": "a body not sent as Content-Type: application/json (or application/x-ndjson)",
 }
 
 
@@ -53,7 +54,10 @@ def guarded_openapi(app: FastAPI, config: ServiceConfig) -> dict[str, Any]:
     # the body's schema as the model itself writes it (FastAPI's rendering of a body validated by a
     # function differs in form: float bounds on integers, no null defaults)
     _add_schema(schemas, "JobSpec", JobSpec)
-    _add_schema(schemas, "RegenerateSpec", RegenerateSpec)  # a body with "kind": "regenerate"
+    for entry in KINDS:  # a body with "kind": <its name>, named as its model is
+        if entry.name != DEFAULT_KIND:
+            model = entry.spec_model()
+            _add_schema(schemas, model.__name__, model)
     _add_schema(schemas, "Event", models.Event)  # one line of an event stream
     guarded = False
     for path, operations in schema["paths"].items():

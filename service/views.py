@@ -65,6 +65,8 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "output_dir": job.output_dir,
         "spec": job.spec,
     }
+    if job.published is not None:
+        out["published"] = job.published
     if job.checkpoints is not None:
         out["checkpoints"] = [{"step": c["step"], "path": c["path"], "time": _iso(c["time"])} for c in job.checkpoints]
     return finite(out)

@@ -33,6 +33,13 @@ CONTRACT_METRICS = frozenset(
         "dflash_ranks_expected",
         "dflash_generate_tokens_total",
         "dflash_generate_tokens_per_second",
+        "dflash_published_version",
+        "dflash_published_acceptance_length",
+        "dflash_candidate_acceptance_length",
+        "dflash_records_ingested_total",
+        "dflash_records_pending",
+        "dflash_target_swaps_total",
+        "dflash_target_swap_seconds",
     }
 )
 
@@ -51,3 +58,14 @@ PER_JOB_GAUGES = (
 
 # the regeneration jobs' series, labelled with their job like the gauges above
 PER_JOB_GENERATE = ("dflash_generate_tokens_total", "dflash_generate_tokens_per_second")
+
+# the continual jobs' series, labelled `job_id` (a label Prometheus keeps as it is)
+PER_JOB_CONTINUAL = (
+    "dflash_published_version",
+    "dflash_published_acceptance_length",
+    "dflash_candidate_acceptance_length",
+    "dflash_records_ingested_total",
+    "dflash_records_pending",
+    "dflash_target_swaps_total",
+    "dflash_target_swap_seconds",
+)

@@ -8,7 +8,7 @@ the documents with seed (seed, e) and packs them; anchors of micro-batch g are d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -109,6 +109,14 @@ class DocumentList:
 
     def trainable(self) -> np.ndarray:
         return np.asarray([len(d.loss_mask) >= 2 and bool(d.loss_mask[1:].any()) for d in self.docs], dtype=bool)
+
+
+class BatchSource(Protocol):
+    """What the feature pipeline reads micro-batches from: micro-batch g by its global index."""
+
+    per_epoch: int
+
+    def get(self, index: int) -> MicroBatch: ...
 
 
 class MicroBatchStream:

@@ -19,10 +19,10 @@ from .conversations import DatasetError, parse_conversation
 from .sources import (
     MAX_RECORD_BYTES,
     SourceFile,
-    _jsonl_lines,
     conversation_column,
     file_size,
     iter_records,
+    jsonl_lines,
     load_arrow_dataset,
 )
 from .tokenize import encode_conversation
@@ -74,7 +74,7 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
             f.seek(start)
             # split on newlines only, as the JSONL reader and the line count of chunk_tasks do (splitlines
             # would also split on a bare carriage return and shift every later line number)
-            yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
+            yield from jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, end), first_line)
     elif kind == "rows":
         _, start, stop = task
         yield from _rows(src, start, stop)

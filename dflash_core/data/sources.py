@@ -82,10 +82,10 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
             shards = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES))
             if not shards:
                 raise DatasetError(label, 0, "the directory holds no .jsonl, .jsonl.gz, .json or .parquet files")
-            return [_file_source(p, child_name(label, p.name)) for p in shards]
+            return [file_source(p, child_name(label, p.name)) for p in shards]
         if not path.is_file():
             raise DatasetError(label, 0, "does not exist")
-        return [_file_source(path, label)]
+        return [file_source(path, label)]
     except OSError as e:
         raise unreadable(label, e) from None
 
@@ -102,7 +102,7 @@ def unreadable(name: str, error: OSError) -> DatasetError:
     return DatasetError(name, 0, f"cannot be read ({reason})")
 
 
-def _file_source(path: Path, name: str) -> SourceFile:
+def file_source(path: Path, name: str) -> SourceFile:
     if path.name.endswith(".jsonl.gz"):
         return SourceFile(path, "jsonl_gz", name)
     if path.suffix == ".parquet":
@@ -142,7 +142,7 @@ def iter_records(
 
 def _jsonl(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
     with open_regular(src.path, src.name) as f:
-        yield from _jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
+        yield from jsonl_lines(src.name, bounded_lines(f, MAX_RECORD_BYTES, window, partial_last=False), 1)
 
 
 def _jsonl_gz(src: SourceFile, window: int | None = None) -> Iterator[tuple[int, object]]:
@@ -156,13 +156,13 @@ def _jsonl_gz(src: SourceFile, window: int | None = None) -> Iterator[tuple[int,
     with open_regular(src.path, src.name) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
         lines = bounded_lines(cast(IO[bytes], f), MAX_RECORD_BYTES, window, partial_last=False)
         try:
-            for line, record in _jsonl_lines(src.name, lines, 1):
+            for line, record in jsonl_lines(src.name, lines, 1):
                 yield line, record
         except (gzip.BadGzipFile, EOFError, zlib.error) as e:
             raise DatasetError(src.name, line + 1, f"not a readable gzip stream ({e})") from None
 
 
-def _jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
+def jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object]]:
     """JSON lines (bytes, newline kept; None for a line over MAX_RECORD_BYTES, see bounded_lines)
     numbered from `first_line`; `path` names the file in errors."""
     for line_no, raw in enumerate(lines, start=first_line):

@@ -86,13 +86,27 @@ class JobCallbacks:
     def on_generate(self, progress: dict[str, Any]) -> None:
         """A regeneration's progress: rows and prompts done of total, tokens, tokens/s, ETA."""
 
+    def on_records(self, progress: dict[str, Any]) -> None:
+        """A continual job's records: ingested so far, waiting to be trained, spool lines read."""
+
+    def on_publish(self, result: dict[str, Any]) -> None:
+        """A continual job's publish decision: candidate and published acceptance lengths, and
+        whether (and as which version, where) it published."""
+
+    def on_target_swap(self, result: dict[str, Any]) -> None:
+        """A continual job loaded a new target version in place (its seconds), or refused one (why)."""
+
     def should_cancel(self) -> bool:
+        return False
+
+    def should_yield(self) -> bool:
+        """Another job waits for the devices (a job that does not end gives them up for it)."""
         return False
 
 
 @dataclass
 class JobResult:
-    status: str  # SUCCEEDED | STOPPED
+    status: str  # SUCCEEDED | STOPPED | YIELDED (gave the devices to a queued job; resumes after it)
     steps_done: int
     total_steps: int
     final_checkpoint: str | None

@@ -7,7 +7,7 @@ Threads after warm-up:
   caller         the job's thread: the job's loop (train_run.py), gradient averaging, checkpoints
 No worker thread exists before warm-up ends (warmup.py says why).
 
-A job is run by its kind's run class (kinds.py: train_run.TrainRun, regenerate.run.RegenerationRun).
+A job is run by its kind's run class (the table of dflash_core/kinds.py; the protocol in kinds.py).
 In a multi-host group every rank runs the same job on its share of each step's micro-batches:
 rank 0 takes jobs from its caller (`run_job`), the other ranks receive them from rank 0
 (`follow`); what the ranks say to each other is the rank protocol's (ranks.py).
@@ -45,7 +45,6 @@ from .kinds import JobRun, run_class
 from .pipeline import FeaturePipeline
 from .ranks import GroupRanks, PeerFailed, ranks_for
 from .replica import DrafterReplica
-from .train_run import TrainRun
 from .warmup import Parts, Timeline, build, flat_devices, resolve_devices
 
 __all__ = ["Engine", "PeerFailed"]
@@ -171,7 +170,7 @@ class Engine:
         """Raise JobError(message, field) for a job this engine cannot run as warmed (its kind's
         admission). Works before the engine is built (shape checks), so jobs can be queued while
         it warms."""
-        run_class(job).validate(self, job)
+        run_class(job, multi_host=self.group is not None).validate(self, job)
 
     def run_job(
         self, job: TrainJob, callbacks: JobCallbacks | None = None, resume_from: str | None = None
@@ -180,7 +179,7 @@ class Engine:
         In a group, called on rank 0 only: the job goes to the other ranks from here."""
         if not self.ready:
             raise JobError("engine is not ready")
-        run = run_class(job)(self, job, callbacks or JobCallbacks(), resume_from)
+        run = run_class(job, multi_host=self.group is not None)(self, job, callbacks or JobCallbacks(), resume_from)
         run.admit()
         return self._execute(run)
 
@@ -194,7 +193,7 @@ class Engine:
             cb = callbacks() if callbacks is not None else JobCallbacks()
             try:
                 job = ranks.read_job(command)
-                self._execute(TrainRun(self, job, cb, command.get("resume_from")))
+                self._execute(run_class(job, multi_host=True)(self, job, cb, command.get("resume_from")))
             except JobError as e:  # rank 0 reports it with the job; here it goes to this rank's log
                 log.warning("the job rank 0 sent failed here", extra={"fields": {"error": e.message}})
                 cb.on_event("job_failed", {"error": e.message})

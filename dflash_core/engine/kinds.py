@@ -1,6 +1,6 @@
-"""Job kinds: each kind is a run class with one entry protocol, so a new kind of work adds a
-file, not a branch in the engine. A job names its kind in a `kind` attribute; a TrainJob has
-none (training is the default kind).
+"""The run protocol every job kind implements, so a new kind of work adds a folder, not a branch
+in the engine: the kinds and their run classes are listed once, in dflash_core/kinds.py. A job
+names its kind in a `kind` attribute; a TrainJob has none (training is the default kind).
 
 The protocol (`JobRun`): `validate(engine, job)` refuses what the engine cannot run, naming the
 field (the service calls it before it queues the job); `run = cls(engine, job, callbacks,
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..kinds import UnknownKind, kind_of
 from .api import JobCallbacks, JobError, JobResult
 
 if TYPE_CHECKING:
@@ -31,18 +32,16 @@ class JobRun(Protocol):
     def execute(self) -> JobResult: ...
 
 
-def run_class(job: Any) -> type[JobRun]:
-    """The run class of the job's kind."""
-    kind = getattr(job, "kind", "train")
-    if kind == "train":
-        from .train_run import TrainRun
-
-        return TrainRun
-    if kind == "regenerate":
-        from ..regenerate.run import RegenerationRun
-
-        return RegenerationRun
-    raise JobError(f"unknown job kind {kind!r}", "kind")
+def run_class(job: Any, multi_host: bool = False) -> type[JobRun]:
+    """The run class of the job's kind; multi_host: the run is to be shared by a group's ranks,
+    which only a kind the table marks multi-host may be."""
+    try:
+        found = kind_of(job)
+    except UnknownKind as e:
+        raise JobError(str(e), "kind") from None
+    if multi_host and not found.multi_host:
+        raise JobError(f"a {found.name} job runs on a daemon of one host, not in a multi-host group", "kind")
+    return found.run_type()
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.batches import MicroBatch, MicroBatchStream
+from ..data.batches import BatchSource, MicroBatch
 from ..target import TargetModel
 from .api import JobError
 
@@ -86,7 +86,7 @@ class FeaturePipeline:
         self,
         targets: list[TargetModel],
         drafter_devices: list[torch.device],
-        stream: MicroBatchStream,
+        stream: BatchSource,
         *,
         first: int,
         end: int,

@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ..data.prepare import PrepareCancelled
+from ..kinds import job_from_dict
 from .api import JobError
-from .config import TrainJob
 from .distributed import RankGroup, RankLost, empty_tensors, flatten_state, unflatten_state, weights_checksum
 from .drafters import Drafters
 from .optim import load_optimizer_state
@@ -212,11 +212,11 @@ class GroupRanks:
             return "rank 0 shut the group down"
         return command
 
-    def read_job(self, command: dict[str, Any]) -> TrainJob:
+    def read_job(self, command: dict[str, Any]) -> Any:
         """The job in rank 0's command; a job this rank cannot read (a field of a newer rank 0)
         fails readably on every rank, in the start agreement the others wait in."""
         try:
-            return TrainJob.from_dict(command["job"])
+            return job_from_dict(command["job"])
         except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
             message = f"rank {self.rank} cannot read the job rank 0 sent ({type(e).__name__}: {e})"
             self.group.report_error(self.group.command_number, message)

@@ -22,7 +22,7 @@ import torch
 
 from ..checkpoint import load_training_state, load_weights
 from ..confine import OutsideRoots, resolved_under
-from ..data.batches import MicroBatchStream
+from ..data.batches import BatchSource, MicroBatchStream
 from ..data.job import JobData, load_job_data
 from ..data.prepare import PrepareProgress
 from ..step.blocks import expected_acceptance_length
@@ -48,7 +48,7 @@ DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progre
 @dataclass
 class Prepared:
     data: JobData
-    stream: MicroBatchStream
+    stream: BatchSource
     total: int  # the job's steps
     start: int  # the step it starts after (a resume's)
 
@@ -231,12 +231,13 @@ class TrainRun:
             snapshot=self.parts.snapshot,
         )
 
-    def _start_pipeline(self, stream: MicroBatchStream) -> FeaturePipeline:
+    def _start_pipeline(self, stream: BatchSource, first_step: int | None = None) -> FeaturePipeline:
+        """The feature pipeline from the micro-batches of `first_step` (default: the run's first)."""
         pipeline = FeaturePipeline(
             self.parts.targets,
             [r.device for r in self.engine.replicas],
             stream,
-            first=self.start * self.per_step,
+            first=(self.start if first_step is None else first_step) * self.per_step,
             end=self.total * self.per_step,
             grad_accum=self.job.grad_accum,
             feature_spec=self.parts.feature_spec,

@@ -89,9 +89,7 @@ class RegenerationRun:
 
     # ------------------------------------------------------------------ validation
     def check(self, job: RegenerateJob) -> None:
-        engine = self.engine
-        if engine.group is not None:
-            raise JobError("regeneration runs on a daemon of one host, not in a multi-host group", "kind")
+        engine = self.engine  # one host only: the kinds table says so, and run_class enforces it
         if engine.parts is None:
             length = engine.config.generate_max_len or engine.config.seq_len
         else:

@@ -1,8 +1,8 @@
 """A validated spec becomes the engine's job: every path resolved and checked against the roots,
 every dataset read far enough to refuse at submission what the job could not read later.
 
-The engine's job (a TrainJob, or a RegenerateJob for "kind": "regenerate") is the one shape a
-job has from here on: the store keeps it as the JSON of its own `to_dict`, and the worker rebuilds
+Each kind's conversion is named in the kinds table (dflash_core/kinds.py); the engine's job (a
+TrainJob, a RegenerateJob, ...) is the one shape a job has from here on: the store keeps it as the JSON of its own `to_dict`, and the worker rebuilds
 it with `job_from_json` to run it.
 """
 
@@ -16,25 +16,30 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.confine import under
+from dflash_core.kinds import UnknownKind, job_from_dict, kind
 
 from .paths import Roots, check_dataset_readable, unique_datasets
 from .regenerate_spec import JOB_SCHEME, RegenerateSpec, check_prompts_readable, resolve_job_dataset
-from .schemas import JobSpec, SpecError
+from .schemas import JobSpec, SpecError, SpecModel, spec_kind
 
 # job id -> (kind, state, output_dir) of a stored job, None for an unknown one (job:// datasets)
 JobOutputs = Callable[[str], tuple[str, str, str] | None]
 
 
-def to_engine_job(spec: JobSpec | RegenerateSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
-    """The engine's job for this spec, every path absolute and checked."""
-    if isinstance(spec, RegenerateSpec):
-        return _regenerate_job(spec, job_id, roots)
-    return _train_job(spec, job_id, roots, job_outputs)
+def to_engine_job(spec: SpecModel, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
+    """The engine's job for this spec, every path absolute and checked (its kind's conversion)."""
+    return kind(spec_kind(spec)).converter()(spec, job_id, roots, job_outputs)
 
 
-def _train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None):
+def train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
     from dflash_core.engine import TrainJob
 
+    return TrainJob(**train_values(spec, job_id, roots, job_outputs))
+
+
+def train_values(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None) -> dict[str, Any]:
+    """The training fields of an engine job for this spec (a training job's, and those every kind
+    that trains shares), every path resolved and checked."""
     jobs_read = _job_datasets(spec.datasets, job_outputs, roots)
     roots = roots.reading_also(jobs_read.values())
     if spec.report_to:
@@ -61,7 +66,7 @@ def _train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs
         from dflash_core.step.objective_spec import parse_loss
 
         values["loss"] = parse_loss(spec.loss)
-    return TrainJob(**values)
+    return values
 
 
 def _eval_prompts(spec: JobSpec, roots: Roots) -> str | None:
@@ -72,7 +77,7 @@ def _eval_prompts(spec: JobSpec, roots: Roots) -> str | None:
     return str(prompts)
 
 
-def _regenerate_job(spec: RegenerateSpec, job_id: str, roots: Roots):
+def regenerate_job(spec: RegenerateSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
     from dflash_core.regenerate.job import RegenerateJob
 
     resolved = [roots.dataset(d, f"datasets[{i}]") for i, d in enumerate(spec.datasets)]
@@ -159,10 +164,7 @@ def job_to_json(job: Any) -> str:
 def job_from_json(text: str):
     """A stored engine job, rebuilt by its kind; keys the engine no longer knows are dropped."""
     data: dict[str, Any] = json.loads(text)
-    if data.get("kind") == "regenerate":
-        from dflash_core.regenerate.job import RegenerateJob
-
-        return RegenerateJob.from_dict(data)
-    from dflash_core.engine import TrainJob
-
-    return TrainJob.from_dict(data)
+    try:
+        return job_from_dict(data)
+    except UnknownKind as e:
+        raise ValueError(f"job kind {e}") from None

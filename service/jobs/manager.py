@@ -15,8 +15,8 @@ from typing import Any
 
 from .admission import job_to_json, to_engine_job
 from .errors import JobConflict, JobNotFound, Unavailable
-from .regenerate_spec import RegenerateSpec
-from .schemas import JobSpec, SpecError
+from .records import Ingest
+from .schemas import SpecError, SpecModel
 from .store import FAILED, PENDING, STOPPED, TERMINAL, JobRecord, OutputDirInUse, StoreUnavailable, SubmissionConflict
 from .worker import MAX_CRASH_RESUMES, JobWorker
 
@@ -33,7 +33,11 @@ class JobManager(JobWorker):
     """The queue's requests, answered from the HTTP threads (the thread that runs the jobs is the
     base class's)."""
 
-    def submit(self, spec: JobSpec | RegenerateSpec) -> tuple[JobRecord, bool]:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ingest = Ingest(self)  # records sent to running continual jobs
+
+    def submit(self, spec: SpecModel) -> tuple[JobRecord, bool]:
         """Queue a job. Returns (job, created). Raises SpecError (422), SubmissionConflict/JobConflict (409),
         Unavailable (503)."""
         try:
@@ -41,7 +45,7 @@ class JobManager(JobWorker):
         except StoreUnavailable as e:
             raise Unavailable(f"{e}; submit again once it can") from None
 
-    def _submit(self, spec: JobSpec | RegenerateSpec) -> tuple[JobRecord, bool]:
+    def _submit(self, spec: SpecModel) -> tuple[JobRecord, bool]:
         from dflash_core.engine import JobError
 
         fingerprint = spec.fingerprint()

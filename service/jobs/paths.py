@@ -183,7 +183,7 @@ def given_paths(spec: Mapping[str, Any], engine_job: Any, job_id: str) -> dict[s
     """Each path of a job as the engine has it (resolved) -> as the client gave it in `spec` (the
     stored spec); the default output_dir as its documented form."""
     pairs = dict(zip(engine_job.datasets, spec.get("datasets") or [], strict=False))
-    for key in ("eval_prompts", "chat_template", "init_from"):
+    for key in ("eval_prompts", "chat_template", "init_from", "publish_dir"):
         resolved, given = getattr(engine_job, key, None), spec.get(key)
         if resolved and given:
             pairs[resolved] = given

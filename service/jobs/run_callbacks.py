@@ -32,6 +32,9 @@ class RunCallbacks:
         self.cancel = threading.Event()
         # the store's failure that ended the run (the engine reports any callback error as the job's)
         self.store_error: StoreUnavailable | None = None
+        # a continual job's records as its run last reported them (the ingest route's bound reads
+        # it); None until the run's first report
+        self.records: dict[str, Any] | None = None
 
     def _store(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call, whose failure is noted before it propagates through the engine."""
@@ -103,5 +106,38 @@ class RunCallbacks:
         if self.manager.metrics is not None:
             self.manager.metrics.observe_generate(progress, self.job_id)
 
+    def on_records(self, progress: dict) -> None:
+        ingested, pending = int(progress.get("ingested", 0)), int(progress.get("pending", 0))
+        # lines read per spool file: the ingest route's bound on what is not trained yet
+        self.records = {
+            "ingested": ingested,
+            "pending": pending,
+            "spool_lines_read": dict(progress.get("spool_lines_read") or {}),
+        }
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_records(ingested, pending, self.job_id)
+
+    def on_publish(self, result: dict) -> None:
+        """A publish decision: a new version is the job's `published` and a `publish` event; a
+        candidate that did not win is a `publish_check` event."""
+        payload = {k: name_as_given(v, self.paths) if isinstance(v, str) else v for k, v in result.items()}
+        if result.get("published"):
+            published = {"version": result["version"], "tau": result["tau"], "path": payload["path"]}
+            self._store(self.manager.store.set_published, self.job_id, published, payload)
+            log.info("published", extra={"fields": {"job": self.job_id, **published}})
+        else:
+            self._store(self.manager.store.add_event, self.job_id, "publish_check", payload, result.get("step"))
+        if self.manager.metrics is not None:
+            self.manager.metrics.observe_publish(result, self.job_id)
+
+    def on_target_swap(self, result: dict) -> None:
+        payload = {k: name_as_given(v, self.paths) if isinstance(v, str) else v for k, v in result.items()}
+        self._store(self.manager.store.add_event, self.job_id, "target_swap", payload, result.get("step"))
+        if self.manager.metrics is not None and not result.get("refused"):
+            self.manager.metrics.observe_target_swap(float(result["seconds"]), self.job_id)
+
     def should_cancel(self) -> bool:
         return self.cancel.is_set() or self.manager.shutting_down
+
+    def should_yield(self) -> bool:
+        return self._store(self.manager.store.count_by_state)["PENDING"] > 0

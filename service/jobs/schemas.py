@@ -1,6 +1,6 @@
-"""What a client may submit: a job spec (JobSpec; RegenerateSpec for "kind": "regenerate"), parsed
-from a decoded JSON body by `parse_spec`, and SpecError, the one error that names the fields at
-fault (HTTP 422)."""
+"""What a client may submit: a job spec (JobSpec, the training spec; each other kind's spec model is
+named in the kinds table, dflash_core/kinds.py), parsed from a decoded JSON body by `parse_spec`,
+and SpecError, the one error that names the fields at fault (HTTP 422)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .suggest import unknown_field_message
+from dflash_core.kinds import DEFAULT_KIND, KINDS, UnknownKind, kind
 
-if TYPE_CHECKING:
-    from .regenerate_spec import RegenerateSpec
+from .suggest import unknown_field_message
 
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 # Characters refused in a job's name and submission_id: C0/C1 controls (NUL, escape sequences,
@@ -67,6 +66,8 @@ class SpecModel(BaseModel):
         json_schema_extra=lambda schema, cls: _document_checks(schema),
     )
     if TYPE_CHECKING:  # every kind declares these, each where it belongs in its own field order
+        name: str | None
+        submission_id: str | None
         datasets: list[str]
         chat_template_kwargs: dict[str, Any]
 
@@ -234,9 +235,14 @@ def field_errors(errors: Iterable[Mapping[str, Any]], model: type[BaseModel] | N
     return out
 
 
-def parse_spec(body: Any) -> JobSpec | RegenerateSpec:
-    """Validate a decoded JSON body: a JobSpec (`kind` "train", the default) or a RegenerateSpec
-    (`kind` "regenerate"); raises SpecError listing every problem."""
+def spec_kind(spec: BaseModel) -> str:
+    """The job kind a spec is of (a training spec has no `kind` field)."""
+    return str(getattr(spec, "kind", DEFAULT_KIND))
+
+
+def parse_spec(body: Any) -> SpecModel:
+    """Validate a decoded JSON body as the spec of its `kind` (the kinds table's spec model; "train",
+    the default, when absent); raises SpecError listing every problem."""
     if not isinstance(body, dict):
         raise SpecError("body", f"expected a JSON object, got {type(body).__name__}")
     # before anything walks the values recursively (validation, the fingerprint's JSON encoding)
@@ -245,14 +251,14 @@ def parse_spec(body: Any) -> JobSpec | RegenerateSpec:
     deep = [str(k) for k, v in body.items() if too_deep(v, MAX_JSON_DEPTH - 1)]
     if deep:
         raise SpecError(errors=[{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
-    kind = body.get("kind", "train")
-    from .regenerate_spec import RegenerateSpec
-
-    if kind not in ("train", "regenerate"):
-        raise SpecError("kind", f"{kind!r}: the job kinds are 'train' and 'regenerate'")
-    model: type[JobSpec | RegenerateSpec] = RegenerateSpec if kind == "regenerate" else JobSpec
     try:
-        return model.model_validate(body if kind == "regenerate" else {k: v for k, v in body.items() if k != "kind"})
+        model: type[SpecModel] = kind(body.get("kind", DEFAULT_KIND)).spec_model()
+    except UnknownKind as e:
+        raise SpecError("kind", str(e)) from None
+    # a kind's spec declares `kind` where it is required; the default kind's spec has none
+    values = body if "kind" in model.model_fields else {k: v for k, v in body.items() if k != "kind"}
+    try:
+        return model.model_validate(values)
     except ValidationError as e:
         raise SpecError(errors=field_errors(e.errors(), model)) from None
 
@@ -260,9 +266,8 @@ def parse_spec(body: Any) -> JobSpec | RegenerateSpec:
 def other_kind(model: type[BaseModel], name: str) -> str | None:
     """The job kind whose spec has the field `name` when `model`'s has not: a train spec given a
     regeneration's `max_new_tokens` is pointed at `"kind": "regenerate"`, and back."""
-    from .regenerate_spec import RegenerateSpec
-
-    for kind, other in (("regenerate", RegenerateSpec), ("train", JobSpec)):
+    for entry in KINDS:
+        other = entry.spec_model()
         if other is not model and name in other.model_fields and name not in model.model_fields:
-            return kind
+            return entry.name
     return None

@@ -216,10 +216,11 @@ class JobStore(JobListing):
         return counts
 
     def next_runnable(self) -> JobRecord | None:
-        """A job left RUNNING by an earlier process comes first (it was already running), then PENDING in FIFO order."""
+        """A job left RUNNING by an earlier process comes first (it was already running), then PENDING in
+        FIFO order, a job that yielded its turn after the others."""
         with self._read() as db:
             row = db.execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, seq LIMIT 1",
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, yielded, seq LIMIT 1",
                 (RUNNING, PENDING, RUNNING),
             ).fetchone()
             return job_record(row) if row else None
@@ -228,8 +229,8 @@ class JobStore(JobListing):
         """PENDING -> RUNNING; False if the job is no longer PENDING (cancelled a moment ago)."""
         with self._tx() as db:
             cur = db.execute(
-                "UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), interrupted_by_shutdown = 0"
-                " WHERE id = ? AND state = ?",
+                "UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?), interrupted_by_shutdown = 0,"
+                " yielded = 0 WHERE id = ? AND state = ?",
                 (RUNNING, time.time(), job_id, PENDING),
             )
             if cur.rowcount:
@@ -290,6 +291,24 @@ class JobStore(JobListing):
             if cur.rowcount:
                 insert_event(db, job_id, "cancel_requested", None, {})
             return bool(cur.rowcount)
+
+    def requeue_yielded(self, job_id: str, step: int) -> bool:
+        """RUNNING -> PENDING behind every other queued job: it gave the devices to one of them and
+        resumes from its checkpoint after them. False if it is no longer RUNNING."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE jobs SET state = ?, yielded = 1 WHERE id = ? AND state = ?", (PENDING, job_id, RUNNING)
+            )
+            if cur.rowcount:
+                payload = {"state": PENDING, "reason": "yielded to a queued job; resumes after it", "step": step}
+                insert_event(db, job_id, "state", None, payload)
+            return bool(cur.rowcount)
+
+    def set_published(self, job_id: str, published: dict[str, Any], payload: dict[str, Any]) -> None:
+        """A continual job published a version: the job shows it, and a `publish` event says so."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET published_json = ? WHERE id = ?", (json.dumps(published), job_id))
+            insert_event(db, job_id, "publish", payload.get("step"), payload)
 
     def mark_interrupted(self, job_id: str, step: int) -> None:
         """Graceful shutdown: the job stays RUNNING (resumable) with its checkpoint."""

@@ -54,7 +54,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     data_json TEXT,
     resume_step INTEGER,                           -- the checkpoint step the current run started from
     owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: gave it up (ended having written nothing), or a duplicate from before output dirs were unique
-    resume_with_group INTEGER NOT NULL DEFAULT 0   -- group losses in a row without a new checkpoint
+    resume_with_group INTEGER NOT NULL DEFAULT 0,  -- group losses in a row without a new checkpoint
+    yielded INTEGER NOT NULL DEFAULT 0,            -- 1: gave the devices to a queued job; queued behind the others
+    published_json TEXT                            -- a continual job's newest published version
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -128,6 +130,7 @@ class JobRecord:
     data: dict[str, Any] | None  # the last data preparation progress
     resume_step: int | None  # the checkpoint step the current run started from (None: step 0)
     owns_output_dir: bool
+    published: dict[str, Any] | None = None  # a continual job's newest version: {version, tau, path}
     checkpoints: list[dict[str, Any]] | None = None  # loaded by get_job(with_checkpoints=True)
     queue_position: int | None = None
 
@@ -202,7 +205,7 @@ JOB_COLUMNS = (
     "seq, id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at, "
     "started_at, finished_at, step, total_steps, loss, tokens_per_second, expected_acceptance_length, "
     "eval_acceptance_length, learning_rate, epoch, last_checkpoint, last_checkpoint_step, error, cancel_requested, "
-    "interrupted_by_shutdown, resumes, crash_resumes, phase, data_json, resume_step, owns_output_dir"
+    "interrupted_by_shutdown, resumes, crash_resumes, phase, data_json, resume_step, owns_output_dir, published_json"
 )
 _JOB_FIELDS = tuple(name.strip() for name in JOB_COLUMNS.split(","))
 # columns added after the first release: (name, declaration), added to an older database at open
@@ -212,6 +215,8 @@ _ADDED_COLUMNS = (
     ("resume_step", "INTEGER"),
     ("owns_output_dir", "INTEGER NOT NULL DEFAULT 1"),
     ("resume_with_group", "INTEGER NOT NULL DEFAULT 0"),
+    ("yielded", "INTEGER NOT NULL DEFAULT 0"),
+    ("published_json", "TEXT"),
 )
 
 
@@ -220,6 +225,8 @@ def job_record(row: tuple) -> JobRecord:
     values["spec"] = json.loads(values.pop("spec_json"))
     data = values.pop("data_json")
     values["data"] = json.loads(data) if data else None
+    published = values.pop("published_json")
+    values["published"] = json.loads(published) if published else None
     for flag in ("cancel_requested", "interrupted_by_shutdown", "owns_output_dir"):
         values[flag] = bool(values[flag])
     return JobRecord(**values)

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..tracking import Tracker
 from .admission import job_from_json, with_roots_now
@@ -48,6 +48,7 @@ STORE_RETRY_FIRST_SECONDS = 0.5
 STORE_RETRY_MAX_SECONDS = 5.0
 # the reason a job put back in the queue by resume() gives for its resume
 RESUME_REQUESTED = "resume requested"
+YIELDED = "YIELDED"  # a run's result: it gave the devices to a queued job (engine JobResult.status)
 
 
 class JobWorker:
@@ -140,6 +141,15 @@ class JobWorker:
         if job is None:
             raise JobNotFound(job_id)
         return job
+
+    def records_of(self, job_id: str) -> dict[str, Any] | None:
+        """A running continual job's records as its run last reported them; None before it did
+        (a run that has not started yet, or is just starting)."""
+        with self._current_lock:
+            current = self._current
+        if current is not None and current.job_id == job_id and current.records is not None:
+            return dict(current.records)
+        return None
 
     @property
     def job_running(self) -> bool:
@@ -361,6 +371,11 @@ class JobWorker:
         if result.status == SUCCEEDED:
             if self._record(lambda: self.store.finish(job.id, SUCCEEDED, payload=summary)):
                 log.info("job succeeded", extra={"fields": {"job": job.id, **summary}})
+        elif result.status == YIELDED:  # a continual job gave the devices to a queued one
+            if self._record(lambda: self.store.requeue_yielded(job.id, result.steps_done)):
+                log.info(
+                    "job yielded to a queued job; it resumes after it", extra={"fields": {"job": job.id, **summary}}
+                )
         elif callbacks.cancel.is_set():
             if self._record(lambda: self.store.finish(job.id, STOPPED, payload={"reason": "cancelled", **summary})):
                 log.info("job stopped (cancelled)", extra={"fields": {"job": job.id, **summary}})

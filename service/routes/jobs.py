@@ -21,7 +21,6 @@ from starlette.concurrency import run_in_threadpool
 from .. import api_models as models
 from ..event_feed import EVENT_PAGE
 from ..jobs.errors import JobNotFound
-from ..jobs.regenerate_spec import RegenerateSpec
 from ..jobs.schemas import JobSpec, SpecError, parse_spec
 from ..jobs.store import STATES
 from ..views import NDJSON, NDJSONStream, event_line, job_json
@@ -79,10 +78,10 @@ class SpecRoute(APIRoute):
         return decode_first
 
 
-# The spec of either kind; documented as JobSpec, the default kind (RegenerateSpec is a component
-# of its own, service.openapi)
+# The spec of any kind (parse_spec returns its kind's model); typed and documented as JobSpec, the
+# default kind (each other kind's spec is a component of its own, service.openapi)
 SubmittedSpec = Annotated[
-    JobSpec | RegenerateSpec,
+    JobSpec,
     PlainValidator(parse_spec, json_schema_input_type=JobSpec),
     Body(),
 ]

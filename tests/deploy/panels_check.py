@@ -64,6 +64,18 @@ REGENERATE_CHECK_JOB: dict[str, Any] = {
     "datasets": ["builtin://heldout"],
     "max_new_tokens": 16,
 }
+# A continual job between them, for the continual panels: it trains on a watched source, publishes,
+# loads a new target version in place, and is cancelled (a daemon started here: its data dir is known)
+CONTINUAL_CHECK_JOB: dict[str, Any] = {
+    "name": "panels-check-continual",
+    "kind": "continual",
+    "publish_every_steps": 2,
+    "checkpoint_interval": 2,
+    "heldout_every": 3,
+    "eval_max_prompts": 2,
+    "eval_max_new_tokens": 8,
+    "poll_seconds": 0.1,
+}
 SCRAPE_INTERVAL = "1s"
 # What Grafana's built-in variables become. $__rate_interval is wide enough to hold samples from before
 # and after a short job, so rate() and histogram_quantile() see the job's steps.
@@ -79,7 +91,7 @@ BUILTINS = {
 CUDA_METRIC_PREFIX = "dflash_cuda_"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # the daemon's histograms: an expression reads their _bucket/_sum/_count series
-HISTOGRAMS = ("dflash_train_step_seconds", "dflash_checkpoint_pause_seconds")
+HISTOGRAMS = ("dflash_train_step_seconds", "dflash_checkpoint_pause_seconds", "dflash_target_swap_seconds")
 
 
 def _from_env(var: str) -> str | None:
@@ -468,6 +480,7 @@ def scraped_daemon(
     url: str | None = None,
     job: dict[str, Any] | None = CHECK_JOB,
     before: dict[str, Any] | None = REGENERATE_CHECK_JOB,
+    continual_data_dir: Path | None = None,
     ready_timeout: float = 120,
     job_timeout: float = 300,
     workdir: Path | None = None,
@@ -495,10 +508,15 @@ def scraped_daemon(
         _wait_ready(http, ready_timeout, daemon)
         prom.wait_for("dflash_ready == 1", timeout=60, what="a scrape of the ready daemon")
         job_id, instants = None, []
-        for spec in (before, job):
+        continual_dir = continual_data_dir or (daemon.data_dir if daemon is not None else None)
+        for spec in (before, CONTINUAL_CHECK_JOB if continual_dir is not None else None, job):
             if spec is None:
                 continue
-            job_id = _run_job(http, spec, job_timeout, daemon, out)
+            if spec is CONTINUAL_CHECK_JOB:
+                assert continual_dir is not None
+                _run_continual(http, continual_dir, job_timeout, daemon, out)
+            else:
+                job_id = _run_job(http, spec, job_timeout, daemon, out)
             # two scrapes after the job ended: the counters' final values and the eval gauge are in
             ended = time.time()
             prom.wait_for(f"timestamp(dflash_ready) > {ended + 1:.3f}", timeout=60, what="scrapes after the job")
@@ -552,6 +570,43 @@ def _run_job(http: httpx.Client, spec: dict[str, Any], timeout: float, daemon: D
     print(f"job {job_id} {state}", file=out)
     assert state == "SUCCEEDED", f"job {job_id} ended {state}"
     return job_id
+
+
+def _run_continual(http: httpx.Client, data_dir: Path, timeout: float, daemon: Daemon | None, out) -> None:
+    """CONTINUAL_CHECK_JOB on a watched source until it published, then a new target version until it
+    was loaded in place, then cancelled (data_dir: the daemon's, where the source and target live)."""
+    source, watch = data_dir / "panels-continual", data_dir / "panels-target"
+    source.mkdir(exist_ok=True)
+    watch.mkdir(exist_ok=True)
+    with (source / "records.jsonl").open("w") as f:
+        for i in range(200):  # enough new records for the steps before a publish
+            turns = [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{2 * i}."},
+            ]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    spec = {**CONTINUAL_CHECK_JOB, "sources": [str(source)], "target_watch": str(watch)}
+    r = http.post("/jobs", json=spec)
+    assert r.status_code == 202, f"continual job submission: HTTP {r.status_code}: {r.text}"
+    job_id = r.json()["id"]
+
+    def until(done, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if daemon is not None:
+                daemon._check_alive()
+            assert time.monotonic() < deadline, f"continual job {job_id}: no {what} after {timeout} s"
+            time.sleep(0.1)
+
+    until(lambda: "published" in http.get(f"/jobs/{job_id}").json(), "publish")
+    staged = watch / ".v2"
+    shutil.copytree(next((data_dir / "defaults").glob("*/target")), staged)
+    staged.rename(watch / "v2")
+    until(lambda: bool(http.get(f"/jobs/{job_id}/events", params={"kind": "target_swap"}).text.strip()), "target swap")
+    http.post(f"/jobs/{job_id}/cancel")
+    state = _wait_terminal(http, job_id, timeout, daemon)
+    print(f"job {job_id} {state}", file=out)
+    assert state == "STOPPED", f"continual job {job_id} ended {state}"
 
 
 def _wait_terminal(http: httpx.Client, job_id: str, timeout: float, daemon: Daemon | None) -> str:

@@ -53,7 +53,12 @@ def scraped(daemon, tmp_path_factory):
         )
     log = io.StringIO()
     with scraped_daemon(
-        prometheus_bin=binary, url=daemon.url, job=CHECK_JOB, workdir=tmp_path_factory.mktemp("prometheus"), out=log
+        prometheus_bin=binary,
+        url=daemon.url,
+        job=CHECK_JOB,
+        continual_data_dir=daemon.data_dir,
+        workdir=tmp_path_factory.mktemp("prometheus"),
+        out=log,
     ) as s:
         yield s
 

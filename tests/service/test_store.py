@@ -264,3 +264,21 @@ def test_the_data_dir_lock_is_not_inherited_by_child_processes(tmp_path):
             pass
     finally:
         lock.release()
+
+
+def test_a_yielded_job_queues_behind_the_others_and_shows_what_it_published(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    for job_id in ("job-continual", "job-a", "job-b"):
+        _job(store, job_id, str(tmp_path / job_id))
+    assert store.mark_running("job-continual")
+    assert store.requeue_yielded("job-continual", step=40)
+    assert not store.requeue_yielded("job-continual", step=40)  # no longer RUNNING
+    order = []
+    while (job := store.next_runnable()) is not None:
+        order.append(job.id)
+        store.mark_running(job.id)
+        store.finish(job.id, "SUCCEEDED")
+    assert order == ["job-a", "job-b", "job-continual"]  # then it runs again, no longer behind
+    store.set_published("job-continual", {"version": 2, "tau": 3.1, "path": "p/v000002"}, {"step": 40, "version": 2})
+    assert store.get_job("job-continual").published == {"version": 2, "tau": 3.1, "path": "p/v000002"}
+    assert store.events("job-continual", kinds=["publish"])[0].payload["version"] == 2

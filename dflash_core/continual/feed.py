@@ -1,0 +1,169 @@
+"""The ingest thread of a continual job: it polls the watched sources and the job's ingest spool
+every `poll_seconds` (a timed wait, never a busy loop), turns each new record into a tokenized
+document with the job's chat template, and hands it to the record pool.
+
+A bad record (unreadable, not a conversation) is skipped and counted, never the job's failure:
+a live source is written by someone else while the job runs, and one broken line must not stop
+a job that has no end. The first few are reported with their places.
+
+Tokenization shares the tokenizer with the evaluation that decides a publish; they take turns
+through `tokenizer_lock` (a fast tokenizer is not safe to call from two threads at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..data.conversations import Conversation, parse_conversation
+from ..data.errors import DatasetError
+from ..data.tokenize import ChatTemplate, encode_conversation
+from .answer import Answerer
+from .replay import Doc, RecordPool
+from .sources import SourceWatcher
+
+log = logging.getLogger("dflash.continual")
+FIRST_ERRORS = 10
+
+
+@dataclass
+class FeedCounts:
+    ingested: int = 0  # records read and tokenized (trained or held out)
+    skipped: int = 0
+    first_errors: list[str] = field(default_factory=list)
+    reported_skips: int = 0
+
+
+class Feed:
+    def __init__(
+        self,
+        watcher: SourceWatcher,
+        pool: RecordPool,
+        tokenizer: Any,
+        template: ChatTemplate,
+        poll_seconds: float,
+        answerer: Answerer | None = None,
+        max_pending: int | None = None,
+    ):
+        """answerer: where prompt-only records go to be answered by the target (None: they are
+        skipped); max_pending: the sources are not read while this many records wait to be
+        trained (they stay in their files, read on later), so a large backlog is not held in memory."""
+        self.watcher, self.pool, self.tokenizer, self.template = watcher, pool, tokenizer, template
+        self.answerer = answerer
+        self.max_pending = max_pending
+        self.poll_seconds = max(0.05, poll_seconds)
+        self.tokenizer_lock = threading.Lock()
+        self.counts = FeedCounts()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the watcher's cursor: polled here, saved by the job's thread
+        self._counting = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="continual-ingest", daemon=True)
+        # (records arrived, the watcher's cursor) after each poll that read something: a checkpoint
+        # saves the newest cursor all of whose records are trained (cursor_through)
+        self._snapshots: list[tuple[int, dict[str, Any]]] = [(0, watcher.cursor())]
+
+    def start(self) -> Feed:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=60)
+
+    def lines_read(self, directory: Path) -> dict[str, int]:
+        """JSONL lines read so far per file directly in `directory` (the ingest spool), by name."""
+        with self._lock:
+            files = list(self.watcher.files.items())
+        return {Path(k).name: int(v.get("line", 1)) - 1 for k, v in files if Path(k).parent == directory}
+
+    def cursor_through(self, seq: int) -> dict[str, Any]:
+        """The newest cursor whose records all have arrival numbers up to `seq` (all trained):
+        a job resumed from it reads again only what it had not trained."""
+        with self._lock:
+            keep = max(i for i, (added, _) in enumerate(self._snapshots) if added <= seq or i == 0)
+            del self._snapshots[:keep]
+            return self._snapshots[0][1]
+
+    @property
+    def full(self) -> bool:
+        waiting = self.pool.pending + (self.answerer.pending if self.answerer is not None else 0)
+        return self.max_pending is not None and waiting >= self.max_pending
+
+    def poll_once(self) -> int:
+        """Read what the sources hold now into the pool; the records added."""
+        added = 0
+        with self._lock, self.tokenizer_lock:
+            for record in self.watcher.poll():
+                if self._add(record.source, record.value):
+                    added += 1
+            if self.watcher.cursor() != self._snapshots[-1][1]:
+                self._snapshots.append((self.pool.added, self.watcher.cursor()))
+        return added
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.full:
+                    self.poll_once()
+                self._stop.wait(self.poll_seconds)
+        except BaseException as e:  # noqa: BLE001 - the job's thread raises it as the job's failure
+            self.error = e
+            log.exception("the continual job's ingest thread failed")
+
+    def _add(self, source: str, value: object) -> bool:
+        try:
+            if isinstance(value, DatasetError):
+                raise value
+            conversation = parse_conversation(value, source, 0)
+        except DatasetError as e:
+            prompt = _prompt(value)
+            if prompt is None:
+                self.skip(str(e))
+            elif self.answerer is None:
+                self.skip(f"{source}: a prompt without an answer, and the job has no regenerate settings")
+            else:
+                self.answerer.add(prompt, source)
+                return True
+            return False
+        return self.add_conversation(Conversation(conversation.messages, source))
+
+    def add_conversation(self, conversation: Conversation) -> bool:
+        """A conversation tokenized into the pool (under the tokenizer lock); False when its
+        template fails (skipped and counted)."""
+        try:
+            encoded = encode_conversation(self.tokenizer, conversation, self.template)
+        except DatasetError as e:
+            self.skip(str(e))
+            return False
+        self.pool.add(conversation, Doc(encoded.input_ids, encoded.loss_mask))
+        with self._counting:  # the ingest thread and the job's thread (answered prompts) both count
+            self.counts.ingested += 1
+        return True
+
+    def skip(self, message: str) -> None:
+        with self._counting:
+            self.counts.skipped += 1
+            if len(self.counts.first_errors) < FIRST_ERRORS:
+                self.counts.first_errors.append(message)
+
+    def new_skips(self) -> dict[str, Any] | None:
+        """The skipped-records report when more were skipped since the last one."""
+        if self.counts.skipped == self.counts.reported_skips:
+            return None
+        self.counts.reported_skips = self.counts.skipped
+        return {"count": self.counts.skipped, "first": list(self.counts.first_errors)}
+
+
+def _prompt(value: object) -> list[dict[str, str]] | None:
+    """The messages of a record that asks for an answer (a prompt, no assistant turn after it)."""
+    from ..data.prompts import parse_prompt
+
+    try:
+        return parse_prompt(value, "record", 0).messages
+    except DatasetError:
+        return None

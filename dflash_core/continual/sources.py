@@ -1,0 +1,148 @@
+"""Watched sources: directories that a serving stack's request log or an RL trainer's rollout
+writer appends to, read as they grow.
+
+A poll lists each directory's record files (every layout the daemon reads: `.jsonl`, `.json`,
+`.parquet`; names starting with a dot are a writer's temporary files and are left alone). A
+JSONL file is read from where the last poll stopped up to its last complete line, so lines
+appended to it arrive as they are written and a line still being written waits for its newline.
+Any other file is read whole once its size and modification time held still over one poll
+interval (a table written in place is complete by then; one renamed into place is complete at
+once). Records come out through the daemon's own readers (data/sources.py), so a bad record is
+named by file and line as in a training job.
+
+How far each file was read is the watcher's cursor: it is saved beside each checkpoint
+(state.py), so that a resumed job reads on from there and trains again only what came after.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..confine import ConfinedDir, OutsideRoots, resolved_under
+from ..data.errors import DatasetError
+from ..data.prompts import PROMPT_COLUMNS
+from ..data.sources import MAX_RECORD_BYTES, SHARD_SUFFIXES, SourceFile, file_source, iter_records, jsonl_lines
+
+# bytes of one JSONL file read per poll at most: a large backlog is read over several polls, so
+# that one poll never holds a whole file in memory
+READ_BYTES_PER_POLL = 8 << 20
+
+
+@dataclass
+class Record:
+    source: str  # where it was read, as errors name it: "dir/file.jsonl:12"
+    value: object  # the decoded record, or the DatasetError that stands in its place
+
+
+class SourceWatcher:
+    def __init__(self, directories: list[tuple[Path, str, list[str]]], cursor: dict[str, Any] | None):
+        """directories: (directory, its name as the job gave it, the roots every file read in it
+        must resolve under: empty, anywhere); cursor: a saved cursor()."""
+        self.directories = directories
+        self.files: dict[str, dict[str, Any]] = dict((cursor or {}).get("files", {}))
+        self._seen: dict[str, tuple[int, int]] = {}  # non-JSONL files waiting to hold still: (size, mtime)
+
+    def cursor(self) -> dict[str, Any]:
+        return {"files": {k: dict(v) for k, v in self.files.items()}}
+
+    def poll(self) -> Iterator[Record]:
+        """The records that arrived since the last poll, file by file in name order."""
+        for directory, name, roots in self.directories:
+            for path in self._listing(directory):
+                key = str(path)
+                label = f"{name.rstrip('/')}/{path.relative_to(directory)}"
+                try:
+                    real = resolved_under(path, roots, "a source file", label)
+                    src = file_source(real, label)
+                    if src.kind == "jsonl":
+                        yield from self._appended(key, src)
+                    else:
+                        yield from self._whole(key, src)
+                except OutsideRoots as e:
+                    self.files[key] = {"done": True}
+                    yield Record(label, DatasetError(label, 0, str(e)))
+                except OSError as e:  # vanished or unreadable now: looked at again next poll
+                    yield Record(label, DatasetError(label, 0, f"cannot be read ({e.strerror or type(e).__name__})"))
+
+    def _listing(self, directory: Path) -> list[Path]:
+        try:
+            found = [
+                p
+                for p in directory.rglob("*")
+                if p.suffix in SHARD_SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+                and p.is_file()
+            ]
+        except OSError:
+            return []
+        return sorted(found)
+
+    def _appended(self, key: str, src: SourceFile) -> Iterator[Record]:
+        state = self.files.setdefault(key, {"offset": 0, "line": 1})
+        size = os.path.getsize(src.path)
+        if size < state["offset"]:  # truncated or replaced: read it again from its start
+            state.update(offset=0, line=1)
+        if size == state["offset"]:
+            return
+        with src.path.open("rb") as f:
+            f.seek(state["offset"])
+            chunk = f.read(min(size - state["offset"], READ_BYTES_PER_POLL))
+        end = chunk.rfind(b"\n") + 1
+        if end == 0:
+            if len(chunk) >= READ_BYTES_PER_POLL or size - state["offset"] > MAX_RECORD_BYTES:
+                # one line larger than a record may be: skipped, reported once at its place
+                skip = self._skip_long_line(src.path, state["offset"])
+                yield Record(f"{src.name}:{state['line']}", DatasetError(src.name, state["line"], "line too long"))
+                state["offset"] = skip
+                state["line"] += 1
+            return
+        lines = chunk[:end].splitlines(keepends=True)
+        for line_no, value in jsonl_lines(src.name, lines, state["line"]):
+            yield Record(f"{src.name}:{line_no}", value)
+        state["offset"] += end
+        state["line"] += len(lines)
+
+    @staticmethod
+    def _skip_long_line(path: Path, offset: int) -> int:
+        """Where the line starting at `offset` ends (past its newline), or the file's end."""
+        with path.open("rb") as f:
+            f.seek(offset)
+            while block := f.read(1 << 20):
+                at = block.find(b"\n")
+                if at >= 0:
+                    return f.tell() - len(block) + at + 1
+        return os.path.getsize(path)
+
+    def _whole(self, key: str, src: SourceFile) -> Iterator[Record]:
+        if self.files.get(key, {}).get("done"):
+            return
+        st = os.stat(src.path)
+        now = (st.st_size, st.st_mtime_ns)
+        if self._seen.get(key) != now:  # new or still changing: read once it held still a poll
+            self._seen[key] = now
+            return
+        self._seen.pop(key, None)
+        self.files[key] = {"done": True}
+        for position, value in iter_records(src, columns=PROMPT_COLUMNS):
+            yield Record(f"{src.name} {src.unit} {position}", value)
+
+
+def drop_read_spool(directory: ConfinedDir, cursors: list[dict[str, Any]]) -> list[str]:
+    """Remove the ingest spool's files (in `directory`) that every one of `cursors` read to their
+    end, but the newest (still written to): what the ingest route accepted stays on disk exactly as
+    long as a resume from one of those cursors may need it. The names removed."""
+    from .job import spool_number
+
+    numbered = sorted((n, e.name) for e in directory.entries() if (n := spool_number(e.name)) is not None)
+    removed = []
+    for _, name in numbered[:-1]:
+        size = os.stat(name, dir_fd=directory.fd, follow_symlinks=False).st_size
+        key = str(directory.path / name)
+        if cursors and all(c.get("files", {}).get(key, {}).get("offset", -1) >= size for c in cursors):
+            directory.remove_tree(name)
+            removed.append(name)
+    return removed

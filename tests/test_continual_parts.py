@@ -1,0 +1,212 @@
+"""The parts of a continual job, without a daemon: the source watcher reads appended lines and
+finished files (and nothing a writer is still writing), the record pool mixes new records with
+replay at the engine's one shape and makes a reader wait when nothing is new, and the publisher
+writes complete versions before `latest` moves, keeps the last few, and leaves the previous
+version intact when a publish was killed half way."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_core.config import ShapeConfig
+from dflash_core.continual.publish import LATEST, VERSIONS_FILE, Publisher
+from dflash_core.continual.replay import ContinualStream, Doc, RecordPool, StreamStopped
+from dflash_core.continual.sources import SourceWatcher
+from dflash_core.data.conversations import Conversation
+from dflash_core.data.errors import DatasetError
+from tests.helpers import random_drafter, tiny_drafter_config
+
+
+def conv(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+
+
+def values(records) -> list:
+    return [r.value for r in records]
+
+
+def test_watcher_reads_appended_lines_and_finished_files(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    watcher = SourceWatcher([(src, "src", [str(tmp_path)])], None)
+    assert values(watcher.poll()) == []
+    log = src / "log.jsonl"
+    log.write_text(json.dumps(conv(0)) + "\n" + json.dumps(conv(1))[:10])  # the second line still being written
+    assert values(watcher.poll()) == [conv(0)]
+    with log.open("a") as f:
+        f.write(json.dumps(conv(1))[10:] + "\nnot json\n")
+    got = list(watcher.poll())
+    assert got[0].value == conv(1) and got[0].source == "src/log.jsonl:2"
+    assert isinstance(got[1].value, DatasetError) and "log.jsonl:3" in str(got[1].value)
+    (src / ".partial.parquet").write_bytes(b"a writer's temporary file")
+    pq.write_table(pa.table({"messages": [conv(5)["messages"]]}), src / "shard.parquet")
+    assert values(watcher.poll()) == []  # new: read once it held still over a poll
+    assert values(watcher.poll()) == [{"messages": conv(5)["messages"]}]
+    assert values(watcher.poll()) == []
+    # a watcher started from the cursor reads on from there
+    again = SourceWatcher([(src, "src", [str(tmp_path)])], watcher.cursor())
+    with log.open("a") as f:
+        f.write(json.dumps(conv(9)) + "\n")
+    assert values(again.poll()) == [conv(9)]
+
+
+def test_watcher_refuses_a_file_that_leads_outside_the_roots(tmp_path):
+    src, outside = tmp_path / "src", tmp_path / "outside"
+    src.mkdir()
+    outside.mkdir()
+    (outside / "secret.jsonl").write_text(json.dumps(conv(0)) + "\n")
+    (src / "link.jsonl").symlink_to(outside / "secret.jsonl")
+    got = list(SourceWatcher([(src, "src", [str(src)])], None).poll())
+    assert len(got) == 1 and isinstance(got[0].value, DatasetError) and "outside" in str(got[0].value)
+
+
+def doc(n: int, fill: int = 5) -> Doc:
+    return Doc(np.full(n, fill, dtype=np.int64), np.ones(n, dtype=bool))
+
+
+def test_pool_mixes_new_records_with_replay_at_one_shape():
+    shape = ShapeConfig(seq_len=64, num_anchors=4, block_size=4)
+    pool = RecordPool(shape.seq_len, replay_capacity=4, heldout_capacity=2, heldout_every=3)
+    for i in range(12):
+        pool.add(Conversation(conv(i)["messages"], f"s:{i}"), doc(8, fill=i + 2))
+    assert len(pool.heldout_window()) == 2 and pool.pending == 8  # every third held out, the last two kept
+    stream = ContinualStream(pool, shape, pad_token_id=0, seed=0, replay_ratio=0.5)
+    first = stream.get(0)
+    assert first.input_ids.shape == (64,) and first.anchors.shape == (4,)
+    assert pool.pending == 4 and len(pool.replay) == 4  # 32 new tokens (four records), then replay fills
+    stream.get(1)
+    assert pool.pending == 0 and len(pool.replay) == 4  # the replay ring stays bounded
+    assert stream.built(0, 2) and not stream.built(2, 3)
+    assert stream.trained_seq == 11  # the newest arrival number in the micro-batches built
+
+
+def test_stream_waits_for_new_records_and_stops_when_asked():
+    shape = ShapeConfig(seq_len=32, num_anchors=2, block_size=4)
+    pool = RecordPool(shape.seq_len, replay_capacity=8, heldout_capacity=1, heldout_every=0)
+    stream = ContinualStream(pool, shape, pad_token_id=0, seed=0, replay_ratio=0.25)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(stream.get(0)))
+    reader.start()
+    time.sleep(0.3)
+    assert not got  # nothing new: the reader waits
+    pool.add(Conversation(conv(0)["messages"], "s:0"), doc(10))
+    reader.join(5)
+    assert got and int((got[0].doc_ids >= 0).sum()) >= 10
+    stream.close()
+    with pytest.raises(StreamStopped):
+        stream.get(1)
+
+
+def test_publisher_versions_latest_rotation_and_a_killed_publish(tmp_path):
+    cfg = tiny_drafter_config()
+    weights = {k: v.float() for k, v in random_drafter(cfg).state_dict().items()}
+    target = {"name": None, "config_sha256": "abc", "dtype": None}
+    publish_dir = tmp_path / "pub"
+    pub = Publisher(str(publish_dir), [str(tmp_path)], keep_versions=2, target=target)
+    for step in (10, 20, 30):
+        entry = pub.publish(cfg, weights, step=step, tau=1.5, export_dtype="fp32")
+    assert entry["version"] == 3
+    assert sorted(p.name for p in publish_dir.iterdir()) == [LATEST, "v000002", "v000003", VERSIONS_FILE]
+    assert (publish_dir / LATEST).resolve() == publish_dir / "v000003"
+    listed = json.loads((publish_dir / VERSIONS_FILE).read_text())
+    assert [v["version"] for v in listed] == [2, 3] and listed[-1]["step"] == 30
+    assert json.loads((publish_dir / "v000003" / "config.json").read_text())["dflash_target"] == target
+    pub.close()
+    # a publish killed before its rename leaves a staging directory: swept, the previous version intact
+    (publish_dir / ".staging-v000004").mkdir()
+    again = Publisher(str(publish_dir), [str(tmp_path)], keep_versions=2, target=target)
+    assert again.latest is not None and again.latest["version"] == 3
+    assert not (publish_dir / ".staging-v000004").exists()
+    assert again.publish(cfg, weights, step=40, tau=1.6, export_dtype="fp32")["version"] == 4
+    again.close()
+    with pytest.raises(PermissionError):
+        Publisher(str(tmp_path.parent / "elsewhere"), [str(tmp_path)], 2, target)
+
+
+def test_a_target_version_loads_in_place_and_other_shapes_are_refused(default_assets, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.continual.target_swap import SwapRefused, check_version, load_in_place, refresh_heads
+    from dflash_core.target import TargetModel
+
+    target = TargetModel(default_assets.target, [1, 2], "cpu", dtype=torch.float32)
+    head = target.frozen_head().to("cpu", torch.float64)  # a drafter's own copy (another dtype)
+    storage = target.model.model.norm.weight.data_ptr()
+
+    def version(name, change=lambda k, v: v, config=None):
+        out = tmp_path / name
+        shutil.copytree(default_assets.target, out)
+        weights = load_file(str(out / "model.safetensors"))
+        save_file({k: change(k, v) for k, v in weights.items()}, str(out / "model.safetensors"))
+        if config:
+            cfg = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**cfg, **config}))
+        return out
+
+    v2 = version("v2", lambda k, v: v + 1.0 if v.is_floating_point() else v)
+    load_in_place([target], check_version(target, v2, [str(tmp_path)]))
+    refresh_heads(target, [head])
+    assert target.model.model.norm.weight.data_ptr() == storage  # the same storage, new values
+    assert torch.equal(target.model.model.norm.weight, load_file(str(v2 / "model.safetensors"))["model.norm.weight"])
+    assert torch.allclose(head.lm_head_weight, target.model.get_output_embeddings().weight.double())
+    with pytest.raises(SwapRefused, match=r"model\.norm\.weight has shape"):
+        check_version(target, version("v3", lambda k, v: v[:-1] if k == "model.norm.weight" else v), [])
+    with pytest.raises(SwapRefused, match="num_hidden_layers"):
+        check_version(target, version("v4", config={"num_hidden_layers": 9}), [])
+    with pytest.raises(SwapRefused, match="missing"):
+        check_version(target, _without(version("v5"), "model.norm.weight"), [])
+
+
+def _without(path, key):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    del weights[key]
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path):
+    from dflash_core.continual.feed import Feed
+    from dflash_core.data.tokenize import ChatTemplate
+
+    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    feed = Feed(SourceWatcher([], None), pool, None, ChatTemplate(), 1.0, max_pending=2)
+    pool.add(Conversation(conv(0)["messages"], "s:0"), doc(8))
+    assert not feed.full
+    pool.add(Conversation(conv(1)["messages"], "s:1"), doc(8))
+    assert feed.full
+
+
+def test_the_spool_rolls_over_and_read_files_go_while_a_cursor_still_needs_none(tmp_path):
+    from dflash_core.confine import ConfinedDir
+    from dflash_core.continual.sources import drop_read_spool
+    from service.jobs.records import RecordSpool
+
+    spool_dir = tmp_path / "records"
+    spool_dir.mkdir()
+    spool = RecordSpool(str(spool_dir), [str(tmp_path)], file_bytes=100)
+    for i in range(6):
+        spool.append([json.dumps(conv(i))])  # each line ~90 bytes: a new file after each
+    names = sorted(p.name for p in spool_dir.iterdir())
+    assert names[0] == "ingested-000001.jsonl" and len(names) >= 3
+    watcher = SourceWatcher([(spool_dir, "records", [str(tmp_path)])], None)
+    assert len(list(watcher.poll())) == 6
+    read = {key.rsplit("/", 1)[-1]: state["line"] - 1 for key, state in watcher.files.items()}
+    assert spool.pending(read) == 0 and spool.pending({}) == 6
+    behind = {"files": {str(spool_dir / names[0]): {"offset": 0, "line": 1}}}
+    with ConfinedDir(spool_dir, [str(tmp_path)]) as directory:
+        assert drop_read_spool(directory, [watcher.cursor(), behind]) == []  # an older cursor still needs it
+        dropped = drop_read_spool(directory, [watcher.cursor()])
+    assert dropped == names[:-1] and sorted(p.name for p in spool_dir.iterdir()) == names[-1:]
+    assert RecordSpool(str(spool_dir), [str(tmp_path)]).pending(read) == 0  # counted again after a restart

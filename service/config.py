@@ -118,6 +118,13 @@ Tracker = Literal["tensorboard", "wandb", "mlflow"]
 DEFAULT_TRACKER: Tracker = "tensorboard"
 
 
+# A job during which the daemon died more than `max_crash_resumes` times in a row (this default
+# unless configured) without the job reaching a new checkpoint is failed instead of resumed again
+# (a job that kills the process, e.g. through host OOM, would otherwise crash-loop the daemon
+# forever); a crash after a new checkpoint does not count, since that job gets further each time.
+MAX_CRASH_RESUMES = 5
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -143,6 +150,13 @@ class ServiceConfig(BaseModel):
         description="browser origins (scheme://host[:port]) allowed to POST besides the daemon's own",
     )
     max_event_streams: int = Field(64, ge=1, le=100_000, description="open ?follow=true event streams at most")
+    max_crash_resumes: int = Field(
+        MAX_CRASH_RESUMES,
+        ge=0,
+        le=1000,
+        description="a job during which the daemon died more than this many times in a row without a new "
+        "checkpoint is failed instead of resumed again (POST /jobs/{id}/resume still continues it)",
+    )
     request_timeout_seconds: float = Field(
         30.0, gt=0, le=3600, description="time a client has to deliver a whole request (head and body)"
     )

@@ -13,12 +13,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..config import MAX_CRASH_RESUMES
 from .admission import job_to_json, to_engine_job
 from .errors import JobConflict, JobNotFound, Unavailable
 from .records import Ingest
 from .schemas import SpecError, SpecModel
 from .store import FAILED, PENDING, STOPPED, TERMINAL, JobRecord, OutputDirInUse, StoreUnavailable, SubmissionConflict
-from .worker import MAX_CRASH_RESUMES, JobWorker
+from .worker import JobWorker
 
 __all__ = ["MAX_CRASH_RESUMES", "JobConflict", "JobManager", "JobNotFound", "Unavailable"]
 

@@ -37,11 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dflash.jobs")
 
-# A job during which the daemon died more than this many times in a row without the job reaching a
-# new checkpoint is failed instead of resumed again (a job that kills the process, e.g. through host
-# OOM, would otherwise crash-loop the daemon forever); a crash after a new checkpoint does not count,
-# since that job gets further each time.
-MAX_CRASH_RESUMES = 5
 # The worker's pauses while the store cannot write: doubling from the first to the last, and cut
 # short by a submission (which shows the store writes again) or a shutdown.
 STORE_RETRY_FIRST_SECONDS = 0.5
@@ -76,7 +71,7 @@ class JobWorker:
     def start(self) -> None:
         for job_id, losses in self.store.jobs_to_resume_with_group():
             # FAILED because the group lost a rank: this start is the group starting again
-            if losses > MAX_CRASH_RESUMES:
+            if losses > self.config.max_crash_resumes:
                 log.error(
                     "job lost its group %d times in a row without a new checkpoint; not resuming it again "
                     "(POST /jobs/{id}/resume does)",
@@ -258,7 +253,7 @@ class JobWorker:
         after_crash = note is None and not job.interrupted_by_shutdown
         checkpoint_path, checkpoint_step = self._newest_checkpoint(job.id)
         crashes = job.crashes_after(checkpoint_step, after_crash=after_crash)
-        if crashes > MAX_CRASH_RESUMES:
+        if crashes > self.config.max_crash_resumes:
             then = (
                 f"POST /jobs/{job.id}/resume continues it from its checkpoint at step {checkpoint_step}"
                 if checkpoint_path

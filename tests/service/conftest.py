@@ -9,17 +9,23 @@ from tests.service.harness import Daemon, write_config
 
 @pytest.fixture(scope="module")
 def make_daemon(tmp_path_factory):
-    """Factory: make_daemon(auth_token=, warmup_pause=, engine={...}) -> a started Daemon (not yet ready)."""
+    """Factory: make_daemon(auth_token=, warmup_pause=, engine={...}, settings={top-level field: value})
+    -> a started Daemon (not yet ready)."""
     started: list[Daemon] = []
 
     def make(
-        *, auth_token: str | None = None, warmup_pause: float = 0.0, engine: dict | None = None, start: bool = True
+        *,
+        auth_token: str | None = None,
+        warmup_pause: float = 0.0,
+        engine: dict | None = None,
+        settings: dict | None = None,
+        start: bool = True,
     ) -> Daemon:
         root = tmp_path_factory.mktemp("daemon")
         data_dir = root / "data"
         workdir = root / "cwd"
         workdir.mkdir()
-        config = write_config(root / "dflash.toml", data_dir, auth_token=auth_token, engine=engine)
+        config = write_config(root / "dflash.toml", data_dir, auth_token=auth_token, engine=engine, settings=settings)
         daemon = Daemon(config, data_dir, workdir, warmup_pause=warmup_pause)
         started.append(daemon)
         return daemon.start() if start else daemon

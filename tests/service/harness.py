@@ -23,11 +23,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_config(
-    path: Path, data_dir: Path, *, auth_token: str | None = None, engine: dict[str, Any] | None = None
+    path: Path,
+    data_dir: Path,
+    *,
+    auth_token: str | None = None,
+    engine: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> Path:
     lines = [f'data_dir = "{data_dir}"']
     if auth_token:
         lines.append(f'auth_token = "{auth_token}"')
+    lines += [f"{key} = {json.dumps(value)}" for key, value in (settings or {}).items()]
     lines += ["", "[engine]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in (engine or {}).items()]
     path.write_text("\n".join(lines) + "\n")

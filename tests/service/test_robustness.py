@@ -200,17 +200,20 @@ def test_partial_checkpoint_writes_are_removed_at_start(make_daemon):
 def test_crash_loop_fails_the_job_and_the_api_resumes_it(make_daemon):
     """Crashes count toward the guard only in a row without a new checkpoint: killed each time
     soon after it resumed (its only checkpoint by cadence is its last step), the job fails when
-    the daemon starts for the (MAX_CRASH_RESUMES + 1)th time after such a crash, with the reason.
-    POST /jobs/{id}/resume continues it from its checkpoint to the end."""
-    d = make_daemon()
+    the daemon starts for the (max_crash_resumes + 1)th time after such a crash, with the reason.
+    POST /jobs/{id}/resume continues it from its checkpoint to the end. With max_crash_resumes 2
+    (the default is MAX_CRASH_RESUMES): the rule is the same, with fewer daemon starts."""
+    limit = 2
+    assert limit < MAX_CRASH_RESUMES
+    d = make_daemon(settings={"max_crash_resumes": limit})
     d.wait_ready()
     job = d.submit({"datasets": ["builtin://train"], "steps": 80, "checkpoint_interval": 80, "name": "crasher"})
     d.wait_job(job["id"], lambda j: j["progress"]["step"] >= 3)
     assert d.stop() in (0, -15)  # checkpoints the current step: the resume point; no crash
-    for crashes_in_a_row in range(MAX_CRASH_RESUMES + 2):  # as counted when the daemon starts again
+    for crashes_in_a_row in range(limit + 2):  # as counted when the daemon starts again
         d.start()
         d.wait_ready()
-        if crashes_in_a_row > MAX_CRASH_RESUMES:
+        if crashes_in_a_row > limit:
             break
         # killed as soon as the job resumed, long before its next checkpoint
         _wait(lambda n=crashes_in_a_row: len(d.events(job["id"], kind="resumed")) == n + 1, 60, "no resume")
@@ -219,10 +222,10 @@ def test_crash_loop_fails_the_job_and_the_api_resumes_it(make_daemon):
     assert failed["state"] == "FAILED", failed
     resumed = [e for e in d.events(job["id"]) if e["kind"] == "resumed"]
     at = resumed[0]["step"]
-    assert at >= 3 and [e["step"] for e in resumed] == [at] * (MAX_CRASH_RESUMES + 1)
+    assert at >= 3 and [e["step"] for e in resumed] == [at] * (limit + 1)
     assert resumed[0]["reason"] == "the daemon was shut down"
     assert {e["reason"] for e in resumed[1:]} == {"the daemon was killed or crashed"}
-    assert f"died {MAX_CRASH_RESUMES + 1} times in a row" in failed["error"]
+    assert f"died {limit + 1} times in a row" in failed["error"]
     assert f"POST /jobs/{job['id']}/resume continues it from its checkpoint at step {at}" in failed["error"]
 
     r = d.http.post(f"/jobs/{job['id']}/resume")

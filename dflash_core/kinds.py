@@ -29,6 +29,10 @@ class JobKind:
     spec: str  # the service's pydantic spec model
     convert: str  # the service's (spec, job_id, roots, job_outputs) -> engine job
     multi_host: bool  # a multi-host group's ranks can run it together
+    # it reports training scalars (loss, learning rate, ...) for the experiment trackers
+    trains: bool = True
+    # it resumes from what its output directory holds (a regeneration's shards), a checkpoint or not
+    resumes_from_output: bool = False
 
     def job_type(self) -> Any:
         return resolve(self.job)
@@ -59,6 +63,8 @@ KINDS: tuple[JobKind, ...] = (
         "service.jobs.regenerate_spec:RegenerateSpec",
         "service.jobs.admission:regenerate_job",
         False,
+        trains=False,
+        resumes_from_output=True,
     ),
     JobKind(
         "continual",
@@ -99,6 +105,11 @@ def kind(name: object) -> JobKind:
 def kind_of(job: Any) -> JobKind:
     """The kind of an engine job (one without a `kind` attribute is a training job)."""
     return kind(getattr(job, "kind", DEFAULT_KIND))
+
+
+def kind_of_spec(spec: dict[str, Any]) -> JobKind:
+    """The kind of a job spec as sent or stored (one without `kind` is a training job's)."""
+    return kind(spec.get("kind", DEFAULT_KIND))
 
 
 def job_from_dict(values: dict[str, Any]) -> Any:

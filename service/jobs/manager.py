@@ -13,6 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from dflash_core.kinds import kind_of_spec
+
 from ..config import MAX_CRASH_RESUMES
 from .admission import job_to_json, to_engine_job
 from .errors import JobConflict, JobNotFound, Unavailable
@@ -171,7 +173,7 @@ class JobManager(JobWorker):
             )
         checkpoint_path, checkpoint_step = self._newest_checkpoint(job_id)
         # a regeneration resumes from the shards its manifest lists, however many (none included)
-        if checkpoint_path is None and job.spec.get("kind") != "regenerate":
+        if checkpoint_path is None and not kind_of_spec(job.spec).resumes_from_output:
             raise JobConflict(f"job {job_id} has no checkpoint to resume from; submit it again as a new job")
         if self.shutting_down:
             raise Unavailable("the daemon is shutting down; resume the job after it restarted")

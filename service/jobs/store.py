@@ -102,11 +102,6 @@ class JobStore(JobListing):
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO store_meta (key, value) VALUES ('write_check', ?)", (repr(time.time()),))
 
-    def output_dirs(self) -> list[str]:
-        """Every job's output directory."""
-        with self._read() as db:
-            return [d for (d,) in db.execute("SELECT DISTINCT output_dir FROM jobs ORDER BY output_dir")]
-
     # ------------------------------------------------------------------ jobs
     def create_job(
         self,
@@ -184,29 +179,6 @@ class JobStore(JobListing):
                     "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)
                 ).fetchone()[0]
             return job
-
-    def any_job_using(self, output_dir: str) -> JobRecord | None:
-        """The job, in any state, that owns this output directory (its checkpoints live there)."""
-        with self._read() as db:
-            return self._output_dir_owner(db, output_dir)
-
-    def job_nesting_with(self, output_dir: str) -> JobRecord | None:
-        """A job whose output directory lies inside `output_dir` or holds it (not equal to it):
-        two jobs' directories nested would write into, rotate and sweep each other's files."""
-        inside = output_dir.rstrip("/") + "/"
-        with self._read() as db:
-            for row in db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owns_output_dir = 1"):
-                job = job_record(row)
-                other = job.output_dir.rstrip("/") + "/"
-                if other != inside and (other.startswith(inside) or inside.startswith(other)):
-                    return job
-        return None
-
-    def _output_dir_owner(self, db: sqlite3.Connection, output_dir: str) -> JobRecord | None:
-        row = db.execute(
-            f"SELECT {JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND owns_output_dir = 1", (output_dir,)
-        ).fetchone()
-        return job_record(row) if row else None
 
     def count_by_state(self) -> dict[str, int]:
         counts = dict.fromkeys(STATES, 0)

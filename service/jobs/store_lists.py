@@ -1,10 +1,11 @@
-"""The job list's reads of the store (JobStore inherits them): the newest jobs with their queue
-positions, and the cheap version of each that lets a reader reuse what it rendered before."""
+"""The store's list reads (JobStore inherits them): the newest jobs with their queue positions,
+the cheap version of each that lets a reader reuse what it rendered before, and which job owns or
+nests with an output directory."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,8 +17,8 @@ VERSION_COLUMNS = "state, finished_at, resumes, step, last_checkpoint_step, erro
 
 
 class JobListing:
-    def _read(self) -> AbstractContextManager[sqlite3.Connection]:  # JobStore's
-        raise NotImplementedError
+    # the store's read connection (JobStore._read), which the queries below go through
+    _read: Callable[[], AbstractContextManager[sqlite3.Connection]]
 
     def list_jobs(self, state: str | None = None, limit: int = 1000) -> list[JobRecord]:
         """The newest `limit` jobs (in that state), oldest first, with their queue positions."""
@@ -61,3 +62,32 @@ class JobListing:
     def _queue_positions(db: sqlite3.Connection) -> dict[int, int]:
         pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
         return {seq: i for i, seq in enumerate(pending)}
+
+    # ------------------------------------------------------------------ output directories
+    def output_dirs(self) -> list[str]:
+        """Every job's output directory."""
+        with self._read() as db:
+            return [d for (d,) in db.execute("SELECT DISTINCT output_dir FROM jobs ORDER BY output_dir")]
+
+    def any_job_using(self, output_dir: str) -> JobRecord | None:
+        """The job, in any state, that owns this output directory (its checkpoints live there)."""
+        with self._read() as db:
+            return self._output_dir_owner(db, output_dir)
+
+    def job_nesting_with(self, output_dir: str) -> JobRecord | None:
+        """A job whose output directory lies inside `output_dir` or holds it (not equal to it):
+        two jobs' directories nested would write into, rotate and sweep each other's files."""
+        inside = output_dir.rstrip("/") + "/"
+        with self._read() as db:
+            for row in db.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owns_output_dir = 1"):
+                job = job_record(row)
+                other = job.output_dir.rstrip("/") + "/"
+                if other != inside and (other.startswith(inside) or inside.startswith(other)):
+                    return job
+        return None
+
+    def _output_dir_owner(self, db: sqlite3.Connection, output_dir: str) -> JobRecord | None:
+        row = db.execute(
+            f"SELECT {JOB_COLUMNS} FROM jobs WHERE output_dir = ? AND owns_output_dir = 1", (output_dir,)
+        ).fetchone()
+        return job_record(row) if row else None

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_core.kinds import kind_of_spec
+
 from ..tracking import Tracker
 from .admission import job_from_json, with_roots_now
 from .errors import JobNotFound
@@ -318,7 +320,7 @@ class JobWorker:
             self._record(lambda: self.store.finish(job.id, FAILED, error=outside))
             return
         backends = job.spec.get("report_to")
-        if job.spec.get("kind") == "regenerate":  # it reports no training scalars: nothing to track
+        if not kind_of_spec(job.spec).trains:  # it reports no training scalars: nothing to track
             backends = []
         tracker = Tracker(
             list(self.config.report_to if backends is None else backends),

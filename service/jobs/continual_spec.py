@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .admission import JobOutputs, train_values
 from .paths import Roots
-from .schemas import JobSpec, SpecError, _document_checks
+from .schemas import JobSpec, SpecError, _document_checks, check_training_fields
 
 DEFAULT_PUBLISH_DIR = "published"  # under the job's output_dir
 
@@ -83,16 +83,7 @@ class ContinualSpec(JobSpec):
         duplicates = sorted({s for s in self.sources if self.sources.count(s) > 1})
         if duplicates:
             raise SpecError("sources", f"listed more than once: {', '.join(duplicates)}")
-        if self.loss is not None:
-            from dflash_core.step.objective_spec import parse_loss
-
-            try:
-                parse_loss(self.loss)
-            except ValueError as e:
-                raise SpecError("loss", str(e)) from None
-        for i, b in enumerate(self.adam_betas):
-            if not 0 <= b < 1:
-                raise SpecError(f"adam_betas[{i}]", f"{b} must lie in [0, 1)")
+        check_training_fields(self)
         return self
 
 

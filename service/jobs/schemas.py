@@ -185,16 +185,7 @@ class JobSpec(SpecModel):
             raise SpecError("steps", "give steps or epochs")
         if self.steps is not None and self.epochs is not None:
             raise SpecError("epochs", "give steps or epochs, not both")
-        if self.loss is not None:
-            from dflash_core.step.objective_spec import parse_loss
-
-            try:
-                parse_loss(self.loss)
-            except ValueError as e:
-                raise SpecError("loss", str(e)) from None
-        for i, b in enumerate(self.adam_betas):
-            if not 0 <= b < 1:
-                raise SpecError(f"adam_betas[{i}]", f"{b} must lie in [0, 1)")
+        check_training_fields(self)
         return self
 
 
@@ -271,3 +262,17 @@ def other_kind(model: type[BaseModel], name: str) -> str | None:
         if other is not model and name in other.model_fields and name not in model.model_fields:
             return entry.name
     return None
+
+
+def check_training_fields(spec: Any) -> None:
+    """The checks every kind that trains shares: its loss mix and its Adam betas."""
+    if spec.loss is not None:
+        from dflash_core.step.objective_spec import parse_loss
+
+        try:
+            parse_loss(spec.loss)
+        except ValueError as e:
+            raise SpecError("loss", str(e)) from None
+    for i, b in enumerate(spec.adam_betas):
+        if not 0 <= b < 1:
+            raise SpecError(f"adam_betas[{i}]", f"{b} must lie in [0, 1)")

@@ -9,6 +9,8 @@
 #   bash bench/gpu_session.sh twodrafters  # drafters on cuda:0 and cuda:1 (cold + warm ready), 30 steps
 #                                      # WARM_STARTS=N; WARM_ENV="A=1;B=2": warm starts take turns (A/B)
 #   bash bench/gpu_session.sh colocated # the daemon part with target and drafter on cuda:0 (one GPU)
+#                                       # COLOC_ARGS="--anchors 512 --steps 30 ...": its bench.daemon_gpu arguments
+#   bash bench/gpu_session.sh capture   # the target's capture per micro-batch: eager and fused layers, bf16 and FP8
 #   bash bench/gpu_session.sh panels    # every Grafana panel against a real Prometheus, CUDA daemon
 #   bash bench/gpu_session.sh tests     # pytest -m gpu (TESTS_SELECT="replicas or adamw": pytest -k)
 #   bash bench/gpu_session.sh flex      # flex_attention alone: masks, query splits, backward kernel options
@@ -22,9 +24,9 @@
 # /usr/bin/prometheus .prom/ after apt-get install prometheus). Results, logs and compile logs go to
 # $OUT (default out/, ignored by git), packed into one gpu_results.tgz at the end; never into docs/.
 set -u
-[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce|probe ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash bench/gpu_session.sh step|daemon|recipe|twodrafters|colocated|capture|panels|tests|flex|optimizer|ce|probe ..." >&2; exit 2; }
 for part in "$@"; do
-  case "$part" in step|daemon|recipe|twodrafters|colocated|panels|tests|flex|optimizer|ce|probe) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
+  case "$part" in step|daemon|recipe|twodrafters|colocated|capture|panels|tests|flex|optimizer|ce|probe) ;; *) echo "unknown part $part" >&2; exit 2 ;; esac
 done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -91,7 +93,8 @@ for part in "$@"; do
     daemon) timeout $T python3 -m bench.daemon_gpu --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_gpu.log" ;;
     recipe) DAEMON_WORK=/tmp/dflash-daemon-recipe OUT=$OUT/recipe timeout $T python3 -m bench.daemon_gpu --anchors 512 --steps 50 --timeout 300 2>&1 | tee "$OUT/daemon_recipe.log" ;;
     twodrafters) DAEMON_WORK=/tmp/dflash-daemon-two OUT=$OUT/twodrafters timeout $T python3 -m bench.daemon_gpu --two-drafters --anchors 256 --steps 30 --timeout 300 --warm-starts ${WARM_STARTS:-1} --warm-env "${WARM_ENV:-}" 2>&1 | tee "$OUT/daemon_two.log" ;;
-    colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated --anchors 256 --steps 100 --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
+    colocated) DAEMON_WORK=/tmp/dflash-daemon-coloc OUT=$OUT/colocated timeout $T python3 -m bench.daemon_gpu --colocated ${COLOC_ARGS:---anchors 256 --steps 100} --timeout 300 2>&1 | tee "$OUT/daemon_colocated.log" ;;
+    capture) timeout $T python3 -m bench.target_capture --precisions ${CAPTURE_PRECISIONS:-bf16,bf16_fused,fp8,fp8_fused} --profile --iters 20 2>&1 | tee "$OUT/target_capture.log" ;;
     panels) PROMETHEUS_BIN=$PWD/.prom/prometheus timeout $T python3 -m tests.deploy.panels_check 2>&1 | tee "$OUT/panels.log" ;;
     flex)   timeout $T python3 -m bench.flex_sweep --cases ${FLEX_CASES:-all} --warm-jobs ${WARM_JOBS:-11} \
               --warm-budget $WARM $WAIT_ARGS 2>&1 | tee "$OUT/flex_sweep.log" ;;

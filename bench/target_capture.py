@@ -1,16 +1,18 @@
 """The target's capture per micro-batch: eager forward against its CUDA graph replay.
 
-    python -m bench.target_capture [--seq-len 3072] [--iters 30] [--precisions bf16,fp8,fp8_torch_casts]
-                                   [--eager] [--profile]
+    python -m bench.target_capture [--seq-len 3072] [--iters 30]
+                                   [--precisions bf16,bf16_fused,fp8,fp8_fused,fp8_torch_casts] [--eager] [--profile]
 
 A Qwen3-8B-shaped target with random weights on cuda:0 captures 5 layers' outputs of packed
 synthetic micro-batches (what the feature pipeline's thread does per micro-batch), as the engine
 runs it: its CUDA graph replayed. For each precision (bf16; fp8 = target_precision "fp8";
 fp8_torch_casts = the same with the activation casts as torch ops, the way before the Triton
-cast): host_ms, the time the calling thread spends issuing the work (what holds the GIL), and
+cast; a `_fused` suffix: the graph records the compiled decoder layers, as the engine records
+it, else the eager layers): host_ms, the time the calling thread spends issuing the work (what holds the GIL), and
 total_ms, until the device finished; medians after warm-up. The graph's outputs are compared bit
-for bit with the eager forward's, and each precision's features with the first's (the same seed
-gives the same weights). --profile adds device time by kernel class.
+for bit with the forward it recorded run without the graph, and each row's features with the
+first row's (the same seed gives the same weights). --profile adds device time by kernel class
+of the recorded forward; record_s includes the fused layers' compile.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class TorchOpCasts:
 
 
 def build_target(out, precision: str) -> TargetModel:
-    """bf16, fp8 (target_precision = "fp8" as the engine builds it) or fp8_torch_casts."""
+    """bf16, fp8 (target_precision = "fp8" as the engine builds it) or fp8_torch_casts (a
+    `_fused` suffix is record_graph's)."""
+    precision = precision.removesuffix("_fused")
     target = TargetModel(out / "target", [1, 9, 17, 25, 33], "cuda:0", random_init=True, fp8=precision != "bf16")
     if precision == "fp8_torch_casts":
         from dflash_core.target_precision import Fp8FrozenLinear
@@ -109,7 +113,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq-len", type=int, default=REFERENCE_SHAPE.seq_len)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--precisions", default="bf16", help="comma-separated: bf16, fp8, fp8_torch_casts")
+    p.add_argument(
+        "--precisions", default="bf16", help="comma-separated: bf16, fp8, fp8_torch_casts, each also with _fused"
+    )
     p.add_argument("--eager", action="store_true", help="also time the eager capture of each")
     p.add_argument("--profile", action="store_true", help="device time by kernel class of each")
     args = p.parse_args(argv)
@@ -128,13 +134,17 @@ def main(argv=None) -> None:
             row["eager_host_ms"], row["eager_total_ms"] = (
                 round(v, 2) for v in time_capture(target._capture, batches, args.iters)
             )
-        if args.profile:
-            row["profile_ms"], top = profile_classes(target._capture, batches[0])
-            print(precision, "top kernels (ms per capture):", *top, sep="\n  ", flush=True)
         t = time.perf_counter()
-        assert target.record_graph(args.seq_len)
+        assert target.record_graph(args.seq_len, fuse=precision.endswith("_fused"))
         row["record_s"] = round(time.perf_counter() - t, 2)
-        row["graph_equals_eager"] = all(torch.equal(target.capture(*b).clone(), target._capture(*b)) for b in batches)
+        if args.profile:
+            row["profile_ms"], top = profile_classes(target.capture_ungraphed, batches[0])
+            print(precision, "top kernels (ms per capture):", *top, sep="\n  ", flush=True)
+        if target.fused:  # one fused layer against the eager layer on the same input
+            row["layer_rel_err"] = float(f"{target.fused_layer_error(*batches[0]):.2e}")
+        row["graph_equals_ungraphed"] = all(
+            torch.equal(target.capture(*b).clone(), target.capture_ungraphed(*b)) for b in batches
+        )
         host, total = time_capture(target.capture, batches, args.iters)
         row["host_ms"], row["total_ms"] = round(host, 2), round(total, 2)
         feats = target.capture(*batches[0]).float()
@@ -160,8 +170,9 @@ def main(argv=None) -> None:
             "host_ms",
             "of_first",
             "record_s",
-            "graph_equals_eager",
+            "graph_equals_ungraphed",
             "features_rel_err",
+            "layer_rel_err",
             "eager_total_ms",
             "reserved_gib",
         ],

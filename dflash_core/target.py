@@ -4,6 +4,7 @@ apart with per-document masks and position ids (`packed_masks`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from torch import nn
 from .devices import compute_dtype
 from .drafter import FrozenHead
 from .parity import input_embedding_scale, scaled_table
+from .target_fusion import LayerFusion
 
 
 class _StopForward(Exception):
@@ -196,6 +198,8 @@ class TargetModel:
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph
         self._graph_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._graph_output: torch.Tensor | None = None
+        self._fusion: LayerFusion | None = None  # record_graph(fuse=True): compiled layers at the recorded length
+        self._fused_len = -1
         last = max(self.layer_ids)
         for i in sorted(set(self.layer_ids)):
             decoder_layers[i].register_forward_hook(self._make_hook(i, stop=(i == last)))
@@ -288,15 +292,19 @@ class TargetModel:
         return self._capture(input_ids, position_ids, doc_ids)
 
     @torch.no_grad()
-    def record_graph(self, seq_len: int) -> bool:
+    def record_graph(self, seq_len: int, fuse: bool = True) -> bool:
         """Record capture() of a sequence of seq_len tokens as a CUDA graph, so that a micro-batch
         costs the host one replay instead of the eager forward's hundreds of kernel launches (and
-        the feature pipeline's thread holds the GIL that much less). A target on one CUDA device
-        only (a split target moves tensors between devices inside its forward). Call it from the
-        thread that warms the engine, before any worker thread exists: recording captures every
-        kernel launched on the device's capturing stream. False where nothing was recorded."""
+        the feature pipeline's thread holds the GIL that much less). fuse: the graph records the
+        compiled decoder layers (target_fusion.py; compiled here, on the first warm-up forward). A
+        target on one CUDA device only (a split target moves tensors between devices inside its
+        forward). Call it from the thread that warms the engine, before any worker thread exists:
+        recording captures every kernel launched on the device's capturing stream. False where
+        nothing was recorded."""
         if len(self.stages) != 1 or self.device.type != "cuda":
             return False
+        if fuse:
+            self._fusion, self._fused_len = LayerFusion(self.decoder_layers()), seq_len
         dev = self.device
         inputs = (
             torch.zeros(seq_len, dtype=torch.long, device=dev),
@@ -317,21 +325,50 @@ class TargetModel:
         self._graph, self._graph_inputs, self._graph_output = graph, inputs, output
         return True
 
+    @property
+    def fused(self) -> bool:
+        """Whether the recorded graph runs the compiled decoder layers."""
+        return self._fusion is not None
+
     def drop_graph(self) -> None:
+        """Back to eager captures: no graph, and the layers' own forward."""
         self._graph = self._graph_inputs = self._graph_output = None
+        if self._fusion is not None:
+            self._fusion.remove()
+        self._fusion, self._fused_len = None, -1
+
+    def fused_layer_error(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> float:
+        """How far the fused layers are off the eager ones, layer by layer (LayerFusion.layer_error),
+        on the inputs of a capture of this sequence."""
+        if self._fusion is None:
+            return 0.0
+        try:
+            return self._fusion.layer_error(lambda: self._capture(input_ids, position_ids, doc_ids))
+        finally:
+            self._release_casts()
+
+    @torch.no_grad()
+    def capture_ungraphed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """capture() without replaying the graph: the code the graph recorded (fused layers where
+        it fused them), run as it is; warm-up checks the replay against it."""
+        return self._capture(input_ids, position_ids, doc_ids)
 
     def _capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         mask = packed_masks(self.config, doc_ids, position_ids, self.dtype)
         self._local.captured = {}
         self._local.early_stop = not self.teacher
         final: list[torch.Tensor] = []
+        fused = self._fusion is not None and input_ids.shape[0] == self._fused_len
         try:
-            out = self.decoder()(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=position_ids.unsqueeze(0),
-                attention_mask=mask,
-                use_cache=False,
-            )
+            with self._fusion.active() if fused and self._fusion else contextlib.nullcontext():
+                out = self.decoder()(
+                    input_ids=input_ids.unsqueeze(0),
+                    position_ids=position_ids.unsqueeze(0),
+                    attention_mask=mask,
+                    use_cache=False,
+                )
             if self.teacher:
                 final.append(out.last_hidden_state[0].to(self.device))
         except _StopForward:

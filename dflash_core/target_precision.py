@@ -77,6 +77,7 @@ class Fp8FrozenLinear(nn.Module):
     weight8: torch.Tensor
     weight_inv_scale: torch.Tensor
     bias: torch.Tensor | None
+    fusion_opaque = True  # its cast cache is per thread and by tensor identity: outside compiled graphs
 
     def __init__(self, linear: nn.Linear, casts: InputCasts):
         super().__init__()

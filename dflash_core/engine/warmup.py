@@ -27,6 +27,7 @@ from ..devices import CudaContexts, default_devices
 from ..parity import check_serving_parity
 from ..recipes import recipe_named
 from ..target import TargetModel
+from ..target_fusion import FUSED_TOLERANCE, relative_error
 from .api import WarmupRecord
 from .checkpointing import HostSnapshot, expected_layout
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
@@ -249,20 +250,48 @@ class _Build:
         return features
 
     def record_target_graph(self, target: TargetModel, batch: MicroBatch, eager: torch.Tensor) -> None:
-        """The target's capture as a CUDA graph (TargetModel.record_graph), kept only if its replay of
-        the warm-up micro-batch gives the eager features bit for bit."""
-        if not target.record_graph(self.config.seq_len):
-            return
-        replayed = capture(target, batch)
-        _sync(target.device)
-        if torch.equal(replayed, eager):
-            self.timeline.mark(f"build:target_graph:{target.label}")
-            return
-        target.drop_graph()
-        log.warning(
-            "the target's CUDA graph does not reproduce its eager forward; capturing eagerly",
-            extra={"fields": {"device": target.label}},
+        """The target's capture as a CUDA graph (TargetModel.record_graph) of its fused layers,
+        kept only if its replay of the warm-up micro-batch gives what the recorded code gives run
+        without the graph, bit for bit, and a fused layer's output is the eager layer's up to rounding;
+        else the graph of the eager layers, under the first rule; else eager captures."""
+        for fuse in (True, False):
+            try:
+                if not target.record_graph(self.config.seq_len, fuse=fuse):
+                    return
+                problem = self.graph_problem(target, batch, eager)
+            except Exception as e:  # noqa: BLE001 - a family the compiler cannot take runs its eager layers
+                if not fuse:
+                    raise
+                problem = f"its layers did not compile: {type(e).__name__}: {str(e)[:500]}"
+            if problem is None:
+                self.timeline.mark(f"build:target_graph{':fused' if fuse else ''}:{target.label}")
+                return
+            target.drop_graph()
+            log.warning(
+                "the target's CUDA graph is not kept: %s",
+                problem,
+                extra={"fields": {"device": target.label, "fused": fuse}},
+            )
+
+    def graph_problem(self, target: TargetModel, batch: MicroBatch, eager: torch.Tensor) -> str | None:
+        dev = target.device
+        replayed = capture(target, batch).clone()
+        ungraphed = target.capture_ungraphed(batch.input_ids.to(dev), batch.position_ids.to(dev), batch.doc_ids.to(dev))
+        _sync(dev)
+        if not torch.equal(replayed, ungraphed):
+            return "its replay differs from the forward it recorded"
+        if not target.fused:
+            return None
+        error = target.fused_layer_error(*(t.to(dev) for t in (batch.input_ids, batch.position_ids, batch.doc_ids)))
+        log.info(
+            "fused target layers: relative error %.2e of a layer's output, %.2e of the features",
+            error,
+            relative_error(ungraphed, eager),
+            extra={"fields": {"device": target.label, "relative_error": error}},
         )
+        if error > FUSED_TOLERANCE:
+            return f"a fused layer's output is {error:.2e} off the eager layer's (tolerance {FUSED_TOLERANCE})"
+        return None
 
     def make_replicas(self, drafter_config: DrafterConfig, head: Any, gamma: float) -> list[DrafterReplica]:
         if self.plan.compiled:

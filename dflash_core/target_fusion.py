@@ -1,0 +1,122 @@
+"""The target's decoder layers compiled for its recorded capture (TargetModel.record_graph).
+
+Between its GEMMs a transformers decoder layer runs as eager code: RMSNorm in fp32, RoPE, the
+SwiGLU product, residual adds and copies, each its own kernel that reads and writes the whole
+activation. Inside the recorded CUDA graph the launches cost nothing, but the memory traffic
+stays; compiled, inductor fuses those pointwise and reduction ops between the GEMMs.
+
+One compiled function serves every layer of a family (parameters are graph inputs, as the
+drafter's `run_layer`), so a cold start compiles one layer's graph, not the stack's. The
+compiled forward runs only while the capture is recorded: its replays run the recorded kernels
+and never enter Python, and a capture at any other length (or with the graph dropped) runs the
+eager layers, so nothing compiles after warm-up. The FP8 linears stay outside the compiled
+graphs (a graph break each): their input casts share one cast per activation through a
+per-thread cache that dynamo cannot trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+# relative L2 error of a fused layer's output against its eager output on the same input above
+# which the fused layers are not kept: fused reductions round differently, a wrong compile is off
+# by the size of the output. One layer, not the stack: a deep random-weight target (benchmarks)
+# amplifies any rounding difference layer after layer, as it amplifies FP8's.
+FUSED_TOLERANCE = 0.05
+
+
+def run_target_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """One decoder layer's own forward, called as a free function (the layer's `forward`
+    attribute is the dispatcher below)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+@functools.cache
+def compiled_target_layer():
+    # emulate_precision_casts: the fused kernels round where the eager ops round (to bf16 between
+    # ops), so the fused layer differs from the eager one by reduction order only
+    return torch.compile(run_target_layer, dynamic=False, options={"emulate_precision_casts": True})
+
+
+class _LayerForward:
+    """A layer's forward: the compiled one while its fusion is active in this thread, else the
+    class's eager one."""
+
+    def __init__(self, layer: nn.Module, active: threading.local):
+        self.layer, self.active = layer, active
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.active, "on", False):
+            return compiled_target_layer()(self.layer, *args, **kwargs)
+        return type(self.layer).forward(self.layer, *args, **kwargs)
+
+
+class LayerFusion:
+    """The decoder layers of one target, each answering through a `_LayerForward`."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self._active = threading.local()
+        self._layers = list(layers)
+        self._opaque: list[nn.Module] = []
+        for layer in self._layers:
+            layer.forward = _LayerForward(layer, self._active)
+            for module in layer.modules():
+                if getattr(module, "fusion_opaque", False):  # run eagerly between the compiled pieces
+                    module.forward = torch.compiler.disable(type(module).forward.__get__(module))
+                    self._opaque.append(module)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self._active.on = True
+        try:
+            yield
+        finally:
+            self._active.on = False
+
+    @torch.no_grad()
+    def layer_error(self, run: Any) -> float:
+        """The largest relative error of the first and last layer's compiled output against their
+        eager output, on the inputs they get in `run()` (a capture with the fusion active)."""
+        checked = dict.fromkeys([self._layers[0], self._layers[-1]])
+        seen: dict[nn.Module, tuple[tuple, dict]] = {}
+        hooks = [
+            layer.register_forward_pre_hook(
+                lambda module, args, kwargs: seen.setdefault(module, (args, kwargs)), with_kwargs=True
+            )
+            for layer in checked
+        ]
+        try:
+            with self.active():
+                run()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        errors = []
+        for layer, (args, kwargs) in seen.items():
+            eager = _first(type(layer).forward(layer, *args, **kwargs))
+            fused = _first(compiled_target_layer()(layer, *args, **kwargs))
+            errors.append(relative_error(fused, eager))
+        return max(errors, default=0.0)
+
+    def remove(self) -> None:
+        """Back to the layers' own forward."""
+        for module in self._layers + self._opaque:
+            module.__dict__.pop("forward", None)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def relative_error(fused: torch.Tensor, eager: torch.Tensor) -> float:
+    """||fused - eager|| / ||eager|| in fp32 (0 where both are zero)."""
+    diff = torch.linalg.vector_norm((fused.float() - eager.float()).flatten())
+    norm = torch.linalg.vector_norm(eager.float().flatten())
+    return float(diff / norm) if float(norm) > 0 else float(diff)

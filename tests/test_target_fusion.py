@@ -1,0 +1,33 @@
+"""The target's fused layers (target_fusion.py) on the CPU: one compiled graph serves every
+decoder layer, the capture hooks still see the captured layers, the features equal the eager
+ones up to rounding, and removing the fusion gives the layers their own forward back. (The
+engine fuses only a target it records as a CUDA graph: tests/gpu/test_target_fusion_gpu.py.)"""
+
+import torch
+
+from dflash_core.config import ShapeConfig
+from dflash_core.data.batches import synthetic_micro_batch
+from dflash_core.engine.compile import compiled_graphs
+from dflash_core.target import TargetModel
+from dflash_core.target_fusion import FUSED_TOLERANCE, LayerFusion, relative_error
+
+
+def test_fused_layers_give_the_eager_features_with_one_graph(assets_dir):
+    target = TargetModel(assets_dir / "target", [0, 1], "cpu", teacher=True)
+    mb = synthetic_micro_batch(ShapeConfig(seq_len=64, num_anchors=4, block_size=8), 125, 0, seed=1)
+    args = (mb.input_ids, mb.position_ids, mb.doc_ids)
+    eager = target.capture_ungraphed(*args)
+    layers = target.decoder_layers()
+    fusion = LayerFusion(layers)
+    before = compiled_graphs()
+    with fusion.active():
+        fused = target.capture_ungraphed(*args)
+        again = target.capture_ungraphed(*args)
+    assert compiled_graphs() - before == 1  # every layer shares the one compiled graph
+    assert torch.equal(fused, again)
+    assert fused.shape == eager.shape and relative_error(fused, eager) <= FUSED_TOLERANCE
+    assert torch.equal(target.capture_ungraphed(*args), eager)  # outside active(): the eager layers
+    assert 0 < fusion.layer_error(lambda: target.capture_ungraphed(*args)) <= FUSED_TOLERANCE
+    assert compiled_graphs() - before == 1
+    fusion.remove()
+    assert all("forward" not in layer.__dict__ for layer in layers)

@@ -5,6 +5,7 @@ apart with per-document masks and position ids (`packed_masks`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,10 @@ def packed_masks(
     the position ids."""
     from transformers import masking_utils
 
+    additive = getattr(config, "_attn_implementation", None) == "eager"
+    if additive:  # see _additive
+        config = copy.copy(config)
+        config._attn_implementation = "sdpa"
     doc = doc_ids.view(1, -1)
     pos = position_ids.view(1, -1)
 
@@ -92,7 +97,16 @@ def packed_masks(
             masks[kind] = masking_utils.create_causal_mask(**kw, and_mask_function=same_doc_and_chunk)
         else:  # recurrent or linear-attention layers carry state across a packed sequence
             raise ValueError(f"cannot keep packed documents apart in {kind!r} layers")
+    if additive:
+        masks = {kind: _additive(mask, dtype) for kind, mask in masks.items()}
     return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager attention's mask (0 where a query attends, the dtype's minimum elsewhere) from the
+    boolean one, on the mask's device. transformers' own eager builder makes its 0 a host tensor
+    copied to the device, which a CUDA graph being recorded refuses."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _inputs_to(device: torch.device):

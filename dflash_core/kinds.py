@@ -51,7 +51,7 @@ KINDS: tuple[JobKind, ...] = (
     JobKind(
         "train",
         "dflash_core.engine.config:TrainJob",
-        "dflash_core.engine.train_run:TrainRun",
+        "dflash_core.train.run:TrainRun",
         "service.jobs.schemas:JobSpec",
         "service.jobs.admission:train_job",
         True,

@@ -26,7 +26,7 @@ from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import FrozenHead
 from dflash_core.engine.api import JobCallbacks
-from dflash_core.engine.checkpointing import Checkpointer
+from dflash_core.engine.checkpointing import Checkpointer, RunPlan
 from dflash_core.engine.config import TrainJob, step_plan
 from dflash_core.engine.replica import DrafterReplica
 
@@ -80,14 +80,7 @@ def main(argv=None) -> None:
         step()
     t0 = time.monotonic()
     ckpt = Checkpointer(
-        job,
-        rep,
-        rec,
-        total_steps=args.steps,
-        micro_batches_per_step=1,
-        replicas=1,
-        target_path="bench",
-        resumed_from=None,
+        job, rep, rec, RunPlan(total_steps=args.steps, micro_batches_per_step=1, replicas=1), target_path="bench"
     )
     prepare_s = time.monotonic() - t0
     step_times, submitted = [], {}

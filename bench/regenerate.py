@@ -2,8 +2,8 @@
 
 A Qwen3-8B-shaped target with random weights (bf16) on cuda:0 decodes 512-token random prompts
 for 512 new tokens each, end-of-sequence ignored, with the regeneration job's decoder
-(dflash_core.generate.SlotDecoder: static cache, continuous batching, the decode step recorded as
-a CUDA graph). Per slot count:
+(dflash_core.regenerate.decode.SlotDecoder: static cache, continuous batching, the decode step
+recorded as a CUDA graph). Per slot count:
 
   decode_ms      one decode step (graph replay), median after warm-up
   decode_tok_s   slots / decode_ms
@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 
 from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, out_dir, report, write_target_dir
-from dflash_core.generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory, weight_bytes
+from dflash_core.regenerate.decode import (
+    Request,
+    Sampling,
+    SlotDecoder,
+    kv_bytes_per_token,
+    slots_for_memory,
+    weight_bytes,
+)
 from dflash_core.target import TargetModel
 
 

@@ -4,7 +4,9 @@ service's conversion of that spec into the engine job, and whether it runs on a 
 
 Everything that dispatches on a kind looks it up here: the service's spec parsing and its
 spec -> job conversion, the store's decoding of a stored job, the engine's choice of run and the
-group ranks' `follow`. Adding a kind is a folder with its job, run and spec, and one line below.
+group ranks' `follow`. Adding a kind is a folder in dflash_core with its job and its run (which
+takes the job's RunContext, engine/context.py), its spec and conversion in a service/jobs module,
+and one line below.
 
 Entries name their parts as "module:attribute" and are imported when first asked for, so that
 reading the table imports neither torch nor the web stack: the engine resolves only the job and
@@ -51,7 +53,7 @@ KINDS: tuple[JobKind, ...] = (
     JobKind(
         "train",
         "dflash_core.engine.config:TrainJob",
-        "dflash_core.engine.train_run:TrainRun",
+        "dflash_core.train.run:TrainRun",
         "service.jobs.schemas:JobSpec",
         "service.jobs.admission:train_job",
         True,

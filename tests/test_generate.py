@@ -1,4 +1,4 @@
-"""The static-cache decode loop (dflash_core.generate) on the CPU against transformers' own
+"""The static-cache decode loop (dflash_core.regenerate.decode) on the CPU against transformers' own
 `generate`: greedy output token for token, for prompts of different lengths decoded together,
 with slots refilled as sequences finish (some early, at the end-of-turn token, some at the
 token limit); seeded sampling that depends on the seed alone."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core.generate import Request, Sampling, SlotDecoder, choose_tokens
+from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, choose_tokens
 from tests.helpers import heldout_prompt_ids
 
 MAX_NEW = 24
@@ -120,7 +120,7 @@ def test_sampler_follows_the_distribution():
 
 def test_slots_refilled_in_batches(target, prompts, reference):
     """More requests than slots, with slots refilled a few at a time (slots // 16 of them)."""
-    from dflash_core.generate import Request, SlotDecoder
+    from dflash_core.regenerate.decode import Request, SlotDecoder
 
     model, _ = target
     eos = model.generation_config.eos_token_id

@@ -1,5 +1,5 @@
 """Prompt-only records of a continual job with `regenerate` settings: the target answers them
-first (the regeneration decoder, generate.SlotDecoder), and the conversation with its answer is
+first (the regeneration decoder, regenerate/decode.py: SlotDecoder), and the conversation with its answer is
 what the drafter trains on, so that it learns what the current target says.
 
 The decoder and its cache are allocated once, when the job starts (`slots` sequences of the
@@ -15,17 +15,17 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..data.conversations import Conversation
 from ..data.tokenize import ChatTemplate
 from ..engine.api import JobError
-from ..generate import Request, Sampling, SlotDecoder
+from ..engine.config import job_template
+from ..engine.context import RunContext
+from ..regenerate.decode import Request, Sampling, SlotDecoder
 from ..regenerate.job import row_seed
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
-    from .job import ContinualJob
+from ..regenerate.run import generation_length
+from .job import ContinualJob
 
 REPORT_SECONDS = 5.0  # how often the split of time between answering and training is reported
 
@@ -125,18 +125,16 @@ class Answerer:
         return report
 
 
-def check_answering(engine: Engine, job: ContinualJob) -> None:
+def check_answering(context: RunContext, job: ContinualJob) -> None:
     """JobError naming the field when this engine cannot answer the job's prompts."""
-    from ..regenerate.run import generation_length
-
     assert job.regenerate is not None
     settings = AnswerSettings.of(job.regenerate)
-    if engine.parts is None:
-        length = engine.config.generate_max_len or engine.config.seq_len
+    if context.parts is None:
+        length = context.config.generate_max_len or context.config.seq_len
     else:
-        if len(engine.parts.targets[0].stages) > 1:
+        if len(context.parts.targets[0].stages) > 1:
             raise JobError("answering prompts needs a target on one device (this one is split)", "regenerate")
-        length = generation_length(engine)
+        length = generation_length(context)
     if settings.max_new_tokens > length - 1:
         raise JobError(
             f"{settings.max_new_tokens} is beyond the engine's generation length of {length} positions",
@@ -144,16 +142,13 @@ def check_answering(engine: Engine, job: ContinualJob) -> None:
         )
 
 
-def answerer_for(engine: Engine, job: ContinualJob) -> Answerer:
+def answerer_for(context: RunContext, job: ContinualJob) -> Answerer:
     """The job's answerer on the engine's first target copy, its decoder allocated now."""
-    from ..engine.config import job_template
-    from ..regenerate.run import generation_length
-
-    assert job.regenerate is not None and engine.parts is not None
-    tokenizer, target = engine.parts.tokenizer, engine.parts.targets[0]
+    assert job.regenerate is not None
+    tokenizer, target = context.built.tokenizer, context.built.targets[0]
     eos = getattr(target.model.generation_config, "eos_token_id", None)
     stops: set[int] = {int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else [])}
     if (eos_id := getattr(tokenizer, "eos_token_id", None)) is not None:
         stops.add(int(eos_id))
     settings = AnswerSettings.of(job.regenerate)
-    return Answerer(target, tokenizer, job_template(job), settings, generation_length(engine), tuple(sorted(stops)))
+    return Answerer(target, tokenizer, job_template(job), settings, generation_length(context), tuple(sorted(stops)))

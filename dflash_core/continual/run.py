@@ -1,4 +1,4 @@
-"""The continual run: a training run (engine/train_run.py: the same step, drafters, feature
+"""The continual run: a training run (train/run.py: the same step, drafters, feature
 pipeline and checkpoints) whose data arrives while it runs and which has no end.
 
 Its loop, per step: stop on a cancel; wait (a timed wait, woken by new records) until the step's
@@ -22,7 +22,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,13 +32,16 @@ from ..data.batches import DocumentList
 from ..data.job import JobData
 from ..engine.admission import check_init_from, check_output, check_shapes, check_template
 from ..engine.api import JobCallbacks, JobError
-from ..engine.checkpointing import checkpoint_due
+from ..engine.checkpointing import Checkpointer, checkpoint_due, checkpoint_step
 from ..engine.config import job_template
+from ..engine.context import RunContext
 from ..engine.guards import check_step
 from ..engine.objective import check_objective
 from ..engine.optim import lr_factor
-from ..engine.train_run import NoCheckpoints, Prepared, TrainRun
+from ..evaluate import evaluate_acceptance
 from ..target_identity import resolve_export_dtype, target_identity
+from ..train.evaluation import EvalSchedule
+from ..train.run import NoCheckpoints, Prepared, TrainRun
 from .answer import Answerer, answerer_for, check_answering
 from .feed import Feed
 from .job import ENDLESS_STEPS, STATE_FILE, ContinualJob
@@ -55,10 +58,6 @@ from .target_swap import (
     refresh_heads,
 )
 
-if TYPE_CHECKING:
-    from ..engine.checkpointing import Checkpointer
-    from ..engine.engine import Engine
-
 YIELDED = "YIELDED"  # the job's result when it gave the devices to a queued job
 REPORT_SECONDS = 2.0  # how often the records' counts are reported while the job waits for data
 STATES_KEPT = 8  # cursors kept in the state file, one per recent checkpoint
@@ -70,27 +69,27 @@ class ContinualRun(TrainRun):
     job: ContinualJob
 
     @classmethod
-    def validate(cls, engine: Engine, job: ContinualJob) -> None:  # type: ignore[override]
-        check_shapes(job, engine.config)
-        check_objective(job, engine.config.teacher, engine.config.recipe)
+    def validate(cls, context: RunContext, job: ContinualJob) -> None:  # type: ignore[override]
+        check_shapes(job, context.config)
+        check_objective(job, context.config.teacher, context.config.recipe)
         if job.regenerate is not None:
-            check_answering(engine, job)
+            check_answering(context, job)
         if job.target_watch is not None:
-            check_target_watch(engine, job)
+            check_target_watch(context, job)
         for i, source in enumerate(job.sources):
             try:
                 if not resolved_under(source, job.dataset_roots, "source").is_dir():
                     raise JobError("not a directory (a source is a directory watched for new files)", f"sources[{i}]")
             except OutsideRoots as e:
                 raise JobError(str(e), f"sources[{i}]") from None
-        if engine.parts is not None:
-            check_init_from(job, engine.parts)
-            check_template(job, engine.parts)
-            check_output(job, engine.parts)
+        if context.parts is not None:
+            check_init_from(job, context.parts)
+            check_template(job, context.parts)
+            check_output(job, context.parts)
 
-    def __init__(self, engine: Engine, job: ContinualJob, callbacks: JobCallbacks, resume_from: str | None):
-        super().__init__(engine, job, callbacks, resume_from)
-        self.pool = RecordPool(engine.config.seq_len, job.replay_records, job.eval_max_prompts, job.heldout_every)
+    def __init__(self, context: RunContext, job: ContinualJob, callbacks: JobCallbacks, resume_from: str | None):
+        super().__init__(context, job, callbacks, resume_from)
+        self.pool = RecordPool(context.config.seq_len, job.replay_records, job.eval_max_prompts, job.heldout_every)
         self.feed: Feed | None = None
         self.stream: ContinualStream | None = None
         self.publisher: Publisher | None = None
@@ -123,7 +122,7 @@ class ContinualRun(TrainRun):
         directories.append((job.spool_dir(), "records", list(job.output_roots)))
         cursor = self._saved_cursor() if self.resume_from else None
         if job.regenerate is not None:
-            self.answerer = answerer_for(self.engine, job)
+            self.answerer = answerer_for(self.context, job)
         watcher = SourceWatcher(directories, cursor)
         template = job_template(job)
         self.feed = Feed(
@@ -131,7 +130,7 @@ class ContinualRun(TrainRun):
         )
         self.feed.poll_once()  # what the sources hold now, before the first step
         self.stream = ContinualStream(
-            self.pool, self.engine.config.shape, parts.pad_token_id, job.seed, job.replay_ratio
+            self.pool, self.context.config.shape, parts.pad_token_id, job.seed, job.replay_ratio
         )
         self.clock.mark("data_open")
         self.cb.on_event(
@@ -155,7 +154,7 @@ class ContinualRun(TrainRun):
         self.export_dtype = resolve_export_dtype(job.export_dtype, target["dtype"])
         if job.target_watch is not None:
             watch = TargetWatch(job.target_watch, job.dataset_roots)
-            heads = [r.head for r in self.engine.replicas]
+            heads = [r.head for r in self.replicas]
             self.swapper = TargetSwapper(watch, parts.targets, heads, job.dataset_roots)
             watch.newest()  # a version already there (a resumed job's target) is loaded before the first step
             self._maybe_swap(at_start=True)
@@ -168,6 +167,7 @@ class ContinualRun(TrainRun):
         assert self.stream is not None and self.feed is not None
         self._writing = checkpoints
         warmup_steps = int(job.warmup_ratio * job.publish_every_steps)
+        evaluation = EvalSchedule(job.publish_every_steps)  # no last step: only by count
         while True:
             if cb.should_cancel():
                 self.status = "STOPPED"
@@ -188,7 +188,7 @@ class ContinualRun(TrainRun):
             self.clock.first_step(cb.on_event)
             self._report_records(force=True)
             self._report_publish()
-            if self.step % job.publish_every_steps == 0:
+            if evaluation.due(self.step):
                 self._evaluate_and_publish()
             checkpoints.save(self.step, self.stats, self.eval_result)
             self._maybe_swap()
@@ -298,8 +298,6 @@ class ContinualRun(TrainRun):
         """The cursor of the checkpoint the job resumes from (else the newest before it): records
         after it are read again, so none is lost; None reads every source from its start."""
         assert self.resume_from is not None
-        from ..engine.checkpointing import checkpoint_step
-
         step = checkpoint_step(Path(self.resume_from).name) or 0
         older = [int(s) for s in self._read_states() if int(s) <= step]
         return self._read_states()[str(max(older))] if older else None
@@ -396,7 +394,7 @@ class ContinualRun(TrainRun):
         if not wins:
             self.cb.on_publish({**payload, "published": False, "reason": "the candidate does not win by the margin"})
             return
-        rep = self.engine.replicas[0]
+        rep = self.replicas[0]
         weights = cpu_copy(rep.weights_state())  # now, between steps: the candidate that was evaluated
         publisher, config, dtype, url = self.publisher, rep.drafter.config, self.export_dtype, self.job.reload_url
 
@@ -422,10 +420,8 @@ class ContinualRun(TrainRun):
 
     def _published_tau_on(self, latest: dict[str, Any], window: list[Any]) -> float:
         """The published drafter's acceptance length on the same window, loaded once per version."""
-        from ..evaluate import evaluate_acceptance
-
         assert self.publisher is not None
-        rep = self.engine.replicas[0]
+        rep = self.replicas[0]
         if self._published_drafter is None or self._published_drafter[0] != latest["version"]:
             drafter = load_drafter(self.publisher.path_of(latest), rep.device)
             self._published_drafter = (latest["version"], drafter)

@@ -19,16 +19,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..confine import OutsideRoots, resolved_under
+from ..engine.api import JobError
+from ..engine.context import RunContext
 from ..target import TargetModel
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
-    from .job import ContinualJob
+from .job import ContinualJob
 
 # the config fields that decide the tensors' meaning, beyond their shapes
 ARCHITECTURE_FIELDS = (
@@ -201,21 +200,19 @@ class TargetSwapper:
         }
 
 
-def check_target_watch(engine: Engine, job: ContinualJob) -> None:
+def check_target_watch(context: RunContext, job: ContinualJob) -> None:
     """JobError naming `target_watch` when this engine cannot take the job's target versions."""
-    from ..engine.api import JobError
-
     assert job.target_watch is not None
     try:
         if not resolved_under(job.target_watch, job.dataset_roots, "target_watch").is_dir():
             raise JobError("not a directory (new target versions appear in it as subdirectories)", "target_watch")
     except OutsideRoots as e:
         raise JobError(str(e), "target_watch") from None
-    if engine.config.target_random_init:
+    if context.config.target_random_init:
         raise JobError("the engine's target has random weights: it could not be restored after a swap", "target_watch")
-    if engine.parts is not None:
-        why = swappable(engine.parts.targets[0])
-        if why is None and any(r.head.lm_head_fp8 is not None for r in engine.parts.replicas):
+    if context.parts is not None:
+        why = swappable(context.parts.targets[0])
+        if why is None and any(r.head.lm_head_fp8 is not None for r in context.parts.replicas):
             why = "the drafters' loss runs on an FP8 copy of the LM head; it is not swapped in place"
         if why is not None:
             raise JobError(why, "target_watch")

@@ -14,6 +14,32 @@ from .conversations import Conversation, DatasetError, ReadReport, read_conversa
 from .prepare import Corpus, PrepareProgress, Tokenization, prepare_corpus
 
 
+@dataclass(frozen=True)
+class Datasets:
+    """A job's datasets as read: the paths, whether bad records are skipped, where they must
+    still resolve to when read (empty: anywhere) and how errors name each entry and the eval
+    prompts (keyed by the path as passed; default: the path itself, e.g. as the user gave it)."""
+
+    paths: list[str]
+    skip_bad_lines: bool = False
+    roots: list[str] | None = None
+    names: Mapping[str, str] | None = None
+
+    def name(self, path: str) -> str:
+        return (self.names or {}).get(path, path)
+
+
+@dataclass(frozen=True)
+class EvalSplit:
+    """Where a job's held-out prompts come from: a file of its own (`prompts`), else a fraction
+    of the corpus (held out of training, drawn with `seed`); at most `max_prompts`."""
+
+    prompts: str | None
+    fraction: float
+    max_prompts: int
+    seed: int
+
+
 @dataclass
 class JobData:
     corpus: Corpus
@@ -25,23 +51,17 @@ class JobData:
 
 
 def load_job_data(
-    paths: list[str],
+    datasets: Datasets,
     tokenization: Tokenization,
     cache_root: Path,
+    split: EvalSplit,
     *,
-    skip_bad_lines: bool,
-    eval_prompts: str | None,
-    eval_fraction: float,
-    eval_max_prompts: int,
-    seed: int,
     progress: Callable[[PrepareProgress], None] = lambda p: None,
     should_stop: Callable[[], bool] = lambda: False,
-    roots: list[str] | None = None,
-    names: Mapping[str, str] | None = None,
 ) -> JobData:
-    """roots: where the datasets must still resolve to when they are read (empty: anywhere).
-    names: how errors name each dataset entry and eval_prompts (keyed by the path as passed;
-    default: the path itself), e.g. as the user gave it."""
+    """The tokenized corpus of `datasets` (what the cache under cache_root lacks is tokenized
+    now, reported to `progress`) and the held-out prompts of `split`."""
+    paths, skip_bad_lines, roots, names = datasets.paths, datasets.skip_bad_lines, datasets.roots, datasets.names
     last: list[PrepareProgress] = []
 
     def seen(p: PrepareProgress) -> None:
@@ -59,19 +79,19 @@ def load_job_data(
         )
     if not len(corpus):
         first_entry = str(paths[0]) if paths else "?"
-        raise DatasetError((names or {}).get(first_entry, first_entry), 0, "no usable conversation in the datasets")
+        raise DatasetError(datasets.name(first_entry), 0, "no usable conversation in the datasets")
     report = ReadReport(skipped=corpus.bad_records, first_errors=[str(e) for e in errors])
     heldout: list[Conversation] = []
     exclude = np.zeros(0, dtype=np.int64)
-    if eval_prompts:
-        name = (names or {}).get(eval_prompts, eval_prompts)
-        prompts = resolved_under(eval_prompts, roots or [], "eval_prompts", name)
+    if split.prompts:
+        name = datasets.name(split.prompts)
+        prompts = resolved_under(split.prompts, roots or [], "eval_prompts", name)
         for conv in read_conversations(prompts, skip_bad_lines=skip_bad_lines, report=report, name=name):
             heldout.append(conv)
-            if len(heldout) >= eval_max_prompts:
+            if len(heldout) >= split.max_prompts:
                 break
-    elif eval_fraction > 0:
-        order = np.random.default_rng([seed, 7]).permutation(len(corpus))
-        exclude = np.sort(order[: max(1, int(len(corpus) * eval_fraction))])
-        heldout = corpus.conversations(exclude[:eval_max_prompts].tolist())
+    elif split.fraction > 0:
+        order = np.random.default_rng([split.seed, 7]).permutation(len(corpus))
+        exclude = np.sort(order[: max(1, int(len(corpus) * split.fraction))])
+        heldout = corpus.conversations(exclude[: split.max_prompts].tolist())
     return JobData(corpus, heldout, exclude, report.skipped, report.first_errors, last[0] if last else None)

@@ -1,8 +1,9 @@
 """The engine: build and status (engine), sequential warm-up (warmup), job admission
-(admission), job kinds (kinds) and the training run (train_run), the rank protocol (ranks, over
-distributed), the feature pipeline (pipeline), the drafter threads and gradient averaging
-(drafters), one drafter replica (replica) and its step graph (step_graph), checkpoints
-(checkpointing), compile handling (compile) and the optimizer (optim).
+(admission), the run protocol of the job kinds (kinds) and what a run sees of the engine
+(context; the runs themselves are dflash_core.train, .regenerate and .continual), the rank
+protocol (ranks, over distributed), the feature pipeline (pipeline), the drafter threads and
+gradient averaging (drafters), one drafter replica (replica) and its step graph (step_graph),
+checkpoints (checkpointing), compile handling (compile) and the optimizer (optim).
 
 Names are imported lazily: `from dflash_core.engine.config import EngineConfig` must stay cheap
 (the daemon validates its config before it imports torch).

@@ -54,8 +54,11 @@ class EngineStatus:
     group_problem: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepStats:
+    """One optimizer step's statistics (built by keyword: fourteen values in a row are easy to
+    misorder)."""
+
     step: int  # steps completed (1-based)
     total_steps: int
     loss: float

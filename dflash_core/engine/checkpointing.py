@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -217,18 +218,26 @@ def _rebuild(obj: Any, buffers) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """The run a checkpointer writes for, as its checkpoints record it: the steps, micro-batches
+    per step and replicas (over every rank), and the checkpoint it resumed from, if any."""
+
+    total_steps: int
+    micro_batches_per_step: int
+    replicas: int
+    resumed_from: str | None = None
+
+
 class Checkpointer:
     def __init__(
         self,
         job: TrainJob,
         replica: DrafterReplica,
         callbacks: JobCallbacks,
+        plan: RunPlan,
         *,
-        total_steps: int,
-        micro_batches_per_step: int,
-        replicas: int,
         target_path: str,
-        resumed_from: str | None = None,
         snapshot: HostSnapshot | None = None,
     ):
         """snapshot: host buffers the caller keeps across jobs (prepared at engine start, so a
@@ -236,9 +245,10 @@ class Checkpointer:
         self.job = job
         self.replica = replica  # replicas are identical: the first one's state is the job's
         self.callbacks = callbacks
-        self.total = total_steps
-        self.per_step = micro_batches_per_step
-        self.replicas = replicas
+        self.total = plan.total_steps
+        self.per_step = plan.micro_batches_per_step
+        self.replicas = plan.replicas
+        resumed_from = plan.resumed_from
         # what the checkpoints record of the target (never its path on this host), and the
         # dtype "auto" exports in
         self.target = target_identity(target_path)

@@ -4,10 +4,11 @@ Threads after warm-up:
   target-<dev>   the feature pipeline's workers: pack micro-batches, capture target features,
                  hand them to the drafters (pipeline.py)
   drafter-<dev>  one per replica: forward + backward of its micro-batches, optimizer step (drafters.py)
-  caller         the job's thread: the job's loop (train_run.py), gradient averaging, checkpoints
+  caller         the job's thread: the job's loop (dflash_core/train/run.py), gradient averaging, checkpoints
 No worker thread exists before warm-up ends (warmup.py says why).
 
-A job is run by its kind's run class (the table of dflash_core/kinds.py; the protocol in kinds.py).
+A job is run by its kind's run class (the table of dflash_core/kinds.py; the protocol in kinds.py),
+which sees the engine as the job's RunContext (context.py).
 In a multi-host group every rank runs the same job on its share of each step's micro-batches:
 rank 0 takes jobs from its caller (`run_job`), the other ranks receive them from rank 0
 (`follow`); what the ranks say to each other is the rank protocol's (ranks.py).
@@ -39,6 +40,7 @@ from .compile import (
     use_cache_dir,
 )
 from .config import EngineConfig, TrainJob, job_template
+from .context import LivePipeline, RunContext
 from .distributed import RankGroup
 from .drafters import Drafters, GradSync
 from .kinds import JobRun, run_class
@@ -79,7 +81,7 @@ class Engine:
         self.rate = RateMeter()
         self.parts: Parts | None = None
         self.ready = False
-        self.pipeline: FeaturePipeline | None = None  # the running job's (status reads its queues)
+        self.live = LivePipeline()  # the running job's feature pipeline (status reads its queues)
         self._saved_tokenizer: tuple[Path, str] | None = None
         self._lock = threading.Lock()
 
@@ -149,15 +151,15 @@ class Engine:
             drafter_devices=tuple(self.drafter_devices),
             tokens_per_device=dict(self.drafters.tokens_per_device),
             tokens_per_second=self.rate.rate(),
-            queue_depths=self._queue_depths(self.pipeline),
+            queue_depths=self._queue_depths(),
             threads_alive=self.drafters.alive(),
             allocator={d: s for d in sorted(devices) if (s := allocator_stats(d))} if self.ready else {},
             **self.ranks.status(self.ready),
         )
 
-    def _queue_depths(self, pipeline: FeaturePipeline | None) -> dict[str, int]:
+    def _queue_depths(self) -> dict[str, int]:
         """Every drafter queue, empty between jobs (a series per queue from the first reading on)."""
-        live = pipeline.depths() if pipeline is not None else {}
+        live = self.live.depths()
         names = (FeaturePipeline.queue_name(r.index, r.device) for r in self.replicas)
         return {name: live.get(name, 0) for name in names}
 
@@ -170,7 +172,8 @@ class Engine:
         """Raise JobError(message, field) for a job this engine cannot run as warmed (its kind's
         admission). Works before the engine is built (shape checks), so jobs can be queued while
         it warms."""
-        run_class(job, multi_host=self.group is not None).validate(self, job)
+        context = self.context()
+        run_class(job, multi_host=context.multi_host).validate(context, job)
 
     def run_job(
         self, job: TrainJob, callbacks: JobCallbacks | None = None, resume_from: str | None = None
@@ -179,7 +182,8 @@ class Engine:
         In a group, called on rank 0 only: the job goes to the other ranks from here."""
         if not self.ready:
             raise JobError("engine is not ready")
-        run = run_class(job, multi_host=self.group is not None)(self, job, callbacks or JobCallbacks(), resume_from)
+        context = self.context()
+        run = run_class(job, multi_host=context.multi_host)(context, job, callbacks or JobCallbacks(), resume_from)
         run.admit()
         return self._execute(run)
 
@@ -193,13 +197,30 @@ class Engine:
             cb = callbacks() if callbacks is not None else JobCallbacks()
             try:
                 job = ranks.read_job(command)
-                self._execute(run_class(job, multi_host=True)(self, job, cb, command.get("resume_from")))
+                # any kind the table marks multi-host; run_class refuses the others by name
+                run = run_class(job, multi_host=True)(self.context(), job, cb, command.get("resume_from"))
+                self._execute(run)
             except JobError as e:  # rank 0 reports it with the job; here it goes to this rank's log
                 log.warning("the job rank 0 sent failed here", extra={"fields": {"error": e.message}})
                 cb.on_event("job_failed", {"error": e.message})
             if ranks.group.broken is not None:
                 return ranks.group.broken
         return command
+
+    def context(self) -> RunContext:
+        """What a run of a job sees of the engine, as it is now (built or not)."""
+        return RunContext(
+            config=self.config,
+            data_dir=self.data_dir,
+            parts=self.parts,
+            ranks=self.ranks,
+            drafters=self.drafters,
+            timeline=self.timeline,
+            rate=self.rate,
+            tokenization=self.tokenization,
+            live=self.live,
+            multi_host=self.group is not None,
+        )
 
     def _execute(self, run: JobRun) -> JobResult:
         with self._lock:  # one job at a time

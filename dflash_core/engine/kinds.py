@@ -2,32 +2,27 @@
 in the engine: the kinds and their run classes are listed once, in dflash_core/kinds.py. A job
 names its kind in a `kind` attribute; a TrainJob has none (training is the default kind).
 
-The protocol (`JobRun`): `validate(engine, job)` refuses what the engine cannot run, naming the
-field (the service calls it before it queues the job); `run = cls(engine, job, callbacks,
+The protocol (`JobRun`): `validate(context, job)` refuses what the engine cannot run, naming
+the field (the service calls it before it queues the job); `run = cls(context, job, callbacks,
 resume_from)` holds that one job's state; `run.admit()` happens on the process that took the
 job (checks and hands-offs before the run: a multi-host group's rank 0 sends it to the other
 ranks); `run.execute()` runs it to its end, a cancel or a shutdown, on every rank that runs it.
+A run sees the engine only as the job's RunContext (context.py), never the engine itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
-
-import torch
+from typing import Any, Protocol
 
 from ..kinds import UnknownKind, kind_of
 from .api import JobCallbacks, JobError, JobResult
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .context import RunContext
 
 
 class JobRun(Protocol):
     @classmethod
-    def validate(cls, engine: Engine, job: Any) -> None: ...
-    def __init__(self, engine: Engine, job: Any, callbacks: JobCallbacks, resume_from: str | None) -> None: ...
+    def validate(cls, context: RunContext, job: Any) -> None: ...
+    def __init__(self, context: RunContext, job: Any, callbacks: JobCallbacks, resume_from: str | None) -> None: ...
     def admit(self) -> None: ...
     def execute(self) -> JobResult: ...
 
@@ -42,16 +37,3 @@ def run_class(job: Any, multi_host: bool = False) -> type[JobRun]:
     if multi_host and not found.multi_host:
         raise JobError(f"a {found.name} job runs on a daemon of one host, not in a multi-host group", "kind")
     return found.run_type()
-
-
-@contextlib.contextmanager
-def readable_failures(out_of_memory_hint: str = "") -> Iterator[None]:
-    """Whatever a run raises becomes a JobError the user can read (its own JobErrors pass)."""
-    try:
-        yield
-    except JobError:
-        raise
-    except torch.OutOfMemoryError as e:
-        raise JobError(f"out of memory: {str(e).splitlines()[0]}{out_of_memory_hint}") from e
-    except Exception as e:  # noqa: BLE001 - becomes the job's readable failure
-        raise JobError(f"{type(e).__name__}: {e}") from e

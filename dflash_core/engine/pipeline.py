@@ -72,14 +72,27 @@ class Delivery:
         self._slots.release(self._slot)
 
 
+@dataclass(frozen=True)
+class Span:
+    """The micro-batches a pipeline feeds: [first, end) of the job's, `grad_accum` per replica
+    and step, and of each step's `per_step` (over every rank) those of this process's `rank`
+    (one process: rank 0, and all of them)."""
+
+    first: int
+    end: int
+    grad_accum: int
+    rank: int = 0
+    per_step: int = 1
+
+
 def capture(target: TargetModel, mb: MicroBatch) -> torch.Tensor:
     dev = target.device
     return target.capture(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.doc_ids.to(dev))
 
 
 class FeaturePipeline:
-    """Target worker threads feeding one bounded queue per drafter replica, for micro-batches
-    [first, end) of `stream`. `get(r)` is called by replica r's thread; `close()` stops and joins
+    """Target worker threads feeding one bounded queue per drafter replica, for the micro-batches
+    of `stream` in `span`. `get(r)` is called by replica r's thread; `close()` stops and joins
     the workers and drops the buffers. A worker's failure reaches the drafters as a JobError."""
 
     def __init__(
@@ -87,20 +100,15 @@ class FeaturePipeline:
         targets: list[TargetModel],
         drafter_devices: list[torch.device],
         stream: BatchSource,
+        span: Span,
         *,
-        first: int,
-        end: int,
-        grad_accum: int,
         feature_spec: tuple[tuple[int, ...], torch.dtype],
         on_thread: Callable[[str], None] = lambda name: None,
-        share: tuple[int, int],
     ):
-        """share: (this process's rank, the job's micro-batches per step over every rank), which
-        decides the micro-batches this process trains (one process: rank 0, and all of them)."""
         self.devices = drafter_devices
-        self.rank, self.per_step = share
+        self.rank, self.per_step = span.rank, span.per_step
         self.stream = stream
-        self.first, self.end, self.accum = first, end, grad_accum
+        self.first, self.end, self.accum = span.first, span.end, span.grad_accum
         self.queues: list[queue.Queue[Delivery]] = [queue.Queue(maxsize=QUEUE_DEPTH) for _ in drafter_devices]
         # one slot per queued micro-batch, one in the drafter's hands, one being filled
         self.slots = [FeatureSlots(*feature_spec, dev, QUEUE_DEPTH + 2) for dev in drafter_devices]

@@ -1,5 +1,5 @@
 """The regeneration run: the engine's warm target answers every prompt of the job's datasets
-(`samples_per_prompt` times each), decoded by generate.SlotDecoder, and the answers are written
+(`samples_per_prompt` times each), decoded by decode.SlotDecoder, and the answers are written
 as parquet shards of conversations with a manifest (output.py).
 
 The work is fixed before anything is generated: the prompts in reading order, each (prompt,
@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -37,34 +37,32 @@ from ..data.regenerated import MANIFEST
 from ..data.sources import dataset_files
 from ..engine.api import JobCallbacks, JobError, JobResult
 from ..engine.config import job_template
-from ..engine.kinds import readable_failures
-from ..generate import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
+from ..engine.context import RunContext
+from ..engine.failures import readable_failures
 from ..target_identity import config_sha256, target_identity
+from .decode import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 log = logging.getLogger("dflash.regenerate")
 PROGRESS_SECONDS = 2.0  # how often a regeneration reports its progress
 CPU_SLOTS = 8
 
 
-def generation_length(engine: Engine) -> int:
+def generation_length(context: RunContext) -> int:
     """Cache positions per sequence: the setting, else the training context (seq_len), within
     the target's own position limit."""
-    cfg = engine.config
+    cfg = context.config
     length = cfg.generate_max_len or cfg.seq_len
-    limit = getattr(engine.targets[0].config, "max_position_embeddings", None) if engine.targets else None
+    limit = getattr(context.targets[0].config, "max_position_embeddings", None) if context.targets else None
     return min(length, int(limit)) if limit else length
 
 
-def generation_slots(engine: Engine, length: int) -> int:
+def generation_slots(context: RunContext, length: int) -> int:
     """The setting, else from the memory the target's device has free now (CUDA), else a few."""
-    if engine.config.generate_slots:
-        return engine.config.generate_slots
-    target = engine.targets[0]
+    if context.config.generate_slots:
+        return context.config.generate_slots
+    target = context.targets[0]
     if target.device.type != "cuda":
         return CPU_SLOTS
     torch.cuda.empty_cache()
@@ -75,34 +73,34 @@ def generation_slots(engine: Engine, length: int) -> int:
 class RegenerationRun:
     """A regeneration job on the built engine (the run protocol of engine/kinds.py)."""
 
-    def __init__(self, engine: Engine, job: RegenerateJob, callbacks: JobCallbacks, resume_from: str | None):
+    def __init__(self, context: RunContext, job: RegenerateJob, callbacks: JobCallbacks, resume_from: str | None):
         """resume_from is not read: the output directory's manifest says what is done."""
-        self.engine, self.job, self.cb = engine, job, callbacks
+        self.context, self.job, self.cb = context, job, callbacks
 
     @classmethod
-    def validate(cls, engine: Engine, job: RegenerateJob) -> None:
+    def validate(cls, context: RunContext, job: RegenerateJob) -> None:
         """Raise JobError(message, field) for a job this engine cannot run."""
-        cls(engine, job, JobCallbacks(), None).check(job)
+        cls(context, job, JobCallbacks(), None).check(job)
 
     def admit(self) -> None:
         """Nothing to hand to other processes (one host); execute() checks the job again."""
 
     # ------------------------------------------------------------------ validation
     def check(self, job: RegenerateJob) -> None:
-        engine = self.engine  # one host only: the kinds table says so, and run_class enforces it
-        if engine.parts is None:
-            length = engine.config.generate_max_len or engine.config.seq_len
+        context = self.context  # one host only: the kinds table says so, and run_class enforces it
+        if context.parts is None:
+            length = context.config.generate_max_len or context.config.seq_len
         else:
-            if len(engine.targets[0].stages) > 1:
+            if len(context.targets[0].stages) > 1:
                 raise JobError("regeneration needs a target on one device (this one is split over several)", "kind")
-            length = generation_length(engine)
+            length = generation_length(context)
         if job.max_new_tokens > length - 1:
             raise JobError(
                 f"{job.max_new_tokens} is beyond the engine's generation length of {length} positions (prompt plus "
                 "new tokens; [engine] generate_max_len)",
                 "max_new_tokens",
             )
-        if engine.parts is not None:
+        if context.parts is not None:
             self._check_template(job)
             self._check_first_prompts(job, length)
 
@@ -112,7 +110,7 @@ class RegenerationRun:
         skipped with skip_bad_lines). What cannot be read is the dataset check's to report."""
         if job.skip_bad_lines:
             return
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.context.tokenizer
         template = job_template(job)  # type: ignore[arg-type]
         for i, entry in enumerate(job.datasets):
             try:
@@ -134,7 +132,7 @@ class RegenerationRun:
         field = "chat_template" if job.chat_template else "chat_template_kwargs"
         try:
             template = job_template(job)  # type: ignore[arg-type]  # the template fields of a job
-            text = template.render(self.engine.tokenizer, [{"role": "user", "content": "ping"}], True)
+            text = template.render(self.context.tokenizer, [{"role": "user", "content": "ping"}], True)
         except OutsideRoots as e:
             raise JobError(str(e), "chat_template") from None
         except Exception as e:  # noqa: BLE001 - any template failure is the user's to fix
@@ -174,7 +172,7 @@ class RegenerationRun:
         finally:
             output.close()
             del decoder  # the cache goes back to the device before training jobs run again
-            if self.engine.targets[0].device.type == "cuda":
+            if self.context.targets[0].device.type == "cuda":
                 torch.cuda.empty_cache()
         rows = int(output.manifest["counts"]["rows"])
         final = str(Path(job.output_dir))
@@ -184,7 +182,7 @@ class RegenerationRun:
 
     def _work(self, job: RegenerateJob, cb: JobCallbacks) -> _Work:
         """The job's prompts and rows, fixed before anything is generated (the module says how)."""
-        length = generation_length(self.engine)
+        length = generation_length(self.context)
         prompts, ids, sources, skipped = self._prompts(job, length, cb)
         if not ids:
             raise JobError("the datasets hold no usable prompt", "datasets")
@@ -196,8 +194,8 @@ class RegenerationRun:
 
     def _decoder(self, work: _Work) -> SlotDecoder:
         """A decoder with as many slots as the device's memory allows (and the rows left need)."""
-        target = self.engine.targets[0]
-        slots = min(generation_slots(self.engine, work.length), max(1, work.total_rows - work.rows_done))
+        target = self.context.targets[0]
+        slots = min(generation_slots(self.context, work.length), max(1, work.total_rows - work.rows_done))
         decoder = SlotDecoder(target.model, slots, work.length)
         fields = {
             "slots": slots,
@@ -214,7 +212,7 @@ class RegenerationRun:
     ) -> tuple[list[tuple[list[dict[str, str]], str]], list[np.ndarray], list[dict[str, Any]], int]:
         """The prompts' messages and token ids in reading order, the sources with their hashes,
         and the records skipped. A prompt that leaves no room for one new token is a bad record."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.context.tokenizer
         template = job_template(job)  # type: ignore[arg-type]
         messages: list[tuple[list[dict[str, str]], str]] = []
         ids: list[np.ndarray] = []  # int32 arrays: a large dataset's token ids stay compact
@@ -253,14 +251,14 @@ class RegenerationRun:
 
     def _plan(self, job: RegenerateJob, work: _Work) -> dict[str, Any]:
         """What the output is a function of: a resume continues only an output of the same plan."""
-        engine = self.engine
+        context = self.context
         template = job_template(job)  # type: ignore[arg-type]
-        template_text = template.template or getattr(engine.tokenizer, "chat_template", None) or ""
+        template_text = template.template or getattr(context.tokenizer, "chat_template", None) or ""
         # the target named as a checkpoint trained on this output names it (one identity everywhere)
         target = (
-            target_identity(engine.parts.target_path)
-            if engine.parts
-            else {"config_sha256": config_sha256(engine.targets[0].config.to_dict())}
+            target_identity(context.parts.target_path)
+            if context.parts
+            else {"config_sha256": config_sha256(context.targets[0].config.to_dict())}
         )
         return {
             "sources": work.sources,
@@ -289,16 +287,16 @@ class RegenerationRun:
     def _stop_tokens(self) -> tuple[int, ...]:
         """End-of-sequence tokens of the tokenizer and of the target's generation config."""
         ids: list[int] = []
-        eos = getattr(self.engine.targets[0].model.generation_config, "eos_token_id", None)
+        eos = getattr(self.context.targets[0].model.generation_config, "eos_token_id", None)
         ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        tok = getattr(self.engine.tokenizer, "eos_token_id", None)
+        tok = getattr(self.context.tokenizer, "eos_token_id", None)
         if tok is not None:
             ids.append(int(tok))
         return tuple(sorted({int(i) for i in ids}))
 
     def _generate(self, work: _Work, decoder: SlotDecoder, output: ShardOutput) -> bool:
         """Generate every shard not done; True when stopped (cancel or shutdown) before the end."""
-        job, cb, tokenizer = self.job, self.cb, self.engine.tokenizer
+        job, cb, tokenizer = self.job, self.cb, self.context.tokenizer
         prompts, ids, shards, done = work.prompts, work.ids, work.shards, work.done
         stops = self._stop_tokens()
         sampling = Sampling(job.temperature, job.top_p, job.top_k, stops)

@@ -24,7 +24,7 @@ def setup(default_assets):
 
 
 def _run(model, prompts, sampling, use_graph, slots=4):
-    from dflash_core.generate import Request, SlotDecoder
+    from dflash_core.regenerate.decode import Request, SlotDecoder
 
     dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph)
     assert dec.use_graph == use_graph
@@ -33,7 +33,7 @@ def _run(model, prompts, sampling, use_graph, slots=4):
 
 
 def test_graph_equals_eager_and_generate(setup):
-    from dflash_core.generate import Request, Sampling
+    from dflash_core.regenerate.decode import Request, Sampling
 
     model, prompts = setup
     eos = model.generation_config.eos_token_id
@@ -57,7 +57,7 @@ def test_graph_equals_eager_and_generate(setup):
 
 
 def test_sampled_graph_equals_eager(setup):
-    from dflash_core.generate import Sampling
+    from dflash_core.regenerate.decode import Sampling
 
     model, prompts = setup
     eos = model.generation_config.eos_token_id

@@ -1,13 +1,14 @@
 """One training job on the built engine: `TrainRun` holds the job's state from its admission to
-its result, on every rank that runs it.
+its result, on every rank that runs it. It sees the engine as its RunContext (engine/context.py).
 
 The run, in order: prepare (the job's data, tokenized where the cache lacks it; the micro-batch
 stream; the first step's weights and optimizer state), agreed on and shared by the rank protocol
-(ranks.py); then the loop (`loop`): learning rate, one step across the drafters (drafters.py),
-the step's checks and callbacks, the weight check, evaluation, checkpoint, stop. Failures are
-the context managers' to handle: the checkpointer lets a write in flight finish, the rank
-protocol votes the failure to the other ranks, the feature pipeline closes, the replicas drop
-the job's state, and whatever was raised becomes a readable JobError.
+(engine/ranks.py); then the loop (`loop`): learning rate, one step across the drafters
+(engine/drafters.py), the step's checks and callbacks, the weight check, evaluation when due
+(evaluation.py), checkpoint, stop. Failures are the context managers' to handle: the
+checkpointer lets a write in flight finish, the rank protocol votes the failure to the other
+ranks, the feature pipeline closes, the replicas drop the job's state, and whatever was raised
+becomes a readable JobError.
 """
 
 from __future__ import annotations
@@ -16,31 +17,30 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..checkpoint import load_training_state, load_weights
 from ..confine import OutsideRoots, resolved_under
 from ..data.batches import BatchSource, MicroBatchStream
-from ..data.job import JobData, load_job_data
+from ..data.job import Datasets, EvalSplit, JobData, load_job_data
 from ..data.prepare import PrepareProgress
+from ..engine.admission import admit_training
+from ..engine.api import JobCallbacks, JobError, JobResult, StepStats
+from ..engine.checkpointing import Checkpointer, RunPlan, checkpoint_due
+from ..engine.config import TrainJob
+from ..engine.context import RunContext
+from ..engine.distributed import weights_checksum
+from ..engine.failures import readable_failures
+from ..engine.guards import check_data_tokens, check_step, check_trained
+from ..engine.optim import lr_factor
+from ..engine.pipeline import FeaturePipeline, Span
+from ..engine.replica import StepAccumulator
+from ..engine.start_clock import StartClock
+from ..engine.warmup import reset_weights
 from ..step.blocks import expected_acceptance_length
-from .admission import admit_training
-from .api import JobCallbacks, JobError, JobResult, StepStats
-from .checkpointing import Checkpointer, checkpoint_due
-from .config import TrainJob
-from .distributed import weights_checksum
-from .guards import check_data_tokens, check_step, check_trained
-from .kinds import readable_failures
-from .optim import lr_factor
-from .pipeline import FeaturePipeline
-from .replica import StepAccumulator
-from .start_clock import StartClock
-from .warmup import reset_weights
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .evaluation import EvalSchedule
 
 DATA_PROGRESS_SECONDS = 2.0  # how often a job preparing its data reports progress
 
@@ -75,15 +75,15 @@ class NoCheckpoints:
 
 class TrainRun:
     @classmethod
-    def validate(cls, engine: Engine, job: TrainJob) -> None:
-        admit_training(job, engine.config, engine.parts)
+    def validate(cls, context: RunContext, job: TrainJob) -> None:
+        admit_training(job, context.config, context.parts)
 
-    def __init__(self, engine: Engine, job: TrainJob, callbacks: JobCallbacks, resume_from: str | None):
-        assert engine.parts is not None, "the engine is not built"
-        self.engine, self.parts, self.job, self.cb = engine, engine.parts, job, callbacks
+    def __init__(self, context: RunContext, job: TrainJob, callbacks: JobCallbacks, resume_from: str | None):
+        self.context, self.parts, self.job, self.cb = context, context.built, job, callbacks
         self.resume_from = resume_from
-        self.ranks, self.drafters = engine.ranks, engine.drafters
-        self.per_step = len(engine.replicas) * job.grad_accum * self.ranks.world  # micro-batches per step
+        self.ranks, self.drafters = context.ranks, context.drafters
+        self.replicas = context.replicas
+        self.per_step = len(self.replicas) * job.grad_accum * self.ranks.world  # micro-batches per step
         self.pipeline: FeaturePipeline | None = None
         self.per_epoch = 1
         self.step = self.start = self.total = 0
@@ -98,7 +98,7 @@ class TrainRun:
     def admit(self) -> None:
         """On the process that took the job: the group can run it, it is valid, the others get it."""
         self.ranks.check_can_run()
-        self.validate(self.engine, self.job)
+        self.validate(self.context, self.job)
         self.ranks.send_job(self.job, self.resume_from)
 
     def execute(self) -> JobResult:
@@ -118,7 +118,7 @@ class TrainRun:
         """The steps from the first to the end or a stop; the last checkpoint's path."""
         self.step = self.start = prepared.start
         self.total, self.per_epoch = prepared.total, prepared.stream.per_epoch
-        self.engine.rate.reset()
+        self.context.rate.reset()
         with contextlib.ExitStack() as stack:  # unwound in reverse: abandon, vote, close the pipeline
             stack.callback(self._close_pipeline)
             stack.enter_context(self.ranks.voting())
@@ -137,8 +137,12 @@ class TrainRun:
     def loop(self, data: JobData, checkpoints: Checkpointer | NoCheckpoints) -> None:
         job, cb, ranks = self.job, self.cb, self.ranks
         warmup_steps = int(job.warmup_ratio * self.total)
-        evaluates = (
-            ranks.leads and bool(data.heldout) and bool(job.eval_interval or job.eval_fraction or job.eval_prompts)
+        evaluation = EvalSchedule(
+            job.eval_interval,
+            self.total,
+            enabled=ranks.leads
+            and bool(data.heldout)
+            and bool(job.eval_interval or job.eval_fraction or job.eval_prompts),
         )
         # what the run starts from: a run that ends on the same bits trained nothing
         start_weights = self._weights_checksum() if self.step < self.total else None
@@ -163,7 +167,7 @@ class TrainRun:
                     self.step - self.start, self.trained, any_loss=any_loss, any_grad=any_grad, weights_changed=changed
                 )
             ranks.check_weights(self.step, self.stop is not None or checkpoint_due(job, self.step, self.total))
-            if evaluates and ((job.eval_interval and self.step % job.eval_interval == 0) or self.step == self.total):
+            if evaluation.due(self.step):
                 self.eval_result = self.drafters.evaluate(
                     self.parts.targets[0], self.parts.tokenizer, data.heldout, job
                 )
@@ -197,58 +201,61 @@ class TrainRun:
         acc_per_pos = (correct[first:] / counted[first:].clamp_min(1)).tolist()
         per_dev, secs = self.drafters.count(accs, seconds)
         # rank 0 reports the job's rate; the other ranks their own devices'
-        self.engine.rate.add(totals.context_tokens if self.ranks.leads else sum(per_dev.values()), seconds)
+        rate = self.context.rate
+        rate.add(totals.context_tokens if self.ranks.leads else sum(per_dev.values()), seconds)
         step = self.step + 1
         return StepStats(
-            step,
-            self.total,
-            float(totals.loss_sum) / totals.micro_batches,
-            acc_per_pos,
-            expected_acceptance_length([1.0, *acc_per_pos]),
-            totals.context_tokens,
-            per_dev,
-            seconds,
-            secs,
-            self.engine.rate.rate(),
-            lr,
-            norm,
-            step * self.per_step / self.per_epoch,
-            int(counted[first:].sum().item()),
+            step=step,
+            total_steps=self.total,
+            loss=float(totals.loss_sum) / totals.micro_batches,
+            position_accuracy=acc_per_pos,
+            expected_acceptance_length=expected_acceptance_length([1.0, *acc_per_pos]),
+            context_tokens=totals.context_tokens,
+            tokens_per_device=per_dev,
+            step_seconds=seconds,
+            seconds_per_device=secs,
+            tokens_per_second=rate.rate(),
+            learning_rate=lr,
+            grad_norm=norm,
+            epoch=step * self.per_step / self.per_epoch,
+            labels=int(counted[first:].sum().item()),
         )
 
     def _checkpoints(self) -> Checkpointer | NoCheckpoints:
         if not self.ranks.leads:
             return NoCheckpoints()
-        return Checkpointer(
-            self.job,
-            self.engine.replicas[0],
-            self.cb,
+        plan = RunPlan(
             total_steps=self.total,
             micro_batches_per_step=self.per_step,
-            replicas=len(self.engine.replicas) * self.ranks.world,
-            target_path=self.parts.target_path,
+            replicas=len(self.replicas) * self.ranks.world,
             resumed_from=self.resume_from,
-            snapshot=self.parts.snapshot,
+        )
+        return Checkpointer(
+            self.job, self.replicas[0], self.cb, plan, target_path=self.parts.target_path, snapshot=self.parts.snapshot
         )
 
     def _start_pipeline(self, stream: BatchSource, first_step: int | None = None) -> FeaturePipeline:
         """The feature pipeline from the micro-batches of `first_step` (default: the run's first)."""
-        pipeline = FeaturePipeline(
-            self.parts.targets,
-            [r.device for r in self.engine.replicas],
-            stream,
+        span = Span(
             first=(self.start if first_step is None else first_step) * self.per_step,
             end=self.total * self.per_step,
             grad_accum=self.job.grad_accum,
-            feature_spec=self.parts.feature_spec,
-            on_thread=lambda n: self.engine.timeline.mark(f"thread:{n}"),
-            share=(self.ranks.rank, self.per_step),
+            rank=self.ranks.rank,
+            per_step=self.per_step,
         )
-        self.engine.pipeline = pipeline.start()
-        return pipeline
+        timeline = self.context.timeline
+        pipeline = FeaturePipeline(
+            self.parts.targets,
+            [r.device for r in self.replicas],
+            stream,
+            span,
+            feature_spec=self.parts.feature_spec,
+            on_thread=lambda n: timeline.mark(f"thread:{n}"),
+        )
+        return self.context.live.show(pipeline.start())
 
     def _close_pipeline(self) -> None:
-        self.engine.pipeline = None
+        self.context.live.clear()
         if self.pipeline is not None:
             self.pipeline.close()
 
@@ -263,7 +270,7 @@ class TrainRun:
             raise JobError(str(e), "datasets") from None
         self.clock.mark("data_open")
         stream = MicroBatchStream(
-            data.corpus, self.engine.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
+            data.corpus, self.context.config.shape, self.parts.pad_token_id, seed=job.seed, exclude=data.exclude
         )
         total = job.steps or max(1, math.ceil((job.epochs or 0) * stream.per_epoch / self.per_step))
         check_data_tokens(int(data.corpus.lengths.sum()))
@@ -288,17 +295,12 @@ class TrainRun:
         """Tokenize what the cache lacks (reported as the job's preparing_data phase) and open it."""
         job, cb = self.job, self.cb
         data = load_job_data(
-            job.datasets,
-            self.engine.tokenization(job),
-            self.engine.data_dir / "cache" / "tokens",
-            skip_bad_lines=job.skip_bad_lines,
-            eval_prompts=job.eval_prompts,
-            eval_fraction=job.eval_fraction,
-            eval_max_prompts=job.eval_max_prompts,
-            seed=job.seed,
+            Datasets(job.datasets, skip_bad_lines=job.skip_bad_lines, roots=job.dataset_roots),
+            self.context.tokenization(job),
+            self.context.data_dir / "cache" / "tokens",
+            EvalSplit(job.eval_prompts, job.eval_fraction, job.eval_max_prompts, job.seed),
             progress=DataProgress(cb),
             should_stop=lambda: cb.should_cancel() or self.ranks.stop_signalled(),
-            roots=job.dataset_roots,
         )
         if data.skipped_lines:
             cb.on_event("skipped_lines", {"count": data.skipped_lines, "first": data.skip_messages})
@@ -318,9 +320,9 @@ class TrainRun:
         except OutsideRoots as e:
             raise JobError(str(e), "init_from" if not resume_from else "output_dir") from None
         weights = load_weights(source, self.parts.drafter_config.num_hidden_layers, masters=True) if source else None
-        reset_weights(self.engine.replicas, job.seed, weights)
+        reset_weights(self.replicas, job.seed, weights)
         gamma = job.loss_gamma if job.loss_gamma is not None else self.parts.gamma
-        self.drafters.begin_job(job, gamma, self.per_step, self.engine.config.recipe)
+        self.drafters.begin_job(job, gamma, self.per_step, self.context.config.recipe)
         return self._resume(resume_from) if resume_from else 0
 
     def _resume(self, resume_from: str) -> int:
@@ -332,9 +334,7 @@ class TrainRun:
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
         self.cb.on_event("resumed", {"from": str(resume_from), "step": int(state["step"])})
-        saved = int(state.get("replicas", len(self.engine.replicas))) * int(
-            state.get("grad_accum", self.job.grad_accum)
-        )
+        saved = int(state.get("replicas", len(self.replicas))) * int(state.get("grad_accum", self.job.grad_accum))
         if saved != self.per_step:
             self.cb.on_event(
                 "resume_data_order_changed",

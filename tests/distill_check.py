@@ -35,9 +35,10 @@ def compare(
         labels.to(device),
         mix.to(device),
     )
-    ref_terms, ref_hits, ref_grad = chunk_terms_eager(h, ht, w, labels, mix, True)
-    terms, hits, grad = chunk_terms(h, ht, w, labels, mix, True)
-    terms_only, hits_only, none = chunk_terms(h, ht, w, labels, mix, False)
+    zt = ht @ w.t()
+    ref_terms, ref_hits, ref_grad = chunk_terms_eager(h, zt, w, labels, mix, True)
+    terms, hits, grad = chunk_terms(h, zt, w, labels, mix, True)
+    terms_only, hits_only, none = chunk_terms(h, zt, w, labels, mix, False)
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))

@@ -210,3 +210,28 @@ def test_objective_step_with_plain_ce_equals_the_block_ce_step():
     assert torch.equal(a.correct, b.correct) and torch.equal(a.weights, b.weights)
     for x, y in zip(ga, gb, strict=True):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
+def test_teacher_logits_per_context_position_equal_the_per_row_ones():
+    """More rows than context positions (overlapping blocks): the teacher's logits formed once per
+    position and gathered give the terms and gradient of the per-row GEMMs; fewer rows: per row."""
+    from dflash_core.step.teacher import TeacherLogits
+
+    g = torch.Generator().manual_seed(3)
+    seq, rows, hidden, vocab = 12, 40, 16, 50
+    teacher = torch.randn(seq, hidden, generator=g, dtype=torch.float64)
+    positions = torch.randint(0, seq, (rows,), generator=g)
+    h = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    mix = torch.tensor([0.2, 0.5, 0.7], dtype=torch.float64)
+    shared = TeacherLogits.at_positions(teacher, positions, w)
+    assert shared.per_position and not TeacherLogits.at_positions(teacher, positions[:seq], w).per_position
+    out = {}
+    for name, source in (("shared", shared), ("rows", teacher[positions])):
+        h1 = h.clone().requires_grad_()
+        mixed, terms, hits = chunked_objective_terms(h1, source, w, labels, mix, chunk_size=7)
+        (grad,) = torch.autograd.grad(mixed.sum(), h1)
+        out[name] = (terms, hits, grad)
+    for a, b in zip(out["shared"], out["rows"], strict=True):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)

@@ -1,6 +1,6 @@
 """One chunk of the distillation objective (step.objectives) as a Triton kernel (CUDA).
 
-The chunk is `zd = hidden @ W^T` and `zt = teacher_hidden @ W^T` (cuBLAS), this kernel, then
+The chunk is `zd = hidden @ W^T` (cuBLAS) beside the teacher's logits zt (step.teacher), this kernel, then
 `grad_hidden = grad @ W` (cuBLAS). Per row, with p_d = softmax(zd), p_t = softmax(zt):
   pass 1 reads both rows for their running max and sum of exponentials, the drafter's argmax
          and the online sum  A = sum exp(zt - m_t) (zt - zd),  so KL = A / s_t - lse_t + lse_d;
@@ -142,10 +142,10 @@ def logit_terms(zd, zt, labels, mix, need_grad: bool, *, block_v: int = BLOCK_V,
     return terms, hits.bool(), (zd if need_grad else None)
 
 
-def chunk_terms(hidden, teacher_hidden, lm_head_weight, labels, mix, need_grad: bool, **launch):
-    """As objectives.chunk_terms_eager: (terms [rows, 3], argmax hits, unweighted row gradient)."""
+def chunk_terms(hidden, zt, lm_head_weight, labels, mix, need_grad: bool, **launch):
+    """As objectives.chunk_terms_eager (zt: the rows' teacher logits): (terms [rows, 3], argmax
+    hits, unweighted row gradient)."""
     zd = hidden @ lm_head_weight.t()
-    zt = teacher_hidden @ lm_head_weight.t()
     terms, hits, grad = logit_terms(zd, zt, labels, mix, need_grad, **launch)
     if grad is None:
         return terms, hits, None

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..step.teacher import TeacherLogits, teacher_logits
 from .dspark_settings import DSPARK_BLOCK_SIZE, DSPARK_GAMMA, DSPARK_LOSS, DSPARK_MARKOV_RANK, default_markov_rank
 
 __all__ = ["DSPARK_BLOCK_SIZE", "DSPARK_GAMMA", "DSPARK_LOSS", "DSPARK_MARKOV_RANK", "OPS", "default_markov_rank"]
@@ -129,7 +130,7 @@ class _MarkovObjective(torch.autograd.Function):
             end = min(start + chunk, rows)
             e = prev_emb[start:end].to(dtype)
             zd = torch.addmm(hidden[start:end].to(dtype) @ lm_head.t(), e, w2c.t())
-            zt = teacher[start:end].to(dtype) @ lm_head.t()
+            zt = teacher.chunk(start, end)
             t, h, g = fn(zd, zt, labels[start:end], mix, need_grad)
             terms[start:end] = t
             hits[start:end] = h
@@ -139,6 +140,7 @@ class _MarkovObjective(torch.autograd.Function):
                 grad_h[start:end] = (g @ lm_head).to(hidden.dtype)
                 grad_e[start:end] = (g @ w2c).to(prev_emb.dtype)
                 grad_w2 += (g.t() @ e).float()
+        teacher.release()
         loss = ((terms @ mix) * weights).sum()
         if need_grad:
             ctx.save_for_backward(grad_h, grad_e, grad_w2)
@@ -167,7 +169,7 @@ class _MarkovObjective(torch.autograd.Function):
 def dspark_loss(
     drafter,
     rows: torch.Tensor,  # [R, H] drafter hidden states of the predicting positions
-    teacher_rows: torch.Tensor,  # [R, H] target final hidden states at the position before each label
+    teacher_rows: torch.Tensor | TeacherLogits,  # [R, H] target final hidden states before each label, or their logits
     lm_head: torch.Tensor,
     prev: torch.Tensor,  # [R] previous tokens
     labels: torch.Tensor,  # [R]
@@ -191,7 +193,7 @@ def dspark_loss(
     loss, terms, hits = _MarkovObjective.apply(
         rows,
         latent,
-        teacher_rows,
+        teacher_logits(teacher_rows, lm_head),
         lm_head,
         drafter.markov_head.markov_w2.weight,
         labels,

@@ -5,8 +5,8 @@ position weights, the weighted mean.
 The engine runs this step when it warms the teacher (`[engine] teacher = true`): the target then
 runs to its final norm and the micro-batch's features carry, after the captured layers' outputs,
 the target's final hidden state of every context position (S rows: the target's forward runs
-once per context position; the teacher's logits are formed per chunk of block positions beside
-the drafter's, from those rows)."""
+once per context position; the teacher's logits are formed once per context position where the
+blocks need more rows than there are positions, else per chunk of block positions: teacher.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..data.batches import MicroBatch
 from ..drafter import FrozenHead
 from .blocks import label_positions, previous_tokens
 from .objectives import ObjectiveInputs
+from .teacher import TeacherLogits
 
 
 def split_teacher(features: torch.Tensor, cfg: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def objective_loss(
     teacher_pos = (label_positions(batch, b, cfg.block_layout)[:, first:] - 1).clamp(max=seq_len - 1).reshape(-1)
     rows = hidden.reshape(n, b, -1)[:, first:].reshape(n * d, -1)
     row_labels = labels.view(n, b)[:, first:].reshape(-1)
-    teacher_rows = teacher[teacher_pos].to(rows.dtype)
+    teacher_rows = TeacherLogits.at_positions(teacher, teacher_pos, head.lm_head_weight)
     prev = previous_tokens(batch.input_ids, batch.anchors, d)
     loss, _terms, hits, weights = cfg.recipe_spec.hooks().row_loss(
         drafter,

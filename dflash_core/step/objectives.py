@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .objective_spec import DEFAULT_DPACE_ALPHA, POSITION_WEIGHTS, TERMS, Objective, objective_of, parse_loss
+from .teacher import TeacherLogits, teacher_logits
 
 __all__ = ["DEFAULT_DPACE_ALPHA", "POSITION_WEIGHTS", "TERMS", "Objective", "objective_of", "parse_loss"]
 
@@ -94,11 +95,11 @@ def logit_terms_eager(zd, zt, labels, mix, need_grad: bool):
     return terms, correct, grad.to(zd.dtype)
 
 
-def chunk_terms_eager(hidden, teacher_hidden, lm_head_weight, labels, mix, need_grad: bool):
-    """One chunk of rows: (terms [rows, 3] fp32 = ce, kl, tv; argmax hits [rows];
-    d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on the logits."""
+def chunk_terms_eager(hidden, zt, lm_head_weight, labels, mix, need_grad: bool):
+    """One chunk of rows and their teacher logits zt: (terms [rows, 3] fp32 = ce, kl, tv; argmax
+    hits [rows]; d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on
+    the logits."""
     zd = hidden @ lm_head_weight.t()
-    zt = teacher_hidden @ lm_head_weight.t()
     terms, correct, grad = logit_terms_eager(zd.float(), zt.float(), labels, mix, need_grad)
     if grad is None:
         return terms, correct, None
@@ -129,7 +130,7 @@ def objective_chunk_function(kernel: str):
 
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, teacher_hidden, lm_head_weight, labels, mix, chunk_size: int, kernel: str):
+    def forward(ctx, hidden, teacher: TeacherLogits, lm_head_weight, labels, mix, chunk_size: int, kernel: str):
         need_grad = ctx.needs_input_grad[0]
         chunk_fn = objective_chunk_function(kernel)
         rows = hidden.shape[0]
@@ -141,12 +142,13 @@ class _ChunkedObjective(torch.autograd.Function):
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             t, hits, g = chunk_fn(
-                hidden[start:end], teacher_hidden[start:end], lm_head_weight, labels[start:end], mix, need_grad
+                hidden[start:end], teacher.chunk(start, end), lm_head_weight, labels[start:end], mix, need_grad
             )
             terms[start:end] = t
             correct[start:end] = hits
             if grad_rows is not None:
                 grad_rows[start:end] = g
+        teacher.release()
         mixed = terms @ mix
         if need_grad:
             ctx.save_for_backward(grad_rows)
@@ -162,15 +164,17 @@ class _ChunkedObjective(torch.autograd.Function):
 
 def chunked_objective_terms(
     hidden: torch.Tensor,
-    teacher_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor | TeacherLogits,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
     mix: torch.Tensor,
     chunk_size: int,
     kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mixed loss per row [rows] fp32 with its graph, terms [rows, 3] (ce, kl, tv), argmax hits)."""
-    return _ChunkedObjective.apply(hidden, teacher_hidden, lm_head_weight, labels, mix.float(), chunk_size, kernel)
+    """(mixed loss per row [rows] fp32 with its graph, terms [rows, 3] (ce, kl, tv), argmax hits).
+    teacher_hidden: the rows' teacher hidden states [rows, H], or their TeacherLogits."""
+    teacher = teacher_logits(teacher_hidden, lm_head_weight)
+    return _ChunkedObjective.apply(hidden, teacher, lm_head_weight, labels, mix.float(), chunk_size, kernel)
 
 
 def weighted_objective_loss(mixed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

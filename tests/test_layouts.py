@@ -13,11 +13,13 @@ import torch
 from dflash_core.checkpoint import hf_config, read_config, save_checkpoint
 from dflash_core.config import ShapeConfig
 from dflash_core.drafter import DFlashDrafter
+from dflash_core.engine.admission import check_resume
+from dflash_core.engine.api import JobError
 from dflash_core.engine.config import EngineConfig
 from dflash_core.recipes import ANCHOR_FIRST, FILL_IN, RECIPES, Recipe, RecipeTable, recipe_named
 from dflash_core.step.blocks import block_labels, position_decay
 from dflash_core.step.objective_spec import objective_of, parse_loss
-from tests.helpers import random_micro_batch, tiny_drafter_config
+from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 
 def deepspec_labels(batch, block_size: int, gamma: float):
@@ -102,3 +104,15 @@ def test_a_config_without_the_layout_reads_as_the_fill_in_it_was_written_in(tmp_
     (tmp_path / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match="sample_from_anchor"):
         read_config(tmp_path)
+
+
+def test_a_resume_of_another_layout_is_refused(tmp_path):
+    """An engine restarted with another layout (or block size) does not resume a job's checkpoint
+    onto labels of the other layout: the job fails naming output_dir and both values."""
+    cfg = tiny_drafter_config()
+    path = save_checkpoint(tmp_path / "step-10", random_drafter(cfg, seed=1).float(), training_state={"step": 10})
+    check_resume(str(path), cfg)  # the same drafter: resumes
+    other = replace(cfg, layout="anchor_first")
+    with pytest.raises(JobError, match=r"cannot resume.*layout 'fill_in' \(the engine's 'anchor_first'\)") as e:
+        check_resume(str(path), other)
+    assert e.value.field == "output_dir"

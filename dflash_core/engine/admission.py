@@ -82,6 +82,27 @@ def check_init_from(job: TrainJob, parts: Parts) -> None:
         raise JobError(f"the checkpoint's drafter differs from the engine's in {shown}", "init_from")
 
 
+def check_resume(checkpoint: str, mine: DrafterConfig) -> None:
+    """A resume continues the drafter its checkpoint holds: the same architecture, block size and
+    layout as the engine's (an engine restarted with another `[engine] layout` would otherwise
+    train the saved weights on labels of the other layout). A checkpoint without a config is the
+    loader's to refuse."""
+    if not (Path(checkpoint) / "config.json").is_file():
+        return
+    try:
+        saved = read_config(checkpoint)
+    except (ValueError, KeyError) as e:
+        raise JobError(f"{checkpoint}: {e}", "output_dir") from None
+    diff = [f.name for f in fields(DrafterConfig) if f.compare and getattr(saved, f.name) != getattr(mine, f.name)]
+    if diff:
+        shown = ", ".join(f"{k} {getattr(saved, k)!r} (the engine's {getattr(mine, k)!r})" for k in diff[:4])
+        raise JobError(
+            f"{checkpoint}: cannot resume: the checkpoint's drafter differs from the engine's in {shown}; "
+            "start a new job (init_from starts from these weights where the architecture allows)",
+            "output_dir",
+        )
+
+
 def check_template(job: TrainJob, parts: Parts) -> None:
     """Render a small conversation with the job's template and options, so that a template
     that cannot render (or an option it rejects) is refused before the job is queued."""

@@ -26,7 +26,7 @@ from ..confine import OutsideRoots, resolved_under
 from ..data.batches import BatchSource, MicroBatchStream
 from ..data.job import Datasets, EvalSplit, JobData, load_job_data
 from ..data.prepare import PrepareProgress
-from ..engine.admission import admit_training
+from ..engine.admission import admit_training, check_resume
 from ..engine.api import JobCallbacks, JobError, JobResult, StepStats
 from ..engine.checkpointing import Checkpointer, RunPlan, checkpoint_due
 from ..engine.config import TrainJob
@@ -319,6 +319,8 @@ class TrainRun:
                 source = str(resolved_under(resume_from, job.output_roots, "the checkpoint to resume from"))
         except OutsideRoots as e:
             raise JobError(str(e), "init_from" if not resume_from else "output_dir") from None
+        if resume_from and source:
+            check_resume(source, self.parts.drafter_config)
         weights = load_weights(source, self.parts.drafter_config.num_hidden_layers, masters=True) if source else None
         reset_weights(self.replicas, job.seed, weights)
         gamma = job.loss_gamma if job.loss_gamma is not None else self.parts.gamma

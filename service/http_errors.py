@@ -14,9 +14,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from .event_feed import TooManyStreams
+from .jobs.by_kind import field_errors
 from .jobs.errors import JobConflict, JobNotFound, Unavailable
 from .jobs.records import BufferFull
-from .jobs.schemas import SpecError, field_errors
+from .jobs.schemas import SpecError
 from .jobs.store import SubmissionConflict
 from .views import job_json
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.jobs.schemas import SpecError, parse_spec
+from service.jobs.by_kind import parse_spec
+from service.jobs.schemas import SpecError
 
 REGEN = {"kind": "regenerate", "datasets": ["builtin://heldout"]}
 TRAIN = {"datasets": ["builtin://train"], "steps": 3}

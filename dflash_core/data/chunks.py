@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,10 +24,8 @@ from .sources import (
     jsonl_lines,
     load_arrow_dataset,
 )
+from .tokenization import Tokenization
 from .tokenize import encode_conversation
-
-if TYPE_CHECKING:
-    from .prepare import Tokenization
 
 CHUNK_BYTES = 4 << 20  # JSONL bytes per task
 CHUNK_ROWS = 4096  # parquet / save_to_disk rows per task

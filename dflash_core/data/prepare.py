@@ -13,7 +13,8 @@ file through different names).
 
 Work is split into chunks (byte ranges of a JSONL file, row ranges of parquet and `save_to_disk`
 data, element batches of a JSON array) that worker processes read and tokenize themselves, so
-the parent only stitches results together (the tasks live in chunks.py). Workers are spawned,
+the parent only stitches results together (the tasks live in chunks.py, what an entry is keyed by
+in tokenization.py). Workers are spawned,
 not forked (the daemon has threads, and a forked tokenizer can deadlock); each loads the engine's
 tokenizer from a copy saved in the cache, which also keys the entries. Small datasets are tokenized in this process: starting
 workers would cost more than it saves.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -38,7 +38,6 @@ import numpy as np
 from ..confine import resolved_under
 from .cache_entry import (
     BadEntry,
-    file_digest,
     prune_quarantine,
     quarantine,
     sweep_partial,
@@ -50,38 +49,14 @@ from .cache_entry import (
 )
 from .chunks import MAX_REPORTED_ERRORS, ChunkResult, PrepareCancelled, chunk_tasks, tokenize_chunk
 from .conversations import Conversation, DatasetError, parse_conversation
-from .sources import SourceFile, dataset_files, file_size, identity, iter_records, unreadable
-from .tokenize import ChatTemplate
+from .sources import SourceFile, dataset_files, file_size, iter_records, unreadable
+from .tokenization import Tokenization
 from .workers import result_or_stop, stop_workers, worker_pool
 
 __all__ = ["PrepareCancelled", "PrepareProgress", "Tokenization", "prepare_corpus", "save_tokenizer"]
 log = logging.getLogger("dflash.data")
 
-CACHE_VERSION = 3  # bump when the entry layout or the tokenization changes
 IN_PROCESS_BYTES = 8 << 20  # below this much data, tokenize here
-
-
-@dataclass(frozen=True)
-class Tokenization:
-    """Everything a cache entry depends on besides the file."""
-
-    tokenizer_dir: str  # a saved copy of the engine's tokenizer
-    tokenizer_hash: str
-    template: ChatTemplate
-    seq_len: int
-
-    def key(self, src: SourceFile) -> str:
-        parts = {
-            "version": CACHE_VERSION,
-            "files": identity(src),
-            "content": _content(src),
-            "kind": src.kind,
-            "tokenizer": self.tokenizer_hash,
-            "template": self.template.template,
-            "kwargs": [[k, v] for k, v in self.template.kwargs],
-            "seq_len": self.seq_len,
-        }
-        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def save_tokenizer(tokenizer, cache_root: Path) -> tuple[Path, str]:
@@ -123,11 +98,6 @@ class Shard:
     @property
     def errors(self) -> list[DatasetError]:
         return [DatasetError(self.source.name, e["line"], e["reason"], e["unit"]) for e in self.meta["errors"]]
-
-
-def _content(src: SourceFile) -> list[str]:
-    """Digests of the content of every file behind a source (identity's files, in its order)."""
-    return [file_digest(path) for path, _, _ in identity(src)]
 
 
 def _open_verified(src: SourceFile, directory: Path) -> Shard:

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from ..confine import read_regular
-from .conversations import DatasetError
+from .errors import DatasetError
+from .source_file import SourceFile, child_name
 
 MANIFEST = "regeneration.json"
 FORMAT = "dflash-regeneration"
@@ -34,10 +35,8 @@ def read_manifest(directory: Path, label: str | None = None) -> dict:
     return manifest
 
 
-def regenerated_sources(directory: Path, label: str) -> list:
+def regenerated_sources(directory: Path, label: str) -> list[SourceFile]:
     """The SourceFiles of a regeneration output directory's complete shards."""
-    from .sources import SourceFile, child_name
-
     manifest = read_manifest(directory, label)
     shards = sorted(manifest.get("shards") or [], key=lambda s: int(s["index"]))
     if not shards:

@@ -31,13 +31,14 @@ import codecs
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, cast
 
 from ..confine import UnsafeFile, open_regular
 from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
 from .errors import DatasetError
+from .regenerated import MANIFEST, regenerated_sources
+from .source_file import SourceFile, child_name
 
 SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 # One record larger than this is refused: a single conversation of that size is a broken file,
@@ -45,23 +46,6 @@ SHARD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 CONVERSATION_COLUMNS = ("messages", "conversations")
 _READ_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    path: Path  # where it is read
-    kind: str  # jsonl | json_array | parquet | arrow
-    name: str = ""  # how messages name it (default: the path)
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            object.__setattr__(self, "name", str(self.path))
-
-    @property
-    def unit(self) -> str:
-        """How positions in this file are counted in messages: lines of JSONL, elements of a JSON
-        array (several can share a line), rows of tables."""
-        return {"jsonl": "line", "jsonl_gz": "line", "json_array": "element"}.get(self.kind, "row")
 
 
 def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile]:
@@ -72,8 +56,6 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
     label = str(entry) if name is None else name
     try:
         if path.is_dir():
-            from .regenerated import MANIFEST, regenerated_sources
-
             # a regeneration job's output (its complete shards), whatever its manifest turns out to be
             if os.path.lexists(path / MANIFEST):
                 return regenerated_sources(path, label)
@@ -88,11 +70,6 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
         return [file_source(path, label)]
     except OSError as e:
         raise unreadable(label, e) from None
-
-
-def child_name(entry_name: str, relative: str) -> str:
-    """How messages name a file found under a dataset entry named `entry_name`."""
-    return entry_name + relative if entry_name.endswith("/") else f"{entry_name}/{relative}"
 
 
 def unreadable(name: str, error: OSError) -> DatasetError:

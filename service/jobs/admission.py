@@ -1,7 +1,8 @@
 """A validated spec becomes the engine's job: every path resolved and checked against the roots,
 every dataset read far enough to refuse at submission what the job could not read later.
 
-Each kind's conversion is named in the kinds table (dflash_core/kinds.py); the engine's job (a
+Each kind's conversion is named in the kinds table (dflash_core/kinds.py) and reached through it by
+service.jobs.by_kind.to_engine_job; the engine's job (a
 TrainJob, a RegenerateJob, ...) is the one shape a job has from here on: the store keeps it as the JSON of its own `to_dict`, and the worker rebuilds
 it with `job_from_json` to run it.
 """
@@ -16,19 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.confine import under
-from dflash_core.kinds import UnknownKind, job_from_dict, kind
+from dflash_core.kinds import UnknownKind, job_from_dict
 
 from .paths import Roots, check_dataset_readable, unique_datasets
 from .regenerate_spec import JOB_SCHEME, RegenerateSpec, check_prompts_readable, resolve_job_dataset
-from .schemas import JobSpec, SpecError, SpecModel, spec_kind
+from .schemas import JobSpec, SpecError
 
 # job id -> (kind, state, output_dir) of a stored job, None for an unknown one (job:// datasets)
 JobOutputs = Callable[[str], tuple[str, str, str] | None]
-
-
-def to_engine_job(spec: SpecModel, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
-    """The engine's job for this spec, every path absolute and checked (its kind's conversion)."""
-    return kind(spec_kind(spec)).converter()(spec, job_id, roots, job_outputs)
 
 
 def train_job(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):

@@ -16,7 +16,8 @@ from typing import Any
 from dflash_core.kinds import kind_of_spec
 
 from ..config import MAX_CRASH_RESUMES
-from .admission import job_to_json, to_engine_job
+from .admission import job_to_json
+from .by_kind import to_engine_job
 from .errors import JobConflict, JobNotFound, Unavailable
 from .records import Ingest
 from .schemas import SpecError, SpecModel

@@ -7,23 +7,35 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ..metrics import ServiceMetrics
 from ..tracking import Tracker
 from .paths import name_as_given
-from .store import StoreUnavailable
-
-if TYPE_CHECKING:
-    from .worker import JobWorker
+from .store import JobStore, StoreUnavailable
 
 log = logging.getLogger("dflash.jobs")
+
+
+class RunOwner(Protocol):
+    """What a run's callbacks read of the worker that runs it (service.jobs.worker.JobWorker):
+    the store its progress goes to, the metrics it feeds, and whether the daemon is stopping."""
+
+    @property
+    def store(self) -> JobStore: ...
+
+    @property
+    def metrics(self) -> ServiceMetrics | None: ...
+
+    @property
+    def shutting_down(self) -> bool: ...
 
 
 class RunCallbacks:
     """Engine callbacks of one run: persist progress, feed metrics, answer cancellation."""
 
     def __init__(
-        self, manager: JobWorker, job_id: str, tracker: Tracker | None = None, paths: dict[str, str] | None = None
+        self, manager: RunOwner, job_id: str, tracker: Tracker | None = None, paths: dict[str, str] | None = None
     ):
         self.manager = manager
         self.job_id = job_id

@@ -1,20 +1,16 @@
-"""What a client may submit: a job spec (JobSpec, the training spec; each other kind's spec model is
-named in the kinds table, dflash_core/kinds.py), parsed from a decoded JSON body by `parse_spec`,
-and SpecError, the one error that names the fields at fault (HTTP 422)."""
+"""What a client may submit: a job spec (SpecModel, what every kind's spec shares, and JobSpec, the
+training spec; each other kind's spec model is named in the kinds table, dflash_core/kinds.py, and
+a body is parsed as its kind's by service.jobs.by_kind.parse_spec), and SpecError, the one error
+that names the fields at fault (HTTP 422)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from dflash_core.kinds import DEFAULT_KIND, KINDS, UnknownKind, kind
-
-from .suggest import unknown_field_message
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 # Characters refused in a job's name and submission_id: C0/C1 controls (NUL, escape sequences,
@@ -202,66 +198,6 @@ def field_path(loc: tuple) -> str:
         else:
             out += ("." if out else "") + str(part)
     return out
-
-
-def field_errors(errors: Iterable[Mapping[str, Any]], model: type[BaseModel] | None = None) -> list[dict[str, str]]:
-    """pydantic's errors (locations already relative to the spec or the request) as [{field,
-    message}], our own SpecErrors unwrapped; an unknown top-level field gets a suggestion from
-    `model`'s fields."""
-    out: list[dict[str, str]] = []
-    for e in errors:
-        ctx_error = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_error, SpecError):
-            out.extend(ctx_error.errors)
-            continue
-        loc = tuple(e.get("loc", ()))
-        name = field_path(loc) or "body"
-        if e.get("type") == "extra_forbidden" and model is not None:
-            # a top-level field: suggest one of the spec's (a nested one has no fields of its own here)
-            unknown = str(loc[-1])
-            fields = model.model_fields if len(loc) == 1 else ()
-            out.append({"field": name, "message": unknown_field_message(unknown, fields, other_kind(model, unknown))})
-        else:
-            out.append({"field": name, "message": e.get("msg", "invalid")})
-    return out
-
-
-def spec_kind(spec: BaseModel) -> str:
-    """The job kind a spec is of (a training spec has no `kind` field)."""
-    return str(getattr(spec, "kind", DEFAULT_KIND))
-
-
-def parse_spec(body: Any) -> SpecModel:
-    """Validate a decoded JSON body as the spec of its `kind` (the kinds table's spec model; "train",
-    the default, when absent); raises SpecError listing every problem."""
-    if not isinstance(body, dict):
-        raise SpecError("body", f"expected a JSON object, got {type(body).__name__}")
-    # before anything walks the values recursively (validation, the fingerprint's JSON encoding)
-    from dflash_core.data.bounded import MAX_JSON_DEPTH, too_deep
-
-    deep = [str(k) for k, v in body.items() if too_deep(v, MAX_JSON_DEPTH - 1)]
-    if deep:
-        raise SpecError(errors=[{"field": k, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"} for k in deep])
-    try:
-        model: type[SpecModel] = kind(body.get("kind", DEFAULT_KIND)).spec_model()
-    except UnknownKind as e:
-        raise SpecError("kind", str(e)) from None
-    # a kind's spec declares `kind` where it is required; the default kind's spec has none
-    values = body if "kind" in model.model_fields else {k: v for k, v in body.items() if k != "kind"}
-    try:
-        return model.model_validate(values)
-    except ValidationError as e:
-        raise SpecError(errors=field_errors(e.errors(), model)) from None
-
-
-def other_kind(model: type[BaseModel], name: str) -> str | None:
-    """The job kind whose spec has the field `name` when `model`'s has not: a train spec given a
-    regeneration's `max_new_tokens` is pointed at `"kind": "regenerate"`, and back."""
-    for entry in KINDS:
-        other = entry.spec_model()
-        if other is not model and name in other.model_fields and name not in model.model_fields:
-            return entry.name
-    return None
 
 
 def check_training_fields(spec: Any) -> None:

@@ -20,8 +20,9 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import api_models as models
 from ..event_feed import EVENT_PAGE
+from ..jobs.by_kind import parse_spec
 from ..jobs.errors import JobNotFound
-from ..jobs.schemas import JobSpec, SpecError, parse_spec
+from ..jobs.schemas import JobSpec, SpecError
 from ..jobs.store import STATES
 from ..views import NDJSON, NDJSONStream, event_line, job_json
 from . import RunningDaemon, doc

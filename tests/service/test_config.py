@@ -112,7 +112,7 @@ def test_cli_parser_has_subcommands_and_client_options():
 
 
 def test_example_jobs_are_valid_specs():
-    from service.jobs.schemas import parse_spec
+    from service.jobs.by_kind import parse_spec
 
     examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.json"))
     assert examples

@@ -28,7 +28,7 @@ from dflash_core.drafter import FrozenHead
 from dflash_core.engine.api import JobCallbacks
 from dflash_core.engine.checkpointing import Checkpointer, RunPlan
 from dflash_core.engine.config import TrainJob, step_plan
-from dflash_core.engine.replica import DrafterReplica
+from dflash_core.engine.replica import DrafterReplica, ReplicaStep
 
 
 class Record(JobCallbacks):
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
         torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", generator=g) * 0.02,
         torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", generator=g) * 0.02,
     )
-    rep = DrafterReplica(0, cfg, "cuda:0", head, step_plan(["cuda:0"]), gamma=7.0, chunk_size=2048)
+    rep = DrafterReplica(0, cfg, "cuda:0", head, step_plan(["cuda:0"]), ReplicaStep(7.0, 2048))
     rep.init_weights(0)
     rep.new_optimizer(1e-4, 0.0, (0.9, 0.95))
     batch = synthetic_micro_batch(shape, cfg.vocab_size, 0).to("cuda")

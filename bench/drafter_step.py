@@ -43,7 +43,7 @@ from bench.variants import variant_kernels
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import FrozenHead
 from dflash_core.engine.config import StepPlan
-from dflash_core.engine.replica import DrafterReplica
+from dflash_core.engine.replica import DrafterReplica, ReplicaStep
 from dflash_core.step.attention import dense_mask, dflash_mask_mod
 
 ENGINE = StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")  # step_plan on CUDA
@@ -73,7 +73,7 @@ REFERENCE_VARIANTS = ("reference", "reference_mask_once")
 
 def make_replica(cfg, head, variant, chunk):
     plan, scope, q_splits = VARIANTS[variant]
-    rep = DrafterReplica(0, cfg, "cuda:0", head, plan, gamma=7.0, chunk_size=chunk)
+    rep = DrafterReplica(0, cfg, "cuda:0", head, plan, ReplicaStep(7.0, chunk))
     rep.kernels = variant_kernels(rep.drafter, plan, scope, q_splits)
     rep.init_weights(0)
     return rep

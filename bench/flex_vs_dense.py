@@ -17,7 +17,7 @@ from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import DFlashDrafter, FrozenHead
 from dflash_core.engine.config import step_plan
 from dflash_core.engine.replica import make_bf16_working_copies, plan_kernels
-from dflash_core.step.micro_step import EAGER, StepKernels, drafter_forward, micro_step, step_attention
+from dflash_core.step.micro_step import EAGER, StepKernels, StepSettings, drafter_forward, micro_step, step_attention
 
 
 def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
@@ -52,9 +52,7 @@ def run(layers=2, seq_len=3072, anchors=512, block=16, seed=0):
             else torch.autocast("cuda", enabled=False)
         )
         with ctx:
-            res = micro_step(
-                drafter, head, batch, feats.to(dtype), attention=attention, gamma=7.0, chunk_size=2048, kernels=kernels
-            )
+            res = micro_step(drafter, head, batch, feats.to(dtype), StepSettings(attention, 7.0, 2048, kernels))
             with torch.no_grad():
                 hidden = drafter_forward(
                     drafter, head, batch, feats.to(dtype), step_attention(batch, block, attention, kernels), kernels

@@ -29,7 +29,7 @@ def child(mode: str, threads: int) -> None:
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import StepPlan
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
 
     cfg = DrafterConfig(
         **dims(1024, 2048, 1, 8, 4, 128),
@@ -44,7 +44,7 @@ def child(mode: str, threads: int) -> None:
     devices = [f"cuda:{i % gpus}" for i in range(threads)]
     head = FrozenHead(torch.randn(32000, 1024) * 0.02, torch.randn(32000, 1024) * 0.02)
     plan = StepPlan(attention="flex", compiled=True, loss="compiled", working_weights="fp32")
-    reps = [DrafterReplica(i, cfg, d, head, plan, gamma=7.0, chunk_size=2048) for i, d in enumerate(devices)]
+    reps = [DrafterReplica(i, cfg, d, head, plan, ReplicaStep(7.0, 2048)) for i, d in enumerate(devices)]
     batch = synthetic_micro_batch(shape, 32000, 0)
     inputs = [(batch.to(d), torch.randn(1024, 2 * 1024, device=d, dtype=torch.bfloat16)) for d in devices]
 

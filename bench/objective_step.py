@@ -35,7 +35,7 @@ from bench.drafter_step import ENGINE
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import FrozenHead
-from dflash_core.engine.replica import DrafterReplica
+from dflash_core.engine.replica import DrafterReplica, ReplicaStep
 from dflash_core.engine.step_graph import StepGraph, matches_eager
 from dflash_core.step.objectives import objective_of
 
@@ -79,7 +79,7 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only
         shape = ShapeConfig(seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=7)
         gamma = float("inf")
     head, batch, feats = inputs(cfg, shape, teacher)
-    rep = DrafterReplica(0, cfg, "cuda:0", head, ENGINE, gamma=gamma, chunk_size=chunk, teacher=teacher)
+    rep = DrafterReplica(0, cfg, "cuda:0", head, ENGINE, ReplicaStep(gamma, chunk, teacher=teacher))
     rep.init_weights(0)
     if teacher:
         rep.objective.set(objective_of(mix, weights, 0.5))

@@ -132,7 +132,6 @@ class Daemon:
         """GET /livez's body: "dead", with the problems, when something died that only a restart
         brings back."""
         assert self.host is not None  # set by start(), which the lifespan runs before any request
-        assert self.manager is not None or self.follower
         problems = []
         alive = not self.shutting_down  # while shutting down, threads end on purpose
         if self.manager is not None and not self.manager.worker_alive and alive:

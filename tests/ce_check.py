@@ -74,7 +74,7 @@ def micro_step_compare() -> dict:
 
     from dflash_core.config import ShapeConfig
     from dflash_core.drafter import FrozenHead
-    from dflash_core.step.micro_step import EAGER, StepKernels, micro_step
+    from dflash_core.step.micro_step import EAGER, StepKernels, StepSettings, micro_step
     from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
     cfg = tiny_drafter_config(block_size=4)
@@ -86,7 +86,7 @@ def micro_step_compare() -> dict:
     results = []
     for kernels in (EAGER, StepKernels(loss="triton")):
         drafter = random_drafter(cfg).float()
-        res = micro_step(drafter, head, mb, feats, attention="dense", gamma=2.0, chunk_size=5, kernels=kernels)
+        res = micro_step(drafter, head, mb, feats, StepSettings("dense", 2.0, 5, kernels))
         res.loss.backward()
         results.append((res, {n: p.grad for n, p in drafter.named_parameters()}))
     (ref, ref_grads), (got, grads) = results

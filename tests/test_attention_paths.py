@@ -53,7 +53,7 @@ def test_compiled_step_equals_eager_step(scope):
     eager step (CPU, dense attention: flex has no CPU backward)."""
     from bench.variants import variant_kernels
     from dflash_core.engine.config import CPU_PLAN, StepPlan
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
 
     rng = np.random.default_rng(3)
     shape = ShapeConfig(seq_len=96, num_anchors=8, block_size=4)
@@ -65,7 +65,7 @@ def test_compiled_step_equals_eager_step(scope):
     results = []
     compiled_plan = StepPlan(attention="dense", compiled=True, loss="compiled", working_weights="fp32")
     for plan in (CPU_PLAN, compiled_plan):
-        rep = DrafterReplica(0, cfg, "cpu", head, plan, gamma=2.0, chunk_size=16)
+        rep = DrafterReplica(0, cfg, "cpu", head, plan, ReplicaStep(2.0, 16))
         if plan.compiled and scope != "layer":
             rep.kernels = variant_kernels(rep.drafter, plan, scope)
         rep.drafter.init_weights(0, std=0.2)
@@ -123,7 +123,7 @@ def test_one_compiled_layer_serves_every_layer():
     from torch._dynamo.utils import counters
 
     from dflash_core.engine.config import StepPlan
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
 
     torch._dynamo.reset()
     shape = ShapeConfig(seq_len=96, num_anchors=8, block_size=4)
@@ -133,6 +133,6 @@ def test_one_compiled_layer_serves_every_layer():
     feats = torch.randn(shape.seq_len, 2 * cfg.hidden_size)
     before = counters["stats"]["unique_graphs"]
     plan = StepPlan(attention="dense", compiled=True, loss="compiled", working_weights="fp32")
-    rep = DrafterReplica(0, cfg, "cpu", head, plan, gamma=2.0, chunk_size=16)
+    rep = DrafterReplica(0, cfg, "cpu", head, plan, ReplicaStep(2.0, 16))
     rep.forward_backward(mb, feats, 1.0, rep.new_accumulator())
     assert counters["stats"]["unique_graphs"] - before == 3

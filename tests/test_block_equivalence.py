@@ -9,7 +9,7 @@ from dflash_core.data.batches import make_micro_batch
 from dflash_core.data.packing import pack_documents
 from dflash_core.drafter import FrozenHead
 from dflash_core.step.loss import reference_lm_head_loss
-from dflash_core.step.micro_step import inference_block_forward, micro_step
+from dflash_core.step.micro_step import StepSettings, inference_block_forward, micro_step
 from dflash_core.target import TargetModel
 from tests.helpers import random_documents, random_drafter, tiny_drafter_config
 
@@ -39,7 +39,7 @@ def test_training_blocks_equal_inference_blocks(random_target_dir, tokenizer):
     feats = target.capture(mb.input_ids, mb.position_ids, mb.doc_ids).double()
 
     with torch.no_grad():
-        res = micro_step(drafter, head64, mb, feats, attention="dense", gamma=2.0, chunk_size=7)
+        res = micro_step(drafter, head64, mb, feats, StepSettings("dense", 2.0, 7))
         from dflash_core.step.attention import training_attention
         from dflash_core.step.micro_step import drafter_forward
 

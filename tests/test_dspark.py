@@ -17,6 +17,8 @@ import torch
 from dflash_core.checkpoint import config_from_hf, hf_config, save_checkpoint
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.recipes.dspark import calibrate, dspark_loss, reference_dspark_loss
+from dflash_core.step.inputs import RowLossInputs
+from dflash_core.step.objectives import ObjectiveInputs
 from tests.helpers import assets_job, build_engine, random_drafter, small_engine_config, tiny_drafter_config
 
 # SpecForge a6b6b023, configs/qwen3-8b-dspark.json: the DSpark fields of dflash_config
@@ -88,14 +90,16 @@ def test_dspark_loss_matches_the_dense_reference(kind):
     weights[4] = 0
     mix, conf = torch.tensor([0.1, 0.2, 0.9], dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     params = [h, *(p for n, p in drafter.named_parameters() if "head" in n)]
-    loss, terms, _ = dspark_loss(
-        drafter, h, ht, w, prev, labels, weights, mix, conf, chunk_size=4, kernel="eager", block_positions=3
+    objective = ObjectiveInputs("cpu")
+    objective.mix, objective.conf = mix, conf
+    # 5 blocks of 3 predicting positions
+    inputs = RowLossInputs(
+        h, ht, w, prev.view(5, 3), labels, weights.view(5, 3), objective, chunk_size=4, kernel="eager"
     )
+    loss, terms, _ = dspark_loss(drafter, inputs)
     got = torch.autograd.grad(loss, params)
     emb = drafter.markov_head.markov_w1(prev)
-    ref = reference_dspark_loss(
-        drafter, h, ht, w, prev, labels, weights, mix, 1.0, latents_by_definition(drafter, emb, h, kind, 3)
-    )
+    ref = reference_dspark_loss(drafter, inputs, latents_by_definition(drafter, emb, h, kind, 3))
     want = torch.autograd.grad(ref, params)
     assert abs(float(loss.detach()) - float(ref.detach())) < 1e-6 * max(1.0, abs(float(ref.detach())))
     for a, b in zip(got, want, strict=True):

@@ -17,7 +17,7 @@ from dflash_core.step.loss import (
     chunked_lm_head_loss,
     reference_lm_head_loss,
 )
-from dflash_core.step.micro_step import drafter_forward, micro_step
+from dflash_core.step.micro_step import StepSettings, drafter_forward, micro_step
 from tests.helpers import random_drafter, random_micro_batch, run_interpreted_check, tiny_drafter_config
 
 
@@ -139,7 +139,7 @@ def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
         torch.randn(64, cfg.hidden_size, dtype=torch.float64, generator=g),
     )
     feats = torch.randn(48, 2 * cfg.hidden_size, dtype=torch.float64, generator=g)
-    res = micro_step(drafter, head, mb, feats, attention="dense", gamma=2.0, chunk_size=5)
+    res = micro_step(drafter, head, mb, feats, StepSettings("dense", 2.0, 5))
     res.loss.backward()
     got = {n: p.grad.clone() for n, p in drafter.named_parameters()}
     drafter.zero_grad()

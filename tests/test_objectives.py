@@ -15,7 +15,7 @@ from dflash_core.engine.api import JobError
 from dflash_core.engine.config import TrainJob
 from dflash_core.engine.objective import check_objective
 from dflash_core.step.blocks import block_labels
-from dflash_core.step.micro_step import micro_step
+from dflash_core.step.micro_step import StepSettings, micro_step
 from dflash_core.step.objectives import (
     ObjectiveInputs,
     chunked_objective_terms,
@@ -114,7 +114,7 @@ def test_objective_micro_step_matches_a_dense_reference(name, dpace):
     inputs.set(objective_of(dict(zip(("ce", "kl", "tv"), MIXES[name])), "dpace" if dpace else "decay", 0.5))
     hidden_out = {}
     drafter.norm.register_forward_hook(lambda _m, _i, out: hidden_out.setdefault("h", out))
-    res = micro_step(drafter, head, mb, feats, attention="dense", gamma=2.0, chunk_size=5, objective=inputs)
+    res = micro_step(drafter, head, mb, feats, StepSettings("dense", 2.0, 5, objective=inputs).with_hooks(cfg))
     grads = torch.autograd.grad(res.loss, list(drafter.parameters()), retain_graph=True)
 
     b, n = cfg.block_size, mb.anchors.shape[0]
@@ -203,7 +203,8 @@ def test_objective_step_with_plain_ce_equals_the_block_ce_step():
     for objective in (None, ObjectiveInputs("cpu")):
         drafter = random_drafter(cfg).float()
         f = feats if objective is not None else feats[:, :width]
-        res = micro_step(drafter, head, mb, f, attention="dense", gamma=2.0, chunk_size=5, objective=objective)
+        settings = StepSettings("dense", 2.0, 5, objective=objective)
+        res = micro_step(drafter, head, mb, f, settings.with_hooks(cfg) if objective is not None else settings)
         results.append((res, torch.autograd.grad(res.loss, list(drafter.parameters()))))
     (a, ga), (b, gb) = results
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)

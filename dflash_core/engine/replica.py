@@ -14,8 +14,9 @@ from ..data.batches import MicroBatch
 from ..devices import compute_dtype
 from ..drafter import DFlashDrafter, FrozenHead, init_drafter_weights, run_layer
 from ..fp8 import quantize_head, use_fp8_linears
+from ..step.inputs import StepKernels, StepSettings
 from ..step.loss import LOSS_KERNELS
-from ..step.micro_step import MicroStepResult, StepKernels, micro_step
+from ..step.micro_step import MicroStepResult, micro_step
 from ..step.objectives import ObjectiveInputs
 from .config import StepPlan
 from .optim import TritonAdamW, build_optimizer, clipped_step, set_lr
@@ -60,6 +61,20 @@ class StepAccumulator:
         )
 
 
+@dataclass(frozen=True)
+class ReplicaStep:
+    """What a replica's micro-step is built with beyond its plan: the loss's position decay and
+    chunk size; teacher: the step is the objective step (step.objective_step; features end with
+    the target's final hidden states), its objective set per job in the replica's `objective`,
+    else the DFlash block CE; kernels: the compiled parts of the step, by default the plan's
+    (benchmarks pass their variants)."""
+
+    gamma: float
+    chunk_size: int
+    teacher: bool = False
+    kernels: StepKernels | None = None
+
+
 class DrafterReplica:
     def __init__(
         self,
@@ -68,16 +83,10 @@ class DrafterReplica:
         device: str | torch.device,
         head: FrozenHead,
         plan: StepPlan,
-        *,
-        gamma: float,
-        chunk_size: int,
-        kernels: StepKernels | None = None,
-        teacher: bool = False,
+        step: ReplicaStep,
     ):
-        """plan: how the step runs (engine.config.step_plan); kernels: the compiled parts of the
-        step, by default the plan's (benchmarks pass their variants). teacher: the step is the
-        objective step (step.objective_step; features end with the target's final hidden
-        states), its objective set per job in `objective`; else the DFlash block CE."""
+        """plan: how the step runs (engine.config.step_plan); step: what its loss is built with.
+        The step's settings (StepSettings, the recipe's loss hook among them) are built here, once."""
         device = torch.device(device)
         compute = compute_dtype(device)
         check_plan(plan, device, compute)
@@ -93,13 +102,16 @@ class DrafterReplica:
         if plan.loss == "triton_fp8":
             self.head.lm_head_fp8 = quantize_head(self.head.lm_head_weight)
         self.plan = plan
-        self.attention = plan.attention
         self.compute_dtype = compute
-        self.gamma = gamma
-        self.chunk_size = chunk_size
-        self.objective = ObjectiveInputs(self.device) if teacher else None
+        settings = StepSettings(
+            plan.attention,
+            step.gamma,
+            step.chunk_size,
+            step.kernels if step.kernels is not None else plan_kernels(plan),
+            ObjectiveInputs(self.device) if step.teacher else None,
+        )
+        self.step = settings.with_hooks(cfg) if step.teacher else settings
         self.optimizer: torch.optim.Optimizer | None = None
-        self.kernels = kernels if kernels is not None else plan_kernels(plan)
         self.params: list[torch.nn.Parameter] = list(self.drafter.parameters())  # fixed for the replica's life
         # masters[i]: the fp32 weight of record for params[i] (what the optimizer updates and
         # checkpoints hold): params[i] itself, or an fp32 tensor beside its bf16 working copy
@@ -121,6 +133,35 @@ class DrafterReplica:
         # this step's micro-batches so far, and whether they were replayed (a step never mixes)
         self._step_micro_batches = 0
         self._step_replayed = False
+
+    # the step's settings as the engine, the step graph and benchmarks read and set them
+    @property
+    def attention(self) -> str:
+        return self.step.attention
+
+    @property
+    def chunk_size(self) -> int:
+        return self.step.chunk_size
+
+    @property
+    def objective(self) -> ObjectiveInputs | None:
+        return self.step.objective
+
+    @property
+    def gamma(self) -> float:
+        return self.step.gamma
+
+    @gamma.setter
+    def gamma(self, value: float) -> None:  # per job (the engine's), read by the step graph's replay
+        self.step.gamma = value
+
+    @property
+    def kernels(self) -> StepKernels:
+        return self.step.kernels
+
+    @kernels.setter
+    def kernels(self, value: StepKernels) -> None:  # a benchmark's variant
+        self.step.kernels = value
 
     def working_copies(self) -> list[torch.Tensor | None]:
         """Per master, its bf16 working copy (None where the master is the parameter itself)."""
@@ -237,18 +278,7 @@ class DrafterReplica:
         off with bf16 working weights (`_default_cast_cache`)."""
         self.drafter.train()
         with self.autocast(self._default_cast_cache if cast_cache is None else cast_cache):
-            res = micro_step(
-                self.drafter,
-                self.head,
-                batch,
-                features,
-                attention=self.attention,
-                gamma=self.gamma,
-                chunk_size=self.chunk_size,
-                kernels=self.kernels,
-                decay=decay,
-                objective=self.objective,
-            )
+            res = micro_step(self.drafter, self.head, batch, features, self.step, decay)
         (res.loss * loss_scale).backward()
         with torch.no_grad():
             counted = res.weights > 0

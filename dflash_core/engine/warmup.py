@@ -34,7 +34,7 @@ from .compile import compile_delta, compile_snapshot, raise_recompile_limit, sta
 from .config import EngineConfig, StepPlan, step_plan
 from .drafters import GradSync
 from .pipeline import capture
-from .replica import DrafterReplica
+from .replica import DrafterReplica, ReplicaStep
 from .step_graph import record_step_graph
 
 log = logging.getLogger("dflash.engine")
@@ -305,9 +305,7 @@ class _Build:
                     dev,
                     head,
                     self.plan,
-                    gamma=gamma,
-                    chunk_size=LossConfig().chunk_size,
-                    teacher=self.config.teacher,
+                    ReplicaStep(gamma, LossConfig().chunk_size, teacher=self.config.teacher),
                 )
             )
             self.timeline.mark(f"build:replica_created:{dev}")

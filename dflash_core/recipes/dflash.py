@@ -21,16 +21,24 @@ class DFlashOps:
         return set()
 
     @staticmethod
-    def row_loss(drafter, rows, teacher_rows, lm_head, prev, labels, decayed, objective, chunk_size, kernel):
-        """(loss, terms [R, 3], hits [R], weights [N, D]) of the predicting rows of N blocks: the
-        mixed terms beside the drafter's logits, weighted by decay or D-PACE."""
+    def row_loss(drafter, inputs):
+        """(loss, terms [R, 3], hits [R], weights [N, D]) of the predicting rows of N blocks
+        (step.inputs.RowLossInputs): the mixed terms beside the drafter's logits, weighted by
+        decay or D-PACE."""
         from ..step.objectives import chunked_objective_terms, position_weights, weighted_objective_loss
 
+        objective = inputs.objective
         mixed, terms, hits = chunked_objective_terms(
-            rows, teacher_rows, lm_head, labels, objective.mix, chunk_size, kernel
+            inputs.rows,
+            inputs.teacher_rows,
+            inputs.lm_head,
+            inputs.labels,
+            objective.mix,
+            inputs.chunk_size,
+            inputs.kernel,
         )
-        n, d = decayed.shape
-        weights = position_weights(decayed, terms[:, 0].view(n, d), objective)
+        n, d = inputs.decayed.shape
+        weights = position_weights(inputs.decayed, terms[:, 0].view(n, d), objective)
         return weighted_objective_loss(mixed, weights.reshape(-1)), terms, hits, weights
 
     @staticmethod

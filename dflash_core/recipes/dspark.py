@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..step.teacher import TeacherLogits, teacher_logits
+from ..step.inputs import RowLossInputs
+from ..step.teacher import teacher_logits
 from .dspark_settings import DSPARK_BLOCK_SIZE, DSPARK_GAMMA, DSPARK_LOSS, DSPARK_MARKOV_RANK, default_markov_rank
 
 __all__ = ["DSPARK_BLOCK_SIZE", "DSPARK_GAMMA", "DSPARK_LOSS", "DSPARK_MARKOV_RANK", "OPS", "default_markov_rank"]
@@ -166,64 +167,56 @@ class _MarkovObjective(torch.autograd.Function):
         )
 
 
-def dspark_loss(
-    drafter,
-    rows: torch.Tensor,  # [R, H] drafter hidden states of the predicting positions
-    teacher_rows: torch.Tensor | TeacherLogits,  # [R, H] target final hidden states before each label, or their logits
-    lm_head: torch.Tensor,
-    prev: torch.Tensor,  # [R] previous tokens
-    labels: torch.Tensor,  # [R]
-    weights: torch.Tensor,  # [R] position weights (detached)
-    mix: torch.Tensor,  # [3] ce, kl, tv
-    conf_weight: torch.Tensor,  # [] the confidence BCE's weight
-    chunk_size: int,
-    kernel: str,
-    block_positions: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, terms [R, 3], argmax hits [R]) of the DSpark objective (rows: blocks of
-    block_positions predicting positions, in order): the weighted mean of the
-    mixed terms plus conf_weight times the weighted mean of the confidence BCE."""
-    w = weights.detach().float()
+def dspark_loss(drafter, inputs: RowLossInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, terms [R, 3], argmax hits [R]) of the DSpark objective on the predicting rows of N
+    blocks of D positions (in order): the weighted mean of the mixed terms (the objective's mix of
+    ce, kl, tv) plus the objective's conf times the weighted mean of the confidence BCE, every row
+    weighted by its detached position weight."""
+    rows = inputs.rows
+    prev = inputs.prev.reshape(-1)
+    w = inputs.decayed.reshape(-1).detach().float()
     w = w / w.sum().clamp_min(1e-6)
     emb = drafter.markov_head.markov_w1(prev)
-    k = block_positions
+    k = inputs.decayed.shape[1]
     latent = drafter.markov_head.latents(
         emb.view(-1, k, emb.shape[-1]).to(rows.dtype), rows.view(-1, k, rows.shape[-1])
     ).reshape(-1, emb.shape[-1])
     loss, terms, hits = _MarkovObjective.apply(
         rows,
         latent,
-        teacher_logits(teacher_rows, lm_head),
-        lm_head,
+        teacher_logits(inputs.teacher_rows, inputs.lm_head),
+        inputs.lm_head,
         drafter.markov_head.markov_w2.weight,
-        labels,
-        mix.float(),
+        inputs.labels,
+        inputs.objective.mix.float(),
         w,
-        chunk_size,
-        kernel,
+        inputs.chunk_size,
+        inputs.kernel,
     )
     conf_logit = drafter.confidence_head(torch.cat([rows, emb.to(rows.dtype)], dim=-1)).float()
     accept = (1.0 - terms[:, 2]).clamp(0.0, 1.0)
     bce = F.binary_cross_entropy_with_logits(conf_logit, accept, reduction="none")
-    return loss + conf_weight * (bce * w).sum(), terms, hits
+    return loss + inputs.objective.conf * (bce * w).sum(), terms, hits
 
 
-def reference_dspark_loss(drafter, rows, teacher_rows, lm_head, prev, labels, weights, mix, conf_weight, latent):
+def reference_dspark_loss(drafter, inputs: RowLossInputs, latent: torch.Tensor) -> torch.Tensor:
     """Dense float64 reference of dspark_loss, for tests (the full [rows, vocab] logits; latent:
     the Markov latents of the rows, computed by the caller)."""
-    emb = drafter.markov_head.markov_w1(prev).double()
+    rows, lm_head, mix = inputs.rows, inputs.lm_head, inputs.objective.mix
+    emb = drafter.markov_head.markov_w1(inputs.prev.reshape(-1)).double()
     zd = rows.double() @ lm_head.double().t() + latent.double() @ drafter.markov_head.markov_w2.weight.double().t()
-    zt = teacher_rows.double() @ lm_head.double().t()
+    zt = teacher_logits(inputs.teacher_rows, lm_head).hidden_rows().double() @ lm_head.double().t()
     logp_d, logp_t = torch.log_softmax(zd, -1), torch.log_softmax(zt, -1)
-    ce = F.nll_loss(logp_d, labels, reduction="none")
+    ce = F.nll_loss(logp_d, inputs.labels, reduction="none")
     kl = (logp_t.exp() * (logp_t - logp_d)).sum(-1)
     tv = 0.5 * (logp_d.exp() - logp_t.exp()).abs().sum(-1)
-    w = weights.double() / weights.double().sum().clamp_min(1e-6)
+    weights = inputs.decayed.reshape(-1).double()
+    w = weights / weights.sum().clamp_min(1e-6)
     main = ((mix[0] * ce + mix[1] * kl + mix[2] * tv) * w).sum()
     proj = drafter.confidence_head.proj
     conf = (torch.cat([rows.double(), emb], -1) @ proj.weight.double().t() + proj.bias.double()).squeeze(-1)
     bce = F.binary_cross_entropy_with_logits(conf, (1 - tv.detach()).clamp(0, 1), reduction="none")
-    return main + conf_weight * (bce * w).sum()
+    return main + inputs.objective.conf * (bce * w).sum()
 
 
 # ----------------------------------------------------------------------------- inference
@@ -362,23 +355,10 @@ class DSparkOps:
         return head_keys(markov_head_type)
 
     @staticmethod
-    def row_loss(drafter, rows, teacher_rows, lm_head, prev, labels, decayed, objective, chunk_size, kernel):
+    def row_loss(drafter, inputs: RowLossInputs):
         """(loss, terms [R, 3], hits [R], weights [N, D]) of the predicting rows of N blocks."""
-        loss, terms, hits = dspark_loss(
-            drafter,
-            rows,
-            teacher_rows,
-            lm_head,
-            prev.reshape(-1),
-            labels,
-            decayed.reshape(-1),
-            objective.mix,
-            objective.conf,
-            chunk_size,
-            kernel,
-            decayed.shape[1],
-        )
-        return loss, terms, hits, decayed
+        loss, terms, hits = dspark_loss(drafter, inputs)
+        return loss, terms, hits, inputs.decayed
 
     @staticmethod
     def draft(drafter, lm_head, slots, anchor_token):

@@ -1,8 +1,8 @@
-"""One drafter micro-step: micro-batch + target features -> weighted loss and statistics."""
+"""One drafter micro-step: micro-batch + target features -> weighted loss and statistics (how
+it runs: step.inputs.StepSettings)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +11,11 @@ from ..data.batches import MicroBatch
 from ..drafter import DFlashDrafter, FrozenHead
 from .attention import DenseAttention, inference_mask, training_attention
 from .blocks import block_inputs, block_labels
+from .inputs import EAGER, BlockOutputs, StepKernels, StepSettings
 from .loss import chunked_lm_head_loss
 from .objective_step import objective_loss, split_teacher
-from .objectives import ObjectiveInputs
+
+__all__ = ["EAGER", "MicroStepResult", "StepKernels", "StepSettings", "micro_step"]
 
 
 @dataclass
@@ -21,26 +23,6 @@ class MicroStepResult:
     loss: torch.Tensor  # fp32 scalar (graph attached when training)
     correct: torch.Tensor  # bool [N, B]
     weights: torch.Tensor  # fp32 [N, B]
-
-
-@dataclass(frozen=True)
-class StepKernels:
-    """Which parts of the step run compiled (same math either way; tests compare them).
-
-    attention: flex_attention compiled on its own (off when a compiled forward or layer
-    includes it); forward: a compiled `drafter.forward`; layer: a compiled `run_layer`; mask:
-    BlockMask built by a compiled kernel (no [Q, KV] grid); loss: how the lm_head + CE chunks run
-    (loss.LOSS_KERNELS: "eager", "compiled", "triton")."""
-
-    attention: bool = False
-    forward: Callable | None = None
-    layer: Callable | None = None
-    mask: bool = False
-    loss: str = "eager"
-    q_splits: int = 1  # flex only: queries as this many batch entries (FlexAttention.q_splits)
-
-
-EAGER = StepKernels()
 
 
 def step_attention(
@@ -93,19 +75,16 @@ def micro_step(
     head: FrozenHead,
     batch: MicroBatch,
     features: torch.Tensor,
-    *,
-    attention: str,
-    gamma: float,
-    chunk_size: int,
-    kernels: StepKernels = EAGER,
+    settings: StepSettings,
     decay: torch.Tensor | None = None,
-    objective: ObjectiveInputs | None = None,
 ) -> MicroStepResult:
-    """decay: the loss's position weights (blocks.position_decay of gamma) as a tensor the caller
-    holds, else computed from gamma. objective: the objective step (objective_step.py; the
-    features then end with the target's final hidden states), else the DFlash block CE."""
+    """decay: the loss's position weights (blocks.position_decay of settings.gamma) as a tensor
+    the caller holds, else computed from gamma. With settings.objective the step is the objective
+    step (objective_step.py; the features then end with the target's final hidden states), else
+    the DFlash block CE."""
     cfg = drafter.config
-    if objective is not None:
+    kernels = settings.kernels
+    if settings.objective is not None:
         drafter_features, teacher = split_teacher(features, cfg)
     else:
         drafter_features, teacher = features, None
@@ -114,14 +93,13 @@ def micro_step(
         head,
         batch,
         drafter_features,
-        step_attention(batch, cfg.block_size, attention, kernels, cfg.sliding_window),
+        step_attention(batch, cfg.block_size, settings.attention, kernels, cfg.sliding_window),
         kernels,
     )
-    labels, weights = block_labels(batch, cfg.block_size, gamma, decay, cfg.block_layout)
-    if objective is not None:
-        assert teacher is not None
+    labels, weights = block_labels(batch, cfg.block_size, settings.gamma, decay, cfg.block_layout)
+    if teacher is not None:
         loss, correct, weights = objective_loss(
-            drafter, hidden, teacher, head, batch, labels, weights, objective, chunk_size, kernels.loss
+            drafter, head, batch, BlockOutputs(hidden, labels, weights), teacher, settings
         )
         return MicroStepResult(loss, correct, weights)
     n, b, first = batch.anchors.shape[0], cfg.block_size, cfg.first_slot
@@ -136,7 +114,7 @@ def micro_step(
         head.lm_head_for(kernels.loss),
         predicting(labels),
         predicting(weights),
-        chunk_size,
+        settings.chunk_size,
         kernels.loss,
     )
     skipped = torch.zeros(n, first, dtype=torch.bool, device=correct.device)

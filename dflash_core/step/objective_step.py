@@ -16,7 +16,7 @@ from ..config import DrafterConfig
 from ..data.batches import MicroBatch
 from ..drafter import FrozenHead
 from .blocks import label_positions, previous_tokens
-from .objectives import ObjectiveInputs
+from .inputs import BlockOutputs, RowLossInputs, StepSettings
 from .teacher import TeacherLogits
 
 
@@ -34,44 +34,44 @@ def split_teacher(features: torch.Tensor, cfg: DrafterConfig) -> tuple[torch.Ten
 
 def objective_loss(
     drafter,
-    hidden: torch.Tensor,  # [N*B, H] drafter final hidden states
-    teacher: torch.Tensor,  # [S, H] target final hidden states
     head: FrozenHead,
     batch: MicroBatch,
-    labels: torch.Tensor,  # [N*B]
-    decayed: torch.Tensor,  # [N*B] blocks.block_labels' weights
-    objective: ObjectiveInputs,
-    chunk_size: int,
-    kernel: str,
+    blocks: BlockOutputs,
+    teacher: torch.Tensor,  # [S, H] target final hidden states
+    settings: StepSettings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, argmax hits [N, B], weights [N, B]) of the layout's predicting slots (the recipe's
-    row_loss: the DFlash mix, or DSpark's Markov bias and confidence head); a slot before the
-    layout's first predicting one never counts."""
+    row_loss, looked up with the settings: the DFlash mix, or DSpark's Markov bias and confidence
+    head); a slot before the layout's first predicting one never counts."""
+    if settings.objective is None or settings.row_loss is None:
+        raise ValueError("the objective step needs an objective and its recipe's row_loss (StepSettings.with_hooks)")
+    kernel = settings.kernels.loss
     if kernel == "triton_fp8":  # the distillation chunks keep their lm_head GEMMs in bf16
         kernel = "triton"
     cfg = drafter.config
+    labels = blocks.labels
     n = batch.anchors.shape[0]
     b, first = labels.shape[0] // n, cfg.first_slot
     d = b - first
     seq_len = teacher.shape[0]
     # the target's distribution for the token at position p is the one it forms at p - 1
     teacher_pos = (label_positions(batch, b, cfg.block_layout)[:, first:] - 1).clamp(max=seq_len - 1).reshape(-1)
-    rows = hidden.reshape(n, b, -1)[:, first:].reshape(n * d, -1)
+    rows = blocks.hidden.reshape(n, b, -1)[:, first:].reshape(n * d, -1)
     row_labels = labels.view(n, b)[:, first:].reshape(-1)
     teacher_rows = TeacherLogits.at_positions(teacher, teacher_pos, head.lm_head_weight)
     prev = previous_tokens(batch.input_ids, batch.anchors, d)
-    loss, _terms, hits, weights = cfg.recipe_spec.hooks().row_loss(
-        drafter,
+    inputs = RowLossInputs(
         rows,
         teacher_rows,
         head.lm_head_weight,
         prev,
         row_labels,
-        decayed.view(n, b)[:, first:],
-        objective,
-        chunk_size,
+        blocks.weights.view(n, b)[:, first:],
+        settings.objective,
+        settings.chunk_size,
         kernel,
     )
+    loss, _terms, hits, weights = settings.row_loss(drafter, inputs)
     skipped = torch.zeros(n, first, dtype=weights.dtype, device=weights.device)
     correct = torch.cat([skipped.bool(), hits.view(n, d)], dim=1)
     return loss, correct, torch.cat([skipped, weights], dim=1)

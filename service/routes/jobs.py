@@ -25,7 +25,7 @@ from ..jobs.errors import JobNotFound
 from ..jobs.schemas import JobSpec, SpecError
 from ..jobs.store import STATES
 from ..views import NDJSON, NDJSONStream, event_line, job_json
-from . import RunningDaemon, doc
+from . import RunningDaemon, RunningManager, doc
 
 # a job state in any letter case, as GET /jobs?state= takes it
 STATE_PATTERN = "^(" + "|".join("".join(f"[{c}{c.lower()}]" for c in state) for state in STATES) + ")$"
@@ -122,9 +122,8 @@ router = APIRouter(
         }
     },
 )
-async def submit_job(spec: SubmittedSpec, daemon: RunningDaemon) -> JSONResponse:
-    assert daemon.manager is not None  # set by Daemon.start(), which the lifespan runs before any request
-    job, created = await run_in_threadpool(daemon.manager.submit, spec)
+async def submit_job(spec: SubmittedSpec, manager: RunningManager) -> JSONResponse:
+    job, created = await run_in_threadpool(manager.submit, spec)
     return JSONResponse(job_json(job), status_code=202 if created else 200)
 
 
@@ -143,9 +142,8 @@ def list_jobs(
 
 
 @router.get("/{job_id}", responses={200: doc("the job, with its checkpoints", models.Job), 404: NOT_FOUND})
-def get_job(job_id: str, daemon: RunningDaemon) -> JSONResponse:
-    assert daemon.store is not None  # set by Daemon.start(), which the lifespan runs before any request
-    job = daemon.store.get_job(job_id)
+def get_job(job_id: str, manager: RunningManager) -> JSONResponse:
+    job = manager.store.get_job(job_id)
     if job is None:
         raise JobNotFound(job_id)
     return JSONResponse(job_json(job))
@@ -162,9 +160,8 @@ JOB_ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/{job_id}/cancel", responses=JOB_ACTION_RESPONSES)
-def cancel_job(job_id: str, daemon: RunningDaemon) -> JSONResponse:
-    assert daemon.manager is not None  # set by Daemon.start(), which the lifespan runs before any request
-    job = daemon.manager.cancel(job_id)
+def cancel_job(job_id: str, manager: RunningManager) -> JSONResponse:
+    job = manager.cancel(job_id)
     # a queued job is STOPPED now (200); a running one stops at its next step (202)
     return JSONResponse(job_json(job), status_code=200 if job.terminal else 202)
 
@@ -179,10 +176,9 @@ def cancel_job(job_id: str, daemon: RunningDaemon) -> JSONResponse:
         503: doc("the job store cannot write, the engine failed to start, or the daemon is shutting down"),
     },
 )
-def resume_job(job_id: str, daemon: RunningDaemon) -> JSONResponse:
-    assert daemon.manager is not None  # set by Daemon.start(), which the lifespan runs before any request
+def resume_job(job_id: str, manager: RunningManager) -> JSONResponse:
     # back in the queue (PENDING): it resumes from its newest checkpoint when its turn comes
-    return JSONResponse(job_json(daemon.manager.resume(job_id)), status_code=202)
+    return JSONResponse(job_json(manager.resume(job_id)), status_code=202)
 
 
 @router.get(

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import api_models as models
 from ..http_guard import MAX_BODY_BYTES
-from . import RunningDaemon, doc
+from . import RunningManager, doc
 
 router = APIRouter(prefix="/jobs")
 
@@ -41,8 +41,7 @@ router = APIRouter(prefix="/jobs")
         }
     },
 )
-async def post_records(job_id: str, request: Request, daemon: RunningDaemon) -> JSONResponse:
-    assert daemon.manager is not None  # set by Daemon.start(), which the lifespan runs before any request
+async def post_records(job_id: str, request: Request, manager: RunningManager) -> JSONResponse:
     body = await request.body()  # read (bounded) by the request guard already
-    accepted = await run_in_threadpool(daemon.manager.ingest.accept, job_id, body)
+    accepted = await run_in_threadpool(manager.ingest.accept, job_id, body)
     return JSONResponse({"accepted": accepted}, status_code=202)

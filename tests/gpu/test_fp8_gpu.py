@@ -29,7 +29,7 @@ def test_fp8_step_matches_the_bf16_step_and_replays_as_a_graph():
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import step_plan
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
     from dflash_core.engine.step_graph import StepGraph, matches_eager
     from dflash_core.fp8 import Fp8Linear
     from tests.helpers import tiny_drafter_config
@@ -48,9 +48,7 @@ def test_fp8_step_matches_the_bf16_step_and_replays_as_a_graph():
     def eager_step(precision: str):
         """(loss, gradients, replica); the step's autograd graph is dropped on return: a graph
         recorded later must create its own gradient accumulators on its capture stream."""
-        rep = DrafterReplica(
-            0, cfg, "cuda:0", head, step_plan(["cuda:0"], precision=precision), gamma=7.0, chunk_size=256
-        )
+        rep = DrafterReplica(0, cfg, "cuda:0", head, step_plan(["cuda:0"], precision=precision), ReplicaStep(7.0, 256))
         rep.init_weights(3)
         res, _ = rep.loss_and_backward(batch, feats, 1.0)
         out = (float(res.loss.detach()), [p.grad.clone() for p in rep.params], rep)

@@ -105,7 +105,7 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import StepPlan
     from dflash_core.engine.drafters import GradSync
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
     from tests.helpers import tiny_drafter_config
 
     cfg = tiny_drafter_config(vocab_size=512, block_size=8, hidden=256, heads=4, kv_heads=2, layers=2)
@@ -120,7 +120,7 @@ def test_bf16_working_weights_train_like_fp32_weights(micro_batches, replicas):
     reps, losses = {}, {}
     for mode in ("fp32", "bf16"):
         plan = StepPlan(attention="dense", compiled=False, loss="triton", working_weights=mode)
-        group = [DrafterReplica(i, cfg, "cuda:0", head, plan, gamma=4.0, chunk_size=64) for i in range(replicas)]
+        group = [DrafterReplica(i, cfg, "cuda:0", head, plan, ReplicaStep(4.0, 64)) for i in range(replicas)]
         for rep in group:
             rep.init_weights(3)
             rep.new_optimizer(1e-3, 0.1, (0.9, 0.95))
@@ -201,7 +201,7 @@ def test_step_graph_trains_like_the_eager_step():
     from dflash_core.data.batches import synthetic_micro_batch
     from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import step_plan
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
     from dflash_core.engine.step_graph import StepGraph, matches_eager
     from tests.helpers import tiny_drafter_config
 
@@ -212,7 +212,7 @@ def test_step_graph_trains_like_the_eager_step():
         torch.randn(4096, 256, device="cuda", generator=g), torch.randn(4096, 256, device="cuda", generator=g) * 0.05
     )
     plan = step_plan(["cuda:0"])
-    graphed, eager = (DrafterReplica(i, cfg, "cuda:0", head, plan, gamma=7.0, chunk_size=128) for i in range(2))
+    graphed, eager = (DrafterReplica(i, cfg, "cuda:0", head, plan, ReplicaStep(7.0, 128)) for i in range(2))
     batches = [synthetic_micro_batch(shape, 4096, 0, seed=i).to("cuda") for i in range(12)]
     feats = [torch.randn(512, 2 * 256, device="cuda", generator=g).bfloat16() for _ in batches]
     for rep in (graphed, eager):

@@ -33,7 +33,7 @@ def test_recorded_objective_step_replays_the_eager_step(recipe, layout):
     from dflash_core.config import ShapeConfig
     from dflash_core.drafter import FrozenHead
     from dflash_core.engine.config import StepPlan
-    from dflash_core.engine.replica import DrafterReplica
+    from dflash_core.engine.replica import DrafterReplica, ReplicaStep
     from dflash_core.engine.step_graph import StepGraph, matches_eager
     from dflash_core.step.objectives import objective_of
     from tests.helpers import random_micro_batch, tiny_drafter_config
@@ -47,7 +47,7 @@ def test_recorded_objective_step_replays_the_eager_step(recipe, layout):
     g = torch.Generator().manual_seed(0)
     head = FrozenHead(torch.randn(512, 128, generator=g) * 0.05, torch.randn(512, 128, generator=g) * 0.05)
     plan = StepPlan(attention="flex", compiled=True, loss="triton", working_weights="bf16")
-    rep = DrafterReplica(0, cfg, "cuda:0", head, plan, gamma=2.0, chunk_size=48, teacher=True)
+    rep = DrafterReplica(0, cfg, "cuda:0", head, plan, ReplicaStep(2.0, 48, teacher=True))
     rep.init_weights(0)
     mix = {"ce": 0.1, "tv": 0.9, "conf": 1.0} if recipe == "dspark" else {"ce": 0.3, "kl": 0.4, "tv": 0.5}
     rep.objective.set(objective_of(mix, "decay" if recipe == "dspark" else "dpace", 0.5))

@@ -27,3 +27,14 @@ def test_a_regeneration_is_not_told_of_training_fields():
 def test_a_training_job_given_a_regeneration_field_is_pointed_at_its_kind():
     assert '"kind": "regenerate"' in _message({**TRAIN, "max_new_tokens": 8}, "max_new_tokens")
     assert "did you mean 'learning_rate'" in _message({**TRAIN, "lr": 3e-4}, "lr")
+
+
+def test_loss_is_parsed_once_and_kept_as_given():
+    """The spec keeps `loss` as the user wrote it (what GET /jobs shows); the mix the engine
+    gets is the one parsed when the spec was validated, copies included."""
+    spec = parse_spec({"datasets": ["builtin://train"], "steps": 2, "loss": "kl"})
+    assert spec.loss == "kl" and spec.loss_mix == {"kl": 1.0}
+    assert spec.model_copy(update={"steps": 3}).loss_mix == {"kl": 1.0}
+    mixed = parse_spec({"datasets": ["builtin://train"], "steps": 2, "loss": {"ce": 1, "tv": 0.5}})
+    assert mixed.loss_mix == {"ce": 1.0, "tv": 0.5}
+    assert parse_spec({"datasets": ["builtin://train"], "steps": 2}).loss_mix is None

@@ -58,10 +58,8 @@ def train_values(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutpu
         adam_betas=tuple(spec.adam_betas),
         **roots.for_engine(),
     )
-    if spec.loss is not None:
-        from dflash_core.step.objective_spec import parse_loss
-
-        values["loss"] = parse_loss(spec.loss)
+    if spec.loss is not None:  # parsed when the spec was validated
+        values["loss"] = spec.loss_mix
     return values
 
 

@@ -10,7 +10,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
 # Characters refused in a job's name and submission_id: C0/C1 controls (NUL, escape sequences,
@@ -175,6 +175,15 @@ class JobSpec(SpecModel):
     num_anchors: int | None = Field(None, ge=1, le=10**8)
     block_size: int | None = Field(None, ge=2, le=10**4)
 
+    # `loss` as {term: weight}, parsed once by check_training_fields; the spec keeps `loss` as given
+    _loss_mix: dict[str, float] | None = PrivateAttr(None)
+
+    @property
+    def loss_mix(self) -> dict[str, float] | None:
+        if self._loss_mix is None and self.loss is not None:  # a spec built without validation
+            check_training_fields(self)
+        return dict(self._loss_mix) if self._loss_mix is not None else None
+
     @model_validator(mode="after")
     def _checks(self) -> JobSpec:
         if self.steps is None and self.epochs is None:
@@ -206,7 +215,7 @@ def check_training_fields(spec: Any) -> None:
         from dflash_core.step.objective_spec import parse_loss
 
         try:
-            parse_loss(spec.loss)
+            spec._loss_mix = parse_loss(spec.loss)
         except ValueError as e:
             raise SpecError("loss", str(e)) from None
     for i, b in enumerate(spec.adam_betas):

@@ -37,10 +37,6 @@ class TeacherLogits:
         return cls.of_rows(hidden[positions], lm_head_weight)
 
     @property
-    def rows(self) -> int:
-        return int(self.positions.shape[0] if self.positions is not None else self.hidden.shape[0])
-
-    @property
     def per_position(self) -> bool:
         return self.positions is not None
 

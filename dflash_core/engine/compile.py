@@ -152,6 +152,19 @@ def raise_recompile_limit(devices: int) -> None:
             setattr(dynamo_config, name, need)
 
 
+def cache_custom_autograd_graphs() -> None:
+    """Let AOTAutograd's cache keep graphs that call custom autograd Functions (the FP8 linears'
+    `_Fp8Linear`). Torch bypasses that cache for them by default, so every warm start of an FP8
+    engine traced and partitioned its joint graphs again (its FX graphs were cached, the
+    forward-backward split was not). Dynamo traces such a Function's forward and backward into
+    subgraphs of the graph it hands AOTAutograd, and the cache key hashes that graph: a changed
+    Function is a different key, not a stale hit."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
+
+
 def compiled_graphs() -> int:
     try:
         from torch._dynamo.utils import counters
@@ -198,6 +211,8 @@ _PHASES = {
     "autotune_s": "CachingAutotuner.benchmark_all_configs",
 }
 _COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "async_compile_cache_hit", "async_compile_cache_miss")
+# AOTAutograd's: a warm start that bypasses or misses it traces the joint graphs again
+_AOT_COUNTERS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")
 
 
 def compile_snapshot() -> dict[str, float]:
@@ -211,6 +226,8 @@ def compile_snapshot() -> dict[str, float]:
         out[key] = float(sum(compilation_time_metrics.get(phase, ())))
     for name in _COUNTERS:
         out[name] = float(counters["inductor"][name])
+    for name in _AOT_COUNTERS:
+        out[name.replace("autograd_cache", "aot_cache")] = float(counters["aot_autograd"][name])
     return out
 
 

@@ -195,3 +195,16 @@ def quantize_head(lm_head_weight: torch.Tensor) -> Fp8Head:
         w = torch.cat([w, w.new_zeros(padded - vocab, hidden)])
     w8, inv = quantize(w, FORWARD_DTYPE)
     return Fp8Head(rows=w8, cols=w8.t().contiguous(), inv_scale=inv, vocab=vocab)
+
+
+def head_logits(h8: torch.Tensor, h_inv: torch.Tensor, head: Fp8Head) -> torch.Tensor:
+    """Logits [rows, vocab] in bf16 of hidden states h8 (e4m3, inverse scale h_inv): a view of
+    the GEMM's [rows, V'] output without the padding columns (row stride V'), for kernels that
+    take strides and softmaxes that must not see the padding's zero logits."""
+    return scaled_mm(h8, h_inv, head.rows.t(), head.inv_scale, torch.bfloat16)[:, : head.vocab]
+
+
+def head_grad(grad8: torch.Tensor, grad_inv: torch.Tensor, head: Fp8Head) -> torch.Tensor:
+    """grad_h [rows, H] in bf16 of a logits gradient [rows, V'] in FP8 (inverse scale grad_inv;
+    zeros in the padding columns, so the head's zero rows add nothing)."""
+    return scaled_mm(grad8, grad_inv, head.cols.t(), head.inv_scale, torch.bfloat16)

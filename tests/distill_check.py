@@ -2,11 +2,13 @@
 (step/objectives.py): the same ce, kl and tv per row, argmax hits and mixed row gradient. Runs on
 CUDA (tests/gpu) and, through Triton's interpreter, on CPU:
 `TRITON_INTERPRET=1 python -m tests.distill_check` (the flag is read when the kernel module is
-imported)."""
+imported); `--fp8`: the FP8 lm_head chunk (fp8_compare); `--fp8-dspark`: DSpark's Markov
+objective with it (dspark_fp8_compare)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -56,5 +58,177 @@ def compare(
     }
 
 
+def _norm_rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _cosine(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def fp8_compare(rows: int = 48, hidden: int = 64, vocab: int = 5003, seed: int = 0) -> dict:
+    """The FP8 chunk (chunk_terms_fp8: bf16 inputs, an Fp8Head whose vocabulary FP8 pads, the
+    teacher's logits from the same head) against the fp32 eager chunk of the exact logits, a mix
+    with every term weighted: relative errors (norms over rows) of each term and the gradient,
+    hit mismatches. Half the rows' teachers are near the drafter (small kl and tv), the others
+    not. Beside that, the kernel alone on the FP8 chunk's own logits (no FP8 rounding between
+    them): its terms against the eager ones, its FP8 gradient against theirs; and the same logits
+    with NaN in the padding columns give the same terms and gradient bit for bit, zeros in the
+    gradient's padding columns (the padding is never read into a softmax)."""
+    from dflash_core.fp8 import FORWARD_DTYPE, head_logits, quantize, quantize_head
+    from dflash_core.kernels.distill import chunk_terms_fp8, logit_terms_fp8
+    from dflash_core.step.objectives import logit_terms_eager
+    from dflash_core.step.teacher import TeacherLogits
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, hidden, generator=g) * 0.05
+    h = torch.randn(rows, hidden, generator=g) * 4
+    ht = torch.randn(rows, hidden, generator=g) * 4
+    ht[::2] = h[::2] + torch.randn(rows // 2, hidden, generator=g) * 0.5
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    labels[::3] = (h @ w.t()).argmax(-1)[::3]  # some right answers
+    mix = torch.tensor([0.3, 0.5, 0.9])
+    ref_terms, ref_hits, ref_grad = chunk_terms_eager(h, ht @ w.t(), w, labels, mix, True)
+    head = quantize_head(w.bfloat16())
+    zt = TeacherLogits.of_rows(ht.bfloat16(), head).chunk(0, rows)
+    terms, hits, grad = chunk_terms_fp8(h.bfloat16(), zt, head, labels, mix, True)
+    by_term = {}  # each term's gradient alone: (relative error, cosine) against the exact one
+    for i, name in enumerate(("ce", "kl", "tv")):
+        one = torch.zeros(3)
+        one[i] = 1.0
+        want = chunk_terms_eager(h, ht @ w.t(), w, labels, one, True)[2]
+        got = chunk_terms_fp8(h.bfloat16(), zt, head, labels, one, True)[2]
+        by_term[name] = (_norm_rel(got, want), _cosine(got, want))
+    terms_only, hits_only, none = chunk_terms_fp8(h.bfloat16(), zt, head, labels, mix, False)
+
+    zd = head_logits(*quantize(h.bfloat16(), FORWARD_DTYPE), head)
+    padded = head.rows.shape[0]
+    own_terms, _, own_grad = logit_terms_eager(zd.float(), zt.float(), labels, mix, True)
+    k_terms, k_hits, grad8, grad_inv = logit_terms_fp8(zd.clone(), zt, labels, mix, True, padded)
+    poisoned = []
+    for x in (zd, zt):
+        full = torch.full((rows, padded), float("nan"), dtype=x.dtype)
+        full[:, :vocab] = x
+        poisoned.append(full[:, :vocab])
+    p_terms, p_hits, p_grad8, _ = logit_terms_fp8(*poisoned, labels, mix, True, padded)
+    return {
+        "terms_rel": [_norm_rel(terms[:, i], ref_terms[:, i]) for i in range(3)],
+        "grad_rel": _norm_rel(grad, ref_grad),
+        "grad_cosine": _cosine(grad, ref_grad),
+        "grad_by_term": by_term,
+        "hit_mismatches": int((hits != ref_hits).sum()),
+        "hits": int(ref_hits.sum()),
+        "forward_only_same": bool(torch.equal(terms_only, terms))
+        and bool(torch.equal(hits_only, hits))
+        and none is None,
+        "kernel_terms_rel": [_norm_rel(k_terms[:, i], own_terms[:, i]) for i in range(3)],
+        "kernel_grad_rel": _norm_rel(grad8[:, :vocab].float() * grad_inv, own_grad),
+        "kernel_grad_max": float((grad8.float() * grad_inv).abs().max()),
+        "bound": float(mix.abs().sum()),
+        "padding_unread": bool(torch.equal(p_terms, k_terms))
+        and bool(torch.equal(p_hits, k_hits))
+        and bool(torch.equal(p_grad8.view(torch.uint8), grad8.view(torch.uint8))),
+        "padding_grad_zero": not bool(grad8[:, vocab:].float().any()),
+        "vocab": vocab,
+        "padded_vocab": padded,
+    }
+
+
+def dspark_fp8_compare(rows: int = 48, vocab: int = 5003, chunk_size: int = 20, seed: int = 0) -> dict:
+    """DSpark's Markov objective (recipes/dspark.py, a bf16 drafter as the engine's working
+    weights) with the FP8 lm_head ("triton_fp8", chunks of 32 and 16 rows) and with the bf16 one
+    ("triton", chunks of 16), each against the dense float64 reference: relative errors of the
+    loss and of the gradients (norms) of the rows and of the Markov head's parameters."""
+    from dataclasses import replace
+
+    from dflash_core.fp8 import quantize_head
+    from dflash_core.recipes.dspark import dspark_loss, reference_dspark_loss
+    from dflash_core.step.inputs import RowLossInputs
+    from dflash_core.step.objectives import ObjectiveInputs
+    from tests.helpers import random_drafter, tiny_drafter_config
+
+    cfg = replace(tiny_drafter_config(vocab_size=vocab, hidden=64), recipe="dspark", markov_rank=16)
+    drafter = random_drafter(cfg, seed=1).bfloat16()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a Markov bias that is not at its init
+        drafter.markov_head.markov_w2.weight.copy_(torch.randn(vocab, 16, generator=g) * 0.5)
+    w = (torch.randn(vocab, 64, generator=g) * 0.05).bfloat16()
+    h = (torch.randn(rows, 64, generator=g) * 4).bfloat16()
+    ht = (h.float() + torch.randn(rows, 64, generator=g) * 2).bfloat16()  # a teacher near the drafter
+    prev, labels = torch.randint(0, vocab, (rows,), generator=g), torch.randint(0, vocab, (rows,), generator=g)
+    labels[::3] = (h.float() @ w.float().t()).argmax(-1)[::3]
+    decayed = torch.rand(rows, generator=g).view(-1, 3)  # blocks of 3 predicting positions
+    objective = ObjectiveInputs("cpu")
+    # no confidence BCE: its gradient (bf16, unchanged by the lm_head's precision) would hide the
+    # lm_head GEMMs' part of the rows' gradient
+    objective.mix, objective.conf = torch.tensor([0.1, 0.2, 0.9]), torch.tensor(0.0)
+    heads = [p for n, p in drafter.named_parameters() if "markov" in n]
+    names = ["rows", *(n for n, _ in drafter.named_parameters() if "markov" in n)]
+
+    def loss_and_grads(lm_head, kernel, reference=False):
+        rows_ = h.clone().requires_grad_()
+        inputs = RowLossInputs(rows_, ht, lm_head, prev.view(-1, 3), labels, decayed, objective, chunk_size, kernel)
+        if reference:
+            loss = reference_dspark_loss(drafter, inputs, drafter.markov_head.markov_w1(prev))
+        else:
+            loss = dspark_loss(drafter, inputs)[0]
+        return loss.detach().double(), torch.autograd.grad(loss, [rows_, *heads])
+
+    ref_loss, ref_grads = loss_and_grads(w, "eager", reference=True)
+    out = {}
+    for name, lm_head, kernel in (("fp8", quantize_head(w), "triton_fp8"), ("bf16", w, "triton")):
+        loss, grads = loss_and_grads(lm_head, kernel)
+        out[name] = {
+            "loss_rel": float((loss - ref_loss).abs() / ref_loss.abs()),
+            "grad_rel": {n: _norm_rel(a, b) for n, a, b in zip(names, grads, ref_grads, strict=True)},
+        }
+    return out
+
+
+def micro_step_fp8_compare() -> dict:
+    """A whole objective micro-step (a tiny fp32 drafter, the DFlash recipe, a ce + kl + tv mix
+    with D-PACE weights, 48 rows over 32 context positions: the teacher's logits per position)
+    with the loss kernel "triton_fp8" (an Fp8Head, chunks of 32 and 16 rows) against "triton":
+    the loss's relative error and the smallest cosine of a parameter gradient."""
+    import numpy as np
+
+    from dflash_core.config import ShapeConfig
+    from dflash_core.drafter import FrozenHead
+    from dflash_core.fp8 import quantize_head
+    from dflash_core.step.micro_step import StepKernels, StepSettings, micro_step
+    from dflash_core.step.objectives import ObjectiveInputs, objective_of
+    from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
+
+    vocab = 5003
+    cfg = tiny_drafter_config(vocab_size=vocab, block_size=4, hidden=64)
+    mb = random_micro_batch(
+        np.random.default_rng(4), ShapeConfig(seq_len=32, num_anchors=16, block_size=4), vocab=vocab
+    )
+    g = torch.Generator().manual_seed(0)
+    head = FrozenHead(torch.randn(vocab, 64, generator=g), torch.randn(vocab, 64, generator=g) * 0.05)
+    head.lm_head_fp8 = quantize_head(head.lm_head_weight)
+    feats = torch.randn(32, (cfg.num_target_features + 1) * 64, generator=g) * 4
+    objective = ObjectiveInputs("cpu")
+    objective.set(objective_of({"ce": 0.3, "kl": 0.5, "tv": 0.9}, "dpace", 0.5))
+    out = {}
+    for kernel in ("triton", "triton_fp8"):
+        drafter = random_drafter(cfg).float()
+        settings = StepSettings("dense", 2.0, 20, StepKernels(loss=kernel), objective).with_hooks(cfg)
+        res = micro_step(drafter, head, mb, feats, settings)
+        out[kernel] = (res.loss.detach(), torch.autograd.grad(res.loss, list(drafter.parameters())))
+    (ref_loss, ref_grads), (loss, grads) = out["triton"], out["triton_fp8"]
+    return {
+        "loss_rel": float((loss - ref_loss).abs() / ref_loss.abs()),
+        "grad_cosine_min": min(_cosine(a, b) for a, b in zip(grads, ref_grads, strict=True)),
+        "rows": 16 * 3,
+    }
+
+
 if __name__ == "__main__":
+    if "--fp8" in sys.argv:
+        print(json.dumps({"chunk": fp8_compare(), "micro_step": micro_step_fp8_compare()}))
+        sys.exit(0)
+    if "--fp8-dspark" in sys.argv:
+        print(json.dumps(dspark_fp8_compare()))
+        sys.exit(0)
     print(json.dumps({"one_block": compare(vocab=1500), "several_blocks": compare(vocab=9000, seed=1)}))

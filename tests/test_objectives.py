@@ -236,3 +236,71 @@ def test_teacher_logits_per_context_position_equal_the_per_row_ones():
         out[name] = (terms, hits, grad)
     for a, b in zip(out["shared"], out["rows"], strict=True):
         assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow  # the Triton kernel in the (slow) interpreter
+def test_fp8_objective_chunk_matches_the_exact_chunk_interpreted():
+    """The FP8 lm_head distillation chunk (kernels/distill.py chunk_terms_fp8, Triton's
+    interpreter; tests/gpu runs the FP8 objective step on CUDA) against the fp32 eager chunk of
+    the exact logits, a mix of ce, kl and tv over a vocabulary FP8 pads (5003 -> 5008).
+
+    Tolerances: e4m3 keeps 3 mantissa bits, so h and W are each rounded by up to 1/16, and a
+    logit carries a few percent of its spread as error. The FP8 CE chunk's checks
+    (tests/test_fp8.py) allow 0.5 % on a weighted loss sum and 6 % on the gradient; the terms here
+    are compared row by row (norms over rows, no averaging across rows), so 3 % each. The
+    gradient: ce's alone within the CE chunk's 6 %; kl's is p_d - p_t, a difference of two
+    rounded distributions that shrinks where they agree, 10 %; tv's is 1/2 p_d (sign(p_d - p_t)
+    - sigma), whose sign any rounding flips where the two nearly agree (the bf16 chunk's is
+    already several percent off the exact one), so a cosine of 0.85 only; the mix within 12 % and
+    at cosine 0.99. Hits: the same but where FP8 reorders near-tied top logits, as the CE check.
+    The kernel alone, on the FP8 chunk's own logits, matches the eager terms to fp32 rounding,
+    and its FP8 gradient the eager one to e4m3's rounding (3 %), never above the scale's bound.
+    A whole objective micro-step with the kernel "triton_fp8" (the teacher's logits per context
+    position, chunks that are not a multiple of the rows) within the CE chunk's 0.5 % of the
+    "triton" step's loss, not equal to it (its GEMMs ran in FP8), gradients at cosine 0.98 (as
+    the FP8 CE step's on CUDA, tests/gpu/test_fp8_gpu.py)."""
+    pytest.importorskip("triton")
+    result = run_interpreted_check("tests.distill_check", "--fp8")
+    step = result["micro_step"]
+    assert 0 < step["loss_rel"] < 5e-3 and step["grad_cosine_min"] > 0.98, step
+    r = result["chunk"]
+    assert r["padded_vocab"] > r["vocab"]
+    assert max(r["terms_rel"]) < 0.03 and r["grad_rel"] < 0.12 and r["grad_cosine"] > 0.99, r
+    by_term = r["grad_by_term"]
+    assert by_term["ce"][0] < 0.06 and by_term["kl"][0] < 0.1 and by_term["tv"][1] > 0.85, by_term
+    assert r["hit_mismatches"] <= 8 and r["hits"] > 0 and r["forward_only_same"], r
+    assert max(r["kernel_terms_rel"]) < 1e-5 and r["kernel_grad_rel"] < 0.03, r
+    assert 0 < r["kernel_grad_max"] <= r["bound"], r
+    # NaN in the padding columns of both logits changes nothing: the softmaxes never read them
+    assert r["padding_unread"] and r["padding_grad_zero"], r
+
+
+def test_fp8_teacher_table_equals_the_per_row_fp8_logits():
+    """With an FP8 lm_head the teacher's logits come from one FP8 GEMM of the teacher hidden
+    states cast with one scale: the per-position table gathered equals the per-row logits of the
+    same rows (the positions cover every context position, so both casts see the same largest
+    value), without the padding columns, within FP8's error of the bf16 logits; and a plain
+    tensor head gives the bf16 GEMM's logits bit for bit, as before FP8 heads existed."""
+    from dflash_core.fp8 import quantize_head
+    from dflash_core.step.teacher import TeacherLogits
+
+    g = torch.Generator().manual_seed(5)
+    seq, hidden, vocab = 32, 64, 1003
+    teacher = (torch.randn(seq, hidden, generator=g) * 3).bfloat16()
+    positions = torch.cat([torch.randperm(seq, generator=g), torch.randint(0, seq, (48,), generator=g)])
+    w = (torch.randn(vocab, hidden, generator=g) * 0.05).bfloat16()
+    head = quantize_head(w)
+    table = TeacherLogits.at_positions(teacher, positions, head)
+    rows = TeacherLogits.of_rows(teacher[positions], head)
+    assert table.per_position and not rows.per_position
+    exact = teacher[positions].float() @ w.float().t()
+    for start, end in ((0, 16), (16, 48), (48, 80)):
+        a, b = table.chunk(start, end), rows.chunk(start, end)
+        assert a.shape == (end - start, vocab) and a.dtype == torch.bfloat16
+        assert torch.equal(a, b), (start, end)
+        assert float((a.float() - exact[start:end]).norm() / exact[start:end].norm()) < 0.06
+    table.release()
+    assert table._table is None and table._fp8 is None
+    plain = TeacherLogits.at_positions(teacher, positions, w)
+    assert torch.equal(plain.chunk(16, 48), (teacher @ w.t()).index_select(0, positions[16:48]))
+    assert torch.equal(TeacherLogits.of_rows(teacher[positions], w).chunk(16, 48), teacher[positions][16:48] @ w.t())

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8 import FORWARD_DTYPE, Fp8Head, head_grad, head_logits, quantize
 from ..step.inputs import RowLossInputs
 from ..step.teacher import teacher_logits
 from .dspark_settings import DSPARK_BLOCK_SIZE, DSPARK_GAMMA, DSPARK_LOSS, DSPARK_MARKOV_RANK, default_markov_rank
@@ -109,15 +110,26 @@ class _MarkovObjective(torch.autograd.Function):
     """sum_rows w_row * (mix . terms_row) over chunks of rows, the drafter's logits carrying the
     Markov bias. The weights are known before the pass (decayed position weights), so each
     chunk's logits gradient is scaled by them at once and markov_w2's gradient (a sum over rows)
-    is accumulated chunk by chunk: no [rows x vocab] tensor beyond one chunk."""
+    is accumulated chunk by chunk: no [rows x vocab] tensor beyond one chunk.
+
+    With an FP8 lm_head (fp8.Fp8Head, the kernel "triton_fp8") its two GEMMs run in FP8: the
+    lm_head's logits come from the chunk's hidden states in e4m3 (a bf16 view without the padding
+    columns, to which the Markov bias is added), and the kernel writes the gradient in FP8 for
+    grad_h's GEMM beside the bf16 one over the logits. The Markov parts' GEMMs (the bias, and
+    markov_w2's and the latents' gradients) stay in bf16: their inner or outer width is the
+    Markov rank, which no shape check holds to FP8's multiples of 16, they cost about rank / H
+    of the lm_head's GEMMs, and markov_w2's gradient needs the row weights inside its sum over
+    rows, which the kernel's unweighted FP8 gradient does not carry (grad_h takes them after
+    its GEMM, row by row)."""
 
     @staticmethod
     def forward(ctx, hidden, prev_emb, teacher, lm_head, w2, labels, mix, weights, chunk_size: int, kernel: str):
-        from ..step.objectives import logit_terms_function
+        from ..step.objectives import chunk_rows, logit_terms_function
 
         fn = logit_terms_function(kernel)
+        fp8 = isinstance(lm_head, Fp8Head)
         need_grad = any(ctx.needs_input_grad[:2]) or ctx.needs_input_grad[4]
-        dtype = lm_head.dtype
+        dtype = torch.bfloat16 if fp8 else lm_head.dtype
         w2c = w2.to(dtype)
         rows = hidden.shape[0]
         terms = torch.empty(rows, 3, dtype=torch.float32, device=hidden.device)
@@ -125,20 +137,29 @@ class _MarkovObjective(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_grad else None
         grad_e = torch.empty(prev_emb.shape, dtype=prev_emb.dtype, device=hidden.device) if need_grad else None
         grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
-        chunks = -(-rows // chunk_size)
-        chunk = -(-rows // chunks)
+        chunk = chunk_rows(rows, chunk_size, kernel)
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             e = prev_emb[start:end].to(dtype)
-            zd = torch.addmm(hidden[start:end].to(dtype) @ lm_head.t(), e, w2c.t())
+            h = hidden[start:end]
+            base = head_logits(*quantize(h, FORWARD_DTYPE), lm_head) if fp8 else h.to(dtype) @ lm_head.t()
+            zd = torch.addmm(base, e, w2c.t())
             zt = teacher.chunk(start, end)
-            t, h, g = fn(zd, zt, labels[start:end], mix, need_grad)
+            if fp8:  # keep_grad: the bf16 gradient over zd beside the FP8 one for grad_h
+                t, hit, grad8, grad_inv = fn(zd, zt, labels[start:end], mix, need_grad, lm_head.rows.shape[0], True)
+                g = zd if need_grad else None
+            else:
+                t, hit, g = fn(zd, zt, labels[start:end], mix, need_grad)
             terms[start:end] = t
-            hits[start:end] = h
+            hits[start:end] = hit
             if need_grad:
-                assert grad_h is not None and grad_e is not None and grad_w2 is not None
-                g = g.mul_(weights[start:end].unsqueeze(1).to(g.dtype))
-                grad_h[start:end] = (g @ lm_head).to(hidden.dtype)
+                assert grad_h is not None and grad_e is not None and grad_w2 is not None and g is not None
+                w = weights[start:end].unsqueeze(1)
+                g = g.mul_(w.to(g.dtype))
+                if fp8:  # the rows' weights after the GEMM: (w g) W = w (g W) row by row
+                    grad_h[start:end] = (head_grad(grad8, grad_inv, lm_head).float() * w).to(hidden.dtype)
+                else:
+                    grad_h[start:end] = (g @ lm_head).to(hidden.dtype)
                 grad_e[start:end] = (g @ w2c).to(prev_emb.dtype)
                 grad_w2 += (g.t() @ e).float()
         teacher.release()
@@ -203,6 +224,7 @@ def reference_dspark_loss(drafter, inputs: RowLossInputs, latent: torch.Tensor) 
     """Dense float64 reference of dspark_loss, for tests (the full [rows, vocab] logits; latent:
     the Markov latents of the rows, computed by the caller)."""
     rows, lm_head, mix = inputs.rows, inputs.lm_head, inputs.objective.mix
+    assert isinstance(lm_head, torch.Tensor), "the dense reference takes the lm_head as a tensor"
     emb = drafter.markov_head.markov_w1(inputs.prev.reshape(-1)).double()
     zd = rows.double() @ lm_head.double().t() + latent.double() @ drafter.markov_head.markov_w2.weight.double().t()
     zt = teacher_logits(inputs.teacher_rows, lm_head).hidden_rows().double() @ lm_head.double().t()

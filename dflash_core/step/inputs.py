@@ -18,7 +18,7 @@ import torch
 
 from ..config import DrafterConfig
 from .objectives import ObjectiveInputs
-from .teacher import TeacherLogits
+from .teacher import Head, TeacherLogits
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class RowLossInputs:
 
     rows: torch.Tensor  # [R, H] drafter final hidden states
     teacher_rows: torch.Tensor | TeacherLogits  # [R, H] target final hidden states before each label, or their logits
-    lm_head: torch.Tensor  # [V, H] the frozen LM head
+    lm_head: Head  # [V, H] the frozen LM head, an fp8.Fp8Head for the kernel "triton_fp8"
     prev: torch.Tensor  # [N, D] the true token before each label
     labels: torch.Tensor  # [R]
     decayed: torch.Tensor  # [N, D] blocks.block_labels' position weights

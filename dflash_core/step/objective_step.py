@@ -46,8 +46,7 @@ def objective_loss(
     if settings.objective is None or settings.row_loss is None:
         raise ValueError("the objective step needs an objective and its recipe's row_loss (StepSettings.with_hooks)")
     kernel = settings.kernels.loss
-    if kernel == "triton_fp8":  # the distillation chunks keep their lm_head GEMMs in bf16
-        kernel = "triton"
+    lm_head = head.lm_head_for(kernel)  # an fp8.Fp8Head for "triton_fp8": the teacher's GEMMs too
     cfg = drafter.config
     labels = blocks.labels
     n = batch.anchors.shape[0]
@@ -58,12 +57,12 @@ def objective_loss(
     teacher_pos = (label_positions(batch, b, cfg.block_layout)[:, first:] - 1).clamp(max=seq_len - 1).reshape(-1)
     rows = blocks.hidden.reshape(n, b, -1)[:, first:].reshape(n * d, -1)
     row_labels = labels.view(n, b)[:, first:].reshape(-1)
-    teacher_rows = TeacherLogits.at_positions(teacher, teacher_pos, head.lm_head_weight)
+    teacher_rows = TeacherLogits.at_positions(teacher, teacher_pos, lm_head)
     prev = previous_tokens(batch.input_ids, batch.anchors, d)
     inputs = RowLossInputs(
         rows,
         teacher_rows,
-        head.lm_head_weight,
+        lm_head,
         prev,
         row_labels,
         blocks.weights.view(n, b)[:, first:],

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8 import FP8_MULTIPLE
 from .objective_spec import DEFAULT_DPACE_ALPHA, POSITION_WEIGHTS, TERMS, Objective, objective_of, parse_loss
-from .teacher import TeacherLogits, teacher_logits
+from .teacher import Head, TeacherLogits, teacher_logits
 
 __all__ = ["DEFAULT_DPACE_ALPHA", "POSITION_WEIGHTS", "TERMS", "Objective", "objective_of", "parse_loss"]
 
@@ -106,26 +107,48 @@ def chunk_terms_eager(hidden, zt, lm_head_weight, labels, mix, need_grad: bool):
     return terms, correct, (grad.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
 
 
-OBJECTIVE_KERNELS = ("eager", "triton")
+OBJECTIVE_KERNELS = ("eager", "triton", "triton_fp8")
 
 
 def logit_terms_function(kernel: str):
-    """The logits-level chunk: "triton" on CUDA (kernels.distill), else the eager one."""
+    """The logits-level chunk: "triton" on CUDA (kernels.distill), "triton_fp8" the same with its
+    gradient written in FP8 for an fp8.Fp8Head's GEMM (kernels.distill.logit_terms_fp8: its own
+    arguments), else the eager one."""
     if kernel == "triton":
         from ..kernels.distill import logit_terms
 
         return logit_terms
+    if kernel == "triton_fp8":
+        from ..kernels.distill import logit_terms_fp8
+
+        return logit_terms_fp8
     return logit_terms_eager
 
 
 def objective_chunk_function(kernel: str):
-    """ "triton" on CUDA (kernels.distill), else the eager chunk (the loss kernel "compiled" maps
-    here too: the objective's chunk is not compiled, so it never needs a compile at run time)."""
+    """ "triton" on CUDA (kernels.distill), "triton_fp8" the same with the lm_head GEMMs in FP8
+    (the head is then an fp8.Fp8Head), else the eager chunk (the loss kernel "compiled" maps here
+    too: the objective's chunk is not compiled, so it never needs a compile at run time)."""
     if kernel == "triton":
         from ..kernels.distill import chunk_terms  # Triton may be missing on CPU-only installs
 
         return chunk_terms
+    if kernel == "triton_fp8":
+        from ..kernels.distill import chunk_terms_fp8
+
+        return chunk_terms_fp8
     return chunk_terms_eager
+
+
+def chunk_rows(rows: int, chunk_size: int, kernel: str) -> int:
+    """Rows per chunk: near-equal chunks of at most chunk_size, in multiples of 16 for the FP8
+    GEMMs (which take no other row counts; the last chunk's rows are one too, as the loss's rows
+    are: fp8.check_fp8_shapes)."""
+    chunks = -(-rows // chunk_size)
+    chunk = -(-rows // chunks)
+    if kernel == "triton_fp8":
+        chunk = -(-chunk // FP8_MULTIPLE) * FP8_MULTIPLE
+    return chunk
 
 
 class _ChunkedObjective(torch.autograd.Function):
@@ -137,8 +160,7 @@ class _ChunkedObjective(torch.autograd.Function):
         terms = torch.empty(rows, 3, dtype=torch.float32, device=hidden.device)
         correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
         grad_rows = torch.empty_like(hidden) if need_grad else None
-        chunks = -(-rows // chunk_size)
-        chunk = -(-rows // chunks)
+        chunk = chunk_rows(rows, chunk_size, kernel)
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             t, hits, g = chunk_fn(
@@ -165,14 +187,15 @@ class _ChunkedObjective(torch.autograd.Function):
 def chunked_objective_terms(
     hidden: torch.Tensor,
     teacher_hidden: torch.Tensor | TeacherLogits,
-    lm_head_weight: torch.Tensor,
+    lm_head_weight: Head,
     labels: torch.Tensor,
     mix: torch.Tensor,
     chunk_size: int,
     kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mixed loss per row [rows] fp32 with its graph, terms [rows, 3] (ce, kl, tv), argmax hits).
-    teacher_hidden: the rows' teacher hidden states [rows, H], or their TeacherLogits."""
+    teacher_hidden: the rows' teacher hidden states [rows, H], or their TeacherLogits;
+    lm_head_weight: an fp8.Fp8Head for the kernel "triton_fp8", else the [V, H] tensor."""
     teacher = teacher_logits(teacher_hidden, lm_head_weight)
     return _ChunkedObjective.apply(hidden, teacher, lm_head_weight, labels, mix.float(), chunk_size, kernel)
 

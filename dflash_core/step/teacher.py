@@ -8,33 +8,44 @@ are formed once per context position (one [S, V] table, one GEMM of S rows) and 
 rows gathers its rows from it; a gather of a row costs a small fraction of its GEMM. With fewer
 rows than positions (sparse anchors), each chunk forms its rows' logits as before. Which one is
 decided by the shapes, which are fixed for an engine, so a recorded step graph holds one of them.
+
+With an FP8 lm_head (fp8.Fp8Head, the "triton_fp8" loss kernel) the teacher's logits come from
+FP8 GEMMs too: the teacher hidden states are cast to e4m3 once, with one scale over all of them
+(the S positions' or the R rows'), so the table and the per-row logits of a row are the same
+GEMM of the same e4m3 row; each chunk is then a view without the vocabulary's padding columns.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..fp8 import FORWARD_DTYPE, Fp8Head, head_logits, quantize
+
+Head = torch.Tensor | Fp8Head  # the lm_head [V, H], or it quantized once for FP8 GEMMs
+
 
 class TeacherLogits:
-    """The teacher's logits of rows [start, end) of a loss (`chunk`), in the LM head's dtype."""
+    """The teacher's logits of rows [start, end) of a loss (`chunk`), in the LM head's dtype
+    (bf16 for an Fp8Head)."""
 
-    def __init__(self, hidden: torch.Tensor, positions: torch.Tensor | None, lm_head_weight: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, positions: torch.Tensor | None, lm_head: Head):
         """hidden: the rows' teacher hidden states [R, H] (positions None), or the target's
         final hidden states of every context position [S, H] with each row's position [R]."""
-        self.hidden, self.positions, self.weight = hidden, positions, lm_head_weight
+        self.hidden, self.positions, self.weight = hidden, positions, lm_head
         self._table: torch.Tensor | None = None
+        self._fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # the rows in e4m3, inverse scale
 
     @classmethod
-    def of_rows(cls, hidden_rows: torch.Tensor, lm_head_weight: torch.Tensor) -> TeacherLogits:
-        return cls(hidden_rows, None, lm_head_weight)
+    def of_rows(cls, hidden_rows: torch.Tensor, lm_head: Head) -> TeacherLogits:
+        return cls(hidden_rows, None, lm_head)
 
     @classmethod
-    def at_positions(cls, hidden: torch.Tensor, positions: torch.Tensor, lm_head_weight: torch.Tensor) -> TeacherLogits:
+    def at_positions(cls, hidden: torch.Tensor, positions: torch.Tensor, lm_head: Head) -> TeacherLogits:
         """Rows at context positions of hidden [S, H]: per context position where there are
         fewer positions than rows, else per row."""
         if hidden.shape[0] < positions.shape[0]:
-            return cls(hidden, positions, lm_head_weight)
-        return cls.of_rows(hidden[positions], lm_head_weight)
+            return cls(hidden, positions, lm_head)
+        return cls.of_rows(hidden[positions], lm_head)
 
     @property
     def per_position(self) -> bool:
@@ -46,18 +57,28 @@ class TeacherLogits:
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Logits [end - start, V] of rows [start, end)."""
-        w = self.weight
         if self.positions is None:
-            return self.hidden[start:end].to(w.dtype) @ w.t()
+            return self._logits(start, end)
         if self._table is None:  # formed at the first chunk, inside the loss's forward
-            self._table = self.hidden.to(w.dtype) @ w.t()
+            self._table = self._logits(0, self.hidden.shape[0])
         return self._table.index_select(0, self.positions[start:end])
 
+    def _logits(self, start: int, end: int) -> torch.Tensor:
+        """Logits of hidden[start:end] (its rows, or its positions for the table)."""
+        w = self.weight
+        if not isinstance(w, Fp8Head):
+            return self.hidden[start:end].to(w.dtype) @ w.t()
+        if self._fp8 is None:  # cast once, at the first chunk: one scale for every row
+            self._fp8 = quantize(self.hidden, FORWARD_DTYPE)
+        h8, inv = self._fp8
+        return head_logits(h8[start:end], inv, w)
+
     def release(self) -> None:
-        """Drop the table (after the loss's last chunk)."""
+        """Drop the table and the FP8 rows (after the loss's last chunk)."""
         self._table = None
+        self._fp8 = None
 
 
-def teacher_logits(teacher: torch.Tensor | TeacherLogits, lm_head_weight: torch.Tensor) -> TeacherLogits:
+def teacher_logits(teacher: torch.Tensor | TeacherLogits, lm_head: Head) -> TeacherLogits:
     """A TeacherLogits as it is, or one of rows' teacher hidden states [R, H]."""
-    return teacher if isinstance(teacher, TeacherLogits) else TeacherLogits.of_rows(teacher, lm_head_weight)
+    return teacher if isinstance(teacher, TeacherLogits) else TeacherLogits.of_rows(teacher, lm_head)

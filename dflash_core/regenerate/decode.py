@@ -465,4 +465,9 @@ def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 51
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters and buffers (an FP8 linear keeps its weight and scale as
+    buffers), a tensor shared by several modules (tied embeddings) once."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())

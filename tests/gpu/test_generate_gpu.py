@@ -95,3 +95,27 @@ def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch)
     masked, plain = _run(model, prompts, greedy, False, attention_kernel=False)
     assert not plain.attention_kernel and len(calls) == recorded
     assert with_kernel == masked
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 matmuls"
+)
+def test_fp8_target_decodes_through_the_recorded_kernel_step(setup):
+    """The FP8 target of regeneration (decoder linears as FP8 GEMMs, the LM head bf16): the
+    recorded step with the kernel gives the eager step's greedy tokens (the same math; FP8's
+    activation casts included in the graph)."""
+    import copy
+
+    from dflash_core.regenerate.decode import Sampling
+    from dflash_core.target_precision import Fp8FrozenLinear, quantize_decoder_linears
+
+    model, prompts = setup
+    fp8 = copy.deepcopy(model).to(torch.bfloat16)
+    assert quantize_decoder_linears(fp8.get_decoder().layers) is not None
+    assert any(isinstance(m, Fp8FrozenLinear) for m in fp8.modules())
+    assert fp8.get_output_embeddings().weight.dtype == torch.bfloat16
+    greedy = Sampling(ignore_stop=True)
+    graph, dec = _run(fp8, prompts, greedy, True)
+    eager, _ = _run(fp8, prompts, greedy, False)
+    assert dec.attention_kernel and dec._graphs
+    assert graph == eager and all(len(t) == 32 for t in graph.values())

@@ -89,6 +89,12 @@ def kernel_cases(device: str = "cpu") -> dict:
         "gqa4_d64_window_splits4": case(positions, 4, 64, window=50, splits=4, device=device, seed=5),
         "gqa2_d80_odd_dims": case([3, 150], 2, 80, kv_heads=3, length=150, splits=3, device=device, seed=6),
         "fp32_splits7": case(positions, 4, 64, splits=7, dtype=torch.float32, device=device, seed=7),
+        # fp32: exact products, so a position dropped or added shows far above the tolerance
+        "fp32_window": case(positions, 4, 64, window=40, dtype=torch.float32, device=device, seed=10),
+        "fp32_gqa1_window_splits4": case(
+            positions, 1, 128, window=50, splits=4, dtype=torch.float32, device=device, seed=11
+        ),
+        "gqa4_d256_splits2": case([5, 70], 4, 256, length=100, splits=2, device=device, seed=9),
         # the default split count (16 of 256 positions for 3 slots of 8 kv heads)
         "long_default_splits": case([0, 1000, 4095], 4, 128, kv_heads=8, length=4096, device=device, seed=8),
     }

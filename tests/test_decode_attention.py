@@ -28,12 +28,15 @@ def checked():
         "gqa4_d64_window_splits4",
         "gqa2_d80_odd_dims",
         "fp32_splits7",
+        "fp32_window",
+        "fp32_gqa1_window_splits4",
+        "gqa4_d256_splits2",
         "long_default_splits",
     ],
 )
 def test_kernel_equals_the_masked_softmax(checked, name):
     """Slots at position 0, at split ends and at the cache's last position, GQA groups 1, 2 and
-    4, head dims 64, 80 and 128, sliding windows, one split and several (given, and the default
+    4, head dims 64, 80, 128 and 256, sliding windows, one split and several (given, and the default
     for few slots over a long cache); NaN in every cache
     position outside a slot's range, so a read of one shows."""
     got = checked["kernel"][name]

@@ -32,7 +32,8 @@ import triton.language as tl
 
 from ..devices import triton_launch_device
 
-BLOCK_N = 64  # cache positions per block of a program's walk
+BLOCK_N = 64  # cache positions per block of a program's walk (half that past head dim 128, so
+# the pipelined key and value tiles of a program keep to the same shared memory)
 NUM_WARPS = 4
 NUM_STAGES = 2
 WAVES = 4  # splits are added until the grid holds this many programs per streaming multiprocessor
@@ -184,16 +185,16 @@ def decode_attention(
     scale: float,
     *,
     splits: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query per sequence over its cache positions [lo, hi).
 
-    query [B, Hq, D]; key, value [B, Hkv, L, D] (Hq a multiple of Hkv; the last dimension
+    query [B, Hq, D]; key, value [B, Hkv, L, D] (Hq a multiple of Hkv; their last dimension
     contiguous); ranges int32 [B, 2]: (lo, hi) per sequence, 0 <= lo < hi <= L. Returns [B, Hq, D]
     in the query's dtype. splits: the cache length is cut in this many ranges processed apart
-    (None: split_count); block_n, num_warps, num_stages: launch settings."""
+    (None: split_count); block_n (None: BLOCK_N's rule), num_warps, num_stages: launch settings."""
     b, hq, d = query.shape
     kb, hkv, length, kd = key.shape
     if kb != b or kd != d or value.shape != key.shape or hq % hkv:
@@ -204,6 +205,7 @@ def decode_attention(
     if ranges.dtype != torch.int32 or tuple(ranges.shape) != (b, 2) or not ranges.is_contiguous():
         raise ValueError(f"ranges must be a contiguous int32 [{b}, 2] tensor, not {ranges.dtype} {list(ranges.shape)}")
     groups = hq // hkv
+    block_n = block_n or (BLOCK_N if d <= 128 else BLOCK_N // 2)
     splits = split_count(b, hkv, length, query.device, block_n) if splits is None else max(1, int(splits))
     split_len = triton.cdiv(length, splits)
     block_d = max(16, triton.next_power_of_2(d))

@@ -206,66 +206,72 @@ def build_target(precision: str) -> TargetModel:
     return target
 
 
+def bench_precision(precision: str, args, kernels: list[bool], bandwidth: float) -> list[dict]:
+    """The rows of one target precision (the target is gone when this returns)."""
+    target = build_target(precision)
+    free, _ = torch.cuda.mem_get_info()
+    per_token = kv_bytes_per_token(target.config, target.dtype)
+    derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
+    print(f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True)
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    most = max([*slot_counts, args.hf_batch])
+    prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
+    rows = []
+    for slots in slot_counts:
+        for kernel in kernels:
+            run = (target.model, slots, prompts, args.new_tokens, bandwidth, kernel)
+            try:
+                row = run_slots(*run)
+            except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
+                traceback.print_exc()
+                torch.cuda.empty_cache()
+                try:
+                    row = run_slots(*run, use_graph=False)
+                except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
+                    traceback.print_exc()
+                    row = {"attention": "kernel" if kernel else "masked", "slots": slots, "error": type(e).__name__}
+            rows.append({"precision": precision, **row})
+            torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
+            print(rows[-1], flush=True)
+    if args.hf_batch > 0:
+        try:
+            row = run_generate(target.model, args.hf_batch, prompts, args.new_tokens, bandwidth)
+        except torch.cuda.OutOfMemoryError:
+            traceback.print_exc()
+            row = {"attention": "hf generate", "slots": args.hf_batch, "error": "OutOfMemoryError"}
+        rows.append({"precision": precision, **row})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--slots", default="128,256,512")
     p.add_argument("--precisions", default="bf16,fp8", help="comma-separated: bf16, fp8")
-    p.add_argument("--kernel", default="on,off", help="the decode attention: on (the kernel), off (masked), both")
+    p.add_argument("--kernel", default="on,off", help="the decode attention, comma-separated: on (the kernel), off")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     args = p.parse_args(argv)
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
-    kernels = [{"on": True, "off": False}[s.strip()] for s in args.kernel.split(",") if s.strip()]
-    if not set(precisions) <= {"bf16", "fp8"} or not precisions or not kernels:
+    kernel_names = [s.strip() for s in args.kernel.split(",") if s.strip()]
+    if (
+        not precisions
+        or not set(precisions) <= {"bf16", "fp8"}
+        or not kernel_names
+        or not set(kernel_names) <= {"on", "off"}
+    ):
         p.error("--precisions takes bf16 and fp8; --kernel takes on and off")
-    slot_counts = [int(s) for s in args.slots.split(",")]
+    kernels = [name == "on" for name in kernel_names]
     out_dir()
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     for precision in precisions:
-        target = build_target(precision)
-        free, _ = torch.cuda.mem_get_info()
-        per_token = kv_bytes_per_token(target.config, target.dtype)
-        derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
-        print(
-            f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True
-        )
-        vocab = int(target.config.vocab_size)
-        gen = torch.Generator().manual_seed(0)
-        most = max([*slot_counts, args.hf_batch])
-        prompts = torch.randint(10, vocab, (most, args.prompt_len), generator=gen).tolist()
-        for slots in slot_counts:
-            for kernel in kernels:
-                run = (target.model, slots, prompts, args.new_tokens, bandwidth, kernel)
-                try:
-                    row = run_slots(*run)
-                except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
-                    traceback.print_exc()
-                    torch.cuda.empty_cache()
-                    row = run_slots(*run, use_graph=False)
-                rows.append({"precision": precision, **row})
-                torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
-                print(rows[-1], flush=True)
-        if args.hf_batch > 0:
-            try:
-                rows.append(
-                    {
-                        "precision": precision,
-                        **run_generate(target.model, args.hf_batch, prompts, args.new_tokens, bandwidth),
-                    }
-                )
-            except torch.cuda.OutOfMemoryError:
-                traceback.print_exc()
-                rows.append(
-                    {"precision": precision, "attention": "hf generate", "slots": args.hf_batch, "e2e_s": "OOM"}
-                )
-            torch.cuda.empty_cache()
-            print(rows[-1], flush=True)
-        del target
-        gc.collect()
+        rows += bench_precision(precision, args, kernels, bandwidth)
+        gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
     cols: list[str] = []
     for r in rows:

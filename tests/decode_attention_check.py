@@ -113,13 +113,26 @@ def tiny_sliding_qwen3():
     return Qwen3ForCausalLM(cfg).eval()
 
 
-def decoder_compare(device: str = "cpu") -> dict:
+def tiny_llama():
+    """A 2-layer fp32 Llama with random weights: one layer kind, so its decoder takes one mask
+    tensor (here the ranges) through transformers' mask builder, not a dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
     generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
     too), sequences longer than the sliding window."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
-    model = tiny_sliding_qwen3().to(device)
+    model = build().to(device)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6)]
     outputs = []
@@ -146,4 +159,5 @@ if __name__ == "__main__":
     result = {"kernel": kernel_cases()}
     if "--decoder" in sys.argv:
         result["decoder"] = decoder_compare()
+        result["decoder_one_kind"] = decoder_compare(build=tiny_llama)
     print(json.dumps(result))

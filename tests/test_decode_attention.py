@@ -46,8 +46,11 @@ def test_kernel_equals_the_masked_softmax(checked, name):
     assert got["vs_masked"] < 2 * tol, got
 
 
-def test_decoder_with_the_kernel_equals_without_and_generate(checked):
-    got = checked["decoder"]
+@pytest.mark.parametrize("model", ["decoder", "decoder_one_kind"])
+def test_decoder_with_the_kernel_equals_without_and_generate(checked, model):
+    """Qwen3 with full and sliding layers (a dict of ranges), Llama with one layer kind (the
+    ranges as its one mask, through transformers' mask builder)."""
+    got = checked[model]
     assert got["equal"] and got["equals_generate"], got
     assert got["tokens"] == sum(12 + k for k in range(5))
 

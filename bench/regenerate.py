@@ -1,24 +1,47 @@
-"""Regeneration throughput on one GPU against the memory-bandwidth bound of the decode step.
+"""Regeneration throughput on one GPU against the memory-bandwidth bound of the decode step, and
+against transformers' own static-cache `generate` in the same run.
 
-A Qwen3-8B-shaped target with random weights (bf16) on cuda:0 decodes 512-token random prompts
-for 512 new tokens each, end-of-sequence ignored, with the regeneration job's decoder
-(dflash_core.regenerate.decode.SlotDecoder: static cache, continuous batching, the decode step
-recorded as a CUDA graph). Per slot count:
+A Qwen3-8B-shaped target with random weights on cuda:0, in each of `--precisions` (bf16; fp8:
+the decoder linears as FP8 GEMMs, TargetModel(fp8=True), the embedding and LM head in bf16),
+decodes 512-token random prompts for 512 new tokens each, end-of-sequence ignored, greedy, with
+the regeneration job's decoder (dflash_core.regenerate.decode.SlotDecoder: static cache,
+continuous batching, the decode step recorded as a CUDA graph), its attention as each of
+`--kernel` says: on, the Triton kernel that reads each slot's valid cache positions only
+(kernels/decode_attention.py); off, the masked batched GEMMs over the whole static cache.
 
-  decode_ms      one decode step (graph replay), median after warm-up
+A row per precision, attention and slot count:
+
+  full_ms        one decode step (graph replay) with every slot at the cache's last position,
+                 median after warm-up: the step that reads the whole cache with either attention
+  decode_ms      the same with the slots at the run's mean position (prompt + half the new
+                 tokens): what a wave's steps take on average
+  sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8)
   decode_tok_s   slots / decode_ms
-  bound_tok_s    slots / (bytes the step reads / measured copy bandwidth); the step reads every
-                 weight but the input embedding (one row per slot) and the whole static cache
-                 (attention reads masked positions too)
-  of_bound       decode_tok_s / bound_tok_s
-  e2e_tok_s      generated tokens / wall time of the whole run (prefills, host work included)
+  bound_tok_s    slots / (bytes / measured copy bandwidth), the bytes being every weight the
+                 step reads (all but the input embedding; FP8 weights count one byte) and the
+                 whole static cache: the bound of an attention that reads masked positions too
+  of_bound       (slots / full_ms) / bound_tok_s: the step at the cache's end against the bytes
+                 it must then read, the same for both attentions
+  bound_valid_kv_tok_s  as bound_tok_s with only the cache positions a step must read, averaged
+                 over the run (prompt + half the new tokens per slot): the bound of the step
+  of_valid_bound decode_tok_s / bound_valid_kv_tok_s: the mean step against the bytes it must
+                 read; the masked attention reads more than that, so its figure is lower
+  e2e_tok_s      generated tokens / wall time of the whole wave (prefills, host work included)
 
-    python -m bench.regenerate [--slots 128,256,512] [--prompt-len 512] [--new-tokens 512]
+and a row per precision for transformers' `model.generate(..., cache_implementation="static")`
+on the same prompts (the first `--hf-batch` of them; its attention is SDPA over the whole static
+cache under a mask), greedy, warmed first, torch.compile off (`disable_compile`): e2e_tok_s over
+the whole call, and decode_ms as the time past the first token per step ((wall of the whole call
+- wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
+
+    python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
+        [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 import traceback
@@ -37,6 +60,8 @@ from dflash_core.regenerate.decode import (
 )
 from dflash_core.target import TargetModel
 
+WARMUP, ITERS = 5, 30  # graph replays before and in a timing
+
 
 def copy_bandwidth(gib: int = 4) -> float:
     """Bytes per second a device-to-device copy moves (read plus write), median of 20."""
@@ -46,15 +71,38 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * (gib << 30) / (ms * 1e-3)
 
 
+def step_weight_bytes(model) -> int:
+    """The weight bytes a decode step reads: every parameter and buffer (an FP8 linear keeps its
+    weight as a buffer) but the input embedding, of which a step reads one row per slot (unless
+    the LM head is the same table, which the step reads whole)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == emb.data_ptr()
+    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
+
+
+def bound(slots: int, weights: int, positions: int, per_token: int, bandwidth: float) -> float:
+    """Tokens per second of a step that reads `weights` and `positions` cache positions per slot
+    at `bandwidth`."""
+    return slots / ((weights + slots * positions * per_token) / bandwidth)
+
+
+def time_step(dec: SlotDecoder, greedy: bool, position: int) -> float:
+    """Median ms of the decode step with every slot at `position`: the timed steps start early
+    enough to centre on it (each step moves the slots on by one; the cache's end holds them)."""
+    last = dec.length - 1
+    dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
+    return median(cuda_time_ms(lambda: dec._step(greedy), warmup=WARMUP, iters=ITERS))
+
+
 @torch.no_grad()
 def run_slots(
-    model, slots: int, prompt_len: int, new_tokens: int, bandwidth: float, vocab: int, use_graph: bool = True
+    model, slots: int, prompts: list[list[int]], new_tokens: int, bandwidth: float, kernel: bool, use_graph=True
 ) -> dict:
+    prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
-    dec = SlotDecoder(model, slots, length, use_graph=use_graph)
-    gen = torch.Generator().manual_seed(slots)
-    prompts = torch.randint(10, vocab, (slots, prompt_len), generator=gen).tolist()
-    requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts)]
+    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel)
+    requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
     torch.cuda.synchronize()
@@ -67,73 +115,174 @@ def run_slots(
     generated = sum(len(c.tokens) for c in done)
     assert generated == slots * new_tokens, generated
     # a second wave: the first one's prefills settled the allocator, so this one must not grow it
-    list(dec.generate([Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts)], greedy))
+    list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     creep = torch.cuda.memory_reserved() - reserved_after
-    decode_ms = median(cuda_time_ms(lambda: dec._step(True), warmup=5, iters=30))
-    sampled = Sampling(temperature=0.7, top_p=0.8, ignore_stop=True)
-    dec.warm(sampled)
-    sampled_ms = median(cuda_time_ms(lambda: dec._step(False), warmup=5, iters=30))
-    emb = model.get_input_embeddings().weight
-    weights = weight_bytes(model) - emb.numel() * emb.element_size()
-    kv_full = slots * length * kv_bytes_per_token(model.config, dec.dtype)
-    kv_valid = slots * (prompt_len + new_tokens // 2) * kv_bytes_per_token(model.config, dec.dtype)
-    bound = slots / ((weights + kv_full) / bandwidth)
-    bound_valid = slots / ((weights + kv_valid) / bandwidth)
-    row = {
+    mean_valid = prompt_len + new_tokens // 2  # positions a step reads per slot, over the run
+    full_ms = time_step(dec, True, length - 1)
+    decode_ms = time_step(dec, True, mean_valid - 1)
+    dec.warm(Sampling(temperature=0.7, top_p=0.8, ignore_stop=True))
+    sampled_ms = time_step(dec, False, mean_valid - 1)
+    weights = step_weight_bytes(model)
+    per_token = kv_bytes_per_token(model.config, dec.dtype)
+    whole = bound(slots, weights, length, per_token, bandwidth)
+    valid = bound(slots, weights, mean_valid, per_token, bandwidth)
+    decode_tok_s = slots / (decode_ms * 1e-3)
+    return {
+        "attention": "kernel" if dec.attention_kernel else "masked",
         "slots": slots,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
+        "weights_gb": round(weights / 1e9, 2),
+        "full_ms": round(full_ms, 3),
         "decode_ms": round(decode_ms, 3),
         "sampled_ms": round(sampled_ms, 3),
-        "decode_tok_s": round(slots / (decode_ms * 1e-3)),
-        "bound_tok_s": round(bound),
-        "of_bound": round(slots / (decode_ms * 1e-3) / bound, 3),
-        "bound_valid_kv_tok_s": round(bound_valid),
+        "decode_tok_s": round(decode_tok_s),
+        "bound_tok_s": round(whole),
+        "of_bound": round(slots / (full_ms * 1e-3) / whole, 3),
+        "bound_valid_kv_tok_s": round(valid),
+        "of_valid_bound": round(decode_tok_s / valid, 3),
         "e2e_tok_s": round(generated / wall),
         "e2e_s": round(wall, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
     }
-    return row
+
+
+@torch.no_grad()
+def run_generate(model, batch: int, prompts: list[list[int]], new_tokens: int, bandwidth: float) -> dict:
+    """transformers' greedy generate with its static cache over the first `batch` prompts."""
+    ids = torch.tensor(prompts[:batch], device="cuda")
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        cache_implementation="static",
+        disable_compile=True,
+        pad_token_id=0,
+    )
+
+    def call(n: int) -> tuple[float, torch.Tensor]:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    call(4)  # warm: kernels chosen, allocator grown
+    first, _ = call(1)
+    wall, out = call(new_tokens)
+    generated = (out.shape[1] - ids.shape[1]) * batch
+    assert generated == batch * new_tokens, generated
+    decode_ms = (wall - first) / max(1, new_tokens - 1) * 1e3
+    weights = step_weight_bytes(model)
+    length = ids.shape[1] + new_tokens
+    whole = bound(batch, weights, length, kv_bytes_per_token(model.config, next(model.parameters()).dtype), bandwidth)
+    return {
+        "attention": "hf generate",
+        "slots": batch,
+        "graph": False,
+        "weights_gb": round(weights / 1e9, 2),
+        "decode_ms": round(decode_ms, 3),
+        "decode_tok_s": round(batch / (decode_ms * 1e-3)),
+        "bound_tok_s": round(whole),
+        "of_bound": round(batch / (decode_ms * 1e-3) / whole, 3),
+        "e2e_tok_s": round(generated / wall),
+        "e2e_s": round(wall, 2),
+    }
+
+
+def build_target(precision: str) -> TargetModel:
+    t = time.perf_counter()
+    target_dir = write_target_dir(Path(tempfile.mkdtemp()) / "target", QWEN3_8B)
+    target = TargetModel(target_dir, [1], "cuda:0", random_init=True, fp8=precision == "fp8")
+    if precision == "fp8":
+        from dflash_core.target_precision import Fp8FrozenLinear
+
+        fp8 = sum(isinstance(m, Fp8FrozenLinear) for m in target.model.modules())
+        head = target.model.get_output_embeddings().weight.dtype
+        print(f"fp8 target: {fp8} FP8 linears, LM head {head}", flush=True)
+        assert fp8 > 0 and head == torch.bfloat16
+    print(f"{precision} target built in {time.perf_counter() - t:.1f} s", flush=True)
+    return target
+
+
+def bench_precision(precision: str, args, kernels: list[bool], bandwidth: float) -> list[dict]:
+    """The rows of one target precision (the target is gone when this returns)."""
+    target = build_target(precision)
+    free, _ = torch.cuda.mem_get_info()
+    per_token = kv_bytes_per_token(target.config, target.dtype)
+    derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
+    print(f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True)
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    most = max([*slot_counts, args.hf_batch])
+    prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
+    rows = []
+    for slots in slot_counts:
+        for kernel in kernels:
+            run = (target.model, slots, prompts, args.new_tokens, bandwidth, kernel)
+            try:
+                row = run_slots(*run)
+            except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
+                traceback.print_exc()
+                torch.cuda.empty_cache()
+                try:
+                    row = run_slots(*run, use_graph=False)
+                except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
+                    traceback.print_exc()
+                    row = {"attention": "kernel" if kernel else "masked", "slots": slots, "error": type(e).__name__}
+            rows.append({"precision": precision, **row})
+            torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
+            print(rows[-1], flush=True)
+    if args.hf_batch > 0:
+        try:
+            row = run_generate(target.model, args.hf_batch, prompts, args.new_tokens, bandwidth)
+        except torch.cuda.OutOfMemoryError:
+            traceback.print_exc()
+            row = {"attention": "hf generate", "slots": args.hf_batch, "error": "OutOfMemoryError"}
+        rows.append({"precision": precision, **row})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--slots", default="128,256,512")
+    p.add_argument("--precisions", default="bf16,fp8", help="comma-separated: bf16, fp8")
+    p.add_argument("--kernel", default="on,off", help="the decode attention, comma-separated: on (the kernel), off")
+    p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     args = p.parse_args(argv)
+    precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
+    kernel_names = [s.strip() for s in args.kernel.split(",") if s.strip()]
+    if (
+        not precisions
+        or not set(precisions) <= {"bf16", "fp8"}
+        or not kernel_names
+        or not set(kernel_names) <= {"on", "off"}
+    ):
+        p.error("--precisions takes bf16 and fp8; --kernel takes on and off")
+    kernels = [name == "on" for name in kernel_names]
     out_dir()
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
-    t = time.perf_counter()
-    target_dir = write_target_dir(Path(tempfile.mkdtemp()) / "target", QWEN3_8B)
-    target = TargetModel(target_dir, [1], "cuda:0", random_init=True)
-    print(f"target built in {time.perf_counter() - t:.1f} s", flush=True)
-    free, _ = torch.cuda.mem_get_info()
-    per_token = kv_bytes_per_token(target.config, target.dtype)
-    derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
-    print(f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True)
     rows = []
-    vocab = int(target.config.vocab_size)
-    for slots in (int(s) for s in args.slots.split(",")):
-        try:
-            rows.append(run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, vocab))
-        except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
-            traceback.print_exc()
-            torch.cuda.empty_cache()
-            rows.append(run_slots(target.model, slots, args.prompt_len, args.new_tokens, bandwidth, vocab, False))
-        torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
-        print(rows[-1], flush=True)
+    for precision in precisions:
+        rows += bench_precision(precision, args, kernels, bandwidth)
+        gc.collect()  # the target's forward hooks hold it in a reference cycle
+        torch.cuda.empty_cache()
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
     report(
         "regenerate",
         {"env": env_record(), "copy_bandwidth_bytes_per_s": bandwidth, "args": vars(args), "rows": rows},
-        f"regeneration decode, Qwen3-8B shape (random bf16), prompts {args.prompt_len} + {args.new_tokens} new tokens, "
-        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+        f"regeneration decode, Qwen3-8B shape (random weights), prompts {args.prompt_len} + {args.new_tokens} new "
+        f"tokens, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
         rows,
-        list(rows[0]),
+        cols,
     )
 
 

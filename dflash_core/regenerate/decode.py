@@ -2,8 +2,9 @@
 
 `SlotDecoder` holds a fixed number of slots (sequences decoded together) and a KV cache of a
 fixed length per slot, allocated once. Every decode step runs all slots with the same shapes
-(one new token each, attention over the whole static cache under a per-slot mask), so on CUDA
-the step is recorded once as a CUDA graph and replayed; on the CPU the same step runs eagerly
+(one new token each; attention over each slot's valid cache positions, told by a device tensor,
+through a Triton kernel on CUDA, or over the whole static cache under a per-slot mask; see
+attention.py), so on CUDA the step is recorded once as a CUDA graph and replayed; on the CPU the same step runs eagerly
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
 slot, and the next prompts go into the free slots while the others keep decoding (continuous
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
+
 log = logging.getLogger("dflash.generate")
 
 _M32 = 0xFFFFFFFF
@@ -39,42 +42,6 @@ _M32 = 0xFFFFFFFF
 # chunks are sized so that a chunk's transient memory stays small next to the cache
 _PREFILL_TOKENS_CUDA = 16384
 _PREFILL_TOKENS_CPU = 2048
-
-
-SLOT_ATTENTION = "dflash_slots"
-
-
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of the slot decoder, registered with transformers as SLOT_ATTENTION: with one
-    query per slot, the query heads of each key-value head are multiplied against that head's
-    keys in one batched GEMM, so the cache is read once per step (SDPA given a mask repeats the
-    keys and values for every query head: a copy of the whole cache per layer and step). With
-    several queries (a prefill) it is SDPA over keys repeated per head. attention_mask [N, 1, Q, K]:
-    boolean (True where a query sees a key), or additive in the model's dtype (0 or -inf): a
-    decode step builds it once for every layer, and the scores then take one pass to mask."""
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise ValueError("regeneration does not decode attention with sinks")
-    b, hq, q, d = query.shape
-    hkv = key.shape[1]
-    groups = hq // hkv
-    scale = scaling if scaling is not None else d**-0.5
-    if q == 1:
-        scores = torch.matmul((query * scale).view(b, hkv, groups, d), key.transpose(-1, -2))
-        mask = attention_mask.view(b, 1, 1, -1)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        probs = scores.softmax(dim=-1)  # accumulates in fp32 for 16-bit scores
-        out = torch.matmul(probs, value)  # [b, hkv, groups, d]
-        return out.view(b, hq, 1, d).transpose(1, 2).contiguous(), None
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
 
 
 @dataclass(frozen=True)
@@ -168,7 +135,8 @@ class SlotCache:
     """Static keys and values [slots, kv_heads, length, head_dim] per layer, behind transformers'
     `Cache.update`: while prefilling, the given rows' keys go to positions 0..T-1 of their slots
     and attention sees only the prompt; while decoding, every slot's one new key goes to that
-    slot's position and attention sees the whole cache (the mask says which positions count)."""
+    slot's position and attention gets the whole cache (the mask, or the slots' ranges, say which
+    positions count)."""
 
     def __init__(self, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, device, dtype):
         shape = (slots, kv_heads, length, head_dim)
@@ -223,9 +191,19 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 class SlotDecoder:
     """Decodes requests with `slots` sequences at a time in a cache of `length` positions per slot
-    (prompt plus generated tokens). use_graph: record the decode step as a CUDA graph (CUDA only)."""
+    (prompt plus generated tokens). use_graph: record the decode step as a CUDA graph (CUDA only).
+    attention_kernel: the decode step attends through the Triton kernel over the slots' valid
+    positions (None: where the device and dtype allow it, attention.kernel_available; True on a
+    CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks."""
 
-    def __init__(self, model: Any, slots: int, length: int, use_graph: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        slots: int,
+        length: int,
+        use_graph: bool | None = None,
+        attention_kernel: bool | None = None,
+    ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
         self.decoder: Any = self.model.get_decoder()
@@ -235,7 +213,7 @@ class SlotDecoder:
         self.slots, self.length = slots, length
         self.kinds = layer_kinds(self.config)
         self.window = getattr(self.config, "sliding_window", None)
-        _register_attention()
+        register_attention()
         cfg = self.config
         heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -253,6 +231,7 @@ class SlotDecoder:
         self.top_p = torch.ones(1, device=dev)
         self.key_index = torch.arange(length, device=dev)
         self.use_graph = (dev.type == "cuda") if use_graph is None else (use_graph and dev.type == "cuda")
+        self.attention_kernel = kernel_available(dev, self.dtype) if attention_kernel is None else attention_kernel
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
@@ -298,10 +277,16 @@ class SlotDecoder:
         the inputs move on by one (what the next step reads). Fixed shapes: a graph records it."""
         cache = self.cache
         cache.rows, cache.positions = None, self.positions
-        masks = {
-            kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
-            for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
-        }
+        if self.attention_kernel:  # each slot's valid range per layer kind, in place of its mask
+            masks = {
+                kind: decode_ranges(self.positions, self.window if kind == "sliding_attention" else None)
+                for kind in dict.fromkeys(self.kinds)
+            }
+        else:
+            masks = {
+                kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
+                for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
+            }
         hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
         logits = self.head(hidden[:, -1]).float()
         chosen = choose_tokens(logits, self.seeds, self.steps, greedy, self.temperature, self.top_k, self.top_p)
@@ -480,4 +465,9 @@ def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 51
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters and buffers (an FP8 linear keeps its weight and scale as
+    buffers), a tensor shared by several modules (tied embeddings) once."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())

@@ -1,7 +1,8 @@
 """The slot decoder on CUDA (marker gpu; skipped without CUDA): the recorded decode step gives the
 tokens of the eager step and of transformers' greedy generate on the embedded target (fp32), for
 prompts of different lengths with slots refilled; seeded sampling equal with and without the graph;
-reserved memory flat over a second run."""
+reserved memory flat over a second run; the decode-attention kernel against a float64 reference,
+and the recorded step with it equal to the step without it."""
 
 import pytest
 import torch
@@ -23,10 +24,10 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
-    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph)
+    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
     assert dec.use_graph == use_graph
     done = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], sampling)}
     return done, dec
@@ -65,3 +66,56 @@ def test_sampled_graph_equals_eager(setup):
     graph, _ = _run(model, prompts, sampling, True, slots=3)
     eager, _ = _run(model, prompts, sampling, False, slots=5)
     assert graph == eager
+
+
+def test_decode_attention_kernel_on_cuda():
+    """The cases the CPU runs through Triton's interpreter, compiled (bf16 tensor-core dots)."""
+    from tests.decode_attention_check import kernel_cases
+
+    for name, got in kernel_cases("cuda").items():
+        tol = 1e-5 if name.startswith("fp32") else 1e-2
+        assert got["finite"] and got["dtype_kept"] and got["rel"] < tol and got["vs_masked"] < 2 * tol, (name, got)
+
+
+def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):
+    """The decoder's default on CUDA is the kernel; recorded in the graph, its greedy tokens are
+    those of the eager step over masks (fp32: the kernel's dots are exact there)."""
+    import dflash_core.kernels.decode_attention as kernel
+    from dflash_core.regenerate.decode import Sampling
+
+    model, prompts = setup
+    calls = []
+    launch = kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    eos = model.generation_config.eos_token_id
+    greedy = Sampling(stop_token_ids=(eos,))
+    with_kernel, dec = _run(model, prompts, greedy, True)
+    assert dec.attention_kernel and dec._graphs and calls  # recorded (the replays call no Python)
+    recorded = len(calls)
+    masked, plain = _run(model, prompts, greedy, False, attention_kernel=False)
+    assert not plain.attention_kernel and len(calls) == recorded
+    assert with_kernel == masked
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 matmuls"
+)
+def test_fp8_target_decodes_through_the_recorded_kernel_step(setup):
+    """The FP8 target of regeneration (decoder linears as FP8 GEMMs, the LM head bf16): the
+    recorded step with the kernel gives the eager step's greedy tokens (the same math; FP8's
+    activation casts included in the graph)."""
+    import copy
+
+    from dflash_core.regenerate.decode import Sampling
+    from dflash_core.target_precision import Fp8FrozenLinear, quantize_decoder_linears
+
+    model, prompts = setup
+    fp8 = copy.deepcopy(model).to(torch.bfloat16)
+    assert quantize_decoder_linears(fp8.get_decoder().layers) is not None
+    assert any(isinstance(m, Fp8FrozenLinear) for m in fp8.modules())
+    assert fp8.get_output_embeddings().weight.dtype == torch.bfloat16
+    greedy = Sampling(ignore_stop=True)
+    graph, dec = _run(fp8, prompts, greedy, True)
+    eager, _ = _run(fp8, prompts, greedy, False)
+    assert dec.attention_kernel and dec._graphs
+    assert graph == eager and all(len(t) == 32 for t in graph.values())

@@ -1,0 +1,163 @@
+"""The decode-attention kernels (dflash_core/kernels/decode_attention.py) against a float64
+masked softmax, and the slot decoder with them against the decoder without them. Runs on CUDA
+(tests/gpu) and, through Triton's interpreter, on CPU: `TRITON_INTERPRET=1 python -m
+tests.decode_attention_check` (a separate process: the flag is read when the kernel module is
+imported). Prints one JSON object: per case, the largest errors relative to the output's scale
+(the kernel's and the masked path's against the reference, and between them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from dflash_core.kernels.decode_attention import decode_attention
+from dflash_core.regenerate.attention import slot_attention
+
+
+def reference(query, key, value, ranges, scale) -> torch.Tensor:
+    """softmax(q k^T * scale) v over positions [lo, hi) of each sequence, in float64."""
+    b, hq, d = query.shape
+    hkv, length = key.shape[1], key.shape[2]
+    q = query.double().view(b, hkv, hq // hkv, d)
+    scores = torch.matmul(q, key.double().transpose(-1, -2)) * scale  # [b, hkv, g, L]
+    pos = torch.arange(length, device=query.device)
+    lo, hi = ranges[:, 0].long(), ranges[:, 1].long()
+    seen = (pos >= lo[:, None]) & (pos < hi[:, None])
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), value.double()).view(b, hq, d)
+
+
+def case(
+    positions: list[int],
+    groups: int,
+    head_dim: int,
+    kv_heads: int = 2,
+    length: int = 200,
+    window: int | None = None,
+    splits: int | None = None,
+    dtype=torch.bfloat16,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict:
+    """Sequences at `positions` (each sees its positions up to and with that one, or the last
+    `window` of them) in a cache of `length`; the error of the kernel's output relative to the
+    reference's largest magnitude, with the query and cache rounded to `dtype` for both."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(positions)
+    query = torch.randn(b, kv_heads * groups, head_dim, generator=g)
+    key = torch.randn(b, kv_heads, length, head_dim, generator=g)
+    value = torch.randn(b, kv_heads, length, head_dim, generator=g)
+    hi = torch.tensor(positions) + 1
+    lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+    ranges = torch.stack([lo, hi], -1).to(torch.int32)
+    # a strided query, as the attention layer's transpose of [B, 1, Hq, D] gives it
+    query = query.to(device, dtype).unsqueeze(1).transpose(1, 2)[:, :, 0]
+    key, value, ranges = key.to(device, dtype), value.to(device, dtype), ranges.to(device)
+    scale = head_dim**-0.5
+    # what lies outside a sequence's range must not count: poison it
+    pos = torch.arange(length, device=device)
+    outside = (pos < ranges[:, :1].long()) | (pos >= ranges[:, 1:].long())  # [b, L]
+    key_p = key.masked_fill(outside[:, None, :, None], float("nan"))
+    value_p = value.masked_fill(outside[:, None, :, None], float("nan"))
+    got = decode_attention(query, key_p, value_p, ranges, scale, splits=splits)
+    ref = reference(query, key, value, ranges, scale)
+    # the masked path the decoder takes without the kernel, with its additive mask
+    additive = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill(outside, float("-inf"))
+    masked, _ = slot_attention(None, query.unsqueeze(2), key, value, additive.view(b, 1, 1, length), scale)
+    top = ref.abs().max()
+    return {
+        "rel": float((got.double() - ref).abs().max() / top),
+        "masked_rel": float((masked[:, 0].double() - ref).abs().max() / top),
+        "vs_masked": float((got.double() - masked[:, 0].double()).abs().max() / top),
+        "finite": bool(torch.isfinite(got).all()),
+        "dtype_kept": got.dtype == dtype and tuple(got.shape) == tuple(ref.shape),
+    }
+
+
+def kernel_cases(device: str = "cpu") -> dict:
+    """Positions 0 (one key), mid-cache, the cache's last, and split boundaries: with a cache of
+    200 in 4 splits each split is 50 long, so positions 49 and 99 end exactly at one."""
+    positions = [0, 49, 99, 137, 199]
+    return {
+        "gqa1_d64": case(positions, 1, 64, device=device),
+        "gqa4_d128": case(positions, 4, 128, device=device, seed=1),
+        "gqa4_d128_splits4": case(positions, 4, 128, splits=4, device=device, seed=2),
+        "gqa1_d64_splits4": case(positions, 1, 64, splits=4, device=device, seed=3),
+        "gqa4_d64_window": case(positions, 4, 64, window=40, device=device, seed=4),
+        "gqa4_d64_window_splits4": case(positions, 4, 64, window=50, splits=4, device=device, seed=5),
+        "gqa2_d80_odd_dims": case([3, 150], 2, 80, kv_heads=3, length=150, splits=3, device=device, seed=6),
+        "fp32_splits7": case(positions, 4, 64, splits=7, dtype=torch.float32, device=device, seed=7),
+        # fp32: exact products, so a position dropped or added shows far above the tolerance
+        "fp32_window": case(positions, 4, 64, window=40, dtype=torch.float32, device=device, seed=10),
+        "fp32_gqa1_window_splits4": case(
+            positions, 1, 128, window=50, splits=4, dtype=torch.float32, device=device, seed=11
+        ),
+        "gqa4_d256_splits2": case([5, 70], 4, 256, length=100, splits=2, device=device, seed=9),
+        # the default split count (16 of 256 positions for 3 slots of 8 kv heads)
+        "long_default_splits": case([0, 1000, 4095], 4, 128, kv_heads=8, length=4096, device=device, seed=8),
+    }
+
+
+def tiny_sliding_qwen3():
+    """A 3-layer fp32 Qwen3 with random weights: full, sliding (window 6) and full layers, GQA 2."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, use_sliding_window=True,
+        sliding_window=6, layer_types=["full_attention", "sliding_attention", "full_attention"],
+    )  # fmt: skip
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def tiny_llama():
+    """A 2-layer fp32 Llama with random weights: one layer kind, so its decoder takes one mask
+    tensor (here the ranges) through transformers' mask builder, not a dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
+    """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
+    generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
+    too), sequences longer than the sliding window."""
+    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
+
+    model = build().to(device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6)]
+    outputs = []
+    for kernel in (True, False):
+        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel)
+        assert dec.attention_kernel is kernel
+        done = dec.generate([Request(k, p, 12 + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
+        outputs.append({c.key: c.tokens for c in done})
+    generated = {}
+    with torch.no_grad():
+        for k, p in enumerate(prompts):
+            ids = torch.tensor([p], device=device)
+            n = 12 + k
+            full = model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            generated[k] = full[0, len(p) :].tolist()
+    return {
+        "equal": outputs[0] == outputs[1],
+        "equals_generate": outputs[0] == generated,
+        "tokens": sum(len(t) for t in outputs[0].values()),
+    }
+
+
+if __name__ == "__main__":
+    result = {"kernel": kernel_cases()}
+    if "--decoder" in sys.argv:
+        result["decoder"] = decoder_compare()
+        result["decoder_one_kind"] = decoder_compare(build=tiny_llama)
+    print(json.dumps(result))

@@ -1,0 +1,54 @@
+"""The bytes bench/regenerate.py counts for a decode step's weights: every parameter and buffer
+but the input embedding, an FP8 linear at one byte per weight (plus its scale), a tied table
+counted once and read as the LM head."""
+
+import torch
+
+from bench.regenerate import bound, step_weight_bytes
+
+
+def _tiny_qwen3(tied: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_weights_without_the_input_embedding():
+    model = _tiny_qwen3(tied=False)
+    emb = model.get_input_embeddings().weight
+    expected = _nbytes(model.parameters()) + _nbytes(model.buffers()) - _nbytes([emb])
+    assert step_weight_bytes(model) == expected
+
+
+def test_a_tied_table_is_read_as_the_lm_head():
+    model = _tiny_qwen3(tied=True)
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert step_weight_bytes(model) == _nbytes(model.parameters()) + _nbytes(model.buffers())
+
+
+def test_fp8_linears_count_one_byte_per_weight():
+    from torch import nn
+
+    from dflash_core.target_precision import quantize_decoder_linears
+
+    model = _tiny_qwen3(tied=False)
+    before = step_weight_bytes(model)
+    linears = [m for m in model.get_decoder().layers.modules() if type(m) is nn.Linear]
+    weights = sum(m.weight.numel() for m in linears)
+    assert quantize_decoder_linears(model.get_decoder().layers) is not None
+    # two bytes per bf16 weight become one, and each linear gains an fp32 scale
+    assert step_weight_bytes(model) == before - weights + 4 * len(linears)
+
+
+def test_bound():
+    # 10 slots, 1000 weight bytes, 5 positions of 20 bytes: 2000 bytes at 1000 B/s -> 5 tokens/s
+    assert bound(10, 1000, 5, 20, 1000.0) == 5.0

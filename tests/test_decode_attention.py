@@ -1,0 +1,81 @@
+"""The decode step's attention over each slot's valid cache positions: the Triton kernels
+(dflash_core/kernels/decode_attention.py) through Triton's interpreter against a float64 masked
+softmax and against the masked path, the slot decoder with them against the decoder without them
+and transformers' generate, and the ranges the decoder hands them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_core.regenerate.attention import decode_ranges, is_ranges, kernel_available
+from tests.helpers import run_interpreted_check
+
+
+@pytest.fixture(scope="module")
+def checked():
+    return run_interpreted_check("tests.decode_attention_check", "--decoder")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gqa1_d64",
+        "gqa4_d128",
+        "gqa4_d128_splits4",
+        "gqa1_d64_splits4",
+        "gqa4_d64_window",
+        "gqa4_d64_window_splits4",
+        "gqa2_d80_odd_dims",
+        "fp32_splits7",
+        "fp32_window",
+        "fp32_gqa1_window_splits4",
+        "gqa4_d256_splits2",
+        "long_default_splits",
+    ],
+)
+def test_kernel_equals_the_masked_softmax(checked, name):
+    """Slots at position 0, at split ends and at the cache's last position, GQA groups 1, 2 and
+    4, head dims 64, 80, 128 and 256, sliding windows, one split and several (given, and the default
+    for few slots over a long cache); NaN in every cache
+    position outside a slot's range, so a read of one shows."""
+    got = checked["kernel"][name]
+    assert got["finite"] and got["dtype_kept"], got
+    tol = 1e-5 if name.startswith("fp32") else 1e-2  # bf16: the output's rounding and p's
+    assert got["rel"] < tol, got
+    assert got["vs_masked"] < 2 * tol, got
+
+
+@pytest.mark.parametrize("model", ["decoder", "decoder_one_kind"])
+def test_decoder_with_the_kernel_equals_without_and_generate(checked, model):
+    """Qwen3 with full and sliding layers (a dict of ranges), Llama with one layer kind (the
+    ranges as its one mask, through transformers' mask builder)."""
+    got = checked[model]
+    assert got["equal"] and got["equals_generate"], got
+    assert got["tokens"] == sum(12 + k for k in range(5))
+
+
+def test_ranges_follow_the_masks_rule():
+    positions = torch.tensor([0, 3, 9, 10])
+    full = decode_ranges(positions, None)
+    assert full.dtype == torch.int32 and full.shape == (4, 1, 1, 2) and is_ranges(full)
+    assert full.view(4, 2).tolist() == [[0, 1], [0, 4], [0, 10], [0, 11]]
+    # a window of 4: the keys at positions > position - 4, the position's own included
+    assert decode_ranges(positions, 4).view(4, 2).tolist() == [[0, 1], [0, 4], [6, 10], [7, 11]]
+    assert not is_ranges(torch.zeros(4, 1, 1, 11, dtype=torch.bfloat16))
+    assert not is_ranges(torch.ones(4, 1, 1, 11, dtype=torch.bool))
+
+
+def test_kernel_only_where_it_can_run():
+    assert not kernel_available(torch.device("cpu"), torch.bfloat16)
+    assert not kernel_available(torch.device("cuda"), torch.float64)
+
+
+def test_split_count():
+    from dflash_core.kernels.decode_attention import MIN_SPLIT, split_count
+
+    cpu = torch.device("cpu")
+    assert split_count(512, 8, 1024, cpu) == 1  # thousands of programs already
+    few = split_count(2, 8, 4096, cpu)
+    assert 1 < few <= 4096 // MIN_SPLIT
+    assert split_count(1, 1, 100, cpu) == 1  # too short to split

@@ -26,6 +26,14 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def store_scaled_grad(g_row, idx, grad, in_row, grad_cols, grad_limit):
+    """grad (already times its scale) clamped to +-grad_limit into a low-precision gradient row
+    of grad_cols values, zeros past the vocabulary (the padding columns of an FP8 lm_head)."""
+    grad = tl.where(in_row, tl.minimum(tl.maximum(grad, -grad_limit), grad_limit), 0.0)
+    tl.store(g_row + idx, grad.to(g_row.dtype.element_ty), mask=idx < grad_cols)
+
+
+@triton.jit
 def _ce_rows_kernel(
     logits_ptr,
     labels_ptr,
@@ -83,8 +91,7 @@ def _ce_rows_kernel(
                 in_row = idx < vocab
                 x = tl.load(row_ptr + idx, mask=in_row, other=0.0).to(tl.float32)
                 grad = (tl.exp(x - lse) - (idx == label).to(tl.float32)) * (weight * scale)
-                grad = tl.where(in_row, tl.minimum(tl.maximum(grad, -grad_limit), grad_limit), 0.0)
-                tl.store(g_row + idx, grad.to(grad_ptr.dtype.element_ty), mask=idx < grad_cols)
+                store_scaled_grad(g_row, idx, grad, in_row, grad_cols, grad_limit)
         else:
             for start in range(0, vocab, BLOCK_V):
                 idx = start + cols

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..devices import triton_launch_device
+from .ce import store_scaled_grad
 
 BLOCK_V = 4096
 NUM_WARPS = 8
@@ -143,9 +144,7 @@ def _distill_rows_kernel(
                 grad = _mixed_grad(d_ptr, t_ptr, idx, in_row, label, lse_d, lse_t, sigma, w_ce, w_kl, w_tv)
                 if KEEP_GRAD:
                     tl.store(d_ptr + idx, grad.to(zd_ptr.dtype.element_ty), mask=in_row)
-                scaled = tl.minimum(tl.maximum(grad * g_scale, -grad_limit), grad_limit)
-                scaled = tl.where(in_row, scaled, 0.0)
-                tl.store(g_row + idx, scaled.to(grad_ptr.dtype.element_ty), mask=idx < grad_cols)
+                store_scaled_grad(g_row, idx, grad * g_scale, in_row, grad_cols, grad_limit)
         else:
             for start in range(0, vocab, BLOCK_V):
                 idx = start + cols

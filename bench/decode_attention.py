@@ -1,0 +1,145 @@
+"""The decode-attention kernel alone (kernels/decode_attention.py) against the copy bandwidth, over
+its launch settings, at the regeneration bench's shape (Qwen3-8B's heads: 32 query, 8 key-value,
+head dim 128), and where a decode step's time goes.
+
+Sweep rows, one per setting (block_n, num_warps, num_stages, splits), each slot's whole cache
+valid (the step at the cache's end, what `of_bound` in bench.regenerate times):
+
+  ms          median of the kernel (and the split combine, with splits > 1)
+  gb_s        the key and value bytes it must read / ms
+  of_copy     gb_s against a device-to-device copy's bytes (read + write) per second
+
+Then the decode step itself (the regeneration decoder, eager, the attention as the kernel with
+the default settings) under torch.profiler at the same slot count: device time per kernel class
+(GEMM, attention, other), the share of each, so that what is left over the bound has a name.
+
+    python -m bench.decode_attention [--slots 512] [--length 1024] [--profile-step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, report, write_target_dir
+from bench.regenerate import copy_bandwidth
+from dflash_core.kernels.decode_attention import decode_attention, split_count
+
+
+def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, splits) -> list[dict]:
+    hq, hkv, d = 32, 8, 128
+    q = torch.randn(slots, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(slots, hkv, length, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ranges = torch.tensor([[0, length]] * slots, dtype=torch.int32, device="cuda")
+    kv_bytes = 2 * k.numel() * k.element_size()
+    default_splits = split_count(slots, hkv, length, q.device)
+    ref = decode_attention(q, k, v, ranges, d**-0.5)
+    rows = []
+    for bn, nw, ns, sp in itertools.product(blocks, warps, stages, splits):
+        fn = lambda: decode_attention(q, k, v, ranges, d**-0.5, splits=sp, block_n=bn, num_warps=nw, num_stages=ns)  # noqa: E731
+        try:
+            out = fn()
+            err = (out.float() - ref.float()).abs().max().item()
+            ms = median(cuda_time_ms(fn, warmup=5, iters=30))
+        except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a row too
+            rows.append({"block_n": bn, "warps": nw, "stages": ns, "splits": sp, "error": type(e).__name__})
+            continue
+        gb_s = kv_bytes / (ms * 1e-3) / 1e9
+        rows.append(
+            {
+                "block_n": bn,
+                "warps": nw,
+                "stages": ns,
+                "splits": sp,
+                "ms": round(ms, 4),
+                "gb_s": round(gb_s),
+                "of_copy": round(gb_s * 1e9 / bandwidth, 3),
+                "max_err": float(f"{err:.2g}"),
+                "default": sp == default_splits and bn == 64 and nw == 4 and ns == 2,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if "_split_kernel" in n or "_combine_kernel" in n:
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "sm90", "nvjet", "cublas", "matmul", "fp8_gemm", "scaled_mm")):
+        return "gemm"
+    return "other"
+
+
+@torch.no_grad()
+def profile_step(slots: int, prompt_len: int, new_tokens: int) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
+    from dflash_core.target import TargetModel
+
+    target_dir = write_target_dir(Path(tempfile.mkdtemp()) / "target", QWEN3_8B)
+    target = TargetModel(target_dir, [1], "cuda:0", random_init=True)
+    length = prompt_len + new_tokens
+    dec = SlotDecoder(target.model, slots, length, use_graph=False, attention_kernel=True)
+    greedy = Sampling(ignore_stop=True)
+    list(dec.generate([Request(-1, list(range(10, 10 + prompt_len)), 4)], greedy))
+    dec.positions.fill_(length - 8)
+    for _ in range(3):
+        dec._step(True)
+    torch.cuda.synchronize()
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dec._step(True)
+        torch.cuda.synchronize()
+    per_class: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        per_class[kernel_class(evt.name)] = per_class.get(kernel_class(evt.name), 0.0) + us
+        per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + us
+    total = sum(per_class.values())
+    rows = [
+        {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
+        for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
+    ]
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {us / steps / 1e3:8.3f} ms/step  {kernel_class(name):9s} {name[:110]}", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--slots", type=int, default=512)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--block-n", default="32,64,128")
+    p.add_argument("--warps", default="2,4,8")
+    p.add_argument("--stages", default="2,3,4")
+    p.add_argument("--splits", default="1,2")
+    p.add_argument("--profile-step", action="store_true", help="also profile a decode step (needs a target's memory)")
+    args = p.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows = sweep(
+        args.slots, args.length, bandwidth, ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.splits)
+    )
+    cols = ["block_n", "warps", "stages", "splits", "ms", "gb_s", "of_copy", "max_err", "default"]
+    record = {"env": env_record(), "slots": args.slots, "length": args.length, "copy_gb_s": round(bandwidth / 1e9)}
+    report("decode_attention", {**record, "rows": rows}, "decode attention kernel sweep", rows, cols)
+    if args.profile_step:
+        torch.cuda.empty_cache()
+        prof = profile_step(args.slots, args.length // 2, args.length // 2)
+        report("decode_step_profile", {**record, "rows": prof}, "decode step by kernel class", prof, list(prof[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,22 @@ else:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def _shares_a_module_fixture(item) -> bool:
+    # the fixtures a test uses, with their scopes (pytest keeps them on the item, not publicly)
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope == "module" for d in defs)
+
+
+# tryfirst: before pytest-xdist's own hook, which reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # the tests of a module that share a module-scoped fixture (a daemon, a trained drafter, an
+        # interpreted check's run) form one group, which `--dist loadgroup` (pyproject.toml) sends
+        # to one worker: split over two, each worker would build the fixture
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

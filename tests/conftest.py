@@ -4,6 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# Inductor's first CPU compile in a cache directory builds and loads a test library per vector
+# instruction set the CPU reports (about 10 s on 2 cores), to drop those the compiler cannot build.
+# The suite's processes compile into fresh cache directories (a test's data dir, a clean CI
+# machine's), so each would pay it; the test machines' compilers build them all, and inductor
+# picks the same instruction set without the probe.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core: each worker, and the daemons and ranks it starts
     # (they inherit the variable), computes on one thread instead of contending for both cores

@@ -155,93 +155,95 @@ def two_hosts(tmp_path: Path) -> list[Node]:
     return nodes
 
 
-def test_two_hosts_train_lose_a_rank_and_resume(tmp_path):
-    nodes = two_hosts(tmp_path)
-    lead, other = nodes
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """One two-host group for the module's tests (a start takes most of a test's time), in this
+    order: the first loses a rank and starts the group again, the second drains a rank of the
+    restarted group."""
+    nodes = two_hosts(tmp_path_factory.mktemp("group"))
     try:
         start_group(nodes)
-        body = lead.wait(lambda: (r := lead.health()).status_code == 200 and r.json(), "rank 0 ready", 240)
-        assert (body["ranks_ready"], body["ranks_total"], body["rank"]) == (2, 2, 0)
-        mine = other.wait(lambda: (r := other.health()).status_code == 200 and r.json(), "rank 1 ready")
-        assert mine["rank"] == 1
-        r = other.http.get("/jobs")
-        assert r.status_code == 404 and "rank 0" in r.json()["detail"]
-        assert "dflash_ready" in other.http.get("/metrics").text
-        metrics = lead.http.get("/metrics").text
-        assert "dflash_ranks_ready 2.0" in metrics and "dflash_ranks_expected 2.0" in metrics
-
-        spec = {
-            "datasets": ["builtin://train"],
-            "output_dir": str(tmp_path / "host0" / "out"),
-            "steps": 60,
-            "checkpoint_interval": 4,
-            "learning_rate": 3e-3,
-        }
-        r = lead.http.post("/jobs", json=spec)
-        assert r.status_code == 202, r.text
-        job_id = r.json()["id"]
-        lead.wait(lambda: lead.http.get(f"/jobs/{job_id}").json()["checkpoints"], "a checkpoint", 240)
-        # rank 1's metrics: its own device's step times (the job's series are rank 0's)
-        page = other.http.get("/metrics").text
-        count = re.search(r'^dflash_train_step_seconds_count\{device="cpu"\} (\S+)$', page, re.M)
-        assert count and float(count.group(1)) > 0, page[-3000:]
-        assert "dflash_train_loss{" not in page and "dflash_jobs{" not in page
-
-        os.kill(other.worker_pid(), signal.SIGKILL)
-        t = time.monotonic()
-        job = lead.wait(
-            lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the job's end", 120
-        )
-        assert time.monotonic() - t < 90
-        assert job["state"] == "FAILED", job
-        assert "rank" in job["error"] and "started again" in job["error"], job["error"]
-        health = lead.health()  # rank 0 still answers, and says why the group cannot train
-        assert health.status_code == 503 and health.json()["status"] == "failed", health.json()
-        assert lead.http.get("/jobs").status_code == 200
-        failed_at = max(c["step"] for c in job["checkpoints"])
-
-        for node in nodes:  # the operator (or the orchestrator) starts the group again
-            node.stop()
-        start_group(nodes)
-        job = lead.wait(
-            lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the resumed job", 300
-        )
-        assert job["state"] == "SUCCEEDED", job
-        events = [json.loads(line) for line in lead.http.get(f"/jobs/{job_id}/events").text.splitlines() if line]
-        resumed = [e for e in events if e["kind"] == "resumed"]
-        assert resumed and resumed[-1]["step"] == failed_at, resumed
-        assert max(c["step"] for c in job["checkpoints"]) == 60
+        yield nodes
     finally:
         for node in nodes:
             node.close()
 
 
-def test_a_rank_that_shuts_down_stops_the_job_at_a_checkpoint(tmp_path):
+def test_two_hosts_train_lose_a_rank_and_resume(nodes):
+    lead, other = nodes
+    body = lead.wait(lambda: (r := lead.health()).status_code == 200 and r.json(), "rank 0 ready", 240)
+    assert (body["ranks_ready"], body["ranks_total"], body["rank"]) == (2, 2, 0)
+    mine = other.wait(lambda: (r := other.health()).status_code == 200 and r.json(), "rank 1 ready")
+    assert mine["rank"] == 1
+    r = other.http.get("/jobs")
+    assert r.status_code == 404 and "rank 0" in r.json()["detail"]
+    assert "dflash_ready" in other.http.get("/metrics").text
+    metrics = lead.http.get("/metrics").text
+    assert "dflash_ranks_ready 2.0" in metrics and "dflash_ranks_expected 2.0" in metrics
+
+    spec = {
+        "datasets": ["builtin://train"],
+        "output_dir": str(lead.config.parent / "host0" / "out"),
+        "steps": 60,
+        "checkpoint_interval": 4,
+        "learning_rate": 3e-3,
+    }
+    r = lead.http.post("/jobs", json=spec)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    lead.wait(lambda: lead.http.get(f"/jobs/{job_id}").json()["checkpoints"], "a checkpoint", 240)
+    # rank 1's metrics: its own device's step times (the job's series are rank 0's)
+    page = other.http.get("/metrics").text
+    count = re.search(r'^dflash_train_step_seconds_count\{device="cpu"\} (\S+)$', page, re.M)
+    assert count and float(count.group(1)) > 0, page[-3000:]
+    assert "dflash_train_loss{" not in page and "dflash_jobs{" not in page
+
+    os.kill(other.worker_pid(), signal.SIGKILL)
+    t = time.monotonic()
+    job = lead.wait(
+        lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the job's end", 120
+    )
+    assert time.monotonic() - t < 90
+    assert job["state"] == "FAILED", job
+    assert "rank" in job["error"] and "started again" in job["error"], job["error"]
+    health = lead.health()  # rank 0 still answers, and says why the group cannot train
+    assert health.status_code == 503 and health.json()["status"] == "failed", health.json()
+    assert lead.http.get("/jobs").status_code == 200
+    failed_at = max(c["step"] for c in job["checkpoints"])
+
+    for node in nodes:  # the operator (or the orchestrator) starts the group again
+        node.stop()
+    start_group(nodes)
+    job = lead.wait(
+        lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the resumed job", 300
+    )
+    assert job["state"] == "SUCCEEDED", job
+    events = [json.loads(line) for line in lead.http.get(f"/jobs/{job_id}/events").text.splitlines() if line]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed and resumed[-1]["step"] == failed_at, resumed
+    assert max(c["step"] for c in job["checkpoints"]) == 60
+
+
+def test_a_rank_that_shuts_down_stops_the_job_at_a_checkpoint(nodes):
     """SIGTERM on another rank than 0 (a node drained): the group stops after the current step,
     rank 0 writes a checkpoint of that step, the job is FAILED to resume with the group, and that
     rank exits."""
-    nodes = two_hosts(tmp_path)
     lead, other = nodes
-    try:
-        start_group(nodes)
-        lead.wait(lambda: lead.health().status_code == 200, "rank 0 ready", 240)
-        spec = {
-            "datasets": ["builtin://train"],
-            "output_dir": str(tmp_path / "host0" / "out"),
-            "steps": 500,
-            "checkpoint_interval": 400,
-        }
-        r = lead.http.post("/jobs", json=spec)
-        assert r.status_code == 202, r.text
-        job_id = r.json()["id"]
-        lead.wait(lambda: lead.http.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 3, "training", 240)
-        other.stop()
-        job = lead.wait(
-            lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the job's end", 120
-        )
-        assert job["state"] == "FAILED" and "shutting down" in job["error"], job
-        assert job["checkpoints"] and job["checkpoints"][-1]["step"] == job["progress"]["step"] < 400, job
-        assert lead.health().json()["status"] == "failed"
-    finally:
-        for node in nodes:
-            node.close()
+    lead.wait(lambda: lead.health().status_code == 200, "rank 0 ready", 240)
+    spec = {
+        "datasets": ["builtin://train"],
+        "output_dir": str(lead.config.parent / "host0" / "drained"),
+        "steps": 500,
+        "checkpoint_interval": 400,
+    }
+    r = lead.http.post("/jobs", json=spec)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    lead.wait(lambda: lead.http.get(f"/jobs/{job_id}").json()["progress"]["step"] >= 3, "training", 240)
+    other.stop()
+    job = lead.wait(
+        lambda: (j := lead.http.get(f"/jobs/{job_id}").json())["state"] in TERMINAL and j, "the job's end", 120
+    )
+    assert job["state"] == "FAILED" and "shutting down" in job["error"], job
+    assert job["checkpoints"] and job["checkpoints"][-1]["step"] == job["progress"]["step"] < 400, job
+    assert lead.health().json()["status"] == "failed"

@@ -10,7 +10,9 @@ import pytest
 
 from tests.service.harness import step_numbers
 
-STEPS = 80
+# the kill lands between two checkpoints: a window of steps 3 to 9 past a checkpoint after the
+# first resume's, three such windows before the job ends
+STEPS = 50
 INTERVAL = 10
 
 
@@ -23,9 +25,8 @@ def _db_state(daemon, job_id: str) -> tuple[str, int, int | None]:
 
 
 @pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
-def test_job_survives_sigterm_and_sigkill(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
+def test_job_survives_sigterm_and_sigkill(daemon):
+    d = daemon
     job = d.submit(
         {"datasets": ["builtin://train"], "steps": STEPS, "checkpoint_interval": INTERVAL, "name": "survivor"}
     )
@@ -88,10 +89,10 @@ def test_job_survives_sigterm_and_sigkill(make_daemon):
 
 
 @pytest.mark.slow  # starts a second daemon
-def test_second_daemon_on_same_data_dir_refuses_to_start(make_daemon):
+def test_second_daemon_on_same_data_dir_refuses_to_start(daemon):
     from tests.service.harness import Daemon
 
-    first = make_daemon()
+    first = daemon  # the module's, running
     second = Daemon(first.config_path, first.data_dir, first.workdir)
     try:
         second.start()

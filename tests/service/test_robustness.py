@@ -179,11 +179,11 @@ def test_resume_is_refused_without_a_checkpoint(daemon):
 
 # --------------------------------------------------------------------------- restarts
 @pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
-def test_partial_checkpoint_writes_are_removed_at_start(make_daemon):
+def test_partial_checkpoint_writes_are_removed_at_start(daemon):
     """At start the daemon removes the temporary directories of interrupted checkpoint writes from
-    the output directory of every job it knows, and nothing else."""
-    d = make_daemon()
-    d.wait_ready()
+    the output directory of every job it knows, and nothing else. (The module's daemon, restarted
+    here: the last test to use it.)"""
+    d = daemon
     job = d.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 1})
     assert d.wait_terminal(job["id"])["state"] == "SUCCEEDED"
     checkpoints = Path(job["output_dir"]) / "checkpoints"

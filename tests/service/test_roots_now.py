@@ -21,13 +21,36 @@ def _files_under(directory):
     return [p for p in directory.rglob("*") if p.is_file()] if directory.exists() else []
 
 
-def test_roots_are_those_in_force_when_the_job_runs(make_daemon, tmp_path):
+@pytest.fixture(scope="module")
+def extra_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("extra-root")
+
+
+@pytest.fixture(scope="module")
+def daemon(make_daemon, extra_root):
+    """The module's daemon, with output_roots = [its data dir, extra_root]: the overlap test runs
+    its checks on it, then the roots test rewrites its roots and restarts it (in this order)."""
     d = make_daemon(start=False)
-    extra = tmp_path / "extra-root"
-    extra.mkdir()
-    _set_output_roots(d, [d.data_dir, extra])
+    _set_output_roots(d, [d.data_dir, extra_root])
     d.start()
     d.wait_ready()
+    return d
+
+
+def test_an_output_dir_overlapping_the_data_dir_or_another_jobs_is_refused(daemon):
+    d = daemon
+    for raw in (str(d.data_dir), str(d.data_dir.parent)):
+        r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": raw})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "output_dir", r.text
+    first = d.submit({"datasets": ["builtin://train"], "steps": 2, "output_dir": str(d.data_dir / "runs" / "a")})
+    assert d.wait_terminal(first["id"])["state"] == "SUCCEEDED"
+    for nested in (d.data_dir / "runs" / "a" / "checkpoints" / "b", d.data_dir / "runs"):
+        r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": str(nested)})
+        assert r.status_code == 409 and first["id"] in r.text, r.text
+
+
+def test_roots_are_those_in_force_when_the_job_runs(daemon, extra_root):
+    d, extra = daemon, extra_root
     long = d.submit({"datasets": ["builtin://train"], "steps": 100000, "checkpoint_interval": 1})
     queued = d.submit({"datasets": ["builtin://train"], "steps": 2, "output_dir": str(extra / "queued")})
     d.wait_job(long["id"], lambda j: (j["progress"]["last_checkpoint_step"] or 0) >= 1)
@@ -61,15 +84,3 @@ def test_roots_are_those_in_force_when_the_job_runs(make_daemon, tmp_path):
     r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 2})
     assert r.status_code == 422, r.text
     assert r.json()["errors"][0]["field"] == "output_dir", r.text
-
-
-def test_an_output_dir_overlapping_the_data_dir_or_another_jobs_is_refused(daemon):
-    d = daemon
-    for raw in (str(d.data_dir), str(d.data_dir.parent)):
-        r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": raw})
-        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "output_dir", r.text
-    first = d.submit({"datasets": ["builtin://train"], "steps": 2, "output_dir": str(d.data_dir / "runs" / "a")})
-    assert d.wait_terminal(first["id"])["state"] == "SUCCEEDED"
-    for nested in (d.data_dir / "runs" / "a" / "checkpoints" / "b", d.data_dir / "runs"):
-        r = d.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 1, "output_dir": str(nested)})
-        assert r.status_code == 409 and first["id"] in r.text, r.text

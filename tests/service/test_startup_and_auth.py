@@ -36,9 +36,9 @@ def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon)
         assert body["drafters_total"] == 1 and 0 <= body["drafters_ready"] <= 1
         assert isinstance(body["elapsed_seconds"], float)
         if queued is None and body["status"] == "warming":  # jobs may be submitted while warming
-            r = d.http.post(
-                "/jobs", json={"datasets": ["builtin://train"], "steps": 3, "checkpoint_interval": 3}, headers=AUTH
-            )
+            spec = {"datasets": ["builtin://train"], "steps": 3, "checkpoint_interval": 3}
+            assert d.http.post("/jobs", json=spec).status_code == 401  # the guard answers in any phase
+            r = d.http.post("/jobs", json=spec, headers=AUTH)
             assert r.status_code == 202, r.text
             queued = r.json()
             assert d.http.get(f"/jobs/{queued['id']}").json()["state"] == "PENDING"
@@ -56,8 +56,8 @@ def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon)
     assert d.http.get("/livez").status_code == 200
 
 
-def test_post_without_token_is_401(make_daemon):
-    d = make_daemon(auth_token=TOKEN)  # no warm-up pauses: the guard answers whatever the engine's phase
+def test_post_without_token_is_401(warming_daemon):
+    d = warming_daemon  # warm by now, or warming if this test runs alone: the guard answers in any phase
     spec = {"datasets": ["builtin://train"], "steps": 2}
     r = d.http.post("/jobs", json=spec)
     assert r.status_code == 401

@@ -484,11 +484,13 @@ def scraped_daemon(
     ready_timeout: float = 120,
     job_timeout: float = 300,
     workdir: Path | None = None,
+    prom: Prometheus | None = None,
     out=sys.stdout,
 ) -> Iterator[Scraped]:
     """The daemon (started here unless `url` names a running one) with Prometheus scraping it every second,
     after `before` (a job of another kind) and then `job` ran to SUCCEEDED and Prometheus scraped the end
-    state; `job_id` is `job`'s (the training panels show the newest job's values)."""
+    state; `job_id` is `job`'s (the training panels show the newest job's values). `prom`: a Prometheus
+    already started and scraping `url` (the caller stops it), instead of one started here."""
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dflash-panels-")))
@@ -501,9 +503,10 @@ def scraped_daemon(
         else:
             http = stack.enter_context(httpx.Client(base_url=url, timeout=30))
         host_port = url.split("://", 1)[-1].rstrip("/")
-        prom = Prometheus(prometheus_bin, [host_port], workdir)
-        stack.callback(prom.close)
-        prom.start()
+        if prom is None:
+            prom = Prometheus(prometheus_bin, [host_port], workdir)
+            stack.callback(prom.close)
+            prom.start()
         print(f"prometheus {prom.url} scraping {host_port} every {SCRAPE_INTERVAL} (log {prom.log_path})", file=out)
         _wait_ready(http, ready_timeout, daemon)
         prom.wait_for("dflash_ready == 1", timeout=60, what="a scrape of the ready daemon")

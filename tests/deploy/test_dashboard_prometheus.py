@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.panels_check import (
     CHECK_JOB,
+    Prometheus,
     Target,
     check_panels,
     check_panels_at,
@@ -37,17 +38,32 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def served(tmp_path_factory):
+    """The daemon and, where there is a prometheus binary, a Prometheus scraping it, started with it:
+    Prometheus scrapes first about 5 s after its start (its target discovery sends updates that often),
+    which passes while the daemon warms up."""
     # a warmup pause per phase keeps the daemon warming for a few seconds, for the healthcheck test
     d = start_daemon(tmp_path_factory.mktemp("panels"), warmup_pause=1.0)
-    yield d
-    d.close()
+    binary, prom = find_prometheus(), None
+    try:
+        if binary is not None:
+            prom = Prometheus(binary, [f"127.0.0.1:{d.port}"], tmp_path_factory.mktemp("prometheus")).start()
+        yield d, binary, prom
+    finally:
+        if prom is not None:
+            prom.close()
+        d.close()
 
 
 @pytest.fixture(scope="module")
-def scraped(daemon, tmp_path_factory):
-    binary = find_prometheus()
-    if binary is None:
+def daemon(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def scraped(served):
+    daemon, binary, prom = served
+    if binary is None or prom is None:
         pytest.skip(
             "no prometheus binary: install the Debian package `prometheus` (.ci/run does) or set PROMETHEUS_BIN"
         )
@@ -57,7 +73,8 @@ def scraped(daemon, tmp_path_factory):
         url=daemon.url,
         job=CHECK_JOB,
         continual_data_dir=daemon.data_dir,
-        workdir=tmp_path_factory.mktemp("prometheus"),
+        workdir=prom.workdir,
+        prom=prom,
         out=log,
     ) as s:
         yield s

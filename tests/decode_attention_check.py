@@ -126,6 +126,11 @@ def tiny_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
+# tokens the decoder check generates for prompt k: NEW_TOKENS + k (each sequence longer than the
+# sliding window, and ending at a different step)
+NEW_TOKENS = 8
+
+
 def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
     generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
@@ -139,13 +144,13 @@ def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     for kernel in (True, False):
         dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel)
         assert dec.attention_kernel is kernel
-        done = dec.generate([Request(k, p, 12 + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
+        done = dec.generate([Request(k, p, NEW_TOKENS + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
         outputs.append({c.key: c.tokens for c in done})
     generated = {}
     with torch.no_grad():
         for k, p in enumerate(prompts):
             ids = torch.tensor([p], device=device)
-            n = 12 + k
+            n = NEW_TOKENS + k
             full = model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
             generated[k] = full[0, len(p) :].tolist()
     return {

@@ -105,6 +105,19 @@ def test_a_full_data_dir_is_survived(daemon_on_small_disk):
 
 
 # --------------------------------------------------------------------------- shared daemon
+# the shared daemon's max_crash_resumes, below the default (MAX_CRASH_RESUMES): the crash-loop
+# test shows the rule with fewer daemon starts; no other test here crashes a daemon
+CRASH_RESUMES = 2
+
+
+@pytest.fixture(scope="module")
+def daemon(make_daemon):
+    """The module's daemon, for the tests below in this order: the last two restart it."""
+    d = make_daemon(settings={"max_crash_resumes": CRASH_RESUMES})
+    d.wait_ready()
+    return d
+
+
 @pytest.mark.slow  # many concurrent submissions, each job runs
 def test_concurrent_submissions_for_one_output_dir_accept_exactly_one(daemon):
     """Eight submissions for the same output_dir at the same moment: the store accepts one (202)
@@ -181,8 +194,8 @@ def test_resume_is_refused_without_a_checkpoint(daemon):
 @pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
 def test_partial_checkpoint_writes_are_removed_at_start(daemon):
     """At start the daemon removes the temporary directories of interrupted checkpoint writes from
-    the output directory of every job it knows, and nothing else. (The module's daemon, restarted
-    here: the last test to use it.)"""
+    the output directory of every job it knows, and nothing else. (The module's daemon,
+    restarted.)"""
     d = daemon
     job = d.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 1})
     assert d.wait_terminal(job["id"])["state"] == "SUCCEEDED"
@@ -197,15 +210,16 @@ def test_partial_checkpoint_writes_are_removed_at_start(daemon):
 
 
 @pytest.mark.slow
-def test_crash_loop_fails_the_job_and_the_api_resumes_it(make_daemon):
+def test_crash_loop_fails_the_job_and_the_api_resumes_it(daemon):
     """Crashes count toward the guard only in a row without a new checkpoint: killed each time
     soon after it resumed (its only checkpoint by cadence is its last step), the job fails when
     the daemon starts for the (max_crash_resumes + 1)th time after such a crash, with the reason.
-    POST /jobs/{id}/resume continues it from its checkpoint to the end. With max_crash_resumes 2
-    (the default is MAX_CRASH_RESUMES): the rule is the same, with fewer daemon starts."""
-    limit = 2
+    POST /jobs/{id}/resume continues it from its checkpoint to the end. With max_crash_resumes
+    CRASH_RESUMES (the module daemon's; the default is MAX_CRASH_RESUMES): the rule is the same,
+    with fewer daemon starts."""
+    limit = CRASH_RESUMES
     assert limit < MAX_CRASH_RESUMES
-    d = make_daemon(settings={"max_crash_resumes": limit})
+    d = daemon
     d.wait_ready()
     job = d.submit({"datasets": ["builtin://train"], "steps": 80, "checkpoint_interval": 80, "name": "crasher"})
     d.wait_job(job["id"], lambda j: j["progress"]["step"] >= 3)

@@ -5,7 +5,9 @@ head dim 128), and where a decode step's time goes.
 Sweep rows, one per setting (block_n, num_warps, num_stages, splits), each slot's whole cache
 valid (the step at the cache's end, what `of_bound` in bench.regenerate times):
 
-  ms          median of the kernel (and the split combine, with splits > 1)
+  ms          median of the kernel (and the split combine, with splits > 1), launches queued back
+              to back (triton.testing.do_bench, the L2 flushed between them): device time, as a
+              recorded decode step runs it, not the Python launch
   gb_s        the key and value bytes it must read / ms
   of_copy     gb_s against a device-to-device copy's bytes (read + write) per second
 
@@ -24,8 +26,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
-from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, report, write_target_dir
+from bench.common import QWEN3_8B, env_record, report, write_target_dir
 from bench.regenerate import copy_bandwidth
 from dflash_core.kernels.decode_attention import decode_attention, split_count
 
@@ -45,7 +49,7 @@ def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, spli
         try:
             out = fn()
             err = (out.float() - ref.float()).abs().max().item()
-            ms = median(cuda_time_ms(fn, warmup=5, iters=30))
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
         except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a row too
             rows.append({"block_n": bn, "warps": nw, "stages": ns, "splits": sp, "error": type(e).__name__})
             continue

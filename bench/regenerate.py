@@ -7,7 +7,9 @@ decodes 512-token random prompts for 512 new tokens each, end-of-sequence ignore
 the regeneration job's decoder (dflash_core.regenerate.decode.SlotDecoder: static cache,
 continuous batching, the decode step recorded as a CUDA graph), its attention as each of
 `--kernel` says: on, the Triton kernel that reads each slot's valid cache positions only
-(kernels/decode_attention.py); off, the masked batched GEMMs over the whole static cache.
+(kernels/decode_attention.py); on:BN/W/S, the kernel with these launch settings in place of its
+defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
+batched GEMMs over the whole static cache.
 
 A row per precision, attention and slot count:
 
@@ -41,6 +43,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import tempfile
 import time
@@ -49,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+import dflash_core.kernels.decode_attention as dak
 from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, out_dir, report, write_target_dir
 from dflash_core.regenerate.decode import (
     Request,
@@ -206,7 +210,38 @@ def build_target(precision: str) -> TargetModel:
     return target
 
 
-def bench_precision(precision: str, args, kernels: list[bool], bandwidth: float) -> list[dict]:
+@contextlib.contextmanager
+def kernel_settings(settings: tuple[int, int, int] | None):
+    """The decode-attention kernel's launch defaults replaced while a row runs (None: kept)."""
+    if settings is None:
+        yield
+        return
+    saved = (dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES)
+    dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES = settings
+    try:
+        yield
+    finally:
+        dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES = saved
+
+
+def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
+    """--kernel's rows: on, off, or on:BN/W/S."""
+    out: list[tuple[bool, tuple[int, int, int] | None]] = []
+    for name in (s.strip() for s in spec.split(",") if s.strip()):
+        if name in ("on", "off"):
+            out.append((name == "on", None))
+            continue
+        head, _, tail = name.partition(":")
+        parts = tail.split("/")
+        if head != "on" or len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--kernel takes on, off or on:BLOCK_N/WARPS/STAGES, not {name!r}")
+        out.append((True, (int(parts[0]), int(parts[1]), int(parts[2]))))
+    if not out:
+        raise ValueError("--kernel names no row")
+    return out
+
+
+def bench_precision(precision: str, args, kernels, bandwidth: float) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
     free, _ = torch.cuda.mem_get_info()
@@ -219,18 +254,22 @@ def bench_precision(precision: str, args, kernels: list[bool], bandwidth: float)
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
     for slots in slot_counts:
-        for kernel in kernels:
+        for kernel, settings in kernels:
             run = (target.model, slots, prompts, args.new_tokens, bandwidth, kernel)
             try:
-                row = run_slots(*run)
+                with kernel_settings(settings):
+                    row = run_slots(*run)
             except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
                 traceback.print_exc()
                 torch.cuda.empty_cache()
                 try:
-                    row = run_slots(*run, use_graph=False)
+                    with kernel_settings(settings):
+                        row = run_slots(*run, use_graph=False)
                 except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                     traceback.print_exc()
                     row = {"attention": "kernel" if kernel else "masked", "slots": slots, "error": type(e).__name__}
+            if settings is not None:
+                row["attention"] += " " + "/".join(map(str, settings))
             rows.append({"precision": precision, **row})
             torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
             print(rows[-1], flush=True)
@@ -249,21 +288,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--slots", default="128,256,512")
     p.add_argument("--precisions", default="bf16,fp8", help="comma-separated: bf16, fp8")
-    p.add_argument("--kernel", default="on,off", help="the decode attention, comma-separated: on (the kernel), off")
+    p.add_argument(
+        "--kernel",
+        default="on,off",
+        help="the decode attention rows, comma-separated: on (the kernel), on:BN/W/S (its launch settings), off",
+    )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     args = p.parse_args(argv)
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
-    kernel_names = [s.strip() for s in args.kernel.split(",") if s.strip()]
-    if (
-        not precisions
-        or not set(precisions) <= {"bf16", "fp8"}
-        or not kernel_names
-        or not set(kernel_names) <= {"on", "off"}
-    ):
-        p.error("--precisions takes bf16 and fp8; --kernel takes on and off")
-    kernels = [name == "on" for name in kernel_names]
+    if not precisions or not set(precisions) <= {"bf16", "fp8"}:
+        p.error("--precisions takes bf16 and fp8")
+    try:
+        kernels = parse_kernels(args.kernel)
+    except ValueError as e:
+        p.error(str(e))
     out_dir()
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()

@@ -29,6 +29,13 @@ A row per precision, attention and slot count:
   of_valid_bound decode_tok_s / bound_valid_kv_tok_s: the mean step against the bytes it must
                  read; the masked attention reads more than that, so its figure is lower
   e2e_tok_s      generated tokens / wall time of the whole wave (prefills, host work included)
+  prefill_s      the wave's time in prefills (SlotDecoder.prefill_seconds: every slot's prompt,
+                 in chunks, host work included)
+  prefill_ideal_s  the prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
+                 for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
+                 prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
+                 last token only; the attention's own FLOPs are left out: about 1 % more at
+                 512-token prompts of this shape)
 
 and a row per precision for transformers' `model.generate(..., cache_implementation="static")`
 on the same prompts (the first `--hf-batch` of them; its attention is SDPA over the whole static
@@ -53,7 +60,16 @@ from pathlib import Path
 import torch
 
 import dflash_core.kernels.decode_attention as dak
-from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, out_dir, report, write_target_dir
+from bench.common import (
+    QWEN3_8B,
+    cuda_time_ms,
+    env_record,
+    measured_bf16_peak_tflops,
+    median,
+    out_dir,
+    report,
+    write_target_dir,
+)
 from dflash_core.regenerate.decode import (
     Request,
     Sampling,
@@ -85,6 +101,14 @@ def step_weight_bytes(model) -> int:
     return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
 
 
+def prefill_weights(model) -> int:
+    """The weights each prompt token is multiplied by in a prefill: every parameter and buffer
+    element of the decoder's layers (an FP8 linear keeps its weight as a buffer, one element per
+    weight, and its scale)."""
+    layers = model.get_decoder().layers
+    return sum(t.numel() for t in (*layers.parameters(), *layers.buffers()))
+
+
 def bound(slots: int, weights: int, positions: int, per_token: int, bandwidth: float) -> float:
     """Tokens per second of a step that reads `weights` and `positions` cache positions per slot
     at `bandwidth`."""
@@ -101,8 +125,16 @@ def time_step(dec: SlotDecoder, greedy: bool, position: int) -> float:
 
 @torch.no_grad()
 def run_slots(
-    model, slots: int, prompts: list[list[int]], new_tokens: int, bandwidth: float, kernel: bool, use_graph=True
+    model,
+    slots: int,
+    prompts: list[list[int]],
+    new_tokens: int,
+    bandwidth: float,
+    matmul_flops: float,
+    kernel: bool,
+    use_graph=True,
 ) -> dict:
+    """A row of the decoder at `slots` (matmul_flops: the prefill's dense matmul rate, FLOP/s)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
     dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel)
@@ -111,10 +143,12 @@ def run_slots(
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
+    dec.prefill_seconds = 0.0
     t = time.perf_counter()
     done = list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
+    prefill_s = dec.prefill_seconds
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
     assert generated == slots * new_tokens, generated
@@ -148,6 +182,8 @@ def run_slots(
         "of_valid_bound": round(decode_tok_s / valid, 3),
         "e2e_tok_s": round(generated / wall),
         "e2e_s": round(wall, 2),
+        "prefill_s": round(prefill_s, 2),
+        "prefill_ideal_s": round(2 * prefill_weights(model) * slots * prompt_len / matmul_flops, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
     }
@@ -241,9 +277,10 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
     return out
 
 
-def bench_precision(precision: str, args, kernels, bandwidth: float) -> list[dict]:
+def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops: float) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
+    matmul_flops = bf16_flops * (2 if precision == "fp8" else 1)
     free, _ = torch.cuda.mem_get_info()
     per_token = kv_bytes_per_token(target.config, target.dtype)
     derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
@@ -255,7 +292,7 @@ def bench_precision(precision: str, args, kernels, bandwidth: float) -> list[dic
     rows = []
     for slots in slot_counts:
         for kernel, settings in kernels:
-            run = (target.model, slots, prompts, args.new_tokens, bandwidth, kernel)
+            run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel)
             try:
                 with kernel_settings(settings):
                     row = run_slots(*run)
@@ -306,11 +343,12 @@ def main(argv=None) -> None:
         p.error(str(e))
     out_dir()
     bandwidth = copy_bandwidth()
+    bf16_flops = measured_bf16_peak_tflops() * 1e12
     torch.cuda.empty_cache()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s")
     rows = []
     for precision in precisions:
-        rows += bench_precision(precision, args, kernels, bandwidth)
+        rows += bench_precision(precision, args, kernels, bandwidth, bf16_flops)
         gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
     cols: list[str] = []
@@ -318,9 +356,15 @@ def main(argv=None) -> None:
         cols += [c for c in r if c not in cols]
     report(
         "regenerate",
-        {"env": env_record(), "copy_bandwidth_bytes_per_s": bandwidth, "args": vars(args), "rows": rows},
+        {
+            "env": env_record(),
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "bf16_matmul_flop_per_s": bf16_flops,
+            "args": vars(args),
+            "rows": rows,
+        },
         f"regeneration decode, Qwen3-8B shape (random weights), prompts {args.prompt_len} + {args.new_tokens} new "
-        f"tokens, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+        f"tokens, copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s",
         rows,
         cols,
     )

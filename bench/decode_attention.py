@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -73,15 +74,37 @@ def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, spli
 
 def kernel_class(name: str) -> str:
     n = name.lower()
-    if "_split_kernel" in n or "_combine_kernel" in n:
+    if any(s in n for s in ("_split_kernel", "_combine_kernel", "flash", "fmha", "attention")):
         return "attention"
     if any(s in n for s in ("gemm", "cutlass", "sm90", "nvjet", "cublas", "matmul", "fp8_gemm", "scaled_mm")):
         return "gemm"
     return "other"
 
 
+def by_class(prof, steps: int) -> list[dict]:
+    """Device time of the profiled kernels per class, per step; the top kernels printed."""
+    per_class: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        per_class[kernel_class(evt.name)] = per_class.get(kernel_class(evt.name), 0.0) + us
+        per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + us
+    total = sum(per_class.values())
+    rows = [
+        {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
+        for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
+    ]
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {us / steps / 1e3:8.3f} ms/step  {kernel_class(name):9s} {name[:110]}", flush=True)
+    return rows
+
+
 @torch.no_grad()
-def profile_step(slots: int, prompt_len: int, new_tokens: int) -> list[dict]:
+def profile_step(slots: int, prompt_len: int, new_tokens: int) -> tuple[list[dict], list[dict]]:
+    """The decode step (eager, near the cache's end) and one prefill chunk (as the decoder cuts
+    them: its token budget of prompts of prompt_len), each by kernel class."""
     from torch.profiler import ProfilerActivity, profile
 
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
@@ -102,22 +125,16 @@ def profile_step(slots: int, prompt_len: int, new_tokens: int) -> list[dict]:
         for _ in range(steps):
             dec._step(True)
         torch.cuda.synchronize()
-    per_class: dict[str, float] = {}
-    per_kernel: dict[str, float] = {}
-    for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
-        per_class[kernel_class(evt.name)] = per_class.get(kernel_class(evt.name), 0.0) + us
-        per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + us
-    total = sum(per_class.values())
-    rows = [
-        {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
-        for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
-    ]
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {us / steps / 1e3:8.3f} ms/step  {kernel_class(name):9s} {name[:110]}", flush=True)
-    return rows
+    decode = by_class(prof, steps)
+    chunk = [(i, Request(i, list(range(10, 10 + prompt_len)), 1)) for i in range(dec.prefill_tokens // prompt_len)]
+    dec._prefill(chunk, True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec._prefill(chunk, True)
+        torch.cuda.synchronize()
+    print(f"prefill of {len(chunk)} x {prompt_len} tokens: {time.perf_counter() - t:.3f} s wall (profiled)", flush=True)
+    return decode, by_class(prof, 1)
 
 
 def main(argv=None) -> None:
@@ -141,8 +158,15 @@ def main(argv=None) -> None:
     report("decode_attention", {**record, "rows": rows}, "decode attention kernel sweep", rows, cols)
     if args.profile_step:
         torch.cuda.empty_cache()
-        prof = profile_step(args.slots, args.length // 2, args.length // 2)
-        report("decode_step_profile", {**record, "rows": prof}, "decode step by kernel class", prof, list(prof[0]))
+        step, prefill = profile_step(args.slots, args.length // 2, args.length // 2)
+        report("decode_step_profile", {**record, "rows": step}, "decode step by kernel class", step, list(step[0]))
+        report(
+            "prefill_profile",
+            {**record, "rows": prefill},
+            "one prefill chunk by kernel class",
+            prefill,
+            list(prefill[0]),
+        )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.testing
 
+import dflash_core.kernels.decode_attention as dak
 from bench.common import QWEN3_8B, env_record, report, write_target_dir
 from bench.regenerate import copy_bandwidth
 from dflash_core.kernels.decode_attention import decode_attention, split_count
@@ -65,7 +66,7 @@ def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, spli
                 "gb_s": round(gb_s),
                 "of_copy": round(gb_s * 1e9 / bandwidth, 3),
                 "max_err": float(f"{err:.2g}"),
-                "default": sp == default_splits and bn == 64 and nw == 4 and ns == 2,
+                "default": (sp, bn, nw, ns) == (default_splits, dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES),
             }
         )
         print(rows[-1], flush=True)

@@ -5,7 +5,9 @@ head dim 128), and where a decode step's time goes.
 Sweep rows, one per setting (block_n, num_warps, num_stages, splits), each slot's whole cache
 valid (the step at the cache's end, what `of_bound` in bench.regenerate times):
 
-  ms          median of the kernel (and the split combine, with splits > 1)
+  ms          median of the kernel (and the split combine, with splits > 1), launches queued back
+              to back (triton.testing.do_bench, the L2 flushed between them): device time, as a
+              recorded decode step runs it, not the Python launch
   gb_s        the key and value bytes it must read / ms
   of_copy     gb_s against a device-to-device copy's bytes (read + write) per second
 
@@ -21,11 +23,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
-from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, report, write_target_dir
+import dflash_core.kernels.decode_attention as dak
+from bench.common import QWEN3_8B, env_record, report, write_target_dir
 from bench.regenerate import copy_bandwidth
 from dflash_core.kernels.decode_attention import decode_attention, split_count
 
@@ -45,7 +51,7 @@ def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, spli
         try:
             out = fn()
             err = (out.float() - ref.float()).abs().max().item()
-            ms = median(cuda_time_ms(fn, warmup=5, iters=30))
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
         except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory) is a row too
             rows.append({"block_n": bn, "warps": nw, "stages": ns, "splits": sp, "error": type(e).__name__})
             continue
@@ -60,7 +66,7 @@ def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, spli
                 "gb_s": round(gb_s),
                 "of_copy": round(gb_s * 1e9 / bandwidth, 3),
                 "max_err": float(f"{err:.2g}"),
-                "default": sp == default_splits and bn == 64 and nw == 4 and ns == 2,
+                "default": (sp, bn, nw, ns) == (default_splits, dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES),
             }
         )
         print(rows[-1], flush=True)
@@ -69,15 +75,37 @@ def sweep(slots: int, length: int, bandwidth: float, blocks, warps, stages, spli
 
 def kernel_class(name: str) -> str:
     n = name.lower()
-    if "_split_kernel" in n or "_combine_kernel" in n:
+    if any(s in n for s in ("_split_kernel", "_combine_kernel", "flash", "fmha", "attention")):
         return "attention"
     if any(s in n for s in ("gemm", "cutlass", "sm90", "nvjet", "cublas", "matmul", "fp8_gemm", "scaled_mm")):
         return "gemm"
     return "other"
 
 
+def by_class(prof, steps: int) -> list[dict]:
+    """Device time of the profiled kernels per class, per step; the top kernels printed."""
+    per_class: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        per_class[kernel_class(evt.name)] = per_class.get(kernel_class(evt.name), 0.0) + us
+        per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + us
+    total = sum(per_class.values())
+    rows = [
+        {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
+        for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
+    ]
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {us / steps / 1e3:8.3f} ms/step  {kernel_class(name):9s} {name[:110]}", flush=True)
+    return rows
+
+
 @torch.no_grad()
-def profile_step(slots: int, prompt_len: int, new_tokens: int) -> list[dict]:
+def profile_step(slots: int, prompt_len: int, new_tokens: int) -> tuple[list[dict], list[dict]]:
+    """The decode step (eager, near the cache's end) and one prefill chunk (as the decoder cuts
+    them: its token budget of prompts of prompt_len), each by kernel class."""
     from torch.profiler import ProfilerActivity, profile
 
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
@@ -98,22 +126,16 @@ def profile_step(slots: int, prompt_len: int, new_tokens: int) -> list[dict]:
         for _ in range(steps):
             dec._step(True)
         torch.cuda.synchronize()
-    per_class: dict[str, float] = {}
-    per_kernel: dict[str, float] = {}
-    for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
-        per_class[kernel_class(evt.name)] = per_class.get(kernel_class(evt.name), 0.0) + us
-        per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + us
-    total = sum(per_class.values())
-    rows = [
-        {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
-        for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
-    ]
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {us / steps / 1e3:8.3f} ms/step  {kernel_class(name):9s} {name[:110]}", flush=True)
-    return rows
+    decode = by_class(prof, steps)
+    chunk = [(i, Request(i, list(range(10, 10 + prompt_len)), 1)) for i in range(dec.prefill_tokens // prompt_len)]
+    dec._prefill(chunk, True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec._prefill(chunk, True)
+        torch.cuda.synchronize()
+    print(f"prefill of {len(chunk)} x {prompt_len} tokens: {time.perf_counter() - t:.3f} s wall (profiled)", flush=True)
+    return decode, by_class(prof, 1)
 
 
 def main(argv=None) -> None:
@@ -137,8 +159,15 @@ def main(argv=None) -> None:
     report("decode_attention", {**record, "rows": rows}, "decode attention kernel sweep", rows, cols)
     if args.profile_step:
         torch.cuda.empty_cache()
-        prof = profile_step(args.slots, args.length // 2, args.length // 2)
-        report("decode_step_profile", {**record, "rows": prof}, "decode step by kernel class", prof, list(prof[0]))
+        step, prefill = profile_step(args.slots, args.length // 2, args.length // 2)
+        report("decode_step_profile", {**record, "rows": step}, "decode step by kernel class", step, list(step[0]))
+        report(
+            "prefill_profile",
+            {**record, "rows": prefill},
+            "one prefill chunk by kernel class",
+            prefill,
+            list(prefill[0]),
+        )
 
 
 if __name__ == "__main__":

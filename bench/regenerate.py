@@ -7,7 +7,9 @@ decodes 512-token random prompts for 512 new tokens each, end-of-sequence ignore
 the regeneration job's decoder (dflash_core.regenerate.decode.SlotDecoder: static cache,
 continuous batching, the decode step recorded as a CUDA graph), its attention as each of
 `--kernel` says: on, the Triton kernel that reads each slot's valid cache positions only
-(kernels/decode_attention.py); off, the masked batched GEMMs over the whole static cache.
+(kernels/decode_attention.py); on:BN/W/S, the kernel with these launch settings in place of its
+defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
+batched GEMMs over the whole static cache.
 
 A row per precision, attention and slot count:
 
@@ -27,6 +29,13 @@ A row per precision, attention and slot count:
   of_valid_bound decode_tok_s / bound_valid_kv_tok_s: the mean step against the bytes it must
                  read; the masked attention reads more than that, so its figure is lower
   e2e_tok_s      generated tokens / wall time of the whole wave (prefills, host work included)
+  prefill_s      the wave's time in prefills (SlotDecoder.prefill_seconds: every slot's prompt,
+                 in chunks, host work included)
+  prefill_ideal_s  the prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
+                 for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
+                 prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
+                 last token only; the attention's own FLOPs are left out: about 1 % more at
+                 512-token prompts of this shape)
 
 and a row per precision for transformers' `model.generate(..., cache_implementation="static")`
 on the same prompts (the first `--hf-batch` of them; its attention is SDPA over the whole static
@@ -41,6 +50,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import tempfile
 import time
@@ -49,7 +59,17 @@ from pathlib import Path
 
 import torch
 
-from bench.common import QWEN3_8B, cuda_time_ms, env_record, median, out_dir, report, write_target_dir
+import dflash_core.kernels.decode_attention as dak
+from bench.common import (
+    QWEN3_8B,
+    cuda_time_ms,
+    env_record,
+    measured_bf16_peak_tflops,
+    median,
+    out_dir,
+    report,
+    write_target_dir,
+)
 from dflash_core.regenerate.decode import (
     Request,
     Sampling,
@@ -81,6 +101,14 @@ def step_weight_bytes(model) -> int:
     return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size())
 
 
+def prefill_weights(model) -> int:
+    """The weights each prompt token is multiplied by in a prefill: every parameter and buffer
+    element of the decoder's layers (an FP8 linear keeps its weight as a buffer, one element per
+    weight, and its scale)."""
+    layers = model.get_decoder().layers
+    return sum(t.numel() for t in (*layers.parameters(), *layers.buffers()))
+
+
 def bound(slots: int, weights: int, positions: int, per_token: int, bandwidth: float) -> float:
     """Tokens per second of a step that reads `weights` and `positions` cache positions per slot
     at `bandwidth`."""
@@ -97,8 +125,16 @@ def time_step(dec: SlotDecoder, greedy: bool, position: int) -> float:
 
 @torch.no_grad()
 def run_slots(
-    model, slots: int, prompts: list[list[int]], new_tokens: int, bandwidth: float, kernel: bool, use_graph=True
+    model,
+    slots: int,
+    prompts: list[list[int]],
+    new_tokens: int,
+    bandwidth: float,
+    matmul_flops: float,
+    kernel: bool,
+    use_graph=True,
 ) -> dict:
+    """A row of the decoder at `slots` (matmul_flops: the prefill's dense matmul rate, FLOP/s)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
     dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel)
@@ -107,10 +143,12 @@ def run_slots(
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
+    dec.prefill_seconds = 0.0
     t = time.perf_counter()
     done = list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
+    prefill_s = dec.prefill_seconds
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
     assert generated == slots * new_tokens, generated
@@ -144,6 +182,8 @@ def run_slots(
         "of_valid_bound": round(decode_tok_s / valid, 3),
         "e2e_tok_s": round(generated / wall),
         "e2e_s": round(wall, 2),
+        "prefill_s": round(prefill_s, 2),
+        "prefill_ideal_s": round(2 * prefill_weights(model) * slots * prompt_len / matmul_flops, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
     }
@@ -206,9 +246,41 @@ def build_target(precision: str) -> TargetModel:
     return target
 
 
-def bench_precision(precision: str, args, kernels: list[bool], bandwidth: float) -> list[dict]:
+@contextlib.contextmanager
+def kernel_settings(settings: tuple[int, int, int] | None):
+    """The decode-attention kernel's launch defaults replaced while a row runs (None: kept)."""
+    if settings is None:
+        yield
+        return
+    saved = (dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES)
+    dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES = settings
+    try:
+        yield
+    finally:
+        dak.BLOCK_N, dak.NUM_WARPS, dak.NUM_STAGES = saved
+
+
+def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
+    """--kernel's rows: on, off, or on:BN/W/S."""
+    out: list[tuple[bool, tuple[int, int, int] | None]] = []
+    for name in (s.strip() for s in spec.split(",") if s.strip()):
+        if name in ("on", "off"):
+            out.append((name == "on", None))
+            continue
+        head, _, tail = name.partition(":")
+        parts = tail.split("/")
+        if head != "on" or len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--kernel takes on, off or on:BLOCK_N/WARPS/STAGES, not {name!r}")
+        out.append((True, (int(parts[0]), int(parts[1]), int(parts[2]))))
+    if not out:
+        raise ValueError("--kernel names no row")
+    return out
+
+
+def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops: float) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
+    matmul_flops = bf16_flops * (2 if precision == "fp8" else 1)
     free, _ = torch.cuda.mem_get_info()
     per_token = kv_bytes_per_token(target.config, target.dtype)
     derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
@@ -219,18 +291,22 @@ def bench_precision(precision: str, args, kernels: list[bool], bandwidth: float)
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
     for slots in slot_counts:
-        for kernel in kernels:
-            run = (target.model, slots, prompts, args.new_tokens, bandwidth, kernel)
+        for kernel, settings in kernels:
+            run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel)
             try:
-                row = run_slots(*run)
+                with kernel_settings(settings):
+                    row = run_slots(*run)
             except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
                 traceback.print_exc()
                 torch.cuda.empty_cache()
                 try:
-                    row = run_slots(*run, use_graph=False)
+                    with kernel_settings(settings):
+                        row = run_slots(*run, use_graph=False)
                 except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                     traceback.print_exc()
                     row = {"attention": "kernel" if kernel else "masked", "slots": slots, "error": type(e).__name__}
+            if settings is not None:
+                row["attention"] += " " + "/".join(map(str, settings))
             rows.append({"precision": precision, **row})
             torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
             print(rows[-1], flush=True)
@@ -249,28 +325,30 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--slots", default="128,256,512")
     p.add_argument("--precisions", default="bf16,fp8", help="comma-separated: bf16, fp8")
-    p.add_argument("--kernel", default="on,off", help="the decode attention, comma-separated: on (the kernel), off")
+    p.add_argument(
+        "--kernel",
+        default="on,off",
+        help="the decode attention rows, comma-separated: on (the kernel), on:BN/W/S (its launch settings), off",
+    )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
     args = p.parse_args(argv)
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
-    kernel_names = [s.strip() for s in args.kernel.split(",") if s.strip()]
-    if (
-        not precisions
-        or not set(precisions) <= {"bf16", "fp8"}
-        or not kernel_names
-        or not set(kernel_names) <= {"on", "off"}
-    ):
-        p.error("--precisions takes bf16 and fp8; --kernel takes on and off")
-    kernels = [name == "on" for name in kernel_names]
+    if not precisions or not set(precisions) <= {"bf16", "fp8"}:
+        p.error("--precisions takes bf16 and fp8")
+    try:
+        kernels = parse_kernels(args.kernel)
+    except ValueError as e:
+        p.error(str(e))
     out_dir()
     bandwidth = copy_bandwidth()
+    bf16_flops = measured_bf16_peak_tflops() * 1e12
     torch.cuda.empty_cache()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s")
     rows = []
     for precision in precisions:
-        rows += bench_precision(precision, args, kernels, bandwidth)
+        rows += bench_precision(precision, args, kernels, bandwidth, bf16_flops)
         gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
     cols: list[str] = []
@@ -278,9 +356,15 @@ def main(argv=None) -> None:
         cols += [c for c in r if c not in cols]
     report(
         "regenerate",
-        {"env": env_record(), "copy_bandwidth_bytes_per_s": bandwidth, "args": vars(args), "rows": rows},
+        {
+            "env": env_record(),
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "bf16_matmul_flop_per_s": bf16_flops,
+            "args": vars(args),
+            "rows": rows,
+        },
         f"regeneration decode, Qwen3-8B shape (random weights), prompts {args.prompt_len} + {args.new_tokens} new "
-        f"tokens, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+        f"tokens, copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s",
         rows,
         cols,
     )

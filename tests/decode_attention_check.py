@@ -14,6 +14,7 @@ import torch
 
 from dflash_core.kernels.decode_attention import decode_attention
 from dflash_core.regenerate.attention import slot_attention
+from tests.tiny_decoders import tiny_llama, tiny_sliding_qwen3
 
 
 def reference(query, key, value, ranges, scale) -> torch.Tensor:
@@ -98,32 +99,6 @@ def kernel_cases(device: str = "cpu") -> dict:
         # the default split count (16 of 256 positions: 3 slots of 2 kv heads fill no grid)
         "long_default_splits": case([0, 1000, 4095], 4, 128, kv_heads=2, length=4096, device=device, seed=8),
     }
-
-
-def tiny_sliding_qwen3():
-    """A 3-layer fp32 Qwen3 with random weights: full, sliding (window 6) and full layers, GQA 2."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, use_sliding_window=True,
-        sliding_window=6, layer_types=["full_attention", "sliding_attention", "full_attention"],
-    )  # fmt: skip
-    return Qwen3ForCausalLM(cfg).eval()
-
-
-def tiny_llama():
-    """A 2-layer fp32 Llama with random weights: one layer kind, so its decoder takes one mask
-    tensor (here the ranges) through transformers' mask builder, not a dict."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
 
 
 # tokens the decoder check generates for prompt k: NEW_TOKENS + k (each sequence longer than the

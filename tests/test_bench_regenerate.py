@@ -1,10 +1,11 @@
 """The bytes bench/regenerate.py counts for a decode step's weights: every parameter and buffer
 but the input embedding, an FP8 linear at one byte per weight (plus its scale), a tied table
-counted once and read as the LM head."""
+counted once and read as the LM head; the weights its prefill's ideal time multiplies each prompt
+token by."""
 
 import torch
 
-from bench.regenerate import bound, step_weight_bytes
+from bench.regenerate import bound, prefill_weights, step_weight_bytes
 
 
 def _tiny_qwen3(tied: bool):
@@ -47,6 +48,22 @@ def test_fp8_linears_count_one_byte_per_weight():
     assert quantize_decoder_linears(model.get_decoder().layers) is not None
     # two bytes per bf16 weight become one, and each linear gains an fp32 scale
     assert step_weight_bytes(model) == before - weights + 4 * len(linears)
+
+
+def test_prefill_weights_are_the_layers():
+    """Every weight but the embedding, the LM head and the final norm; as many once FP8 (one
+    element per weight) plus each linear's scale."""
+    from torch import nn
+
+    from dflash_core.target_precision import quantize_decoder_linears
+
+    model = _tiny_qwen3(tied=False)
+    outside = [model.get_input_embeddings().weight, model.get_output_embeddings().weight, model.model.norm.weight]
+    expected = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in outside)
+    assert prefill_weights(model) == expected
+    linears = sum(type(m) is nn.Linear for m in model.get_decoder().layers.modules())
+    assert quantize_decoder_linears(model.get_decoder().layers) is not None
+    assert prefill_weights(model) == expected + linears
 
 
 def test_bound():

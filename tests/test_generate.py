@@ -1,7 +1,8 @@
 """The static-cache decode loop (dflash_core.regenerate.decode) on the CPU against transformers' own
 `generate`: greedy output token for token, for prompts of different lengths decoded together,
 with slots refilled as sequences finish (some early, at the end-of-turn token, some at the
-token limit); seeded sampling that depends on the seed alone."""
+token limit); right-padded prefills through causal attention on models with full and sliding
+layers; seeded sampling that depends on the seed alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, choose_tokens
 from tests.helpers import heldout_prompt_ids
+from tests.tiny_decoders import tiny_llama, tiny_sliding_qwen3
 
 MAX_NEW = 24
 
@@ -130,3 +132,55 @@ def test_slots_refilled_in_batches(target, prompts, reference):
     done = list(decoder.generate(requests, Sampling(stop_token_ids=(eos,))))
     assert sorted(c.key for c in done) == sorted(r.key for r in requests)
     assert all(c.tokens == reference[c.key[0]] for c in done)
+
+
+def _sdpa_calls(monkeypatch) -> list[str]:
+    """What each SDPA call of the prefills attends under: "causal" or "mask"."""
+    calls: list[str] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append("causal" if kwargs.get("is_causal") else "mask" if kwargs.get("attn_mask") is not None else "?")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama])
+def test_padded_prefills_equal_generate(build, monkeypatch):
+    """Waves of prompts of different lengths, each wave prefilled as one right-padded chunk:
+    narrower than the sliding window (6), as wide, wider, and one token wide. Greedy tokens equal
+    generate's; the full layers attend through SDPA's causal attention with no mask, a sliding
+    layer too where the chunk fits its window, else under the window's mask."""
+    model = build()
+    # Llama's default end token: generate would stop there, the decoder without stop tokens does not
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(3)
+    dec = SlotDecoder(model, slots=3, length=32)
+    sliding = dec.kinds.count("sliding_attention")
+    calls = _sdpa_calls(monkeypatch)
+    for wave in ([3, 5, 2], [6, 1], [9, 14, 4], [1, 1]):
+        prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in wave]
+        calls.clear()
+        done = {c.key: c.tokens for c in dec.generate([Request(k, p, 10) for k, p in enumerate(prompts)], Sampling())}
+        masked = sliding if max(wave) > (dec.window or max(wave)) else 0
+        assert sorted(calls) == sorted(["causal"] * (len(dec.kinds) - masked) + ["mask"] * masked), (wave, calls)
+        for k, p in enumerate(prompts):
+            with torch.no_grad():
+                full = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, pad_token_id=0)
+            assert done[k] == full[0, len(p) :].tolist(), (wave, k)
+
+
+def test_causal_prefill_attention_equals_the_masked_one():
+    """The causal marker's SDPA over grouped heads against the path under a boolean causal mask
+    (keys repeated per head), the query head of each key-value head as transformers groups them."""
+    from dflash_core.regenerate.attention import prefill_causal, slot_attention
+
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, h, 7, 16, generator=g) for h in (6, 2, 2))
+    mask = torch.ones(7, 7, dtype=torch.bool).tril().view(1, 1, 7, 7)
+    causal, _ = slot_attention(None, query, key, value, prefill_causal("cpu"))
+    masked, _ = slot_attention(None, query, key, value, mask)
+    assert causal.shape == (2, 7, 6, 16)
+    torch.testing.assert_close(causal, masked)

@@ -13,14 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from ..data.prepare import Tokenization
-from ..target import TargetModel
 from ..telemetry import RateMeter
 from .config import EngineConfig
 from .drafters import Drafters
 from .pipeline import FeaturePipeline
 from .ranks import Ranks
-from .replica import DrafterReplica
-from .warmup import Parts, Timeline
+from .warmup import Parts, PartsView, Timeline
 
 
 class LivePipeline:
@@ -43,7 +41,7 @@ class LivePipeline:
 
 
 @dataclass(frozen=True)
-class RunContext:
+class RunContext(PartsView):
     """One job's view of the engine, built by the engine for that job (its validation too,
     which may come before the engine is built: then `parts` is None)."""
 
@@ -58,20 +56,3 @@ class RunContext:
     tokenization: Callable[[Any], Tokenization]
     live: LivePipeline
     multi_host: bool  # the run is shared by the ranks of a multi-host group
-
-    @property
-    def built(self) -> Parts:
-        assert self.parts is not None, "the engine is not built"
-        return self.parts
-
-    @property
-    def replicas(self) -> list[DrafterReplica]:
-        return self.parts.replicas if self.parts is not None else []
-
-    @property
-    def targets(self) -> list[TargetModel]:
-        return self.parts.targets if self.parts is not None else []
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.built.tokenizer

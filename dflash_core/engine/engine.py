@@ -20,13 +20,10 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from ..config import DrafterConfig
 from ..data.cache_entry import sweep_partial
 from ..data.prepare import Tokenization, save_tokenizer
 from ..devices import CudaContexts
-from ..target import TargetModel
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult
 from .compile import (
@@ -47,14 +44,13 @@ from .drafters import Drafters, GradSync
 from .kinds import JobRun, run_class
 from .pipeline import FeaturePipeline
 from .ranks import GroupRanks, PeerFailed, ranks_for
-from .replica import DrafterReplica
-from .warmup import Parts, Timeline, build, flat_devices, resolve_devices
+from .warmup import Parts, PartsView, Timeline, build, flat_devices, resolve_devices
 
 __all__ = ["Engine", "PeerFailed"]
 log = logging.getLogger("dflash.engine")
 
 
-class Engine:
+class Engine(PartsView):
     def __init__(
         self,
         config: EngineConfig,
@@ -119,24 +115,6 @@ class Engine:
         self.ready = True
         self.ranks.announce_ready(lambda: self.parts.description(self.config.shape) if self.parts else {})
         self.timeline.enter("ready", len(self.replicas))
-
-    @property
-    def replicas(self) -> list[DrafterReplica]:
-        return self.parts.replicas if self.parts is not None else []
-
-    @property
-    def targets(self) -> list[TargetModel]:
-        return self.parts.targets if self.parts is not None else []
-
-    @property
-    def drafter_config(self) -> DrafterConfig:
-        assert self.parts is not None, "the engine is not built"
-        return self.parts.drafter_config
-
-    @property
-    def tokenizer(self) -> Any:
-        assert self.parts is not None, "the engine is not built"
-        return self.parts.tokenizer
 
     # ------------------------------------------------------------------ status
     def status(self) -> EngineStatus:

@@ -107,6 +107,34 @@ class Parts:
         }
 
 
+class PartsView:
+    """The built parts as the engine and a run's context read them: `parts` is None until the
+    engine is built, when the lists are empty and the rest refuses."""
+
+    parts: Parts | None
+
+    @property
+    def built(self) -> Parts:
+        assert self.parts is not None, "the engine is not built"
+        return self.parts
+
+    @property
+    def replicas(self) -> list[DrafterReplica]:
+        return self.parts.replicas if self.parts is not None else []
+
+    @property
+    def targets(self) -> list[TargetModel]:
+        return self.parts.targets if self.parts is not None else []
+
+    @property
+    def drafter_config(self) -> DrafterConfig:
+        return self.built.drafter_config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.built.tokenizer
+
+
 def resolve_devices(config: EngineConfig) -> tuple[list[str | list[str]], list[str]]:
     """(target_devices, drafter_devices): the configured ones, else this host's default. A target
     entry is one device, or the list of devices one target copy is split over."""

@@ -186,15 +186,16 @@ def decode_attention(
     *,
     splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query per sequence over its cache positions [lo, hi).
 
     query [B, Hq, D]; key, value [B, Hkv, L, D] (Hq a multiple of Hkv; their last dimension
     contiguous); ranges int32 [B, 2]: (lo, hi) per sequence, 0 <= lo < hi <= L. Returns [B, Hq, D]
     in the query's dtype. splits: the cache length is cut in this many ranges processed apart
-    (None: split_count); block_n (None: BLOCK_N's rule), num_warps, num_stages: launch settings."""
+    (None: split_count); block_n (None: BLOCK_N's rule), num_warps, num_stages (None: NUM_WARPS,
+    NUM_STAGES): launch settings."""
     b, hq, d = query.shape
     kb, hkv, length, kd = key.shape
     if kb != b or kd != d or value.shape != key.shape or hq % hkv:
@@ -206,6 +207,8 @@ def decode_attention(
         raise ValueError(f"ranges must be a contiguous int32 [{b}, 2] tensor, not {ranges.dtype} {list(ranges.shape)}")
     groups = hq // hkv
     block_n = block_n or (BLOCK_N if d <= 128 else BLOCK_N // 2)
+    num_warps = num_warps or NUM_WARPS
+    num_stages = num_stages or NUM_STAGES
     splits = split_count(b, hkv, length, query.device, block_n) if splits is None else max(1, int(splits))
     split_len = triton.cdiv(length, splits)
     block_d = max(16, triton.next_power_of_2(d))

@@ -1,14 +1,23 @@
 """The slot decoder's attention (decode.SlotDecoder), registered with transformers as
-SLOT_ATTENTION, and what a decode step hands it in place of a mask.
+SLOT_ATTENTION, and what the decoder hands it in place of a mask.
 
 A decode step has one query per slot. Its attention takes, per layer kind (full, sliding), either
 a mask over the whole static cache (the CPU, and CUDA without the kernel: a batched GEMM of the
 grouped queries against every cache position, masked) or the slots' valid ranges (CUDA: the
-Triton kernel of kernels/decode_attention.py reads only those positions). The ranges travel
-where the mask would: as the entry of the per-layer-kind dict the model's forward takes in place
-of `attention_mask` (or as the one mask of a model with one layer kind), so they reach each layer
-the way its mask would, with no state beside the forward. They are a 4D tensor, as a prepared
-mask is, which transformers' mask builders hand on as given; int32, which no mask is, is how
+Triton kernel of kernels/decode_attention.py reads only those positions).
+
+A prefill has the prompts' queries against their own keys. Prompts are right-padded, so under
+plain causal attention a prompt's query at position i sees its keys 0..i, all real, and a padding
+key is seen by padding queries only, whose outputs nobody reads: where no sliding window cuts in,
+the attention is SDPA's own causal one (the flash and cuDNN backends take it, the keys shared by
+their query heads), with no mask. A sliding layer whose prompts are wider than its window takes
+the window as a boolean mask.
+
+Ranges and the causal marker travel where the mask would: as the entry of the per-layer-kind dict
+the model's forward takes in place of `attention_mask` (or as the one mask of a model with one
+layer kind), so they reach each layer the way its mask would, with no state beside the forward.
+They are 4D tensors, as a prepared mask is, which transformers' mask builders hand on as given;
+their integer dtypes, which no mask has (int32 the ranges, int64 the causal marker), are how
 slot_attention tells them apart.
 """
 
@@ -33,6 +42,16 @@ def is_ranges(attention_mask) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int32
 
 
+def prefill_causal(device: torch.device | str) -> torch.Tensor:
+    """The stand-in for a prefill layer's mask that means plain causal attention over the prompts:
+    a 4D int64 tensor (its one value is never read)."""
+    return torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=device)
+
+
+def is_causal(attention_mask) -> bool:
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int64
+
+
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a decode step on `device` in `dtype` can attend through the Triton kernel."""
     if device.type != "cuda" or dtype not in KERNEL_DTYPES:
@@ -45,14 +64,17 @@ def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """With one query per slot and ranges (decode_ranges): the Triton kernel over each slot's
-    valid positions. With one query per slot and a mask: the query heads of each key-value head
-    multiplied against that head's keys in one batched GEMM, so the cache is read once per step
-    (SDPA given a mask repeats the keys and values for every query head: a copy of the whole
-    cache per layer and step). With several queries (a prefill): SDPA over keys repeated per
-    head. A mask is [N, 1, Q, K]: boolean (True where a query sees a key), or additive in the
-    model's dtype (0 or -inf), built once per step for every layer, so the scores take one pass
-    to mask."""
+    """With ranges (decode_ranges, one query per slot): the Triton kernel over each slot's valid
+    positions. With the causal marker (prefill_causal: a prefill, the prompts' own keys): SDPA's
+    causal attention, each key-value head's keys shared by its query heads (enable_gqa), which its
+    flash backend takes as they are. With one query per slot and a mask: the query heads of each
+    key-value head multiplied against that head's keys in one batched GEMM, so the cache is read
+    once per step (SDPA given a mask repeats the keys and values for every query head: a copy of
+    the whole cache per layer and step). With several queries and a mask (a prefill's sliding
+    layers wider than the window): SDPA over keys repeated per query head, which its
+    memory-efficient backend takes with the mask. A mask is [N, 1, Q, K] (or [1, 1, Q, K], the
+    same for every row): boolean (True where a query sees a key), or additive in the model's
+    dtype (0 or -inf), built once per step for every layer, so the scores take one pass to mask."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise ValueError("regeneration does not decode attention with sinks")
     b, hq, q, d = query.shape
@@ -66,6 +88,16 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
 
         out = decode_attention(query[:, :, 0], key, value, attention_mask.view(b, 2), scale)
         return out.view(b, 1, hq, d), None  # [b, 1, hq, d]: the layout of query.transpose(1, 2)
+    if is_causal(attention_mask):
+        if key.shape[2] != q:
+            raise ValueError("causal prefill attention takes the prompts' own keys, one per query")
+        if groups > 1 and query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
+            # flash is 16-bit only; the backend that takes fp32 (memory-efficient) may not take
+            # grouped heads, and the math one would hold every head's scores: repeat the keys
+            key, value, groups = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), 1
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out = sdpa(query, key, value, is_causal=True, scale=scale, enable_gqa=groups > 1)
+        return out.transpose(1, 2).contiguous(), None
     if q == 1:
         scores = torch.matmul((query * scale).view(b, hkv, groups, d), key.transpose(-1, -2))
         mask = attention_mask.view(b, 1, 1, -1)

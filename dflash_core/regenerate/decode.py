@@ -8,7 +8,7 @@ attention.py), so on CUDA the step is recorded once as a CUDA graph and replayed
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
 slot, and the next prompts go into the free slots while the others keep decoding (continuous
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
-position's logits computed.
+position's logits computed (prefill.py).
 
 The model is driven through its own decoder: the cache is an object with transformers' `update`
 method that writes each slot's keys and values at that slot's position, the positions go in as
@@ -25,6 +25,7 @@ on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `genera
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
+from .prefill import chunk_bounds, padded_prompts, prefill_attention
 
 log = logging.getLogger("dflash.generate")
 
@@ -236,14 +238,14 @@ class SlotDecoder:
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
+        # wall time of the prefills: each ends reading its tokens on the host, so its device work is in it
+        self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ the model
-    def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None = None):
+    def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor):
         """Per layer kind: query at query_pos [N, Q] sees keys at key_pos [K] up to itself (and
-        within the sliding window); key_valid [N, K] drops padding. Boolean, as slot_attention takes."""
+        within the sliding window). Boolean, as slot_attention takes."""
         causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [N, Q, K]
-        if key_valid is not None:
-            causal = causal & key_valid.unsqueeze(1)
         masks = {}
         for kind in dict.fromkeys(self.kinds):
             m = causal
@@ -343,19 +345,11 @@ class SlotDecoder:
     def _prefill(self, admitted: list[tuple[int, Request]], greedy: bool) -> list[int]:
         """Prompts into their slots' caches; their first generated tokens."""
         dev = self.device
-        lengths = [len(r.prompt) for _, r in admitted]
-        width = max(lengths)
-        ids = torch.zeros(len(admitted), width, dtype=torch.long)
-        for i, (_, r) in enumerate(admitted):
-            ids[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-        ids = ids.to(dev)
-        lens = torch.tensor(lengths, dtype=torch.long, device=dev)
-        pos = torch.arange(width, device=dev).unsqueeze(0).expand(len(admitted), -1)
-        valid = pos < lens.unsqueeze(-1)
+        ids, pos, lens = padded_prompts([r.prompt for _, r in admitted], dev)
         self.cache.rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
         self.cache.positions = None
         try:
-            hidden = self._hidden(ids, pos, self._mask(pos, pos[0], valid))
+            hidden = self._hidden(ids, pos, prefill_attention(self.kinds, self.window, ids.shape[1], dev))
         finally:
             self.cache.rows = None
         last = hidden[torch.arange(len(admitted), device=dev), lens - 1]
@@ -423,15 +417,11 @@ class SlotDecoder:
                 raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a cache of {self.length}")
             batch.append((free.popleft(), request))
         dev = self.device
-        start = 0
-        while start < len(batch):
-            width = len(batch[start][1].prompt)
-            end = start + 1
-            while end < len(batch) and (end - start + 1) * max(width, len(batch[end][1].prompt)) <= self.prefill_tokens:
-                width = max(width, len(batch[end][1].prompt))
-                end += 1
+        for start, end in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens):
             chunk = batch[start:end]
+            began = time.perf_counter()
             firsts = self._prefill(chunk, greedy)
+            self.prefill_seconds += time.perf_counter() - began
             slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
             n = len(chunk)
             self.tokens[slots] = torch.tensor(firsts, dtype=torch.long, device=dev)
@@ -447,7 +437,6 @@ class SlotDecoder:
                     yield self._done(state, token in stops)
                 else:
                     active[slot] = state
-            start = end
 
     @staticmethod
     def _done(state: _Slot, stopped: bool) -> Completion:

@@ -9,7 +9,9 @@ continuous batching, the decode step recorded as a CUDA graph), its attention as
 `--kernel` says: on, the Triton kernel that reads each slot's valid cache positions only
 (kernels/decode_attention.py); on:BN/W/S, the kernel with these launch settings in place of its
 defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
-batched GEMMs over the whole static cache.
+batched GEMMs over the whole static cache. `--norms` says how its RMSNorms run: on, one Triton
+kernel each (dflash_core/target_norms.py, the decoder's default on CUDA); off, transformers'
+eager code; on,off: a row of each.
 
 A row per precision, attention and slot count:
 
@@ -44,7 +46,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
+        [--norms on,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import tempfile
 import time
 import traceback
@@ -132,12 +135,13 @@ def run_slots(
     bandwidth: float,
     matmul_flops: float,
     kernel: bool,
+    norms: bool = True,
     use_graph=True,
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the prefill's dense matmul rate, FLOP/s)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
-    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel)
+    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_norms=norms)
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
@@ -168,6 +172,7 @@ def run_slots(
     decode_tok_s = slots / (decode_ms * 1e-3)
     return {
         "attention": "kernel" if dec.attention_kernel else "masked",
+        "norms": "kernel" if dec.norms is not None else "eager",
         "slots": slots,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
@@ -277,6 +282,14 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
     return out
 
 
+def parse_norms(spec: str) -> list[bool]:
+    """--norms' rows: on, off."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names or not set(names) <= {"on", "off"}:
+        raise ValueError(f"--norms takes on and off, not {spec!r}")
+    return [n == "on" for n in dict.fromkeys(names)]
+
+
 def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops: float) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
@@ -290,26 +303,26 @@ def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops:
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    for slots in slot_counts:
-        for kernel, settings in kernels:
-            run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel)
+    for slots, (kernel, settings), norms in itertools.product(slot_counts, kernels, parse_norms(args.norms)):
+        run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, norms)
+        try:
+            with kernel_settings(settings):
+                row = run_slots(*run)
+        except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
+            traceback.print_exc()
+            torch.cuda.empty_cache()
             try:
                 with kernel_settings(settings):
-                    row = run_slots(*run)
-            except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
+                    row = run_slots(*run, use_graph=False)
+            except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
-                torch.cuda.empty_cache()
-                try:
-                    with kernel_settings(settings):
-                        row = run_slots(*run, use_graph=False)
-                except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
-                    traceback.print_exc()
-                    row = {"attention": "kernel" if kernel else "masked", "slots": slots, "error": type(e).__name__}
-            if settings is not None:
-                row["attention"] += " " + "/".join(map(str, settings))
-            rows.append({"precision": precision, **row})
-            torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
-            print(rows[-1], flush=True)
+                row = {"attention": "kernel" if kernel else "masked", "norms": "kernel" if norms else "eager"}
+                row.update(slots=slots, error=type(e).__name__)
+        if settings is not None:
+            row["attention"] += " " + "/".join(map(str, settings))
+        rows.append({"precision": precision, **row})
+        torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
+        print(rows[-1], flush=True)
     if args.hf_batch > 0:
         try:
             row = run_generate(target.model, args.hf_batch, prompts, args.new_tokens, bandwidth)
@@ -330,6 +343,7 @@ def main(argv=None) -> None:
         default="on,off",
         help="the decode attention rows, comma-separated: on (the kernel), on:BN/W/S (its launch settings), off",
     )
+    p.add_argument("--norms", default="on", help="the RMSNorm rows, comma-separated: on (the kernel), off (eager)")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
@@ -339,6 +353,7 @@ def main(argv=None) -> None:
         p.error("--precisions takes bf16 and fp8")
     try:
         kernels = parse_kernels(args.kernel)
+        parse_norms(args.norms)
     except ValueError as e:
         p.error(str(e))
     out_dir()

@@ -17,6 +17,7 @@ from .devices import compute_dtype
 from .drafter import FrozenHead
 from .parity import input_embedding_scale, scaled_table
 from .target_fusion import LayerFusion
+from .target_norms import NormKernels
 
 
 class _StopForward(Exception):
@@ -207,6 +208,9 @@ class TargetModel:
                 raise ValueError(
                     'target_precision = "fp8": the target\'s decoder layers have no linear layer FP8 takes'
                 )
+        # the norms' dispatchers go in before anything compiles the layers (record_graph's fusion),
+        # so every trace sees them; only the regeneration decoder turns them on (target_norms.py)
+        NormKernels.of(self.model)
         self._local = threading.local()
         self._embedding_scale: float | None = None
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph

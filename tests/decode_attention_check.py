@@ -3,7 +3,9 @@ masked softmax, and the slot decoder with them against the decoder without them.
 (tests/gpu) and, through Triton's interpreter, on CPU: `TRITON_INTERPRET=1 python -m
 tests.decode_attention_check` (a separate process: the flag is read when the kernel module is
 imported). Prints one JSON object: per case, the largest errors relative to the output's scale
-(the kernel's and the masked path's against the reference, and between them)."""
+(the kernel's and the masked path's against the reference, and between them). The RMSNorm kernel
+(dflash_core/kernels/rms_norm.py), which the decoder's kernel path runs too, against the norm
+classes' own forwards."""
 
 from __future__ import annotations
 
@@ -106,6 +108,41 @@ def kernel_cases(device: str = "cpu") -> dict:
 NEW_TOKENS = 8
 
 
+def norm_cases(device: str = "cpu") -> dict:
+    """The RMSNorm kernel through the norm dispatchers against transformers' norm classes (Llama's
+    and Qwen3's weight after the cast, Gemma3's 1 + weight before it), bf16 and fp32, a row as wide
+    as a hidden state and a per-head row, a width that is no power of two: the weighting each
+    class was matched with, and the largest error relative to the output's scale."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from dflash_core.target_norms import NormKernels
+
+    out = {}
+    for cls in (LlamaRMSNorm, Qwen3RMSNorm, Gemma3RMSNorm):
+        for dtype in (torch.bfloat16, torch.float32):
+            for width, rows in ((384, 5), (64, 37), (80, 3)):
+                torch.manual_seed(width + rows)
+                norm = cls(width, eps=1e-6)
+                with torch.no_grad():
+                    norm.weight.copy_(torch.randn(width) * 0.5 + (0.0 if cls is Gemma3RMSNorm else 1.0))
+                holder = torch.nn.Sequential(norm).to(device=device, dtype=dtype)
+                kernels = NormKernels.of(holder)
+                x = (torch.randn(rows, 2, width) * 4).to(device=device, dtype=dtype)
+                with torch.no_grad():
+                    eager = norm(x)
+                    with kernels.active():
+                        fused = norm(x)
+                scale = eager.float().abs().max().clamp(min=1e-6)
+                out[f"{cls.__name__}_{str(dtype)[6:]}_{width}"] = {
+                    "weighting": kernels.match()[cls.__name__],
+                    "dtype_kept": fused.dtype == eager.dtype and fused.shape == eager.shape,
+                    "rel": float((fused.float() - eager.float()).abs().max() / scale),
+                }
+    return out
+
+
 def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
     generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
@@ -117,8 +154,8 @@ def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6)]
     outputs = []
     for kernel in (True, False):
-        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel)
-        assert dec.attention_kernel is kernel
+        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel, fused_norms=kernel)
+        assert dec.attention_kernel is kernel and (dec.norms is not None) is kernel
         done = dec.generate([Request(k, p, NEW_TOKENS + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
         outputs.append({c.key: c.tokens for c in done})
     generated = {}
@@ -136,7 +173,7 @@ def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
 
 
 if __name__ == "__main__":
-    result = {"kernel": kernel_cases()}
+    result = {"kernel": kernel_cases(), "norms": norm_cases()}
     if "--decoder" in sys.argv:
         result["decoder"] = decoder_compare()
         result["decoder_one_kind"] = decoder_compare(build=tiny_llama)

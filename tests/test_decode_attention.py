@@ -46,10 +46,24 @@ def test_kernel_equals_the_masked_softmax(checked, name):
     assert got["vs_masked"] < 2 * tol, got
 
 
+@pytest.mark.parametrize("cls", ["LlamaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("width", [384, 64, 80])
+def test_norm_kernel_equals_the_norm_classes(checked, cls, dtype, width):
+    """Each class matched with its own weighting (a wrong one is off by the output's size), the
+    kernel's output within the rounding of the output dtype: one bf16 step of the normalised row
+    and one of the product (fp32: the sum's order alone)."""
+    got = checked["norms"][f"{cls}_{dtype}_{width}"]
+    assert got["weighting"] == ("offset" if cls == "Gemma3RMSNorm" else "scaled"), got
+    assert got["dtype_kept"], got
+    assert got["rel"] < (1e-5 if dtype == "float32" else 2e-2), got
+
+
 @pytest.mark.parametrize("model", ["decoder", "decoder_one_kind"])
 def test_decoder_with_the_kernel_equals_without_and_generate(checked, model):
     """Qwen3 with full and sliding layers (a dict of ranges), Llama with one layer kind (the
-    ranges as its one mask, through transformers' mask builder)."""
+    ranges as its one mask, through transformers' mask builder); the kernel path with the norms
+    through their kernel too."""
     got = checked[model]
     assert got["equal"] and got["equals_generate"], got
     assert got["tokens"] == sum(8 + k for k in range(5))  # NEW_TOKENS + k for each of the 5 prompts

@@ -24,6 +24,7 @@ on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `genera
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..target_norms import NormKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
 
@@ -205,6 +207,7 @@ class SlotDecoder:
         length: int,
         use_graph: bool | None = None,
         attention_kernel: bool | None = None,
+        fused_norms: bool | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -234,6 +237,10 @@ class SlotDecoder:
         self.key_index = torch.arange(length, device=dev)
         self.use_graph = (dev.type == "cuda") if use_graph is None else (use_graph and dev.type == "cuda")
         self.attention_kernel = kernel_available(dev, self.dtype) if attention_kernel is None else attention_kernel
+        fuse = (dev.type == "cuda") if fused_norms is None else fused_norms
+        self.norms = NormKernels.of(model) if fuse else None
+        if self.norms is not None and not self.norms.usable():
+            self.norms = None
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
@@ -262,14 +269,16 @@ class SlotDecoder:
         # a mask per layer kind where the model has several (Qwen3, Gemma read the dict); the one
         # mask where it has one, since some decoders (Llama) take only a tensor, used as given
         attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        norms = self.norms.active() if self.norms is not None else contextlib.nullcontext()
         try:
-            out = self.decoder(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
+            with norms:
+                out = self.decoder(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=attention_mask,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                )
         finally:
             self.config._attn_implementation = saved
         return out.last_hidden_state

@@ -2,7 +2,8 @@
 tokens of the eager step and of transformers' greedy generate on the embedded target (fp32), for
 prompts of different lengths with slots refilled; seeded sampling equal with and without the graph;
 reserved memory flat over a second run; the decode-attention kernel against a float64 reference,
-and the recorded step with it equal to the step without it."""
+and the recorded step with it equal to the step without it; the RMSNorm kernel against the norm
+classes, and the decoder's default (norms through it) equal to generate."""
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ def test_graph_equals_eager_and_generate(setup):
     eos = model.generation_config.eos_token_id
     greedy = Sampling(stop_token_ids=(eos,))
     graph, dec = _run(model, prompts, greedy, True)
+    assert dec.norms is not None  # the default on CUDA: generate below runs the norms' own forwards
     eager, _ = _run(model, prompts, greedy, False)
     assert graph == eager
     for k, ids in enumerate(prompts):
@@ -75,6 +77,15 @@ def test_decode_attention_kernel_on_cuda():
     for name, got in kernel_cases("cuda").items():
         tol = 1e-5 if name.startswith("fp32") else 1e-2
         assert got["finite"] and got["dtype_kept"] and got["rel"] < tol and got["vs_masked"] < 2 * tol, (name, got)
+
+
+def test_norm_kernel_on_cuda():
+    """The CPU's interpreted norm cases, compiled."""
+    from tests.decode_attention_check import norm_cases
+
+    for name, got in norm_cases("cuda").items():
+        assert got["weighting"] == ("offset" if name.startswith("Gemma3") else "scaled"), (name, got)
+        assert got["dtype_kept"] and got["rel"] < (1e-5 if "float32" in name else 2e-2), (name, got)
 
 
 def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):

@@ -1,0 +1,166 @@
+"""The target's RMSNorms through one Triton kernel (kernels/rms_norm.py) in its eager forwards.
+
+The regeneration decoder runs the target's own decoder eagerly (its decode step recorded as a
+CUDA graph, its prefill as it comes), where every RMSNorm is a chain of small kernels: four norms
+a layer (input, post-attention, the per-head query and key norms of Qwen3 and Gemma), each some
+seven launches over the whole activation. `NormKernels` puts a dispatcher in place of each norm's
+`forward`: while it is active in the calling thread it runs the kernel, else the norm's own
+forward, so the engine's other users of the target (its recorded capture, compiled at warm-up,
+whose trace takes the module's own forward) see the module as it was.
+
+Which modules are norms, and which weighting each class uses, is derived, not named: a module
+with one 1-D weight, no other parameters, no children and an epsilon is a candidate, and its
+class is taken with the weighting whose output equals the class's own forward on a probe (within
+rounding); a class that matches neither stays eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("dflash.target")
+
+# relative L2 distance of the kernel's output from the class's own forward on the probe, above
+# which a weighting is not taken: the two differ by the order of a row's sum (a rounding step of
+# the output dtype on a few elements), a wrong weighting by the size of the output
+MATCH_TOLERANCE = 1e-2
+_EPS_NAMES = ("variance_epsilon", "eps")
+
+
+def norm_epsilon(module: nn.Module) -> float | None:
+    """The epsilon of an RMSNorm-like module (one 1-D weight, nothing else), else None."""
+    if any(True for _ in module.children()):
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"weight"} or params["weight"].dim() != 1:
+        return None
+    for name in _EPS_NAMES:
+        eps = getattr(module, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+class _NormForward:
+    """A norm's forward: the kernel while the norms are active in this thread and its class was
+    matched, else the class's own forward (always so under a compiler's trace)."""
+
+    def __init__(self, module: nn.Module, owner: NormKernels, eps: float):
+        self.module, self.owner, self.eps = module, owner, eps
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if not torch.compiler.is_compiling() and not args and not kwargs:
+            weighting = self.owner.weighting_now(type(module))
+            if weighting is not None:
+                from .kernels.rms_norm import rms_norm, supports
+
+                weight: torch.Tensor = module.weight  # type: ignore[assignment]
+                if supports(hidden_states, weight):
+                    return rms_norm(hidden_states, weight, self.eps, weighting)
+        return type(module).forward(module, hidden_states, *args, **kwargs)
+
+
+class NormKernels:
+    """The dispatchers of one model's norms, and the weighting matched per norm class."""
+
+    def __init__(self, model: nn.Module):
+        self._active = threading.local()
+        self._lock = threading.Lock()
+        self._modules: list[nn.Module] = []
+        self._weighting: dict[type, str | None] = {}  # per class: matched (None: stays eager)
+        for module in model.modules():
+            eps = norm_epsilon(module)
+            if eps is not None and "forward" not in module.__dict__:
+                module.forward = _NormForward(module, self, eps)
+                self._modules.append(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copied or pickled model (copy.deepcopy, torch.save) carries its dispatchers along;
+        # the thread state and the lock are per object, not part of what is copied
+        state = dict(self.__dict__)
+        del state["_active"], state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._active = threading.local()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> NormKernels:
+        """The model's dispatchers, installed on the first call."""
+        found = model.__dict__.get("_dflash_norm_kernels")
+        if found is None:
+            found = cls(model)
+            model.__dict__["_dflash_norm_kernels"] = found
+        return found
+
+    @property
+    def count(self) -> int:
+        return len(self._modules)
+
+    def weighting_now(self, cls: type) -> str | None:
+        return self._weighting.get(cls) if getattr(self._active, "on", False) else None
+
+    def match(self) -> dict[str, str | None]:
+        """The weighting of each norm class (probed once per class on its first module's device
+        and dtype): class name -> weighting, or None where the class stays eager."""
+        with self._lock:
+            for module in self._modules:
+                cls = type(module)
+                if cls not in self._weighting:
+                    self._weighting[cls] = _match(module)
+                    log.info("norm class %s runs as %s", cls.__name__, self._weighting[cls] or "its own forward")
+        return {cls.__name__: w for cls, w in self._weighting.items()}
+
+    def usable(self) -> bool:
+        """Whether any norm runs through the kernel when active."""
+        return any(w is not None for w in self.match().values())
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self.match()
+        self._active.on = True
+        try:
+            yield
+        finally:
+            self._active.on = False
+
+
+@torch.no_grad()
+def _match(module: nn.Module) -> str | None:
+    from .kernels.rms_norm import WEIGHTINGS, rms_norm, runs_on
+
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    if not runs_on(weight.device):
+        return None
+    eps = norm_epsilon(module)
+    assert eps is not None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    probe = (torch.randn(8, weight.shape[0], generator=gen) * 3).to(device=weight.device, dtype=weight.dtype)
+    try:
+        expected = type(module).forward(module, probe)
+    except Exception:  # noqa: BLE001 - a forward that takes more than one tensor is not a norm this kernel replaces
+        return None
+    if not isinstance(expected, torch.Tensor) or expected.shape != probe.shape:
+        return None
+    for weighting in WEIGHTINGS:
+        try:
+            got = rms_norm(probe, weight, eps, weighting)
+        except Exception as e:  # noqa: BLE001 - the kernel does not build here: the norm keeps its own forward
+            log.warning("norm class %s: the RMSNorm kernel failed (%s); it runs eagerly", type(module).__name__, e)
+            return None
+        if got.dtype != expected.dtype:
+            continue
+        diff = torch.linalg.vector_norm((got.float() - expected.float()).flatten())
+        if float(diff) <= MATCH_TOLERANCE * float(torch.linalg.vector_norm(expected.float().flatten())):
+            return weighting
+    return None

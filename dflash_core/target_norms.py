@@ -4,9 +4,10 @@ The regeneration decoder runs the target's own decoder eagerly (its decode step 
 CUDA graph, its prefill as it comes), where every RMSNorm is a chain of small kernels: four norms
 a layer (input, post-attention, the per-head query and key norms of Qwen3 and Gemma), each some
 seven launches over the whole activation. `NormKernels` puts a dispatcher in place of each norm's
-`forward`: while it is active in the calling thread it runs the kernel, else the norm's own
-forward, so the engine's other users of the target (its recorded capture, compiled at warm-up,
-whose trace takes the module's own forward) see the module as it was.
+`forward` (by giving the module a subclass of its class): while it is active in the calling
+thread it runs the kernel, else the norm's own forward, so the engine's other users of the target
+(its recorded capture, compiled at warm-up, whose trace takes the module's own forward) see the
+module as it was.
 
 Which modules are norms, and which weighting each class uses, is derived, not named: a module
 with one 1-D weight, no other parameters, no children and an epsilon is a candidate, and its
@@ -48,24 +49,46 @@ def norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
-class _NormForward:
-    """A norm's forward: the kernel while the norms are active in this thread and its class was
-    matched, else the class's own forward (always so under a compiler's trace)."""
+class _Dispatching:
+    """Mixed into a norm class (`dispatching_class`): the kernel while the module's NormKernels
+    are active in this thread and its class was matched, else the class's own forward (always so
+    under a compiler's trace). One class per norm class rather than a forward per module: a
+    compiled layer guards on its norms' types, so every layer still shares one graph."""
 
-    def __init__(self, module: nn.Module, owner: NormKernels, eps: float):
-        self.module, self.owner, self.eps = module, owner, eps
+    _dflash_base: type[nn.Module]
 
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        base = self._dflash_base
         if not torch.compiler.is_compiling() and not args and not kwargs:
-            weighting = self.owner.weighting_now(type(module))
+            owner: NormKernels | None = self.__dict__.get("_dflash_norms")
+            weighting = owner.weighting_now(base) if owner is not None else None
             if weighting is not None:
                 from .kernels.rms_norm import rms_norm, supports
 
-                weight: torch.Tensor = module.weight  # type: ignore[assignment]
+                weight: torch.Tensor = self.weight  # type: ignore[attr-defined]
                 if supports(hidden_states, weight):
-                    return rms_norm(hidden_states, weight, self.eps, weighting)
-        return type(module).forward(module, hidden_states, *args, **kwargs)
+                    return rms_norm(hidden_states, weight, self.__dict__["_dflash_eps"], weighting)
+        return base.forward(self, hidden_states, *args, **kwargs)  # type: ignore[arg-type]
+
+
+_DISPATCHING: dict[type, type] = {}
+_DISPATCHING_LOCK = threading.Lock()
+
+
+def dispatching_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The norm class with the dispatching forward, made once per class; it keeps the class's name
+    (a printed model reads as before) and is an instance of it (isinstance checks hold)."""
+    with _DISPATCHING_LOCK:
+        found = _DISPATCHING.get(cls)
+        if found is None:
+            found = type(cls.__name__, (_Dispatching, cls), {"_dflash_base": cls, "__module__": cls.__module__})
+            _DISPATCHING[cls] = found
+        return found
+
+
+def base_class(module: nn.Module) -> type[nn.Module]:
+    """The module's own class, under the dispatching one where it was installed."""
+    return getattr(type(module), "_dflash_base", type(module))
 
 
 class NormKernels:
@@ -78,9 +101,13 @@ class NormKernels:
         self._weighting: dict[type, str | None] = {}  # per class: matched (None: stays eager)
         for module in model.modules():
             eps = norm_epsilon(module)
-            if eps is not None and "forward" not in module.__dict__:
-                module.forward = _NormForward(module, self, eps)
-                self._modules.append(module)
+            # a module whose forward someone else replaced, or already dispatching, is left as it is
+            if eps is None or "forward" in module.__dict__ or isinstance(module, _Dispatching):
+                continue
+            module.__class__ = dispatching_class(type(module))
+            module.__dict__["_dflash_norms"] = self
+            module.__dict__["_dflash_eps"] = eps
+            self._modules.append(module)
 
     def __getstate__(self) -> dict[str, Any]:
         # a copied or pickled model (copy.deepcopy, torch.save) carries its dispatchers along;
@@ -115,7 +142,7 @@ class NormKernels:
         and dtype): class name -> weighting, or None where the class stays eager."""
         with self._lock:
             for module in self._modules:
-                cls = type(module)
+                cls = base_class(module)
                 if cls not in self._weighting:
                     self._weighting[cls] = _match(module)
                     log.info("norm class %s runs as %s", cls.__name__, self._weighting[cls] or "its own forward")
@@ -144,10 +171,11 @@ def _match(module: nn.Module) -> str | None:
         return None
     eps = norm_epsilon(module)
     assert eps is not None
+    own = base_class(module).forward
     gen = torch.Generator(device="cpu").manual_seed(0)
     probe = (torch.randn(8, weight.shape[0], generator=gen) * 3).to(device=weight.device, dtype=weight.dtype)
     try:
-        expected = type(module).forward(module, probe)
+        expected = own(module, probe)
     except Exception:  # noqa: BLE001 - a forward that takes more than one tensor is not a norm this kernel replaces
         return None
     if not isinstance(expected, torch.Tensor) or expected.shape != probe.shape:

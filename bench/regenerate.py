@@ -30,6 +30,13 @@ A row per precision, attention and slot count:
                  over the run (prompt + half the new tokens per slot): the bound of the step
   of_valid_bound decode_tok_s / bound_valid_kv_tok_s: the mean step against the bytes it must
                  read; the masked attention reads more than that, so its figure is lower
+  floor_ms       the step at the cache's end if the whole cache were read at the copy bandwidth
+                 and the GEMMs ran at the measured matmul rate (each at least its weight bytes
+                 at the bandwidth), one after the other: a layer's attention needs its
+                 projections and feeds the next, so at slot counts where the GEMMs are compute
+                 bound this, not bound_tok_s, is the step's physical floor without overlapping
+                 slots across streams
+  of_floor       floor_ms / full_ms
   e2e_tok_s      generated tokens / wall time of the whole wave (prefills, host work included)
   prefill_s      the wave's time in prefills (SlotDecoder.prefill_seconds: every slot's prompt,
                  in chunks, host work included)
@@ -118,6 +125,18 @@ def bound(slots: int, weights: int, positions: int, per_token: int, bandwidth: f
     return slots / ((weights + slots * positions * per_token) / bandwidth)
 
 
+def serial_floor_ms(model, slots: int, cache_bytes: int, bandwidth: float, layer_flops: float, head_flops: float) -> float:
+    """The step at the cache's end with its attention reading the whole cache at `bandwidth` and its
+    GEMMs (each at least its weight bytes at `bandwidth`) at the measured rates, one after the
+    other as a layer's dependencies order them (ms)."""
+    head = model.get_output_embeddings().weight
+    head_bytes = head.numel() * head.element_size()
+    layer_bytes = step_weight_bytes(model) - head_bytes
+    layers = max(layer_bytes / bandwidth, 2 * slots * prefill_weights(model) / layer_flops)
+    lm_head = max(head_bytes / bandwidth, 2 * slots * head.numel() / head_flops)
+    return (slots * cache_bytes / bandwidth + layers + lm_head) * 1e3
+
+
 def time_step(dec: SlotDecoder, greedy: bool, position: int) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
     enough to centre on it (each step moves the slots on by one; the cache's end holds them)."""
@@ -137,8 +156,10 @@ def run_slots(
     kernel: bool,
     norms: bool = True,
     use_graph=True,
+    head_flops: float | None = None,
 ) -> dict:
-    """A row of the decoder at `slots` (matmul_flops: the prefill's dense matmul rate, FLOP/s)."""
+    """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
+    head_flops the LM head's, FLOP/s; the same unless given)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
     dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_norms=norms)
@@ -170,6 +191,7 @@ def run_slots(
     whole = bound(slots, weights, length, per_token, bandwidth)
     valid = bound(slots, weights, mean_valid, per_token, bandwidth)
     decode_tok_s = slots / (decode_ms * 1e-3)
+    floor_ms = serial_floor_ms(model, slots, length * per_token, bandwidth, matmul_flops, head_flops or matmul_flops)
     return {
         "attention": "kernel" if dec.attention_kernel else "masked",
         "norms": "kernel" if dec.norms is not None else "eager",
@@ -185,6 +207,8 @@ def run_slots(
         "of_bound": round(slots / (full_ms * 1e-3) / whole, 3),
         "bound_valid_kv_tok_s": round(valid),
         "of_valid_bound": round(decode_tok_s / valid, 3),
+        "floor_ms": round(floor_ms, 2),
+        "of_floor": round(floor_ms / full_ms, 3),
         "e2e_tok_s": round(generated / wall),
         "e2e_s": round(wall, 2),
         "prefill_s": round(prefill_s, 2),
@@ -307,13 +331,13 @@ def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops:
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, norms)
         try:
             with kernel_settings(settings):
-                row = run_slots(*run)
+                row = run_slots(*run, head_flops=bf16_flops)
         except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
             traceback.print_exc()
             torch.cuda.empty_cache()
             try:
                 with kernel_settings(settings):
-                    row = run_slots(*run, use_graph=False)
+                    row = run_slots(*run, use_graph=False, head_flops=bf16_flops)
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
                 row = {"attention": "kernel" if kernel else "masked", "norms": "kernel" if norms else "eager"}

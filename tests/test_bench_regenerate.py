@@ -5,7 +5,7 @@ token by."""
 
 import torch
 
-from bench.regenerate import bound, prefill_weights, step_weight_bytes
+from bench.regenerate import bound, prefill_weights, serial_floor_ms, step_weight_bytes
 
 
 def _tiny_qwen3(tied: bool):
@@ -69,3 +69,17 @@ def test_prefill_weights_are_the_layers():
 def test_bound():
     # 10 slots, 1000 weight bytes, 5 positions of 20 bytes: 2000 bytes at 1000 B/s -> 5 tokens/s
     assert bound(10, 1000, 5, 20, 1000.0) == 5.0
+
+
+def test_serial_floor_is_the_cache_read_then_the_slower_of_bytes_and_flops():
+    model = _tiny_qwen3(tied=False)
+    head = model.get_output_embeddings().weight
+    head_bytes, layer_bytes = 2 * head.numel(), step_weight_bytes(model) - 2 * head.numel()
+    bandwidth, cache = 1e6, 300  # 4 slots of 300 cache bytes
+    # matmuls so fast that every GEMM is its weight bytes: the floor is the bandwidth bound
+    fast = serial_floor_ms(model, 4, cache, bandwidth, 1e30, 1e30)
+    assert abs(fast - (4 * cache + layer_bytes + head_bytes) / bandwidth * 1e3) < 1e-9
+    # matmuls slow enough to be compute bound: each GEMM at its FLOPs, the head at its own rate
+    slow = serial_floor_ms(model, 4, cache, bandwidth, 1.0, 2.0)
+    expected = (4 * cache / bandwidth + 2 * 4 * prefill_weights(model) + 2 * 4 * head.numel() / 2.0) * 1e3
+    assert abs(slow - expected) < 1e-6 * expected

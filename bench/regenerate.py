@@ -125,7 +125,9 @@ def bound(slots: int, weights: int, positions: int, per_token: int, bandwidth: f
     return slots / ((weights + slots * positions * per_token) / bandwidth)
 
 
-def serial_floor_ms(model, slots: int, cache_bytes: int, bandwidth: float, layer_flops: float, head_flops: float) -> float:
+def serial_floor_ms(
+    model, slots: int, cache_bytes: int, bandwidth: float, layer_flops: float, head_flops: float
+) -> float:
     """The step at the cache's end with its attention reading the whole cache at `bandwidth` and its
     GEMMs (each at least its weight bytes at `bandwidth`) at the measured rates, one after the
     other as a layer's dependencies order them (ms)."""

@@ -68,7 +68,7 @@ class _Dispatching:
                 weight: torch.Tensor = self.weight  # type: ignore[attr-defined]
                 if supports(hidden_states, weight):
                     return rms_norm(hidden_states, weight, self.__dict__["_dflash_eps"], weighting)
-        return base.forward(self, hidden_states, *args, **kwargs)  # type: ignore[arg-type]
+        return base.forward(self, hidden_states, *args, **kwargs)
 
 
 _DISPATCHING: dict[type, type] = {}

@@ -18,6 +18,7 @@ rounding); a class that matches neither stays eager.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 from collections.abc import Iterator
@@ -69,6 +70,25 @@ class _Dispatching:
                 if supports(hidden_states, weight):
                     return rms_norm(hidden_states, weight, self.__dict__["_dflash_eps"], weighting)
         return base.forward(self, hidden_states, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Dispatching:
+        # a copy in this process keeps the dispatching class, with the copied model's NormKernels
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[attr-defined]
+        return twin
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # pickled as the norm's own class, without the dispatcher's fields: the dispatching class
+        # exists only in the process that made it
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_dflash_")}
+        return (_rebuilt_norm, (self._dflash_base, state))
+
+
+def _rebuilt_norm(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    return module
 
 
 _DISPATCHING: dict[type, type] = {}
@@ -125,7 +145,8 @@ class NormKernels:
     def of(cls, model: nn.Module) -> NormKernels:
         """The model's dispatchers, installed on the first call."""
         found = model.__dict__.get("_dflash_norm_kernels")
-        if found is None:
+        # an unpickled model brings its registry but not the dispatching classes: install anew
+        if found is None or not all(isinstance(m, _Dispatching) for m in found._modules):
             found = cls(model)
             model.__dict__["_dflash_norm_kernels"] = found
         return found

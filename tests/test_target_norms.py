@@ -61,3 +61,19 @@ def test_a_copied_target_carries_dispatchers_of_its_own():
         assert not torch.equal(twin(x).logits, model(x).logits)
         with twin_kernels.active():  # a fresh thread state and lock: usable at once
             assert twin_kernels.match() == kernels.match()
+
+
+def test_a_pickled_target_loads_with_its_own_norm_classes():
+    import pickle
+
+    model = tiny_sliding_qwen3()
+    NormKernels.of(model).match()
+    loaded = pickle.loads(pickle.dumps(model))
+    norm = loaded.model.layers[0].input_layernorm
+    # the dispatching class stays in the process that made it; what loads is transformers' class
+    assert type(norm) is base_class(model.model.layers[0].input_layernorm)
+    assert not any(k.startswith("_dflash_") for k in norm.__dict__)
+    x = torch.randint(2, 128, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+    assert NormKernels.of(loaded).count == NormKernels.of(model).count  # installed anew on the loaded model

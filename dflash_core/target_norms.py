@@ -130,8 +130,8 @@ class NormKernels:
             self._modules.append(module)
 
     def __getstate__(self) -> dict[str, Any]:
-        # a copied or pickled model (copy.deepcopy, torch.save) carries its dispatchers along;
-        # the thread state and the lock are per object, not part of what is copied
+        # a copied model (copy.deepcopy) carries its registry along, an unpickled one too (`of`
+        # then installs anew); the thread state and the lock are per object, not copied
         state = dict(self.__dict__)
         del state["_active"], state["_lock"]
         return state

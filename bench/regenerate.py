@@ -316,7 +316,9 @@ def parse_norms(spec: str) -> list[bool]:
     return [n == "on" for n in dict.fromkeys(names)]
 
 
-def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops: float) -> list[dict]:
+def bench_precision(
+    precision: str, args, kernels, norm_rows: list[bool], bandwidth: float, bf16_flops: float
+) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
     matmul_flops = bf16_flops * (2 if precision == "fp8" else 1)
@@ -329,7 +331,7 @@ def bench_precision(precision: str, args, kernels, bandwidth: float, bf16_flops:
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    for slots, (kernel, settings), norms in itertools.product(slot_counts, kernels, parse_norms(args.norms)):
+    for slots, (kernel, settings), norms in itertools.product(slot_counts, kernels, norm_rows):
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, norms)
         try:
             with kernel_settings(settings):
@@ -379,7 +381,7 @@ def main(argv=None) -> None:
         p.error("--precisions takes bf16 and fp8")
     try:
         kernels = parse_kernels(args.kernel)
-        parse_norms(args.norms)
+        norm_rows = parse_norms(args.norms)
     except ValueError as e:
         p.error(str(e))
     out_dir()
@@ -389,7 +391,7 @@ def main(argv=None) -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s")
     rows = []
     for precision in precisions:
-        rows += bench_precision(precision, args, kernels, bandwidth, bf16_flops)
+        rows += bench_precision(precision, args, kernels, norm_rows, bandwidth, bf16_flops)
         gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
     cols: list[str] = []

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from .thread_switch import ThreadSwitch
 
 # relative L2 error of a fused layer's output against its eager output on the same input above
 # which the fused layers are not kept: fused reductions round differently, a wrong compile is off
@@ -49,11 +49,11 @@ class _LayerForward:
     """A layer's forward: the compiled one while its fusion is active in this thread, else the
     class's eager one."""
 
-    def __init__(self, layer: nn.Module, active: threading.local):
-        self.layer, self.active = layer, active
+    def __init__(self, layer: nn.Module, switch: ThreadSwitch):
+        self.layer, self.switch = layer, switch
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self.active, "on", False):
+        if self.switch.is_on:
             return compiled_target_layer()(self.layer, *args, **kwargs)
         return type(self.layer).forward(self.layer, *args, **kwargs)
 
@@ -62,23 +62,19 @@ class LayerFusion:
     """The decoder layers of one target, each answering through a `_LayerForward`."""
 
     def __init__(self, layers: nn.ModuleList):
-        self._active = threading.local()
+        self._switch = ThreadSwitch()
         self._layers = list(layers)
         self._opaque: list[nn.Module] = []
         for layer in self._layers:
-            layer.forward = _LayerForward(layer, self._active)
+            layer.forward = _LayerForward(layer, self._switch)
             for module in layer.modules():
                 if getattr(module, "fusion_opaque", False):  # run eagerly between the compiled pieces
                     module.forward = torch.compiler.disable(type(module).forward.__get__(module))
                     self._opaque.append(module)
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        self._active.on = True
-        try:
-            yield
-        finally:
-            self._active.on = False
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        """The compiled layers in the calling thread for the block."""
+        return self._switch.on()
 
     @torch.no_grad()
     def layer_error(self, run: Any) -> float:

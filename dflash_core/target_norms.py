@@ -21,11 +21,12 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from .thread_switch import ThreadSwitch
 
 log = logging.getLogger("dflash.target")
 
@@ -115,7 +116,7 @@ class NormKernels:
     """The dispatchers of one model's norms, and the weighting matched per norm class."""
 
     def __init__(self, model: nn.Module):
-        self._active = threading.local()
+        self._switch = ThreadSwitch()
         self._lock = threading.Lock()
         self._modules: list[nn.Module] = []
         self._weighting: dict[type, str | None] = {}  # per class: matched (None: stays eager)
@@ -131,14 +132,13 @@ class NormKernels:
 
     def __getstate__(self) -> dict[str, Any]:
         # a copied model (copy.deepcopy) carries its registry along, an unpickled one too (`of`
-        # then installs anew); the thread state and the lock are per object, not copied
+        # then installs anew); the lock is per object, not copied
         state = dict(self.__dict__)
-        del state["_active"], state["_lock"]
+        del state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._active = threading.local()
         self._lock = threading.Lock()
 
     @classmethod
@@ -156,14 +156,16 @@ class NormKernels:
         return len(self._modules)
 
     def weighting_now(self, cls: type) -> str | None:
-        return self._weighting.get(cls) if getattr(self._active, "on", False) else None
+        return self._weighting.get(cls) if self._switch.is_on else None
 
     def match(self) -> dict[str, str | None]:
         """The weighting of each norm class (probed once per class on its first module's device
         and dtype): class name -> weighting, or None where the class stays eager."""
         with self._lock:
+            first: dict[type, nn.Module] = {}  # the first module of each class is the probe's
             for module in self._modules:
-                cls = base_class(module)
+                first.setdefault(base_class(module), module)
+            for cls, module in first.items():
                 if cls not in self._weighting:
                     self._weighting[cls] = _match(module)
                     log.info("norm class %s runs as %s", cls.__name__, self._weighting[cls] or "its own forward")
@@ -173,14 +175,10 @@ class NormKernels:
         """Whether any norm runs through the kernel when active."""
         return any(w is not None for w in self.match().values())
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        """The kernel for the matched norms in the calling thread for the block."""
         self.match()
-        self._active.on = True
-        try:
-            yield
-        finally:
-            self._active.on = False
+        return self._switch.on()
 
 
 @torch.no_grad()

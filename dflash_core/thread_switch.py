@@ -1,0 +1,36 @@
+"""A switch that is on in one thread only: the target's fused layers and norm kernels answer
+through it, so the thread that turns them on (a recorded capture, the regeneration decoder) gets
+them while every other thread using the same modules runs their own forward."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+class ThreadSwitch:
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def is_on(self) -> bool:
+        """Whether the calling thread is inside `on()`."""
+        return getattr(self._local, "on", False)
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        """On in the calling thread for the block (nested blocks leave it as they found it)."""
+        before = self.is_on
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = before
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # a copy starts off: thread state is not copied
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._local = threading.local()

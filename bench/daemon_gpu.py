@@ -292,6 +292,7 @@ inductor_cache_dir = "{work / "inductor"}"
                         row.update(gil_share(out / "gil.txt", args.gil))
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
                 record["job"] = final
+                record["step_seconds"] = [s.get("step_seconds") for s in steps]  # every step's, in order
                 secs = [s.get("step_seconds") for s in steps[10:] if s.get("step_seconds")]
                 toks = [s.get("context_tokens") for s in steps[10:] if s.get("context_tokens")]
                 row.update(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DrafterConfig
-from .fp8 import Fp8Head
+from .fp8 import Fp8Head, linear_products
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -131,12 +131,17 @@ class DFlashAttention(nn.Module):
         attend: Attend,
     ) -> torch.Tensor:
         q_len, ctx_len = x.shape[1], context.shape[1]
-        q = self.q_norm(self.q_proj(x).view(1, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        # K, V of cat[context, block], concatenated after the projection (a 4x narrower copy)
+        # K, V of cat[context, block], concatenated after the projection (a 4x narrower copy); the
+        # five projections as one group, so that FP8 casts each input and weight once
+        q, k_ctx, k_blk, v_ctx, v_blk = linear_products(
+            (x, context),
+            ((self.q_proj, 0), (self.k_proj, 1), (self.k_proj, 0), (self.v_proj, 1), (self.v_proj, 0)),
+        )
+        q = self.q_norm(q.view(1, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         kv_len = ctx_len + q_len
-        k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1).view(1, kv_len, self.num_kv_heads, self.head_dim)
+        k = torch.cat([k_ctx, k_blk], dim=1).view(1, kv_len, self.num_kv_heads, self.head_dim)
         k = self.k_norm(k).transpose(1, 2)
-        v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1).view(1, kv_len, self.num_kv_heads, self.head_dim)
+        v = torch.cat([v_ctx, v_blk], dim=1).view(1, kv_len, self.num_kv_heads, self.head_dim)
         v = v.transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
@@ -152,7 +157,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_products((x,), ((self.gate_proj, 0), (self.up_proj, 0)))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

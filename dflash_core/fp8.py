@@ -18,7 +18,7 @@ Shapes FP8 cannot take (any GEMM dimension not a multiple of 16) and steps witho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,33 +115,62 @@ def scaled_mm(a8, a_inv, b8, b_inv, out_dtype: torch.dtype) -> torch.Tensor:
     return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """y = x W^T with FP8 operands; the backward's two GEMMs in FP8 too. Saves the FP8 casts
-    (half the bytes of bf16 activations)."""
+class _Fp8Products(torch.autograd.Function):
+    """y_p = x_i W_j^T for each product p = (i, j) of `pairs`, with FP8 operands; the backward's
+    GEMMs in FP8 too. Each input and each weight is cast once for all the products it enters (a
+    drafter layer's block states feed q, k and v; the target features k and v; k's and v's weights
+    two inputs each), which is the same cast as one per product, once instead of several times:
+    fewer passes over the activations and, under torch.compile, fewer custom Functions for dynamo
+    to trace. Saves the FP8 casts (half the bytes of bf16 activations)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        x8, x_inv = quantize(x2, FORWARD_DTYPE)
-        w8, w_inv = quantize(weight, FORWARD_DTYPE)
-        out = scaled_mm(x8, x_inv, w8.t(), w_inv, torch.bfloat16)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
-        ctx.weight_dtype = weight.dtype
-        return out.view(*x.shape[:-1], weight.shape[0])
+    def forward(ctx, pairs: tuple[tuple[int, int], ...], n_inputs: int, *tensors: torch.Tensor):
+        xs, ws = tensors[:n_inputs], tensors[n_inputs:]
+        x8s = [quantize(x.reshape(-1, x.shape[-1]), FORWARD_DTYPE) for x in xs]
+        w8s = [quantize(w, FORWARD_DTYPE) for w in ws]
+        outs = []
+        for i, j in pairs:
+            (x8, x_inv), (w8, w_inv) = x8s[i], w8s[j]
+            out = scaled_mm(x8, x_inv, w8.t(), w_inv, torch.bfloat16)
+            outs.append(out.view(*xs[i].shape[:-1], ws[j].shape[0]))
+        ctx.pairs, ctx.n_inputs = pairs, n_inputs
+        ctx.weight_is_fp32 = tuple(w.dtype == torch.float32 for w in ws)
+        ctx.save_for_backward(*(t for cast in x8s + w8s for t in cast))
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g8, g_inv = quantize(g2, GRAD_DTYPE)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(g8, g_inv, column_major(w8), w_inv, torch.bfloat16)
-            grad_x = grad_x.view(*grad_out.shape[:-1], w8.shape[1])
-        if ctx.needs_input_grad[1]:
-            out_dtype = torch.float32 if ctx.weight_dtype == torch.float32 else torch.bfloat16
-            grad_w = scaled_mm(g8.t().contiguous(), g_inv, column_major(x8), x_inv, out_dtype)
-        return grad_x, grad_w
+    def backward(ctx, *grads: torch.Tensor):
+        saved, n = ctx.saved_tensors, ctx.n_inputs
+        x8s = [(saved[2 * i], saved[2 * i + 1]) for i in range(n)]
+        w8s = [(saved[2 * (n + j)], saved[2 * (n + j) + 1]) for j in range(len(ctx.weight_is_fp32))]
+        needs_x, needs_w = ctx.needs_input_grad[2 : 2 + n], ctx.needs_input_grad[2 + n :]
+        grad_x: list[torch.Tensor | None] = [None] * n
+        grad_w: list[torch.Tensor | None] = [None] * len(w8s)
+        w_cols: dict[int, torch.Tensor] = {}  # each operand laid out column-major once
+        x_cols: dict[int, torch.Tensor] = {}
+        for (i, j), grad_out in zip(ctx.pairs, grads, strict=True):
+            g8, g_inv = quantize(grad_out.reshape(-1, grad_out.shape[-1]), GRAD_DTYPE)
+            if needs_x[i]:
+                w8, w_inv = w8s[j]
+                if j not in w_cols:
+                    w_cols[j] = column_major(w8)
+                part = scaled_mm(g8, g_inv, w_cols[j], w_inv, torch.bfloat16).view(*grad_out.shape[:-1], w8.shape[1])
+                grad_x[i] = part if grad_x[i] is None else grad_x[i] + part
+            if needs_w[j]:
+                x8, x_inv = x8s[i]
+                if i not in x_cols:
+                    x_cols[i] = column_major(x8)
+                out_dtype = torch.float32 if ctx.weight_is_fp32[j] else torch.bfloat16
+                part = scaled_mm(g8.t().contiguous(), g_inv, x_cols[i], x_inv, out_dtype)
+                grad_w[j] = part if grad_w[j] is None else grad_w[j] + part
+        return (None, None, *grad_x, *grad_w)
+
+
+def fp8_products(
+    inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
+) -> tuple[torch.Tensor, ...]:
+    """inputs[i] @ weights[j].T for each (i, j) in pairs, as FP8 GEMMs sharing their casts."""
+    return _Fp8Products.apply(tuple(pairs), len(inputs), *inputs, *weights)
 
 
 def fp8_fits(rows: int, weight: torch.Tensor) -> bool:
@@ -152,11 +181,29 @@ def fp8_fits(rows: int, weight: torch.Tensor) -> bool:
 class Fp8Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint keys) whose training GEMMs run in FP8."""
 
+    def takes_fp8(self, x: torch.Tensor) -> bool:
+        """Whether this call's GEMMs run in FP8: a training step (gradients on) at a shape FP8 takes."""
+        return self.bias is None and torch.is_grad_enabled() and fp8_fits(x.numel() // x.shape[-1], self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if self.bias is None and torch.is_grad_enabled() and fp8_fits(rows, self.weight):
-            return _Fp8Linear.apply(x, self.weight)
+        if self.takes_fp8(x):
+            return fp8_products((x,), (self.weight,), ((0, 0),))[0]
         return F.linear(x, self.weight, self.bias)
+
+
+def linear_products(inputs: Sequence[torch.Tensor], products: Sequence[tuple[nn.Linear, int]]) -> list[torch.Tensor]:
+    """linear(inputs[i]) for each (linear, i) of `products`: one group of FP8 GEMMs that cast every
+    input and weight once where each linear is an Fp8Linear taking FP8 for its input, else each
+    linear called on its own (the bf16 step: the same calls as written one by one)."""
+    if not all(isinstance(lin, Fp8Linear) and lin.takes_fp8(inputs[i]) for lin, i in products):
+        return [lin(inputs[i]) for lin, i in products]
+    linears: list[nn.Linear] = []
+    pairs = []
+    for lin, i in products:
+        if not any(lin is seen for seen in linears):
+            linears.append(lin)
+        pairs.append((i, next(k for k, seen in enumerate(linears) if seen is lin)))
+    return list(fp8_products(inputs, [lin.weight for lin in linears], pairs))
 
 
 def use_fp8_linears(model: nn.Module) -> int:

@@ -19,9 +19,10 @@ from dflash_core.engine import Engine, EngineConfig
 from dflash_core.engine.config import step_plan
 from dflash_core.fp8 import (
     Fp8Linear,
-    _Fp8Linear,
     check_fp8_shapes,
     fp8_device_problem,
+    fp8_products,
+    linear_products,
     quantize_head,
     use_fp8_linears,
 )
@@ -106,7 +107,7 @@ def test_fp8_linear_is_close_to_the_exact_linear():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, 64, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(48, 64, generator=g) * 0.02).bfloat16().requires_grad_()
-    y = _Fp8Linear.apply(x, w)
+    (y,) = fp8_products((x,), (w,), ((0, 0),))
     grad = torch.randn(y.shape, generator=g).bfloat16()
     y.backward(grad)
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
@@ -115,6 +116,51 @@ def test_fp8_linear_is_close_to_the_exact_linear():
     assert _rel(y, x32 @ w32.t()) < 0.06
     assert _rel(x.grad, x32.grad) < 0.06 and _rel(w.grad, w32.grad) < 0.06
     assert w.grad.dtype == torch.bfloat16
+
+
+def test_linear_products_cast_once_and_equal_the_linears_one_by_one():
+    """The drafter's q, k, v over two inputs as one FP8 group (each input and weight cast once):
+    the outputs are the per-linear FP8 calls' bit for bit (the same casts and GEMMs); the
+    gradients the same sums in another order. In bf16 the group is the plain calls."""
+    g = torch.Generator().manual_seed(1)
+    block = torch.randn(1, 32, 64, generator=g).bfloat16()
+    context = torch.randn(1, 48, 64, generator=g).bfloat16()
+    q, k, v = (torch.nn.Linear(64, n, bias=False).bfloat16() for n in (64, 32, 32))
+    products = ((q, 0), (k, 1), (k, 0), (v, 1), (v, 0))  # k and v: two inputs each
+
+    def run(grouped: bool):
+        xs = [t.detach().clone().requires_grad_() for t in (block, context)]
+        for lin in (q, k, v):
+            lin.weight.grad = None
+        outs = linear_products(xs, products) if grouped else [lin(xs[i]) for lin, i in products]
+        sum((o.float() * (n + 1)).sum() for n, o in enumerate(outs)).backward()
+        return outs, [x.grad for x in xs] + [lin.weight.grad.clone() for lin in (q, k, v)]
+
+    plain_outs, plain_grads = run(grouped=False)
+    grouped_outs, grouped_grads = run(grouped=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_outs, grouped_outs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grouped_grads, strict=True))
+    use_fp8_linears(torch.nn.ModuleList([q, k, v]))
+    fp8_outs, fp8_grads = run(grouped=False)  # every linear its own casts
+    shared_outs, shared_grads = run(grouped=True)
+    assert all(torch.equal(a, b) for a, b in zip(fp8_outs, shared_outs, strict=True))
+    assert all(_rel(a, b) < 1e-2 for a, b in zip(fp8_grads, shared_grads, strict=True))
+    assert all(_rel(a, b) < 0.06 for a, b in zip(shared_outs, plain_outs, strict=True))  # FP8's error
+    with torch.no_grad():  # no gradients: the bf16 GEMMs, as Fp8Linear falls back
+        assert all(
+            torch.equal(a, b) for a, b in zip(linear_products((block, context), products), plain_outs, strict=True)
+        )
+
+
+def test_fp8_products_sum_a_shared_weights_gradient():
+    """A weight in two products is one operand: its gradient sums both products' parts."""
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(16, 32, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    w = (torch.randn(16, 32, generator=g) * 0.05).bfloat16().requires_grad_()
+    ya, yb = fp8_products((a, b), (w,), ((0, 0), (1, 0)))
+    (ya.float().sum() + yb.float().sum()).backward()
+    exact = (a.detach().float() + b.detach().float()).sum(0, keepdim=True).expand(16, 32)
+    assert _rel(w.grad, exact) < 0.06 and w.grad.dtype == torch.bfloat16
 
 
 def test_fp8_linears_keep_parameters_and_fall_back_without_gradients():

@@ -154,7 +154,7 @@ def raise_recompile_limit(devices: int) -> None:
 
 def cache_custom_autograd_graphs() -> None:
     """Let AOTAutograd's cache keep graphs that call custom autograd Functions (the FP8 linears'
-    `_Fp8Linear`). Torch bypasses that cache for them by default, which makes every warm start
+    `_Fp8Products`). Torch bypasses that cache for them by default, which makes every warm start
     of an FP8 engine trace and partition those joint graphs again (the FX graphs come from the
     cache, the forward-backward split would not). Dynamo traces such a Function's forward and
     backward into subgraphs of the graph it hands AOTAutograd, and the cache key hashes that

@@ -141,15 +141,19 @@ def start_compile_workers() -> bool:
 
 
 def raise_recompile_limit(devices: int) -> None:
-    """Each drafter device is its own compiled entry (guards include the device index); past
-    dynamo's limit it would silently run eager. Set in the thread that compiles (dynamo's config
-    is per thread in newer torch)."""
+    """Each drafter device is its own compiled entry (guards include the device index), so the
+    limit grows with the devices; and hitting it is an error here rather than dynamo's silent
+    eager run of the frame, which would leave the step ungraphed and the drafter threads tracing
+    flex_attention eagerly together at the first job. Set in the thread that compiles (dynamo's
+    config is per thread in newer torch)."""
     import torch._dynamo.config as dynamo_config
 
     need = 8 * max(1, devices)
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < need:
             setattr(dynamo_config, name, need)
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit") and not dynamo_config.suppress_errors:
+        dynamo_config.fail_on_recompile_limit_hit = True
 
 
 def cache_custom_autograd_graphs() -> None:

@@ -1,14 +1,15 @@
 """The target's capture per micro-batch: eager forward against its CUDA graph replay.
 
     python -m bench.target_capture [--seq-len 3072] [--iters 30]
-                                   [--precisions bf16,bf16_fused,fp8,fp8_fused,fp8_torch_casts] [--eager] [--profile]
+                                   [--precisions bf16,bf16_fused,bf16_fused_sdpa,fp8,fp8_fused,...] [--eager] [--profile]
 
 A Qwen3-8B-shaped target with random weights on cuda:0 captures 5 layers' outputs of packed
 synthetic micro-batches (what the feature pipeline's thread does per micro-batch), as the engine
 runs it: its CUDA graph replayed. For each precision (bf16; fp8 = target_precision "fp8";
 fp8_torch_casts = the same with the activation casts as torch ops, the way before the Triton
 cast; a `_fused` suffix: the graph records the compiled decoder layers, as the engine records
-it, else the eager layers): host_ms, the time the calling thread spends issuing the work (what holds the GIL), and
+it, else the eager layers; `_fused_sdpa`: the compiled layers with SDPA under the whole mask in
+place of the packed flex attention): host_ms, the time the calling thread spends issuing the work (what holds the GIL), and
 total_ms, until the device finished; medians after warm-up. The graph's outputs are compared bit
 for bit with the forward it recorded run without the graph, and each row's features with the
 first row's (the same seed gives the same weights). --profile adds device time by kernel class
@@ -66,7 +67,7 @@ class TorchOpCasts:
 def build_target(out, precision: str) -> TargetModel:
     """bf16, fp8 (target_precision = "fp8" as the engine builds it) or fp8_torch_casts (a
     `_fused` suffix is record_graph's)."""
-    precision = precision.removesuffix("_fused")
+    precision = precision.removesuffix("_sdpa").removesuffix("_fused")
     target = TargetModel(out / "target", [1, 9, 17, 25, 33], "cuda:0", random_init=True, fp8=precision != "bf16")
     if precision == "fp8_torch_casts":
         from dflash_core.target_precision import Fp8FrozenLinear
@@ -81,7 +82,7 @@ def build_target(out, precision: str) -> TargetModel:
 
 KERNEL_CLASSES = (  # first match wins; kernel names as the CUDA profiler reports them
     ("fp8 cast (Triton)", ("_amax_kernel", "_cast_kernel")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn", "flex", "triton_tem")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul")),
 )
 
@@ -135,7 +136,8 @@ def main(argv=None) -> None:
                 round(v, 2) for v in time_capture(target._capture, batches, args.iters)
             )
         t = time.perf_counter()
-        assert target.record_graph(args.seq_len, fuse=precision.endswith("_fused"))
+        fuse, sdpa = "_fused" in precision, precision.endswith("_sdpa")
+        assert target.record_graph(args.seq_len, fuse=fuse, packed_attention=not sdpa)
         row["record_s"] = round(time.perf_counter() - t, 2)
         if args.profile:
             row["profile_ms"], top = profile_classes(target.capture_ungraphed, batches[0])

@@ -16,7 +16,8 @@ from torch import nn
 from .devices import compute_dtype
 from .drafter import FrozenHead
 from .parity import input_embedding_scale, scaled_table
-from .target_fusion import LayerFusion
+from .target_attention import use_packed_attention
+from .target_fusion import LayerFusion, fused_tolerance
 from .target_norms import NormKernels
 
 
@@ -310,7 +311,7 @@ class TargetModel:
         return self._capture(input_ids, position_ids, doc_ids)
 
     @torch.no_grad()
-    def record_graph(self, seq_len: int, fuse: bool = True) -> bool:
+    def record_graph(self, seq_len: int, fuse: bool = True, packed_attention: bool = True) -> bool:
         """Record capture() of a sequence of seq_len tokens as a CUDA graph, so that a micro-batch
         costs the host one replay instead of the eager forward's hundreds of kernel launches (and
         the feature pipeline's thread holds the GIL that much less). fuse: the graph records the
@@ -322,6 +323,7 @@ class TargetModel:
         if len(self.stages) != 1 or self.device.type != "cuda":
             return False
         if fuse:
+            use_packed_attention(packed_attention)
             self._fusion, self._fused_len = LayerFusion(self.decoder_layers()), seq_len
         dev = self.device
         inputs = (
@@ -342,6 +344,11 @@ class TargetModel:
         torch.cuda.synchronize(dev)
         self._graph, self._graph_inputs, self._graph_output = graph, inputs, output
         return True
+
+    @property
+    def fused_tolerance(self) -> float:
+        """How far a fused layer may be off the eager one (target_fusion.fused_tolerance)."""
+        return fused_tolerance(self.stored_fp8 or self._input_casts is not None)
 
     @property
     def fused(self) -> bool:

@@ -17,6 +17,7 @@ def test_fused_layers_give_the_eager_features_with_one_graph(assets_dir):
     mb = synthetic_micro_batch(ShapeConfig(seq_len=64, num_anchors=4, block_size=8), 125, 0, seed=1)
     args = (mb.input_ids, mb.position_ids, mb.doc_ids)
     eager = target.capture_ungraphed(*args)
+    assert target.fused_tolerance == FUSED_TOLERANCE  # bf16 linears
     layers = target.decoder_layers()
     fusion = LayerFusion(layers)
     before = compiled_graphs()

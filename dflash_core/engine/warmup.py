@@ -27,7 +27,7 @@ from ..devices import CudaContexts, default_devices
 from ..parity import check_serving_parity
 from ..recipes import recipe_named
 from ..target import TargetModel
-from ..target_fusion import FUSED_TOLERANCE, relative_error
+from ..target_fusion import relative_error
 from .api import WarmupRecord
 from .checkpointing import HostSnapshot, expected_layout
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
@@ -317,8 +317,8 @@ class _Build:
             relative_error(ungraphed, eager),
             extra={"fields": {"device": target.label, "relative_error": error}},
         )
-        if error > FUSED_TOLERANCE:
-            return f"a fused layer's output is {error:.2e} off the eager layer's (tolerance {FUSED_TOLERANCE})"
+        if error > target.fused_tolerance:
+            return f"a fused layer's output is {error:.2e} off the eager layer's (tolerance {target.fused_tolerance})"
         return None
 
     def make_replicas(self, drafter_config: DrafterConfig, head: Any, gamma: float) -> list[DrafterReplica]:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .step.attention import tile_lists
+
 TILE = 128  # flex_attention's tile: the BlockMask's granularity on queries and keys
 
 
@@ -40,16 +42,11 @@ def block_mask_of(mask: torch.Tensor):
     touched, full = tile_masks(dense)
     partial = touched & ~full
 
-    def sparse(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        count = tiles.sum(-1, dtype=torch.int32)
-        order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return count[None, None], order[None, None]
-
     def mask_mod(b, h, q_idx, kv_idx):
         return dense[q_idx, kv_idx]
 
-    kv_num, kv_idx = sparse(partial)
-    full_num, full_idx = sparse(full)
+    kv_num, kv_idx = tile_lists(partial)
+    full_num, full_idx = tile_lists(full)
     seq = dense.shape[-1]
     return BlockMask.from_kv_blocks(
         kv_num,

@@ -164,6 +164,14 @@ def _tile_coverage(lo: torch.Tensor, hi: torch.Tensor, kv_tiles: int, tile: int)
     return touches, covers
 
 
+def tile_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [query tiles, KV tiles] boolean map as BlockMask's per-row counts [1, 1, R] and KV tile
+    indices [1, 1, R, T] (the set ones first, in order)."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
 def dflash_block_mask(
     doc_ids: torch.Tensor,
     anchors: torch.Tensor,
@@ -216,13 +224,8 @@ def dflash_block_mask(
     full &= (rows + tile <= q_len).unsqueeze(1)
     partial = partial_or_full & ~full
 
-    def sparse(blocks_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = blocks_mask.sum(-1, dtype=torch.int32)
-        idx = torch.argsort(blocks_mask.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return num[None, None], idx[None, None]
-
-    kv_num, kv_idx = sparse(partial)
-    full_num, full_idx = sparse(full)
+    kv_num, kv_idx = tile_lists(partial)
+    full_num, full_idx = tile_lists(full)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
     )

@@ -1,6 +1,7 @@
 """The drafter step of each objective at the reference shape (docs/design.md) on one GPU.
 
     python -m bench.objective_step [--layers 5] [--iters 20] [--objectives ce_daemon,ce,kl,tv,ce_tv,dpace,dspark]
+        [--precision fp8] [--profile]
 
 Each row times forward + backward through the engine's replica (compiled layers, the engine's
 loss kernel) and, with --graph, replays of the recorded step (step_graph.StepGraph), as a
@@ -31,7 +32,7 @@ from bench.common import (
     reference_drafter_config,
     timing_fields,
 )
-from bench.drafter_step import ENGINE
+from bench.drafter_step import ENGINE, FP8, profile
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.drafter import FrozenHead
@@ -68,7 +69,18 @@ def inputs(cfg, shape, teacher: bool):
     return head, batch, feats
 
 
-def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only: bool = False, flat_steps: int = 30):
+def run(
+    name,
+    layers,
+    iters,
+    chunk,
+    graph: bool,
+    wait_pid: int = 0,
+    compile_only: bool = False,
+    flat_steps: int = 30,
+    plan=ENGINE,
+    profile_steps: bool = False,
+):
     mix, weights, recipe = OBJECTIVES[name]
     teacher = mix is not None
     cfg = reference_drafter_config(layers)
@@ -79,7 +91,7 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only
         shape = ShapeConfig(seq_len=shape.seq_len, num_anchors=shape.num_anchors, block_size=7)
         gamma = float("inf")
     head, batch, feats = inputs(cfg, shape, teacher)
-    rep = DrafterReplica(0, cfg, "cuda:0", head, ENGINE, ReplicaStep(gamma, chunk, teacher=teacher))
+    rep = DrafterReplica(0, cfg, "cuda:0", head, plan, ReplicaStep(gamma, chunk, teacher=teacher))
     rep.init_weights(0)
     if teacher:
         rep.objective.set(objective_of(mix, weights, 0.5))
@@ -112,6 +124,8 @@ def run(name, layers, iters, chunk, graph: bool, wait_pid: int = 0, compile_only
         rep.forward_backward(batch, feats, 1.0, rep.new_accumulator())
 
     times = cuda_time_ms(fwd_bwd, warmup=3, iters=iters)
+    if profile_steps:  # after the timing, so the profiler's overhead is not in it
+        profile(rep, batch, feats, name, table=True)
     rep.zero_grad()  # the timed calls leave their gradients: a step starts from none
     reserved = []
     for _ in range(flat_steps):
@@ -141,13 +155,24 @@ def main(argv=None):
     p.add_argument("--wait-pid", type=int, default=0, help="time nothing until this process has exited")
     p.add_argument("--compile-only", action="store_true", help="compile each row's step, time nothing")
     p.add_argument("--flat-steps", type=int, default=30, help="full steps over which the reserved swing is taken")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="the engine's [engine] precision")
+    p.add_argument("--profile", action="store_true", help="device time per kernel class and the top kernels per row")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     for name in args.objectives.split(","):
         try:
             row = run(
-                name, args.layers, args.iters, args.chunk, args.graph, args.wait_pid, args.compile_only, args.flat_steps
+                name,
+                args.layers,
+                args.iters,
+                args.chunk,
+                args.graph,
+                args.wait_pid,
+                args.compile_only,
+                args.flat_steps,
+                FP8 if args.precision == "fp8" else ENGINE,
+                args.profile,
             )
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             row = {"objective": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -286,8 +286,12 @@ class RequestGuard:
 # --------------------------------------------------------------------------- connections
 def bounded_h11_protocol(request_timeout: float) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol where each request (head and body) must arrive within
-    `request_timeout` seconds of the connection opening or of the previous response; a streamed
-    response (an event stream) is not limited, since the request is complete by then."""
+    `request_timeout` seconds of the connection opening or, on a kept-alive connection, of the
+    request's first bytes; a streamed response (an event stream) is not limited, since the
+    request is complete by then. The idle time between requests is uvicorn's keep-alive timeout
+    alone: a window armed at the previous response would close an idle connection the client
+    may be reusing at that very moment (its request then meets a reset) wherever the request
+    deadline is the shorter of the two."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -302,13 +306,13 @@ def bounded_h11_protocol(request_timeout: float) -> type[asyncio.Protocol]:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
+            if self._request_timer is None and self.conn.their_state not in finished:
+                self._arm()  # a later request on this connection, not yet whole: its own window
             self._settle()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request on this connection gets a window of its own
-            self._settle()
+            self._disarm()  # idle until the next request's bytes: the keep-alive timeout's
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -107,6 +107,25 @@ def _read_status(sock: socket.socket, timeout: float) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _read_response(sock: socket.socket, timeout: float) -> bytes:
+    """One whole response with a Content-Length (its head and body may come in several reads),
+    or what came before the server closed the connection or `timeout` seconds passed."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length: *(\d+)", head) if sep else None
+        if length and len(body) >= int(length.group(1)):
+            return data
+        try:
+            received = sock.recv(65536)
+        except TimeoutError:
+            return data
+        if not received:
+            return data
+        data += received
+
+
 def _closed_within(sock: socket.socket, timeout: float) -> float | None:
     """Seconds until the server closed the connection (reading what it sends), or None."""
     t0 = time.monotonic()
@@ -324,6 +343,23 @@ def test_half_sent_requests_are_closed(guarded):
     for case in (head, body, trickle):
         took = case.result()
         assert took is not None and took <= bound, took
+
+
+def test_kept_alive_connection_idles_under_the_keep_alive_timeout(guarded):
+    """Between requests a kept-alive connection is idle under the keep-alive timeout (5 s), not
+    the request deadline (2 s): a client reusing it after 3 s gets its answer (a deadline armed
+    at the previous response closed it under the client's request, which then met a reset).
+    The deadline still bounds a later request from its first bytes."""
+    request = _head("GET", "/healthz", {})
+    with _connect(guarded) as sock:
+        sock.sendall(request)
+        assert _read_response(sock, 5).startswith(b"HTTP/1.1 200 ")
+        time.sleep(REQUEST_TIMEOUT + 1)
+        sock.sendall(request)
+        assert _read_response(sock, 5).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")  # a head that never ends
+        took = _closed_within(sock, REQUEST_TIMEOUT + 8)
+        assert took is not None and took <= REQUEST_TIMEOUT + 3, took
 
 
 def test_oversized_request_head_is_refused(guarded):

@@ -106,7 +106,7 @@ KERNEL_CLASSES = (  # first match wins; names as the CUDA profiler reports them
     ("flex attention", ("flex_attention", "triton_tem_fused")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "matmul", "splitk")),
     ("lm_head + CE (fused)", ("logsumexp", "argmax", "_ce_rows_kernel")),
-    ("distillation kernel", ("_distill_rows_kernel",)),
+    ("distillation kernel", ("_distill_rows_kernel", "_row_lse_kernel")),
     ("gather", ("index_select", "indexselect", "gather")),
     ("fused triton", ("triton_",)),  # before "copy": inductor names its kernels after the ops fused (_to_copy)
     ("eager copy / cast", ("copy", "cat", "fill", "memset")),

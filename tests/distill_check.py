@@ -20,7 +20,14 @@ def compare(
     device: str = "cpu", rows: int = 23, hidden: int = 32, vocab: int = 5000, dtype=torch.float32, seed: int = 0
 ) -> dict:
     """Relative differences of the terms and the gradient for a mix with every term weighted, and
-    the argmax disagreements. Some rows' teacher equals the drafter (kl = tv = 0, sign 0)."""
+    the argmax disagreements. Some rows' teacher equals the drafter (kl = tv = 0, sign 0).
+    Beside it: a mix without TV (the kernel's fused path, no pass for sigma) and the teacher as
+    step.teacher.TeacherRows, a table of more rows than the chunk indexed per row with its
+    logsumexp formed by row_logsumexp, both against the eager chunk of the gathered rows; and
+    row_logsumexp on a view with a row stride against torch.logsumexp."""
+    from dflash_core.kernels.distill import row_logsumexp
+    from dflash_core.step.teacher import TeacherRows
+
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab, hidden, generator=g) * 0.2
     h = torch.randn(rows, hidden, generator=g)
@@ -30,12 +37,16 @@ def compare(
     right = (h @ w.t()).argmax(-1)
     labels[5::2] = right[5::2]
     mix = torch.tensor([0.3, 0.5, 0.9])
-    h, ht, w, labels, mix = (
+    table = torch.randn(rows + 7, hidden, generator=g)
+    index = torch.randint(0, rows + 7, (rows,), generator=g)
+    h, ht, w, labels, mix, table, index = (
         h.to(device, dtype),
         ht.to(device, dtype),
         w.to(device, dtype),
         labels.to(device),
         mix.to(device),
+        table.to(device, dtype),
+        index.to(device),
     )
     zt = ht @ w.t()
     ref_terms, ref_hits, ref_grad = chunk_terms_eager(h, zt, w, labels, mix, True)
@@ -45,6 +56,20 @@ def compare(
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
+    def against_eager(zt_rows, zt_dense, mix_):
+        want_terms, want_hits, want_grad = chunk_terms_eager(h, zt_dense, w, labels, mix_, True)
+        got_terms, got_hits, got_grad = chunk_terms(h, zt_rows, w, labels, mix_, True)
+        return {
+            "terms_rel": [rel(got_terms[:, i], want_terms[:, i]) for i in range(3)],
+            "grad_rel": rel(got_grad, want_grad),
+            "hit_mismatches": int((got_hits != want_hits).sum()),
+        }
+
+    no_tv = torch.tensor([0.3, 0.5, 0.0], device=device)
+    zt_table = table @ w.t()
+    wide = torch.cat([zt_table, torch.zeros_like(zt_table[:, :5])], dim=1)[:, :vocab]  # a row stride
+    lse = row_logsumexp(wide)
+    indexed = TeacherRows(zt_table, index, lse)
     return {
         "terms_rel": [rel(terms[:, i], ref_terms[:, i]) for i in range(3)],
         "grad_rel": rel(grad, ref_grad),
@@ -55,6 +80,10 @@ def compare(
         "forward_only_same": bool(torch.allclose(terms_only, terms, rtol=1e-6, atol=1e-7))
         and bool((hits_only == hits).all())
         and none is None,
+        "no_tv": against_eager(zt, zt, no_tv),
+        "indexed": against_eager(indexed, zt_table[index], mix),
+        "indexed_no_tv": against_eager(indexed, zt_table[index], no_tv),
+        "lse_rel": rel(lse, torch.logsumexp(zt_table.float(), dim=-1)),
     }
 
 

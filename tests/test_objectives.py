@@ -164,13 +164,18 @@ def test_loss_field_parsing_and_engine_checks():
 def test_triton_objective_chunk_matches_eager_interpreted():
     """kernels/distill.py through Triton's interpreter (tests/gpu runs it on CUDA): ce, kl, tv
     per row, argmax hits and the mixed gradient as the eager chunk, one and several vocabulary
-    blocks."""
+    blocks; so too without TV in the mix (the fused path that skips the pass for sigma) and with
+    the teacher as a table indexed per row with its logsumexp formed once (TeacherRows)."""
     pytest.importorskip("triton")
     result = run_interpreted_check("tests.distill_check")
     for case, diff in result.items():
         assert max(diff["terms_rel"]) < 1e-5 and diff["grad_rel"] < 1e-5, (case, diff)
         assert diff["hit_mismatches"] == 0 and diff["hits"] > 0 and diff["forward_only_same"], (case, diff)
         assert diff["same_teacher_zero"] < 1e-6, (case, diff)
+        for variant in ("no_tv", "indexed", "indexed_no_tv"):
+            v = diff[variant]
+            assert max(v["terms_rel"]) < 1e-5 and v["grad_rel"] < 1e-5 and v["hit_mismatches"] == 0, (case, v)
+        assert diff["lse_rel"] < 1e-6, (case, diff)
     assert result["several_blocks"]["argmax_blocks"] >= 2
 
 

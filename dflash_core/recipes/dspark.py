@@ -124,9 +124,10 @@ class _MarkovObjective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, prev_emb, teacher, lm_head, w2, labels, mix, weights, chunk_size: int, kernel: str):
-        from ..step.objectives import chunk_rows, logit_terms_function
+        from ..step.objectives import chunk_rows, logit_terms_function, teacher_lse_function
 
         fn = logit_terms_function(kernel)
+        lse_fn = teacher_lse_function(kernel)
         fp8 = isinstance(lm_head, Fp8Head)
         need_grad = any(ctx.needs_input_grad[:2]) or ctx.needs_input_grad[4]
         dtype = torch.bfloat16 if fp8 else lm_head.dtype
@@ -144,7 +145,7 @@ class _MarkovObjective(torch.autograd.Function):
             h = hidden[start:end]
             base = head_logits(*quantize(h, FORWARD_DTYPE), lm_head) if fp8 else h.to(dtype) @ lm_head.t()
             zd = torch.addmm(base, e, w2c.t())
-            zt = teacher.chunk(start, end)
+            zt = teacher.rows(start, end, lse_fn)
             if fp8:  # keep_grad: the bf16 gradient over zd beside the FP8 one for grad_h
                 t, hit, grad8, grad_inv = fn(zd, zt, labels[start:end], mix, need_grad, lm_head.rows.shape[0], True)
                 g = zd if need_grad else None

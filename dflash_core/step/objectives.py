@@ -26,7 +26,7 @@ import torch
 
 from ..fp8 import FP8_MULTIPLE
 from .objective_spec import DEFAULT_DPACE_ALPHA, POSITION_WEIGHTS, TERMS, Objective, objective_of, parse_loss
-from .teacher import Head, TeacherLogits, teacher_logits
+from .teacher import Head, RowLse, TeacherLogits, dense_logits, teacher_logits
 
 __all__ = ["DEFAULT_DPACE_ALPHA", "POSITION_WEIGHTS", "TERMS", "Objective", "objective_of", "parse_loss"]
 
@@ -76,8 +76,9 @@ def position_weights(decayed: torch.Tensor, ce: torch.Tensor, inputs: ObjectiveI
 # ----------------------------------------------------------------------------- chunk math
 def logit_terms_eager(zd, zt, labels, mix, need_grad: bool):
     """On given logits [rows, vocab]: (terms [rows, 3] fp32 = ce, kl, tv; argmax hits [rows];
-    d(sum_i mix_i * term_i)/d(zd) per row in zd's dtype, unweighted, or None). fp32 math."""
-    zd32, zt32 = zd.float(), zt.float()
+    d(sum_i mix_i * term_i)/d(zd) per row in zd's dtype, unweighted, or None). fp32 math; zt
+    the teacher's logits or step.teacher.TeacherRows."""
+    zd32, zt32 = zd.float(), dense_logits(zt).float()
     logp_d = torch.log_softmax(zd32, dim=-1)
     logp_t = torch.log_softmax(zt32, dim=-1)
     pd, pt = logp_d.exp(), logp_t.exp()
@@ -101,7 +102,7 @@ def chunk_terms_eager(hidden, zt, lm_head_weight, labels, mix, need_grad: bool):
     hits [rows]; d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on
     the logits."""
     zd = hidden @ lm_head_weight.t()
-    terms, correct, grad = logit_terms_eager(zd.float(), zt.float(), labels, mix, need_grad)
+    terms, correct, grad = logit_terms_eager(zd.float(), dense_logits(zt).float(), labels, mix, need_grad)
     if grad is None:
         return terms, correct, None
     return terms, correct, (grad.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)
@@ -140,6 +141,16 @@ def objective_chunk_function(kernel: str):
     return chunk_terms_eager
 
 
+def teacher_lse_function(kernel: str) -> RowLse | None:
+    """What forms the teacher rows' logsumexp once per table for the Triton chunks
+    (kernels.distill.row_logsumexp), or None: the eager chunk normalizes its own rows."""
+    if kernel in ("triton", "triton_fp8"):
+        from ..kernels.distill import row_logsumexp
+
+        return row_logsumexp
+    return None
+
+
 def chunk_rows(rows: int, chunk_size: int, kernel: str) -> int:
     """Rows per chunk: near-equal chunks of at most chunk_size, in multiples of 16 for the FP8
     GEMMs (which take no other row counts; the last chunk's rows are one too, as the loss's rows
@@ -156,6 +167,7 @@ class _ChunkedObjective(torch.autograd.Function):
     def forward(ctx, hidden, teacher: TeacherLogits, lm_head_weight, labels, mix, chunk_size: int, kernel: str):
         need_grad = ctx.needs_input_grad[0]
         chunk_fn = objective_chunk_function(kernel)
+        lse_fn = teacher_lse_function(kernel)
         rows = hidden.shape[0]
         terms = torch.empty(rows, 3, dtype=torch.float32, device=hidden.device)
         correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
@@ -164,7 +176,7 @@ class _ChunkedObjective(torch.autograd.Function):
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             t, hits, g = chunk_fn(
-                hidden[start:end], teacher.chunk(start, end), lm_head_weight, labels[start:end], mix, need_grad
+                hidden[start:end], teacher.rows(start, end, lse_fn), lm_head_weight, labels[start:end], mix, need_grad
             )
             terms[start:end] = t
             correct[start:end] = hits

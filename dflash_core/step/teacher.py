@@ -13,15 +13,43 @@ With an FP8 lm_head (fp8.Fp8Head, the "triton_fp8" loss kernel) the teacher's lo
 FP8 GEMMs too: the teacher hidden states are cast to e4m3 once, with one scale over all of them
 (the S positions' or the R rows'), so the table and the per-row logits of a row are the same
 GEMM of the same e4m3 row; each chunk is then a view without the vocabulary's padding columns.
+
+The Triton chunks read a chunk's rows as `TeacherRows`: the table itself with each row's index
+into it (no gathered copy of the rows, which would be written and read once more) and the
+logsumexp of every teacher row, formed once per table, so that a chunk's kernel needs no pass
+over the teacher's logits for its normalizer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..fp8 import FORWARD_DTYPE, Fp8Head, head_logits, quantize
 
 Head = torch.Tensor | Fp8Head  # the lm_head [V, H], or it quantized once for FP8 GEMMs
+RowLse = Callable[[torch.Tensor], torch.Tensor]  # logits [N, V] -> their logsumexp [N] fp32
+
+
+@dataclass(frozen=True)
+class TeacherRows:
+    """A chunk's teacher logits as a kernel reads them: row i is logits[index[i]] (index None:
+    logits[i]); lse: the logsumexp of each row of `logits` [N] fp32, or None (not formed)."""
+
+    logits: torch.Tensor
+    index: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """The rows' logits [rows, V]."""
+        return self.logits if self.index is None else self.logits.index_select(0, self.index)
+
+
+def dense_logits(zt: torch.Tensor | TeacherRows) -> torch.Tensor:
+    """A chunk's teacher logits [rows, V], given as they are or as TeacherRows."""
+    return zt.dense() if isinstance(zt, TeacherRows) else zt
 
 
 class TeacherLogits:
@@ -33,6 +61,7 @@ class TeacherLogits:
         final hidden states of every context position [S, H] with each row's position [R]."""
         self.hidden, self.positions, self.weight = hidden, positions, lm_head
         self._table: torch.Tensor | None = None
+        self._table_lse: torch.Tensor | None = None
         self._fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # the rows in e4m3, inverse scale
 
     @classmethod
@@ -57,11 +86,19 @@ class TeacherLogits:
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Logits [end - start, V] of rows [start, end)."""
+        return self.rows(start, end).dense()
+
+    def rows(self, start: int, end: int, lse: RowLse | None = None) -> TeacherRows:
+        """Rows [start, end) as TeacherRows: per context position the table with the rows'
+        positions, else the rows' own logits; with their logsumexp where `lse` forms it."""
         if self.positions is None:
-            return self._logits(start, end)
+            logits = self._logits(start, end)
+            return TeacherRows(logits, None, lse(logits) if lse is not None else None)
         if self._table is None:  # formed at the first chunk, inside the loss's forward
             self._table = self._logits(0, self.hidden.shape[0])
-        return self._table.index_select(0, self.positions[start:end])
+        if lse is not None and self._table_lse is None:
+            self._table_lse = lse(self._table)
+        return TeacherRows(self._table, self.positions[start:end], self._table_lse if lse is not None else None)
 
     def _logits(self, start: int, end: int) -> torch.Tensor:
         """Logits of hidden[start:end] (its rows, or its positions for the table)."""
@@ -76,6 +113,7 @@ class TeacherLogits:
     def release(self) -> None:
         """Drop the table and the FP8 rows (after the loss's last chunk)."""
         self._table = None
+        self._table_lse = None
         self._fp8 = None
 
 

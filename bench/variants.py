@@ -56,7 +56,7 @@ def variant_kernels(drafter: DFlashDrafter, plan: StepPlan, scope: str = "layer"
     return StepKernels(
         attention=plan.attention == "flex" and scope == "attention",  # otherwise compiled with the layer/forward
         forward=torch.compile(drafter.forward, dynamic=False) if scope == "step" else None,
-        layer=compiled_run_layer() if scope == "layer" else None,
+        layer=compiled_run_layer(plan.precision) if scope == "layer" else None,
         mask=fused and plan.attention == "flex",
         loss=loss,
         q_splits=q_splits,

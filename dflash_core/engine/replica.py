@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -377,11 +378,25 @@ def plan_kernels(plan: StepPlan) -> StepKernels:
     functions, not compiled modules: evaluation calls the eager drafter at other shapes."""
     if not plan.compiled:
         return StepKernels(loss=plan.loss)
-    return StepKernels(layer=compiled_run_layer(), mask=plan.attention == "flex", loss=plan.loss)
+    return StepKernels(layer=compiled_run_layer(plan.precision), mask=plan.attention == "flex", loss=plan.loss)
 
 
 @functools.cache
-def compiled_run_layer():
-    """One process-wide compiled layer function: every layer of every replica shares its code
-    (one graph per device, since guards include the device)."""
-    return torch.compile(run_layer, dynamic=False)
+def compiled_run_layer(precision: str = "bf16"):
+    """One process-wide compiled layer function per precision: every layer of every replica
+    shares its code (one graph per device, since guards include the device). The FP8 layer's
+    backward is compiled without inductor's mix-order reductions: they fuse a norm's column
+    sum (its weight's gradient) with the FP8 casts of the normed rows that the weight gradients'
+    GEMMs take column-major, and store those casts a byte or two per row apart, several times
+    slower than the tiled transposes inductor writes without them. The bf16 layer has no such
+    stores and keeps them (its step is no slower with them)."""
+    return torch.compile(run_layer, dynamic=False, options=layer_compile_options(precision))
+
+
+def layer_compile_options(precision: str) -> dict[str, Any]:
+    """Inductor options of the compiled decoder layer (compiled_run_layer)."""
+    import torch._inductor.config
+
+    if precision == "fp8" and hasattr(torch._inductor.config.triton, "mix_order_reduction"):
+        return {"triton.mix_order_reduction": False}
+    return {}

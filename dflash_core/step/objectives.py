@@ -142,8 +142,9 @@ def objective_chunk_function(kernel: str):
 
 
 def teacher_lse_function(kernel: str) -> RowLse | None:
-    """What forms the teacher rows' logsumexp once per table for the Triton chunks
-    (kernels.distill.row_logsumexp), or None: the eager chunk normalizes its own rows."""
+    """What forms the teacher rows' logsumexp for the Triton chunks (kernels.distill.row_logsumexp:
+    once per table where the chunks index one, else per chunk), or None: the eager chunk
+    normalizes its own rows."""
     if kernel in ("triton", "triton_fp8"):
         from ..kernels.distill import row_logsumexp
 

@@ -306,13 +306,21 @@ def bounded_h11_protocol(request_timeout: float) -> type[asyncio.Protocol]:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._request_timer is None and self.conn.their_state not in finished:
+            if self._request_timer is None and self._next_request_begun():
                 self._arm()  # a later request on this connection, not yet whole: its own window
             self._settle()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._disarm()  # idle until the next request's bytes: the keep-alive timeout's
+            super().on_response_complete()  # handles a pipelined request's bytes already read
+            if not self.transport.is_closing() and self._next_request_begun():
+                self._arm()
+            else:
+                self._disarm()  # idle until the next request's bytes: the keep-alive timeout's
+
+        def _next_request_begun(self) -> bool:
+            """Some of a request that is not yet whole has arrived (a head in part, or a body)."""
+            state = self.conn.their_state
+            return state not in finished and (state is not h11.IDLE or bool(self.conn.trailing_data[0]))
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -384,8 +384,8 @@ def plan_kernels(plan: StepPlan) -> StepKernels:
 @functools.cache
 def compiled_run_layer(precision: str = "bf16"):
     """One process-wide compiled layer function per precision: every layer of every replica
-    shares its code (one graph per device, since guards include the device). The FP8 layer's
-    backward is compiled without inductor's mix-order reductions: they fuse a norm's column
+    shares its code (one graph per device, since guards include the device). The FP8 layer is
+    compiled without inductor's mix-order reductions: in its backward they fuse a norm's column
     sum (its weight's gradient) with the FP8 casts of the normed rows that the weight gradients'
     GEMMs take column-major, and store those casts one byte at a time, a row's length apart:
     several times slower than the tiled transposes inductor writes without them. The bf16 layer has no such

@@ -184,7 +184,7 @@ def _distill_rows_kernel(
     target = tl.where(label_ok, tl.load(d_ptr + label).to(tl.float32), float("nan"))
 
     # pass 2 (where the gradient needs sigma, or there is no gradient): KL, TV and sigma
-    two_pass = (w_tv != 0.0) if NEED_GRAD else (w_tv == w_tv)  # else: always (a tensor either way)
+    two_pass = (w_tv != 0.0) if NEED_GRAD else ((w_tv != 0.0) | (w_tv == 0.0))  # else: always
     kl_part = tl.zeros([], tl.float32)
     tv2 = tl.zeros([], tl.float32)
     sigma = tl.zeros([], tl.float32)
@@ -231,7 +231,8 @@ def _distill_rows_kernel(
 
 
 def _teacher_rows(zt: torch.Tensor | TeacherRows, block_v: int, num_warps: int) -> TeacherRows:
-    """The chunk's teacher as TeacherRows, its logsumexp formed where it was not."""
+    """The chunk's teacher as TeacherRows, its logsumexp formed where it was not (over every
+    row of `logits`: callers that index a table pass the table's lse, formed once)."""
     rows = zt if isinstance(zt, TeacherRows) else TeacherRows(zt)
     if rows.lse is not None:
         return rows
@@ -254,8 +255,8 @@ def _launch_rows(zd, zt, labels, mix, need_grad, grad, grad_scale, limit, keep_g
         _distill_rows_kernel[(rows,)](
             zd,
             zt_logits,
-            terms if teacher.index is None else teacher.index,  # unread without an index
-            teacher.lse,
+            terms if teacher.index is None else teacher.index.contiguous(),  # unread without an index
+            teacher.lse.contiguous(),
             labels.contiguous(),
             mix,
             terms,

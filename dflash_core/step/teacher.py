@@ -36,7 +36,8 @@ RowLse = Callable[[torch.Tensor], torch.Tensor]  # logits [N, V] -> their logsum
 @dataclass(frozen=True)
 class TeacherRows:
     """A chunk's teacher logits as a kernel reads them: row i is logits[index[i]] (index None:
-    logits[i]); lse: the logsumexp of each row of `logits` [N] fp32, or None (not formed)."""
+    logits[i]; every index a row of `logits`, which the kernel does not check); lse: the
+    logsumexp of each row of `logits` [N] fp32, or None (not formed)."""
 
     logits: torch.Tensor
     index: torch.Tensor | None = None

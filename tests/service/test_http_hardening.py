@@ -35,6 +35,7 @@ READ = {"Authorization": f"Bearer {READ_TOKEN}"}
 JSON = {"Content-Type": "application/json"}
 MAX_STREAMS = 205
 REQUEST_TIMEOUT = 2.0
+KEEP_ALIVE = 5  # seconds: longer than the request deadline, as the keep-alive test needs
 SPEC = {"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 2}
 
 
@@ -66,6 +67,7 @@ def guarded(tmp_path_factory):
             'allowed_origins = ["https://ui.example.com"]',
             f"request_timeout_seconds = {REQUEST_TIMEOUT}",
             f"max_event_streams = {MAX_STREAMS}",
+            f"keep_alive_timeout_seconds = {KEEP_ALIVE}",
         ],
     )
     d.wait_ready()
@@ -312,8 +314,10 @@ def test_large_bodies_do_not_grow_the_daemon(guarded):
 
 
 def test_half_sent_requests_are_closed(guarded):
-    """Three slow clients at once (each is closed by its own idle timer, so they need not wait for
-    one another): a head that never ends, a body that never ends, a head trickled byte by byte."""
+    """Four slow clients at once (each is closed by its own idle timer, so they need not wait for
+    one another): a head that never ends, a body that never ends, a head trickled byte by byte,
+    and a body that never ends behind a whole request in the same write (pipelined: its head is
+    read while the first one's answer completes)."""
     bound = REQUEST_TIMEOUT + 3
 
     def closed_after(first: bytes) -> float | None:
@@ -334,13 +338,13 @@ def test_half_sent_requests_are_closed(guarded):
                     return time.monotonic() - t0
             return None
 
-    with ThreadPoolExecutor(3) as pool:
+    endless_body = _head("POST", "/jobs", {**WRITE, **JSON, "Content-Length": "1000"}) + b'{"datasets": '
+    with ThreadPoolExecutor(4) as pool:
         head = pool.submit(closed_after, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: 1\r\n")
-        body = pool.submit(
-            closed_after, _head("POST", "/jobs", {**WRITE, **JSON, "Content-Length": "1000"}) + b'{"datasets": '
-        )
+        body = pool.submit(closed_after, endless_body)
         trickle = pool.submit(trickled)
-    for case in (head, body, trickle):
+        pipelined = pool.submit(closed_after, _head("GET", "/healthz", {}) + endless_body)
+    for case in (head, body, trickle, pipelined):
         took = case.result()
         assert took is not None and took <= bound, took
 

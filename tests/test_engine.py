@@ -104,7 +104,8 @@ def test_warmup_precedes_worker_threads_and_progress_is_monotone(data_dir):
         ("build:tokenizer_and_config", "build:cuda_contexts"),
         ("build:cuda_contexts", "build:target_loaded:cpu"),
         ("build:target_loaded:cpu", "build:replica_created:cpu"),
-        ("build:weights_initialized", "warmup:drafter:cpu"),
+        ("build:weights_initialized", "build:drafter_step:cpu"),
+        ("build:drafter_step:cpu", "warmup:drafter:cpu"),
         ("warmup:drafter:cpu", "warmup:done"),
     ):
         assert labels.index(earlier) < labels.index(later)

@@ -353,6 +353,9 @@ class _Build:
             t = time.monotonic()
             before = compile_snapshot() if compiled else {}
             warm_replica(rep, batch, features)
+            # the compiled step's first run (compiles or cache loads, first launches) apart from
+            # recording and checking its graph: a warm start's two costs of a drafter GPU
+            timeline.mark(f"build:drafter_step:{rep.device}")
             if compiled and record_step_graph(rep, batch, features, check):
                 timeline.mark(f"build:step_graph:{rep.device}")
             timeline.record("drafter", rep.device, t)

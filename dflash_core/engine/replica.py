@@ -388,8 +388,8 @@ def compiled_run_layer(precision: str = "bf16"):
     compiled without inductor's mix-order reductions: in its backward they fuse a norm's column
     sum (its weight's gradient) with the FP8 casts of the normed rows that the weight gradients'
     GEMMs take column-major, and store those casts one byte at a time, a row's length apart:
-    several times slower than the tiled transposes inductor writes without them. The bf16 layer has no such
-    stores and keeps them (its step is no slower with them)."""
+    several times slower than the tiled transposes inductor writes without them. The bf16
+    layer has no such stores and keeps them (its step is no slower with them)."""
     return torch.compile(run_layer, dynamic=False, options=layer_compile_options(precision))
 
 

@@ -184,7 +184,8 @@ def _distill_rows_kernel(
     target = tl.where(label_ok, tl.load(d_ptr + label).to(tl.float32), float("nan"))
 
     # pass 2 (where the gradient needs sigma, or there is no gradient): KL, TV and sigma
-    two_pass = (w_tv != 0.0) if NEED_GRAD else ((w_tv != 0.0) | (w_tv == 0.0))  # else: always
+    # (without a gradient: always, whatever w_tv holds; a tensor in both cases, as tl.where takes)
+    two_pass = (w_tv != 0.0) if NEED_GRAD else ((w_tv != 0.0) | (w_tv == 0.0))
     kl_part = tl.zeros([], tl.float32)
     tv2 = tl.zeros([], tl.float32)
     sigma = tl.zeros([], tl.float32)

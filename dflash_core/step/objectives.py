@@ -98,11 +98,11 @@ def logit_terms_eager(zd, zt, labels, mix, need_grad: bool):
 
 
 def chunk_terms_eager(hidden, zt, lm_head_weight, labels, mix, need_grad: bool):
-    """One chunk of rows and their teacher logits zt: (terms [rows, 3] fp32 = ce, kl, tv; argmax
+    """One chunk of rows and their teacher logits zt (or TeacherRows): (terms [rows, 3] fp32 = ce, kl, tv; argmax
     hits [rows]; d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on
     the logits."""
     zd = hidden @ lm_head_weight.t()
-    terms, correct, grad = logit_terms_eager(zd.float(), dense_logits(zt).float(), labels, mix, need_grad)
+    terms, correct, grad = logit_terms_eager(zd.float(), zt, labels, mix, need_grad)
     if grad is None:
         return terms, correct, None
     return terms, correct, (grad.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype)

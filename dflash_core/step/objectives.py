@@ -98,9 +98,9 @@ def logit_terms_eager(zd, zt, labels, mix, need_grad: bool):
 
 
 def chunk_terms_eager(hidden, zt, lm_head_weight, labels, mix, need_grad: bool):
-    """One chunk of rows and their teacher logits zt (or TeacherRows): (terms [rows, 3] fp32 = ce, kl, tv; argmax
-    hits [rows]; d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or None). fp32 math on
-    the logits."""
+    """One chunk of rows and their teacher logits zt (or TeacherRows): (terms [rows, 3] fp32 =
+    ce, kl, tv; argmax hits [rows]; d(sum_i mix_i * term_i)/d(hidden) per row, unweighted, or
+    None). fp32 math on the logits."""
     zd = hidden @ lm_head_weight.t()
     terms, correct, grad = logit_terms_eager(zd.float(), zt, labels, mix, need_grad)
     if grad is None:

@@ -9,9 +9,11 @@ continuous batching, the decode step recorded as a CUDA graph), its attention as
 `--kernel` says: on, the Triton kernel that reads each slot's valid cache positions only
 (kernels/decode_attention.py); on:BN/W/S, the kernel with these launch settings in place of its
 defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
-batched GEMMs over the whole static cache. `--norms` says how its RMSNorms run: on, one Triton
-kernel each (dflash_core/target_norms.py, the decoder's default on CUDA); off, transformers'
-eager code; on,off: a row of each.
+batched GEMMs over the whole static cache. `--fused` says how the layers' elementwise work runs:
+on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
+as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py); norms, the RMSNorm
+kernel alone (the rotary embedding and the cache writes eager); off, transformers' eager code;
+on,norms,off: a row of each.
 
 A row per precision, attention and slot count:
 
@@ -53,7 +55,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--norms on,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
+        [--fused on,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def run_slots(
     bandwidth: float,
     matmul_flops: float,
     kernel: bool,
-    norms: bool = True,
+    fused: str = "on",
     use_graph=True,
     head_flops: float | None = None,
 ) -> dict:
@@ -164,7 +166,10 @@ def run_slots(
     head_flops the LM head's, FLOP/s; the same unless given)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
-    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_norms=norms)
+    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off")
+    if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
+        dec.rope = None
+        dec.cache.write_kernel = False
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
@@ -196,7 +201,7 @@ def run_slots(
     floor_ms = serial_floor_ms(model, slots, length * per_token, bandwidth, matmul_flops, head_flops or matmul_flops)
     return {
         "attention": "kernel" if dec.attention_kernel else "masked",
-        "norms": "kernel" if dec.norms is not None else "eager",
+        "fused": fused_label(dec),
         "slots": slots,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
@@ -308,16 +313,22 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
     return out
 
 
-def parse_norms(spec: str) -> list[bool]:
-    """--norms' rows: on, off."""
+def parse_fused(spec: str) -> list[str]:
+    """--fused's rows: on, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= {"on", "off"}:
-        raise ValueError(f"--norms takes on and off, not {spec!r}")
-    return [n == "on" for n in dict.fromkeys(names)]
+    if not names or not set(names) <= {"on", "norms", "off"}:
+        raise ValueError(f"--fused takes on, norms and off, not {spec!r}")
+    return list(dict.fromkeys(names))
+
+
+def fused_label(dec) -> str:
+    """Which of the layers' kernels a decoder runs: norms, rope, writes joined by '+', or eager."""
+    parts = [name for name, on in (("norms", dec.norms), ("rope", dec.rope), ("writes", dec.cache.write_kernel)) if on]
+    return "+".join(parts) or "eager"
 
 
 def bench_precision(
-    precision: str, args, kernels, norm_rows: list[bool], bandwidth: float, bf16_flops: float
+    precision: str, args, kernels, fused_rows: list[str], bandwidth: float, bf16_flops: float
 ) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
@@ -331,8 +342,8 @@ def bench_precision(
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    for slots, (kernel, settings), norms in itertools.product(slot_counts, kernels, norm_rows):
-        run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, norms)
+    for slots, (kernel, settings), fused in itertools.product(slot_counts, kernels, fused_rows):
+        run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
             with kernel_settings(settings):
                 row = run_slots(*run, head_flops=bf16_flops)
@@ -344,7 +355,7 @@ def bench_precision(
                     row = run_slots(*run, use_graph=False, head_flops=bf16_flops)
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
-                row = {"attention": "kernel" if kernel else "masked", "norms": "kernel" if norms else "eager"}
+                row = {"attention": "kernel" if kernel else "masked", "fused": fused}
                 row.update(slots=slots, error=type(e).__name__)
         if settings is not None:
             row["attention"] += " " + "/".join(map(str, settings))
@@ -371,7 +382,12 @@ def main(argv=None) -> None:
         default="on,off",
         help="the decode attention rows, comma-separated: on (the kernel), on:BN/W/S (its launch settings), off",
     )
-    p.add_argument("--norms", default="on", help="the RMSNorm rows, comma-separated: on (the kernel), off (eager)")
+    p.add_argument(
+        "--fused",
+        default="on",
+        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes as kernels), norms (that kernel "
+        "alone), off (eager)",
+    )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
@@ -381,7 +397,7 @@ def main(argv=None) -> None:
         p.error("--precisions takes bf16 and fp8")
     try:
         kernels = parse_kernels(args.kernel)
-        norm_rows = parse_norms(args.norms)
+        fused_rows = parse_fused(args.fused)
     except ValueError as e:
         p.error(str(e))
     out_dir()
@@ -391,7 +407,7 @@ def main(argv=None) -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s")
     rows = []
     for precision in precisions:
-        rows += bench_precision(precision, args, kernels, norm_rows, bandwidth, bf16_flops)
+        rows += bench_precision(precision, args, kernels, fused_rows, bandwidth, bf16_flops)
         gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
     cols: list[str] = []

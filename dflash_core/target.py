@@ -19,6 +19,7 @@ from .parity import input_embedding_scale, scaled_table
 from .target_attention import use_packed_attention
 from .target_fusion import LayerFusion, fused_tolerance
 from .target_norms import NormKernels
+from .target_rope import install as install_rope_dispatch
 
 
 class _StopForward(Exception):
@@ -209,9 +210,11 @@ class TargetModel:
                 raise ValueError(
                     'target_precision = "fp8": the target\'s decoder layers have no linear layer FP8 takes'
                 )
-        # the norms' dispatchers go in before anything compiles the layers (record_graph's fusion),
-        # so every trace sees them; only the regeneration decoder turns them on (target_norms.py)
+        # the norms' and the rotary embedding's dispatchers go in before anything compiles the
+        # layers (record_graph's fusion), so every trace sees them; only the regeneration decoder
+        # turns them on (target_norms.py, target_rope.py)
         NormKernels.of(self.model)
+        install_rope_dispatch(self.model)
         self._local = threading.local()
         self._embedding_scale: float | None = None
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph

@@ -154,8 +154,9 @@ def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6)]
     outputs = []
     for kernel in (True, False):
-        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel, fused_norms=kernel)
+        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel, fused_kernels=kernel)
         assert dec.attention_kernel is kernel and (dec.norms is not None) is kernel
+        assert dec.cache.write_kernel is kernel  # the decode step's cache writes through slot_write
         done = dec.generate([Request(k, p, NEW_TOKENS + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
         outputs.append({c.key: c.tokens for c in done})
     generated = {}
@@ -172,8 +173,134 @@ def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
     }
 
 
+def rope_cases(device: str = "cpu") -> dict:
+    """The rotary kernel (kernels/rope.py) against transformers' own apply_rotary_pos_emb of the
+    families it dispatches for, at the decode step's shape (one position per row, the queries a
+    transposed view as the attention layers hand them) and a prefill's (several positions, cos
+    shared by the rows); and the dispatch (target_rope.py): which function a model's modules get,
+    that it runs the kernel only while active, and that a function rotating otherwise is refused."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from dflash_core.kernels.rope import apply_rope
+    from dflash_core.target_rope import RopeKernels, original_of
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float16, torch.bfloat16):
+        for name, (b, h, hk, s, d, cos_rows) in {
+            "decode": (6, 8, 2, 1, 128, 6),
+            "prefill_shared_cos": (3, 4, 4, 7, 80, 1),
+            "gqa1": (2, 4, 1, 3, 64, 2),
+        }.items():
+            q = (torch.randn(b, s, h, d, generator=g) * 3).to(device=device, dtype=dtype).transpose(1, 2)
+            k = (torch.randn(b, s, hk, d, generator=g) * 3).to(device=device, dtype=dtype).transpose(1, 2)
+            angle = torch.randint(0, 4096, (cos_rows, s, 1), generator=g) * torch.rand(d // 2, generator=g)
+            angle = torch.cat([angle, angle], dim=-1)
+            cos, sin = angle.cos().to(device=device, dtype=dtype), angle.sin().to(device=device, dtype=dtype)
+            want = original_of(modeling_qwen3.apply_rotary_pos_emb)(q, k, cos, sin)
+            got = apply_rope(q, k, cos, sin)
+            out[f"{name}_{str(dtype)[6:]}"] = {
+                "equal": all(torch.equal(a, b) for a, b in zip(want, got, strict=True)),
+                "rel": max(
+                    float((a.float() - b.float()).abs().max() / a.float().abs().max())
+                    for a, b in zip(want, got, strict=True)
+                ),
+                "strides_kept": all(_layout(a) == _layout(b) for a, b in zip(want, got, strict=True)),
+            }
+    model = tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16)
+    rope = RopeKernels(model)
+    patched = modeling_qwen3.apply_rotary_pos_emb
+    q = (torch.randn(2, 1, 4, 16, generator=g) * 3).to(device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k = (torch.randn(2, 1, 2, 16, generator=g) * 3).to(device=device, dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = (
+        torch.rand(2, 1, 16).to(device=device, dtype=torch.bfloat16),
+        torch.rand(2, 1, 16).to(device=device, dtype=torch.bfloat16),
+    )
+    own = original_of(patched)(q, k, cos, sin)
+    inactive = patched(q, k, cos, sin)
+    with rope.active():
+        active = patched(q, k, cos, sin)
+    kernel = apply_rope(q, k, cos, sin)
+    out["dispatch"] = {
+        "modules": rope.modules,
+        "usable": rope.usable(torch.bfloat16),
+        "fp32_usable": rope.usable(torch.float32),
+        "inactive_is_own": all(torch.equal(a, b) for a, b in zip(inactive, own, strict=True)),
+        "active_is_kernel": all(torch.equal(a, b) for a, b in zip(active, kernel, strict=True)),
+        # Triton's interpreter truncates its bf16 casts: the kernel's output is then a rounding
+        # step off the eager one, which tells the two apart here (on CUDA they are equal)
+        "kernel_differs_here": not all(torch.equal(a, b) for a, b in zip(kernel, own, strict=True)),
+        "llama_untouched": original_of(modeling_llama.apply_rotary_pos_emb) is modeling_llama.apply_rotary_pos_emb,
+    }
+    rope_llama = RopeKernels(tiny_llama().to(device=device, dtype=torch.float16))
+    out["dispatch"]["llama_modules"] = rope_llama.modules
+    out["dispatch"]["llama_usable"] = rope_llama.usable(torch.float16)
+    out["dispatch"]["interleaved_refused"] = _interleaved_refused(device)
+    return out
+
+
+def _layout(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(size, stride) of the dimensions longer than one: a size-1 dimension's stride is arbitrary."""
+    return [(n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1]
+
+
+def _interleaved_refused(device: str) -> bool:
+    """A modeling module whose apply_rotary_pos_emb rotates interleaved pairs (GPT-J's form) keeps
+    its own function: the probe does not match the kernel's rotate-half form."""
+    import types
+
+    from dflash_core.target_rope import RopeKernels
+
+    def apply_rotary_pos_emb(q, k, cos, sin):
+        def rotate(x):
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+    home = types.ModuleType("interleaved_rotary_family")
+    home.apply_rotary_pos_emb = apply_rotary_pos_emb
+    source = "def forward(self, q, k, cos, sin):\n    return apply_rotary_pos_emb(q, k, cos, sin)\n"
+    exec(compile(source, "interleaved_rotary_family", "exec"), home.__dict__)
+    attention = type("InterleavedAttention", (torch.nn.Module,), {"forward": home.forward})
+    holder = torch.nn.Sequential(attention(), torch.nn.Linear(4, 4)).to(device=device, dtype=torch.float16)
+    rope = RopeKernels(holder)
+    return rope.modules == ["interleaved_rotary_family"] and not rope.usable(torch.float16)
+
+
+def slot_write_cases(device: str = "cpu") -> dict:
+    """The decode step's cache writes (kernels/slot_write.py) against the eager advanced-index put:
+    the new rows as the rotary kernel and the value projection leave them (transposed views),
+    a position outside the cache writing nothing."""
+    from dflash_core.kernels.slot_write import write_slots
+
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        slots, heads, length, dim = 5, 3, 11, 40
+        k = torch.randn(slots, heads, length, dim, generator=g).to(device=device, dtype=dtype)
+        v = torch.randn(slots, heads, length, dim, generator=g).to(device=device, dtype=dtype)
+        k_new = torch.randn(slots, 1, heads, dim, generator=g).to(device=device, dtype=dtype).transpose(1, 2)
+        v_new = torch.randn(slots, 1, heads, dim, generator=g).to(device=device, dtype=dtype).transpose(1, 2)
+        positions = torch.tensor([0, 10, 4, 4, 7], device=device)
+        want_k, want_v = k.clone(), v.clone()
+        index = torch.arange(slots, device=device)
+        want_k[index, :, positions] = k_new[:, :, 0]
+        want_v[index, :, positions] = v_new[:, :, 0]
+        write_slots(k, v, k_new, v_new, positions)
+        kept_k, kept_v = k.clone(), v.clone()
+        write_slots(k, v, k_new * 2, v_new * 2, torch.tensor([length, -1, length + 3, 99, -5], device=device))
+        out[str(dtype)[6:]] = {
+            "written": torch.equal(kept_k, want_k) and torch.equal(kept_v, want_v),
+            "outside_untouched": torch.equal(k, kept_k) and torch.equal(v, kept_v),
+        }
+    return out
+
+
 if __name__ == "__main__":
-    result = {"kernel": kernel_cases(), "norms": norm_cases()}
+    result = {"kernel": kernel_cases(), "norms": norm_cases(), "rope": rope_cases(), "slot_write": slot_write_cases()}
     if "--decoder" in sys.argv:
         result["decoder"] = decoder_compare()
         result["decoder_one_kind"] = decoder_compare(build=tiny_llama)

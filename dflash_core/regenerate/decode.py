@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..target_norms import NormKernels
+from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
 
@@ -149,6 +150,18 @@ class SlotCache:
         self.slot_index = torch.arange(slots, device=device)
         self.rows: torch.Tensor | None = None  # prefill: the slots of the rows
         self.positions: torch.Tensor | None = None  # decode: [slots] the position written
+        self.write_kernel = False  # decode: the new rows written by kernels/slot_write.py
+
+    def kernel_takes(self, dtype: torch.dtype) -> bool:
+        """Whether kernels/slot_write.py launches here and takes this cache's decode writes (new
+        rows in `dtype`, as the model's)."""
+        try:
+            from ..kernels import slot_write
+        except ImportError:  # no Triton: the eager put
+            return False
+        k = self.keys[0]
+        new = torch.empty((k.shape[0], k.shape[1], 1, k.shape[3]), dtype=dtype, device=k.device)
+        return slot_write.runs_on(k.device) and slot_write.supports(k, self.values[0], new, new)
 
     @property
     def nbytes(self) -> int:
@@ -162,8 +175,11 @@ class SlotCache:
             v[self.rows, :, :t] = value_states
             return key_states, value_states
         assert self.positions is not None
-        k[self.slot_index, :, self.positions] = key_states[:, :, 0]
-        v[self.slot_index, :, self.positions] = value_states[:, :, 0]
+        if self.write_kernel and _slot_write().supports(k, v, key_states, value_states):
+            _slot_write().write_slots(k, v, key_states, value_states, self.positions)
+        else:
+            k[self.slot_index, :, self.positions] = key_states[:, :, 0]
+            v[self.slot_index, :, self.positions] = value_states[:, :, 0]
         return k, v
 
     # what transformers may ask a cache besides update()
@@ -173,6 +189,13 @@ class SlotCache:
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def _slot_write():
+    """kernels/slot_write.py, imported where used (it imports Triton)."""
+    from ..kernels import slot_write
+
+    return slot_write
 
 
 def layer_kinds(config) -> list[str]:
@@ -198,7 +221,10 @@ class SlotDecoder:
     (prompt plus generated tokens). use_graph: record the decode step as a CUDA graph (CUDA only).
     attention_kernel: the decode step attends through the Triton kernel over the slots' valid
     positions (None: where the device and dtype allow it, attention.kernel_available; True on a
-    CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks."""
+    CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks.
+    fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py)
+    and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
+    CUDA), each where it matches what it replaces."""
 
     def __init__(
         self,
@@ -207,7 +233,7 @@ class SlotDecoder:
         length: int,
         use_graph: bool | None = None,
         attention_kernel: bool | None = None,
-        fused_norms: bool | None = None,
+        fused_kernels: bool | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -237,10 +263,14 @@ class SlotDecoder:
         self.key_index = torch.arange(length, device=dev)
         self.use_graph = (dev.type == "cuda") if use_graph is None else (use_graph and dev.type == "cuda")
         self.attention_kernel = kernel_available(dev, self.dtype) if attention_kernel is None else attention_kernel
-        fuse = (dev.type == "cuda") if fused_norms is None else fused_norms
+        fuse = (dev.type == "cuda") if fused_kernels is None else fused_kernels
         self.norms = NormKernels.of(model) if fuse else None
         if self.norms is not None and not self.norms.usable():
             self.norms = None
+        self.rope = RopeKernels(model) if fuse else None
+        if self.rope is not None and not self.rope.usable(self.dtype):
+            self.rope = None
+        self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
@@ -270,8 +300,9 @@ class SlotDecoder:
         # mask where it has one, since some decoders (Llama) take only a tensor, used as given
         attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
         norms = self.norms.active() if self.norms is not None else contextlib.nullcontext()
+        rope = self.rope.active() if self.rope is not None else contextlib.nullcontext()
         try:
-            with norms:
+            with norms, rope:
                 out = self.decoder(
                     input_ids=input_ids,
                     position_ids=position_ids,

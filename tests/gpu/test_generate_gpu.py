@@ -3,7 +3,8 @@ tokens of the eager step and of transformers' greedy generate on the embedded ta
 prompts of different lengths with slots refilled; seeded sampling equal with and without the graph;
 reserved memory flat over a second run; the decode-attention kernel against a float64 reference,
 and the recorded step with it equal to the step without it; the RMSNorm kernel against the norm
-classes, and the decoder's default (norms through it) equal to generate."""
+classes, and the decoder's default (norms through it) equal to generate; the rotary and
+cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them."""
 
 import pytest
 import torch
@@ -25,10 +26,12 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
     dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
+    if configure is not None:
+        configure(dec)
     assert dec.use_graph == use_graph
     done = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], sampling)}
     return done, dec
@@ -86,6 +89,44 @@ def test_norm_kernel_on_cuda():
     for name, got in norm_cases("cuda").items():
         assert got["weighting"] == ("offset" if name.startswith("Gemma3") else "scaled"), (name, got)
         assert got["dtype_kept"] and got["rel"] < (1e-5 if "float32" in name else 2e-2), (name, got)
+
+
+def test_rope_and_slot_write_kernels_on_cuda():
+    """The CPU's interpreted rotary and cache-write cases, compiled: bf16 bit for bit too (the
+    interpreter truncates its bf16 casts; CUDA rounds them as the eager ops do)."""
+    from tests.decode_attention_check import rope_cases, slot_write_cases
+
+    got = rope_cases("cuda")
+    dispatch = got.pop("dispatch")
+    for name, case in got.items():
+        assert case["equal"] and case["strides_kept"], (name, case)
+    assert dispatch["usable"] and dispatch["llama_usable"] and not dispatch["fp32_usable"], dispatch
+    assert dispatch["inactive_is_own"] and dispatch["active_is_kernel"] and dispatch["interleaved_refused"], dispatch
+    for dtype, case in slot_write_cases("cuda").items():
+        assert case["written"] and case["outside_untouched"], (dtype, case)
+
+
+def test_rotary_and_cache_write_kernels_change_no_token(setup):
+    """A bf16 target: the decoder's default on CUDA (norms, rotary embeddings and cache writes
+    through kernels), recorded, against the same decoder with the rotary embeddings and cache
+    writes eager: the same greedy tokens, since those two kernels are exact."""
+    import copy
+
+    from dflash_core.regenerate.decode import Sampling
+
+    model, prompts = setup
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    greedy = Sampling(ignore_stop=True)
+    fused, dec = _run(bf16, prompts, greedy, True)
+    assert dec.rope is not None and dec.cache.write_kernel and dec._graphs
+
+    def norms_only(d):
+        d.rope = None
+        d.cache.write_kernel = False
+
+    plain, other = _run(bf16, prompts, greedy, True, configure=norms_only)
+    assert other.norms is not None and other.rope is None
+    assert fused == plain and all(len(t) == 32 for t in fused.values())
 
 
 def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):

@@ -33,8 +33,9 @@ log = logging.getLogger("dflash.target")
 
 NAME = "apply_rotary_pos_emb"
 # relative L2 distance from the function's own output on the probe above which the kernel is not
-# taken: the kernel rounds where the eager code rounds (equal on CUDA; Triton's CPU interpreter
-# truncates its bf16 casts, a rounding step off); a wrong rotation is off by the output's size
+# taken: the kernel rounds where transformers' rotate-half functions round (equal to them); a
+# family that computes in fp32 and rounds once is a rounding step off; a wrong rotation is off by
+# the output's size
 MATCH_TOLERANCE = 1e-2
 
 _ACTIVE = ThreadSwitch()  # the function is process-wide: which thread runs the kernel is too

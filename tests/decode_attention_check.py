@@ -174,100 +174,131 @@ def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
 
 
 def rope_cases(device: str = "cpu") -> dict:
-    """The rotary kernel (kernels/rope.py) against transformers' own apply_rotary_pos_emb of the
-    families it dispatches for, at the decode step's shape (one position per row, the queries a
-    transposed view as the attention layers hand them) and a prefill's (several positions, cos
-    shared by the rows); and the dispatch (target_rope.py): which function a model's modules get,
-    that it runs the kernel only while active, and that a function rotating otherwise is refused."""
+    """The rotary kernel (kernels/rope.py) against transformers' own apply_rotary_pos_emb, at the
+    decode step's shape (one position per row, the queries a transposed view as the attention
+    layers hand them), a prefill's (several positions, cos shared by the rows) and one key-value
+    head; and the dispatch (target_rope.py): which function a model's modules get, that it runs
+    the kernel only while active, that fp16 and fp32 stay eager, and that a function rotating
+    otherwise is refused."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from dflash_core.kernels.rope import apply_rope
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(3)
+    for name, (b, h, hk, s, d, cos_rows) in {
+        "decode": (6, 8, 2, 1, 128, 6),
+        "prefill_shared_cos": (3, 4, 4, 7, 80, 1),
+        "gqa1": (2, 4, 1, 3, 64, 2),
+    }.items():
+        q, k, cos, sin = _rope_inputs(g, device, b, h, hk, s, d, cos_rows)
+        want = _own(modeling_qwen3)(q, k, cos, sin)
+        got = apply_rope(q, k, cos, sin)
+        out[name] = {
+            "equal": all(torch.equal(a, b) for a, b in zip(want, got, strict=True)),
+            "strides_kept": all(_layout(a) == _layout(b) for a, b in zip(want, got, strict=True)),
+        }
+    out["dispatch"] = _dispatch_case(device, g)
+    return out
+
+
+def _rope_inputs(g, device, b, h, hk, s, d, cos_rows, dtype=torch.bfloat16):
+    q = (torch.randn(b, s, h, d, generator=g) * 3).to(device=device, dtype=dtype).transpose(1, 2)
+    k = (torch.randn(b, s, hk, d, generator=g) * 3).to(device=device, dtype=dtype).transpose(1, 2)
+    angle = torch.randint(0, 4096, (cos_rows, s, 1), generator=g) * torch.rand(d // 2, generator=g)
+    angle = torch.cat([angle, angle], dim=-1)  # the rotary embeddings' layout: the frequencies twice
+    return q, k, angle.cos().to(device=device, dtype=dtype), angle.sin().to(device=device, dtype=dtype)
+
+
+def _own(home):
+    from dflash_core.target_rope import original_of
+
+    return original_of(home.apply_rotary_pos_emb)
+
+
+def _dispatch_case(device: str, g) -> dict:
     from transformers.models.llama import modeling_llama
     from transformers.models.qwen3 import modeling_qwen3
 
     from dflash_core.kernels.rope import apply_rope
-    from dflash_core.target_rope import RopeKernels, original_of
+    from dflash_core.target_rope import RopeKernels
 
-    out: dict = {}
-    g = torch.Generator().manual_seed(3)
-    for dtype in (torch.float16, torch.bfloat16):
-        for name, (b, h, hk, s, d, cos_rows) in {
-            "decode": (6, 8, 2, 1, 128, 6),
-            "prefill_shared_cos": (3, 4, 4, 7, 80, 1),
-            "gqa1": (2, 4, 1, 3, 64, 2),
-        }.items():
-            q = (torch.randn(b, s, h, d, generator=g) * 3).to(device=device, dtype=dtype).transpose(1, 2)
-            k = (torch.randn(b, s, hk, d, generator=g) * 3).to(device=device, dtype=dtype).transpose(1, 2)
-            angle = torch.randint(0, 4096, (cos_rows, s, 1), generator=g) * torch.rand(d // 2, generator=g)
-            angle = torch.cat([angle, angle], dim=-1)
-            cos, sin = angle.cos().to(device=device, dtype=dtype), angle.sin().to(device=device, dtype=dtype)
-            want = original_of(modeling_qwen3.apply_rotary_pos_emb)(q, k, cos, sin)
-            got = apply_rope(q, k, cos, sin)
-            out[f"{name}_{str(dtype)[6:]}"] = {
-                "equal": all(torch.equal(a, b) for a, b in zip(want, got, strict=True)),
-                "rel": max(
-                    float((a.float() - b.float()).abs().max() / a.float().abs().max())
-                    for a, b in zip(want, got, strict=True)
-                ),
-                "strides_kept": all(_layout(a) == _layout(b) for a, b in zip(want, got, strict=True)),
-            }
-    model = tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16)
-    rope = RopeKernels(model)
-    patched = modeling_qwen3.apply_rotary_pos_emb
-    q = (torch.randn(2, 1, 4, 16, generator=g) * 3).to(device=device, dtype=torch.bfloat16).transpose(1, 2)
-    k = (torch.randn(2, 1, 2, 16, generator=g) * 3).to(device=device, dtype=torch.bfloat16).transpose(1, 2)
-    cos, sin = (
-        torch.rand(2, 1, 16).to(device=device, dtype=torch.bfloat16),
-        torch.rand(2, 1, 16).to(device=device, dtype=torch.bfloat16),
-    )
-    own = original_of(patched)(q, k, cos, sin)
-    inactive = patched(q, k, cos, sin)
-    with rope.active():
-        active = patched(q, k, cos, sin)
+    rope = RopeKernels(tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16))
+    llama_before = _own(modeling_llama) is modeling_llama.apply_rotary_pos_emb
+    rope_llama = RopeKernels(tiny_llama().to(device=device, dtype=torch.bfloat16))
+    # a family computing in fp32 and rounding once takes the kernel (a rounding step off its own
+    # output), which tells the kernel's output from the function's: the dispatch is seen to switch
+    upcast = _family("upcast_rotary_family", _upcast_rotary)
+    rope_upcast = RopeKernels(upcast.to(device=device, dtype=torch.bfloat16))
+    q, k, cos, sin = _rope_inputs(g, device, 3, 4, 2, 1, 32, 3)
+    home = sys.modules["upcast_rotary_family"]
+    own = _upcast_rotary(q, k, cos, sin)
+    inactive = home.apply_rotary_pos_emb(q, k, cos, sin)
+    with rope_upcast.active():
+        active = home.apply_rotary_pos_emb(q, k, cos, sin)
+        fp16 = home.apply_rotary_pos_emb(*(t.half() for t in (q, k, cos, sin)))
     kernel = apply_rope(q, k, cos, sin)
-    out["dispatch"] = {
+    interleaved = RopeKernels(_family("interleaved_rotary_family", _interleaved_rotary).to(device=device))
+    return {
         "modules": rope.modules,
         "usable": rope.usable(torch.bfloat16),
+        "fp16_usable": rope.usable(torch.float16),
         "fp32_usable": rope.usable(torch.float32),
+        "qwen3_dispatching": _own(modeling_qwen3) is not modeling_qwen3.apply_rotary_pos_emb,
+        "llama_untouched_before": llama_before,
+        "llama_modules": rope_llama.modules,
+        "llama_usable": rope_llama.usable(torch.bfloat16),
+        "upcast_usable": rope_upcast.usable(torch.bfloat16),
         "inactive_is_own": all(torch.equal(a, b) for a, b in zip(inactive, own, strict=True)),
         "active_is_kernel": all(torch.equal(a, b) for a, b in zip(active, kernel, strict=True)),
-        # Triton's interpreter truncates its bf16 casts: the kernel's output is then a rounding
-        # step off the eager one, which tells the two apart here (on CUDA they are equal)
-        "kernel_differs_here": not all(torch.equal(a, b) for a, b in zip(kernel, own, strict=True)),
-        "llama_untouched": original_of(modeling_llama.apply_rotary_pos_emb) is modeling_llama.apply_rotary_pos_emb,
+        "kernel_differs_from_own": not all(torch.equal(a, b) for a, b in zip(kernel, own, strict=True)),
+        "fp16_is_own": all(
+            torch.equal(a, b) for a, b in zip(fp16, _upcast_rotary(*(t.half() for t in (q, k, cos, sin))), strict=True)
+        ),
+        "interleaved_modules": interleaved.modules,
+        "interleaved_refused": not interleaved.usable(torch.bfloat16),
     }
-    rope_llama = RopeKernels(tiny_llama().to(device=device, dtype=torch.float16))
-    out["dispatch"]["llama_modules"] = rope_llama.modules
-    out["dispatch"]["llama_usable"] = rope_llama.usable(torch.float16)
-    out["dispatch"]["interleaved_refused"] = _interleaved_refused(device)
-    return out
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _upcast_rotary(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    rot = [(t.float() * cos + _rotate_half(t.float()) * sin).to(t.dtype) for t in (q, k)]
+    return rot[0], rot[1]
+
+
+def _interleaved_rotary(q, k, cos, sin):
+    """GPT-J's form: pairs (2i, 2i + 1) rotated, where rotate_half pairs (i, i + D/2)."""
+
+    def rotate(x):
+        pairs = x.unflatten(-1, (-1, 2))
+        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def _family(name: str, function) -> torch.nn.Module:
+    """A model of one attention class whose forward, written in the modeling module `name`, calls
+    that module's `apply_rotary_pos_emb` (= function), as a transformers family's does."""
+    import types
+
+    home = types.ModuleType(name)
+    home.apply_rotary_pos_emb = function
+    source = "def forward(self, q, k, cos, sin):\n    return apply_rotary_pos_emb(q, k, cos, sin)\n"
+    exec(compile(source, name, "exec"), home.__dict__)
+    sys.modules[name] = home
+    attention = type(f"{name}_attention", (torch.nn.Module,), {"forward": home.forward})
+    return torch.nn.Sequential(attention(), torch.nn.Linear(4, 4))
 
 
 def _layout(t: torch.Tensor) -> list[tuple[int, int]]:
     """(size, stride) of the dimensions longer than one: a size-1 dimension's stride is arbitrary."""
     return [(n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1]
-
-
-def _interleaved_refused(device: str) -> bool:
-    """A modeling module whose apply_rotary_pos_emb rotates interleaved pairs (GPT-J's form) keeps
-    its own function: the probe does not match the kernel's rotate-half form."""
-    import types
-
-    from dflash_core.target_rope import RopeKernels
-
-    def apply_rotary_pos_emb(q, k, cos, sin):
-        def rotate(x):
-            pairs = x.unflatten(-1, (-1, 2))
-            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-
-    home = types.ModuleType("interleaved_rotary_family")
-    home.apply_rotary_pos_emb = apply_rotary_pos_emb
-    source = "def forward(self, q, k, cos, sin):\n    return apply_rotary_pos_emb(q, k, cos, sin)\n"
-    exec(compile(source, "interleaved_rotary_family", "exec"), home.__dict__)
-    attention = type("InterleavedAttention", (torch.nn.Module,), {"forward": home.forward})
-    holder = torch.nn.Sequential(attention(), torch.nn.Linear(4, 4)).to(device=device, dtype=torch.float16)
-    rope = RopeKernels(holder)
-    return rope.modules == ["interleaved_rotary_family"] and not rope.usable(torch.float16)
 
 
 def slot_write_cases(device: str = "cpu") -> dict:

@@ -60,32 +60,28 @@ def test_norm_kernel_equals_the_norm_classes(checked, cls, dtype, width):
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill_shared_cos", "gqa1"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_rope_kernel_equals_the_families_function(checked, name, dtype):
-    """transformers' Qwen3 apply_rotary_pos_emb against the kernel: the decode step's shape (one
-    position per row), a prefill's with cos shared by the rows, one key-value head. fp16 bit for
-    bit: the kernel rounds where the eager ops round. bf16 within three rounding steps: Triton's
-    interpreter truncates its bf16 casts (the GPU check, tests/gpu/test_generate_gpu.py, asks
-    bf16 to be equal too). The outputs keep the inputs' layout (a transposed view's strides)."""
-    got = checked["rope"][f"{name}_{dtype}"]
-    assert got["strides_kept"], got
-    if dtype == "float16":
-        assert got["equal"], got
-    else:
-        assert 0 < got["rel"] < 3 * 2**-7, got
+def test_rope_kernel_equals_the_families_function(checked, name):
+    """transformers' Qwen3 apply_rotary_pos_emb against the kernel, bf16, bit for bit (the kernel
+    rounds each product and the sum where the eager ops do): the decode step's shape (one
+    position per row), a prefill's with cos shared by the rows, one key-value head. The outputs
+    keep the inputs' layout (a transposed view's strides)."""
+    got = checked["rope"][name]
+    assert got["equal"] and got["strides_kept"], got
 
 
 def test_rope_dispatch_runs_the_kernel_only_while_active(checked):
-    """The dispatcher goes into the modeling module of the model's attention class (Qwen3's, and
+    """The dispatcher goes into the modeling module of the model's attention class (Qwen3's; and
     Llama's only once a Llama model is given); inactive it is the function itself, active the
-    kernel (told apart here by the interpreter's bf16 truncation); fp32 stays eager; a family
-    whose function rotates interleaved pairs is refused by the probe."""
+    kernel (a family computing in fp32 takes it, a rounding step off its own output, which tells
+    the two apart); fp16 and fp32 stay eager; a family whose function rotates interleaved pairs
+    is refused by the probe."""
     got = checked["rope"]["dispatch"]
-    assert got["modules"] == ["transformers.models.qwen3.modeling_qwen3"], got
-    assert got["llama_modules"] == ["transformers.models.llama.modeling_llama"] and got["llama_untouched"], got
-    assert got["usable"] and got["llama_usable"] and not got["fp32_usable"], got
-    assert got["inactive_is_own"] and got["active_is_kernel"] and got["kernel_differs_here"], got
-    assert got["interleaved_refused"], got
+    assert got["modules"] == ["transformers.models.qwen3.modeling_qwen3"] and got["qwen3_dispatching"], got
+    assert got["llama_untouched_before"] and got["llama_modules"] == ["transformers.models.llama.modeling_llama"], got
+    assert got["usable"] and got["llama_usable"] and got["upcast_usable"], got
+    assert not got["fp16_usable"] and not got["fp32_usable"] and got["fp16_is_own"], got
+    assert got["inactive_is_own"] and got["active_is_kernel"] and got["kernel_differs_from_own"], got
+    assert got["interleaved_modules"] == ["interleaved_rotary_family"] and got["interleaved_refused"], got
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -98,8 +94,8 @@ def test_slot_write_kernel_puts_what_the_eager_put_puts(checked, dtype):
 def test_decoder_with_the_kernel_equals_without_and_generate(checked, model):
     """Qwen3 with full and sliding layers (a dict of ranges), Llama with one layer kind (the
     ranges as its one mask, through transformers' mask builder); the kernel path with the norms
-    and the cache writes through their kernels too (the rotary kernel takes bf16 and fp16, not
-    these fp32 models: the checks above)."""
+    and the cache writes through their kernels too (the rotary kernel takes bf16, not these fp32
+    models: the checks above)."""
     got = checked[model]
     assert got["equal"] and got["equals_generate"], got
     assert got["tokens"] == sum(8 + k for k in range(5))  # NEW_TOKENS + k for each of the 5 prompts

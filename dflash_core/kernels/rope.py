@@ -6,10 +6,11 @@ negation and the concatenation of rotate_half, the sum. In a decode step of a fe
 each is a launch whose time is its fixed cost, ten per decoder layer. This kernel does both
 tensors in one launch: a program per (batch row, position) and tensor, every head of it.
 
-The rounding steps are the eager code's: in bf16 and fp16 each product and the sum are rounded
-to the input dtype (the eager ops compute in fp32 and round each result), so the output equals
-the eager one bit for bit. fp32 is left to the eager code (the compiler may contract a product
-and a sum into one fused multiply-add, which rounds once where the eager code rounds twice).
+bf16 only, rounded where the eager code rounds: each product and the sum are rounded to bf16
+(the eager ops compute in fp32 and round each result), so the output equals the eager one bit
+for bit. The rounding is written as integer arithmetic on the fp32 bits (round to nearest, ties
+to even): a cast to bf16 and back is folded away by Triton's compiler, which would round once
+where the eager code rounds three times.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ import triton.language as tl
 
 from ..devices import triton_launch_device
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16,)
 MAX_HEAD_DIM = 512
 MAX_HEADS = 256
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
-def _rounded(x, like_ptr):
-    """x rounded to the dtype like_ptr points to, back in fp32: where an eager op's result rounds."""
-    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+def _rounded(x):
+    """fp32 x rounded to bf16 (nearest, ties to even), as fp32: where an eager op's result rounds.
+    NaN stays NaN; a value past bf16's largest rounds to infinity, as the cast does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -57,8 +61,8 @@ def _rotate_heads(
     x1 = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + at + HALF, mask=mask, other=0.0).to(tl.float32)
     # first half: x1 * cos + (-x2) * sin; second half: x2 * cos + x1 * sin (rotate_half = [-x2, x1])
-    lo = _rounded(_rounded(x1 * c1[None, :], x_ptr) + _rounded(-x2 * s1[None, :], x_ptr), x_ptr)
-    hi = _rounded(_rounded(x2 * c2[None, :], x_ptr) + _rounded(x1 * s2[None, :], x_ptr), x_ptr)
+    lo = _rounded(_rounded(x1 * c1[None, :]) + _rounded(-x2 * s1[None, :]))
+    hi = _rounded(_rounded(x2 * c2[None, :]) + _rounded(x1 * s2[None, :]))
     tl.store(out_ptr + out_at, lo.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + out_at + HALF, hi.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -125,7 +129,7 @@ def runs_on(device: torch.device) -> bool:
 def supports(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel takes these: q [B, H, S, D] and k [B, Hk, S, D] with cos and sin
     [B or 1, S, D] (broadcast over the heads, as transformers' default unsqueeze_dim of 1 does), all
-    of one dtype (bf16, fp16) and device, D even, the last dimension contiguous."""
+    of one dtype (bf16) and device, D even, the last dimension contiguous."""
     tensors = (q, k, cos, sin)
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
         return False

@@ -92,15 +92,14 @@ def test_norm_kernel_on_cuda():
 
 
 def test_rope_and_slot_write_kernels_on_cuda():
-    """The CPU's interpreted rotary and cache-write cases, compiled: bf16 bit for bit too (the
-    interpreter truncates its bf16 casts; CUDA rounds them as the eager ops do)."""
+    """The CPU's interpreted rotary and cache-write cases, compiled: bit for bit there too."""
     from tests.decode_attention_check import rope_cases, slot_write_cases
 
     got = rope_cases("cuda")
     dispatch = got.pop("dispatch")
     for name, case in got.items():
         assert case["equal"] and case["strides_kept"], (name, case)
-    assert dispatch["usable"] and dispatch["llama_usable"] and not dispatch["fp32_usable"], dispatch
+    assert dispatch["usable"] and dispatch["upcast_usable"] and not dispatch["fp16_usable"], dispatch
     assert dispatch["inactive_is_own"] and dispatch["active_is_kernel"] and dispatch["interleaved_refused"], dispatch
     for dtype, case in slot_write_cases("cuda").items():
         assert case["written"] and case["outside_untouched"], (dtype, case)

@@ -110,8 +110,8 @@ def test_dspark_loss_matches_the_dense_reference(kind):
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
 def test_dspark_loss_with_the_fp8_lm_head_interpreted():
     """The Markov objective with the FP8 lm_head ("triton_fp8": the lm_head's logits and grad_h
-    by FP8 GEMMs, the Markov bias and its gradients in bf16; Triton's interpreter, chunks of 32
-    and 16 rows, a vocabulary FP8 pads) and with the bf16 one, each against the dense float64
+    by FP8 GEMMs, the Markov bias and its gradients in bf16; Triton's interpreter, chunks of 16
+    rows, a vocabulary FP8 pads) and with the bf16 one, each against the dense float64
     reference, a teacher near the drafter. The loss within the FP8 CE chunk's 0.5 %
     (tests/test_fp8.py); the gradients within 20 %: the mix is mostly tv, whose gradient is a sign
     of p_d - p_t that any rounding flips where the two nearly agree (the bf16 path is several

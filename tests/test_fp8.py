@@ -193,7 +193,8 @@ def test_fp8_loss_chunk_matches_the_exact_chunk_interpreted():
     where FP8's rounding reorders near-tied top logits (at most 1 in 6 of these random rows)."""
     pytest.importorskip("triton")
     result = run_interpreted_check("tests.ce_check", "--fp8")
-    assert result["loss_rel"] < 5e-3 and result["grad_rel"] < 0.06 and result["hit_mismatches"] <= 8, result
+    assert result["loss_rel"] < 5e-3 and result["grad_rel"] < 0.06, result
+    assert result["hit_mismatches"] <= result["rows"] // 6, result
     assert result["padded_vocab"] > result["vocab"]
 
 

@@ -273,7 +273,7 @@ def test_fp8_objective_chunk_matches_the_exact_chunk_interpreted():
     assert max(r["terms_rel"]) < 0.03 and r["grad_rel"] < 0.12 and r["grad_cosine"] > 0.99, r
     by_term = r["grad_by_term"]
     assert by_term["ce"][0] < 0.06 and by_term["kl"][0] < 0.1 and by_term["tv"][1] > 0.85, by_term
-    assert r["hit_mismatches"] <= 8 and r["hits"] > 0 and r["forward_only_same"], r
+    assert r["hit_mismatches"] <= r["rows"] // 4 and r["hits"] > 0 and r["forward_only_same"], r
     assert max(r["kernel_terms_rel"]) < 1e-5 and r["kernel_grad_rel"] < 0.03, r
     assert 0 < r["kernel_grad_max"] <= r["bound"], r
     # NaN in the padding columns of both logits changes nothing: the softmaxes never read them

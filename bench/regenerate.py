@@ -355,7 +355,7 @@ def bench_precision(
                     row = run_slots(*run, use_graph=False, head_flops=bf16_flops)
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
-                row = {"attention": "kernel" if kernel else "masked", "fused": fused}
+                row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)"}
                 row.update(slots=slots, error=type(e).__name__)
         if settings is not None:
             row["attention"] += " " + "/".join(map(str, settings))

@@ -10,14 +10,20 @@ runs it too).
 
 Which function is taken is derived, not named: the dispatcher goes where an attention class's
 forward calls `apply_rotary_pos_emb`, and the kernel is used only where its output equals the
-function's own on a probe (within rounding); a family whose function rotates otherwise
-(interleaved pairs, a partial rotary width) stays eager.
+function's own on a probe, bit for bit; a family whose function rotates otherwise (interleaved
+pairs, a partial rotary width) or rounds otherwise (in fp32, once) stays eager, so the kernel
+never changes what a decoder computes.
+
+Install before anything compiles the model's layers: a compiled frame guards on the function it
+traced, so a later install makes it compile again (the engine's TargetModel installs when it
+loads; a regeneration decoder installs on models that did not come through it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -32,12 +38,6 @@ from .thread_switch import ThreadSwitch
 log = logging.getLogger("dflash.target")
 
 NAME = "apply_rotary_pos_emb"
-# relative L2 distance from the function's own output on the probe above which the kernel is not
-# taken: the kernel rounds where transformers' rotate-half functions round (equal to them); a
-# family that computes in fp32 and rounds once is a rounding step off; a wrong rotation is off by
-# the output's size
-MATCH_TOLERANCE = 1e-2
-
 _ACTIVE = ThreadSwitch()  # the function is process-wide: which thread runs the kernel is too
 _LOCK = threading.Lock()
 _MATCHED: dict[tuple[Callable, str, torch.dtype], bool] = {}
@@ -76,6 +76,8 @@ def install(model: nn.Module) -> list[str]:
             continue
         seen.add(cls)
         forward = getattr(cls, "forward", None)
+        if callable(forward):  # a decorated forward: the function written in the modeling module
+            forward = inspect.unwrap(forward)
         code = getattr(forward, "__code__", None)
         home = getattr(forward, "__globals__", None)
         if code is None or home is None or NAME not in code.co_names or not callable(home.get(NAME)):
@@ -128,8 +130,10 @@ def _matched(original: Callable, device: torch.device, dtype: torch.dtype) -> bo
 
 @torch.no_grad()
 def _probe(original: Callable, device: torch.device, dtype: torch.dtype) -> bool:
-    from .kernels.rope import apply_rope, runs_on, supports
-
+    try:
+        from .kernels.rope import apply_rope, runs_on, supports
+    except ImportError:  # no Triton: the function itself
+        return False
     if not runs_on(device):
         return False
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -152,10 +156,7 @@ def _probe(original: Callable, device: torch.device, dtype: torch.dtype) -> bool
         return False
     if not isinstance(expected, tuple) or len(expected) != 2:
         return False
-    for want, have in zip(expected, got, strict=True):
-        if not isinstance(want, torch.Tensor) or want.shape != have.shape or want.dtype != have.dtype:
-            return False
-        diff = torch.linalg.vector_norm((have.float() - want.float()).flatten())
-        if float(diff) > MATCH_TOLERANCE * float(torch.linalg.vector_norm(want.float().flatten())):
-            return False
-    return True
+    return all(
+        isinstance(want, torch.Tensor) and want.dtype == have.dtype and want.shape == have.shape and torch.equal(want, have)
+        for want, have in zip(expected, got, strict=True)
+    )

@@ -71,17 +71,30 @@ def test_rope_kernel_equals_the_families_function(checked, name):
 
 def test_rope_dispatch_runs_the_kernel_only_while_active(checked):
     """The dispatcher goes into the modeling module of the model's attention class (Qwen3's; and
-    Llama's only once a Llama model is given); inactive it is the function itself, active the
-    kernel (a family computing in fp32 takes it, a rounding step off its own output, which tells
-    the two apart); fp16 and fp32 stay eager; a family whose function rotates interleaved pairs
-    is refused by the probe."""
+    Llama's only once a Llama model is given; a decorated forward's too); inactive it is the
+    function itself, active it runs the kernel once per call (and gives the function's output);
+    fp16 and fp32 stay eager; a family whose function rotates interleaved pairs, or computes in
+    fp32 and rounds once, is refused by the probe, which asks for equality."""
     got = checked["rope"]["dispatch"]
     assert got["modules"] == ["transformers.models.qwen3.modeling_qwen3"] and got["qwen3_dispatching"], got
     assert got["llama_untouched_before"] and got["llama_modules"] == ["transformers.models.llama.modeling_llama"], got
-    assert got["usable"] and got["llama_usable"] and got["upcast_usable"], got
+    assert got["usable"] and got["llama_usable"], got
+    assert got["kernel_calls_inactive"] == 0 and got["kernel_calls_active"] == 1, got
+    assert got["inactive_is_own"] and got["active_is_own"], got
     assert not got["fp16_usable"] and not got["fp32_usable"] and got["fp16_is_own"], got
-    assert got["inactive_is_own"] and got["active_is_kernel"] and got["kernel_differs_from_own"], got
+    assert got["upcast_modules"] == ["upcast_rotary_family"] and got["upcast_refused"], got
     assert got["interleaved_modules"] == ["interleaved_rotary_family"] and got["interleaved_refused"], got
+    assert got["decorated_modules"] == ["decorated_rotary_family"] and got["decorated_usable"], got
+
+
+def test_decoder_runs_the_rotary_and_cache_write_kernels_and_keeps_its_tokens(checked):
+    """A bf16 Qwen3 decoder with its layers' kernels: the rotary kernel and the cache writes run
+    in its prefills and decode steps, and its greedy tokens are those of the same decoder with
+    the two eager (both kernels are exact)."""
+    got = checked["decoder_kernels"]
+    assert got["equal"] and got["tokens"] == 4 * 8, got
+    assert got["calls"]["fused"]["rope"] > 0 and got["calls"]["fused"]["writes"] > 0, got
+    assert got["calls"]["eager"] == {"rope": 0, "writes": 0}, got
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -98,7 +98,7 @@ def _rope_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements: a long prefill's rows
     b = row // seq
     s = row - b * seq
     d = tl.arange(0, BLOCK_D)

@@ -4,7 +4,9 @@ Eagerly, `cache[slot_index, :, positions] = new[:, :, 0]` is an advanced-index p
 the index tensors broadcast and linearised, then the put, several launches for the keys and as
 many for the values, per decoder layer, each a fixed cost at a decode step's few hundred rows.
 This kernel writes both tensors in one launch: a program per slot and tensor, every head of it.
-A copy: the cache holds exactly what the eager put would.
+A copy: the cache holds exactly what the eager put would, for positions inside the cache. A
+position outside it writes nothing, where the eager put would wrap a negative one or raise: a
+recorded graph cannot raise, and the decoder's positions stay inside the cache.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _slot_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    slot = tl.program_id(0)
+    slot = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements: a large cache's slots
     pos = tl.load(positions + slot)
     ok = (pos >= 0) & (pos < length)  # never a write outside the slot's cache row
     if tl.program_id(1) == 0:

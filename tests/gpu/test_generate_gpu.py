@@ -99,8 +99,9 @@ def test_rope_and_slot_write_kernels_on_cuda():
     dispatch = got.pop("dispatch")
     for name, case in got.items():
         assert case["equal"] and case["strides_kept"], (name, case)
-    assert dispatch["usable"] and dispatch["upcast_usable"] and not dispatch["fp16_usable"], dispatch
-    assert dispatch["inactive_is_own"] and dispatch["active_is_kernel"] and dispatch["interleaved_refused"], dispatch
+    assert dispatch["usable"] and not dispatch["fp16_usable"] and dispatch["upcast_refused"], dispatch
+    assert dispatch["kernel_calls_active"] == 1 and dispatch["active_is_own"], dispatch
+    assert dispatch["inactive_is_own"] and dispatch["interleaved_refused"], dispatch
     for dtype, case in slot_write_cases("cuda").items():
         assert case["written"] and case["outside_untouched"], (dtype, case)
 
@@ -126,6 +127,11 @@ def test_rotary_and_cache_write_kernels_change_no_token(setup):
     plain, other = _run(bf16, prompts, greedy, True, configure=norms_only)
     assert other.norms is not None and other.rope is None
     assert fused == plain and all(len(t) == 32 for t in fused.values())
+    # and the kernels did run: the CPU check counts their calls in a bf16 decoder's steps
+    from tests.decode_attention_check import decoder_kernels_case
+
+    case = decoder_kernels_case("cuda")
+    assert case["equal"] and case["calls"]["fused"]["rope"] > 0 and case["calls"]["fused"]["writes"] > 0, case
 
 
 def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):

@@ -157,6 +157,9 @@ def _probe(original: Callable, device: torch.device, dtype: torch.dtype) -> bool
     if not isinstance(expected, tuple) or len(expected) != 2:
         return False
     return all(
-        isinstance(want, torch.Tensor) and want.dtype == have.dtype and want.shape == have.shape and torch.equal(want, have)
+        isinstance(want, torch.Tensor)
+        and want.dtype == have.dtype
+        and want.shape == have.shape
+        and torch.equal(want, have)
         for want, have in zip(expected, got, strict=True)
     )

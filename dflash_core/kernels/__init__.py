@@ -4,3 +4,14 @@ regeneration decoder the attention of one query per slot over its valid cache po
 (`decode_attention`), the target's RMSNorms (`rms_norm`) and rotary embeddings (`rope`), and
 the decode step's cache writes (`slot_write`). They import Triton at module import; callers import them lazily so CPU-only
 installs without Triton work."""
+
+import os
+
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton reads it
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether these kernels launch on `device`: CUDA, or the CPU through Triton's interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)

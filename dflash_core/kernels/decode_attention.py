@@ -24,13 +24,13 @@ it with a float64 reference through Triton's interpreter on CPU (tests/decode_at
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..devices import triton_launch_device
+from . import INTERPRETED
 
 BLOCK_N = 64  # cache positions per block of a program's walk (half that past head dim 128, so
 # the pipelined key and value tiles of a program keep to the same shared memory)
@@ -42,7 +42,6 @@ _LOG2E = 1.4426950408889634
 # Triton's interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bfloat16 tiles as their raw bits:
 # there the operands of tl.dot go to fp32 first, which gives the products a bf16 tensor-core dot
 # with fp32 accumulation gives (a bf16 value is exact in fp32)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -246,7 +245,7 @@ def decode_attention(
             BLOCK_G=block_g,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
-            FP32=query.dtype == torch.float32 or _INTERPRETED,
+            FP32=query.dtype == torch.float32 or INTERPRETED,
             num_warps=num_warps,
             num_stages=num_stages,
         )

@@ -14,20 +14,18 @@ The rounding steps are those of the eager code; only the order of the row's sum 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..devices import triton_launch_device
+from . import runs_on  # noqa: F401 - where callers ask it
 
 WEIGHTINGS = ("scaled", "offset")
 # elements a program holds: rows of a narrow norm (the per-head q/k norms, 64-256 wide) share a
 # program, a wide row has one to itself
 _TILE = 4096
 MAX_WIDTH = 32768  # a wider row would not fit one program's registers
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -62,11 +60,6 @@ def _rms_norm_kernel(
 
 def output_dtype(x: torch.Tensor, weight: torch.Tensor, weighting: str) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype) if weighting == "scaled" else x.dtype
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel launches on `device`: CUDA, or the CPU through Triton's interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -15,18 +15,16 @@ where the eager code rounds three times.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..devices import triton_launch_device
+from . import runs_on  # noqa: F401 - where callers ask it
 
 DTYPES = (torch.bfloat16,)
 MAX_HEAD_DIM = 512
 MAX_HEADS = 256
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -119,11 +117,6 @@ def _rope_kernel(
             k_ptr + b * k_sb + s * k_ss, k_out_ptr + b * ko_sb + s * ko_ss, k_heads, k_sh, ko_sh,
             c1, c2, s1, s2, HALF, BLOCK_D, BLOCK_H,
         )  # fmt: skip
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel launches on `device`: CUDA, or the CPU through Triton's interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

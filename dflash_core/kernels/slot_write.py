@@ -11,16 +11,14 @@ recorded graph cannot raise, and the decoder's positions stay inside the cache.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..devices import triton_launch_device
+from . import runs_on  # noqa: F401 - where callers ask it
 
 MAX_ELEMENTS = 1 << 16  # one slot's heads x head_dim a program holds
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -68,11 +66,6 @@ def _slot_write_kernel(
         _copy_heads(
             v_new + slot * vn_s, v_cache + slot * vc_s + pos * vc_p, heads, vn_h, vc_h, ok, HEAD_DIM, BLOCK_H, BLOCK_D
         )
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether the kernel launches on `device`: CUDA, or the CPU through Triton's interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
 
 
 def supports(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:

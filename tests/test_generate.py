@@ -184,3 +184,41 @@ def test_causal_prefill_attention_equals_the_masked_one():
     masked, _ = slot_attention(None, query, key, value, mask)
     assert causal.shape == (2, 7, 6, 16)
     torch.testing.assert_close(causal, masked)
+
+
+def test_split_step_equals_generate(target, prompts, reference):
+    """The decode step in two halves of the slots (split.py; on the CPU one after the other, the
+    same arithmetic a CUDA step runs on two streams), with an odd slot count so the halves differ
+    in size: generate's greedy tokens, and seeded sampling equal to the whole step's."""
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    whole = SlotDecoder(model, slots=5, length=160)
+    assert whole.split is None  # the default on the CPU
+    halves = SlotDecoder(model, slots=5, length=160, split=True)
+    assert halves.split is not None and halves.split.ranges == ((0, 2), (2, 5))
+    assert halves.split.marker is model.get_decoder().layers[0].self_attn
+    requests = [Request(k, p, MAX_NEW, seed=k) for k, p in enumerate(prompts)]
+    done = {c.key: c.tokens for c in halves.generate(requests, Sampling(stop_token_ids=(eos,)))}
+    assert [done[k] for k in range(len(prompts))] == reference
+    sampling = Sampling(temperature=1.1, top_p=0.9, top_k=30, stop_token_ids=(eos,))
+    split = {c.key: c.tokens for c in halves.generate(requests, sampling)}
+    plain = {c.key: c.tokens for c in whole.generate(requests, sampling)}
+    assert split == plain and split != done
+
+
+def test_cache_part_is_a_view_of_its_slots():
+    """A part of the slot cache writes into the whole cache's rows, at each of its slots' positions."""
+    from dflash_core.regenerate.cache import SlotCache
+
+    cache = SlotCache(2, 5, 6, 2, 4, "cpu", torch.float32)
+    part = cache.part(2, 5)
+    assert part.keys[1].shape == (3, 2, 6, 4) and part.keys[1].data_ptr() == cache.keys[1][2].data_ptr()
+    part.positions = torch.tensor([0, 3, 5])
+    new = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 1, 4) + 1
+    keys, values = part.update(new, -new, 1)
+    assert keys is part.keys[1] and values is part.values[1]
+    for row, position in enumerate((0, 3, 5)):
+        assert torch.equal(cache.keys[1][2 + row, :, position], new[row, :, 0])
+        assert torch.equal(cache.values[1][2 + row, :, position], -new[row, :, 0])
+    assert cache.keys[1][:2].abs().sum() == 0 and cache.keys[0].abs().sum() == 0
+    assert (cache.keys[1] != 0).sum() == new.numel()

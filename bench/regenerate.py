@@ -13,10 +13,7 @@ batched GEMMs over the whole static cache. `--fused` says how the layers' elemen
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
 as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py); norms, the RMSNorm
 kernel alone (the rotary embedding and the cache writes eager); off, transformers' eager code;
-on,norms,off: a row of each. `--split` says how the decode step runs the slots: on, in two halves
-on two streams, the second starting after the first's first attention block (regenerate/split.py);
-even, the same with both halves starting together; off, all slots in one pass; auto, as the
-decoder decides (on from SPLIT_MIN_SLOTS slots).
+on,norms,off: a row of each.
 
 A row per precision, attention and slot count:
 
@@ -58,7 +55,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--fused on,norms,off] [--split auto,on,even,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
+        [--fused on,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
 """
 
 from __future__ import annotations
@@ -162,7 +159,6 @@ def run_slots(
     matmul_flops: float,
     kernel: bool,
     fused: str = "on",
-    split: str = "auto",
     use_graph=True,
     head_flops: float | None = None,
 ) -> dict:
@@ -170,12 +166,7 @@ def run_slots(
     head_flops the LM head's, FLOP/s; the same unless given)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
-    halves = {"auto": None, "on": True, "even": True, "off": False}[split]
-    dec = SlotDecoder(
-        model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off", split=halves
-    )
-    if split == "even" and dec.split is not None:  # the halves start together: no phase offset
-        dec.split.marker = None
+    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off")
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
@@ -211,7 +202,6 @@ def run_slots(
     return {
         "attention": "kernel" if dec.attention_kernel else "masked",
         "fused": fused_label(dec),
-        "split": ("even" if dec.split.marker is None else "on") if dec.split is not None else "off",
         "slots": slots,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
@@ -331,14 +321,6 @@ def parse_fused(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def parse_split(spec: str) -> list[str]:
-    """--split's rows: auto, on, even, off."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= {"auto", "on", "even", "off"}:
-        raise ValueError(f"--split takes auto, on, even and off, not {spec!r}")
-    return list(dict.fromkeys(names))
-
-
 def fused_label(dec) -> str:
     """Which of the layers' kernels a decoder runs: norms, rope, writes joined by '+', or eager."""
     parts = [name for name, on in (("norms", dec.norms), ("rope", dec.rope), ("writes", dec.cache.write_kernel)) if on]
@@ -346,7 +328,7 @@ def fused_label(dec) -> str:
 
 
 def bench_precision(
-    precision: str, args, kernels, fused_rows: list[str], split_rows: list[str], bandwidth: float, bf16_flops: float
+    precision: str, args, kernels, fused_rows: list[str], bandwidth: float, bf16_flops: float
 ) -> list[dict]:
     """The rows of one target precision (the target is gone when this returns)."""
     target = build_target(precision)
@@ -360,8 +342,8 @@ def bench_precision(
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    for slots, (kernel, settings), fused, split in itertools.product(slot_counts, kernels, fused_rows, split_rows):
-        run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused, split)
+    for slots, (kernel, settings), fused in itertools.product(slot_counts, kernels, fused_rows):
+        run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
             with kernel_settings(settings):
                 row = run_slots(*run, head_flops=bf16_flops)
@@ -373,7 +355,7 @@ def bench_precision(
                     row = run_slots(*run, use_graph=False, head_flops=bf16_flops)
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
-                row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)", "split": split}
+                row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)"}
                 row.update(slots=slots, error=type(e).__name__)
         if settings is not None:
             row["attention"] += " " + "/".join(map(str, settings))
@@ -406,12 +388,6 @@ def main(argv=None) -> None:
         help="the elementwise rows, comma-separated: on (norms, rotary, cache writes as kernels), norms (that kernel "
         "alone), off (eager)",
     )
-    p.add_argument(
-        "--split",
-        default="auto",
-        help="the decode step's rows, comma-separated: auto (the decoder's choice), on (two halves on two streams, "
-        "out of phase), even (two halves started together), off (one pass)",
-    )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
@@ -422,7 +398,6 @@ def main(argv=None) -> None:
     try:
         kernels = parse_kernels(args.kernel)
         fused_rows = parse_fused(args.fused)
-        split_rows = parse_split(args.split)
     except ValueError as e:
         p.error(str(e))
     out_dir()
@@ -432,7 +407,7 @@ def main(argv=None) -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s")
     rows = []
     for precision in precisions:
-        rows += bench_precision(precision, args, kernels, fused_rows, split_rows, bandwidth, bf16_flops)
+        rows += bench_precision(precision, args, kernels, fused_rows, bandwidth, bf16_flops)
         gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
     cols: list[str] = []

@@ -287,20 +287,16 @@ def _counting(module: str, name: str):
 def decoder_kernels_case(device: str = "cpu") -> dict:
     """A bf16 Qwen3 decoder (sliding and full layers) with its layers' kernels against the same
     decoder with the rotary embeddings and the cache writes eager: the same greedy tokens (both
-    kernels are exact), and the kernels seen to run in its prefills and decode steps; and with
-    the decode step in two halves of the slots (split.py: each half's kernels over its view of
-    the cache; two streams on CUDA), the same tokens again."""
+    kernels are exact), and the kernels seen to run in its prefills and decode steps."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
     model = tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (5, 11, 2, 7)]
     outputs, counts = [], {}
-    for name in ("fused", "eager", "split"):
-        dec = SlotDecoder(
-            model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True, split=name == "split"
-        )
-        if name == "eager":
+    for fused in (True, False):
+        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True)
+        if not fused:
             dec.rope, dec.cache.write_kernel = None, False
         with (
             _counting("dflash_core.kernels.rope", "apply_rope") as rope_calls,
@@ -310,13 +306,8 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
                 dec.generate([Request(k, p, NEW_TOKENS) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
             )
         outputs.append({c.key: c.tokens for c in done})
-        counts[name] = {"rope": len(rope_calls), "writes": len(write_calls)}
-    return {
-        "equal": outputs[0] == outputs[1],
-        "split_equal": outputs[2] == outputs[0],
-        "calls": counts,
-        "tokens": sum(len(t) for t in outputs[0].values()),
-    }
+        counts["fused" if fused else "eager"] = {"rope": len(rope_calls), "writes": len(write_calls)}
+    return {"equal": outputs[0] == outputs[1], "calls": counts, "tokens": sum(len(t) for t in outputs[0].values())}
 
 
 def _rotate_half(x):

@@ -83,13 +83,3 @@ def test_serial_floor_is_the_cache_read_then_the_slower_of_bytes_and_flops():
     slow = serial_floor_ms(model, 4, cache, bandwidth, 1.0, 2.0)
     expected = (4 * cache / bandwidth + 2 * 4 * prefill_weights(model) + 2 * 4 * head.numel() / 2.0) * 1e3
     assert abs(slow - expected) < 1e-6 * expected
-
-
-def test_split_rows_parse_in_order_and_refuse_other_names():
-    import pytest
-
-    from bench.regenerate import parse_split
-
-    assert parse_split("on, off,on,even") == ["on", "off", "even"]
-    with pytest.raises(ValueError, match="--split"):
-        parse_split("on,halves")

@@ -21,16 +21,6 @@ class SlotCache:
         self.positions: torch.Tensor | None = None  # decode: [slots] the position written
         self.write_kernel = False  # decode: the new rows written by kernels/slot_write.py
 
-    def part(self, start: int, end: int) -> SlotCache:
-        """Slots start..end-1 as a cache of their own over the same storage (a view of each
-        layer's keys and values), for a decode step that runs them apart (split.py)."""
-        part = object.__new__(SlotCache)
-        part.keys = [k[start:end] for k in self.keys]
-        part.values = [v[start:end] for v in self.values]
-        part.slot_index = self.slot_index[: end - start]
-        part.rows, part.positions, part.write_kernel = None, None, self.write_kernel
-        return part
-
     def kernel_takes(self, dtype: torch.dtype) -> bool:
         """Whether kernels/slot_write.py launches here and takes this cache's decode writes (new
         rows in `dtype`, as the model's)."""

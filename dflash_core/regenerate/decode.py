@@ -8,8 +8,7 @@ attention.py), so on CUDA the step is recorded once as a CUDA graph and replayed
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
 slot, and the next prompts go into the free slots while the others keep decoding (continuous
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
-position's logits computed (prefill.py). At a few hundred slots the step runs them in two halves
-on two streams, so that one half's attention overlaps the other's GEMMs (split.py).
+position's logits computed (prefill.py).
 
 The model is driven through its own decoder: the cache is an object with transformers' `update`
 method that writes each slot's keys and values at that slot's position, the positions go in as
@@ -41,7 +40,6 @@ from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
-from .split import SplitStep
 
 log = logging.getLogger("dflash.generate")
 
@@ -50,9 +48,6 @@ _M32 = 0xFFFFFFFF
 # chunks are sized so that a chunk's transient memory stays small next to the cache
 _PREFILL_TOKENS_CUDA = 16384
 _PREFILL_TOKENS_CPU = 2048
-# below this many slots a step's GEMMs are bound by the weights' bytes, which a split step reads
-# twice, and its attention is short: the halves would have little to overlap
-SPLIT_MIN_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -168,9 +163,7 @@ class SlotDecoder:
     CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks.
     fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py)
     and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
-    CUDA), each where it matches what it replaces. split: the decode step runs the slots in two
-    halves on two streams, one half's attention beside the other's GEMMs (split.py; None: where
-    the step is recorded with the attention kernel and there are at least SPLIT_MIN_SLOTS)."""
+    CUDA), each where it matches what it replaces."""
 
     def __init__(
         self,
@@ -180,7 +173,6 @@ class SlotDecoder:
         use_graph: bool | None = None,
         attention_kernel: bool | None = None,
         fused_kernels: bool | None = None,
-        split: bool | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -218,9 +210,6 @@ class SlotDecoder:
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
-        if split is None:
-            split = self.use_graph and self.attention_kernel and slots >= SPLIT_MIN_SLOTS
-        self.split = SplitStep(self.cache, slots, self.decoder, dev) if split and slots >= 2 else None
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
@@ -241,7 +230,7 @@ class SlotDecoder:
             masks[kind] = m.unsqueeze(1)  # [N, 1, Q, K]
         return masks
 
-    def _hidden(self, input_ids, position_ids, masks, cache: SlotCache) -> torch.Tensor:
+    def _hidden(self, input_ids, position_ids, masks) -> torch.Tensor:
         # the model's attention layers read the implementation from the config at every call:
         # slot_attention for this forward only (the engine's other users of the target keep theirs)
         saved = self.config._attn_implementation
@@ -257,7 +246,7 @@ class SlotDecoder:
                     input_ids=input_ids,
                     position_ids=position_ids,
                     attention_mask=attention_mask,
-                    past_key_values=cache,
+                    past_key_values=self.cache,
                     use_cache=True,
                 )
         finally:
@@ -267,33 +256,25 @@ class SlotDecoder:
     def _decode_step(self, greedy: bool) -> None:
         """One token for every slot from self.tokens at self.positions into self.next_tokens; then
         the inputs move on by one (what the next step reads). Fixed shapes: a graph records it."""
-        if self.split is not None:
-            self.split(lambda a, b, cache: self._decode_rows(a, b, cache, greedy), self.cache.write_kernel)
-        else:
-            self._decode_rows(0, self.slots, self.cache, greedy)
-        self.tokens.copy_(self.next_tokens)
-        self.positions.add_(1).clamp_(max=self.length - 1)  # an idle slot's position must stay in the cache
-        self.steps.add_(1)
-
-    def _decode_rows(self, start: int, end: int, cache: SlotCache, greedy: bool) -> None:
-        """The next tokens of slots start..end-1 (cache: theirs) into self.next_tokens."""
-        positions = self.positions[start:end]
-        cache.rows, cache.positions = None, positions
+        cache = self.cache
+        cache.rows, cache.positions = None, self.positions
         if self.attention_kernel:  # each slot's valid range per layer kind, in place of its mask
             masks = {
-                kind: decode_ranges(positions, self.window if kind == "sliding_attention" else None)
+                kind: decode_ranges(self.positions, self.window if kind == "sliding_attention" else None)
                 for kind in dict.fromkeys(self.kinds)
             }
         else:
             masks = {
                 kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
-                for kind, m in self._mask(positions.unsqueeze(-1), self.key_index).items()
+                for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
             }
-        hidden = self._hidden(self.tokens[start:end].unsqueeze(-1), positions.unsqueeze(-1), masks, cache)
+        hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
         logits = self.head(hidden[:, -1]).float()
-        seeds, steps = self.seeds[start:end], self.steps[start:end]
-        chosen = choose_tokens(logits, seeds, steps, greedy, self.temperature, self.top_k, self.top_p)
-        self.next_tokens[start:end].copy_(chosen)
+        chosen = choose_tokens(logits, self.seeds, self.steps, greedy, self.temperature, self.top_k, self.top_p)
+        self.next_tokens.copy_(chosen)
+        self.tokens.copy_(chosen)
+        self.positions.add_(1).clamp_(max=self.length - 1)  # an idle slot's position must stay in the cache
+        self.steps.add_(1)
 
     def _record(self, greedy: bool) -> torch.cuda.CUDAGraph:
         dev = self.device
@@ -347,7 +328,7 @@ class SlotDecoder:
         self.cache.rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
         self.cache.positions = None
         try:
-            hidden = self._hidden(ids, pos, prefill_attention(self.kinds, self.window, ids.shape[1], dev), self.cache)
+            hidden = self._hidden(ids, pos, prefill_attention(self.kinds, self.window, ids.shape[1], dev))
         finally:
             self.cache.rows = None
         last = hidden[torch.arange(len(admitted), device=dev), lens - 1]

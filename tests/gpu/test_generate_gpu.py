@@ -4,8 +4,7 @@ prompts of different lengths with slots refilled; seeded sampling equal with and
 reserved memory flat over a second run; the decode-attention kernel against a float64 reference,
 and the recorded step with it equal to the step without it; the RMSNorm kernel against the norm
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
-cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
-the decode step split in two halves on two streams, recorded, equal to the whole step."""
+cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them."""
 
 import pytest
 import torch
@@ -27,12 +26,10 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, split=None):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
-    dec = SlotDecoder(
-        model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel, split=split
-    )
+    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
     if configure is not None:
         configure(dec)
     assert dec.use_graph == use_graph
@@ -135,30 +132,6 @@ def test_rotary_and_cache_write_kernels_change_no_token(setup):
 
     case = decoder_kernels_case("cuda")
     assert case["equal"] and case["calls"]["fused"]["rope"] > 0 and case["calls"]["fused"]["writes"] > 0, case
-    assert case["split_equal"], case  # the halves on two streams, eagerly
-
-
-def test_split_step_recorded_on_two_streams_equals_the_whole_step(setup):
-    """The decode step in two halves of the slots, the second on its own stream, recorded as one
-    graph: greedy tokens of the whole recorded step (fp32, so the halves' GEMM shapes round the
-    same) and of generate, seeded sampling equal too, reserved memory flat over a second run."""
-    from dflash_core.regenerate.decode import Request, Sampling
-
-    model, prompts = setup
-    eos = model.generation_config.eos_token_id
-    greedy = Sampling(stop_token_ids=(eos,))
-    whole, plain = _run(model, prompts, greedy, True, slots=5)
-    assert plain.split is None  # below SPLIT_MIN_SLOTS
-    halves, dec = _run(model, prompts, greedy, True, slots=5, split=True)
-    assert dec.split is not None and dec.split.stream is not None and dec._graphs
-    assert halves == whole
-    sampling = Sampling(temperature=0.8, top_p=0.9, top_k=50, stop_token_ids=(eos,))
-    assert _run(model, prompts, sampling, True, slots=5, split=True)[0] == _run(model, prompts, sampling, True)[0]
-    torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
-    again = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], greedy)}
-    torch.cuda.synchronize()
-    assert again == halves and torch.cuda.memory_reserved() == reserved
 
 
 def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):

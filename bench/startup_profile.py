@@ -1,9 +1,10 @@
 """Where a daemon start's seconds go, sampled: `dflash-trainer serve` under `py-spy record` until
 /healthz says ready.
 
-    python -m bench.startup_profile --config FILE [--seconds 120]
+    python -m bench.startup_profile --config FILE [--seconds 120] [--rate 100]
 
-Samples every thread of the daemon (GIL holders or not, idle excluded) at 100 Hz from the start
+Samples every thread of the daemon (GIL holders or not, idle excluded) at `--rate` Hz (the
+sampler slows Python down: a lower rate stretches the start less) from the start
 of the process to ready. Prints, for the engine's build thread and for all threads together, the
 seconds spent under each of our functions and each module import (inclusive), so that a warm
 start's time can be split into imports, loading, warm-up and what else runs. Needs py-spy (the
@@ -33,6 +34,7 @@ def main(argv=None) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--seconds", type=float, default=120, help="give up waiting for ready after this long")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--rate", type=int, default=RATE, help="samples per second")
     args = p.parse_args(argv)
     import tomllib
 
@@ -45,7 +47,7 @@ def main(argv=None) -> None:
             "py-spy",
             "record",
             "--rate",
-            str(RATE),
+            str(args.rate),
             "--format",
             "raw",
             "--threads",
@@ -110,15 +112,15 @@ def main(argv=None) -> None:
         if thread != "all threads" and "engine-build" not in thread:
             continue
         for key, n in counter.most_common(args.top):
-            rows.append({"thread": thread[:40], "seconds": round(n / RATE, 2), "where": key[:110]})
+            rows.append({"thread": thread[:40], "seconds": round(n / args.rate, 2), "where": key[:110]})
     print_table(
         [
-            {"seconds": round(n / RATE, 2), "build thread: ours -> callee": k[:150]}
+            {"seconds": round(n / args.rate, 2), "build thread: ours -> callee": k[:150]}
             for k, n in leaves.most_common(args.top)
         ],
         ["seconds", "build thread: ours -> callee"],
     )
-    print(f"\nready after {ready_s and round(ready_s, 1)} s (process start -> /healthz 200), sampled at {RATE} Hz")
+    print(f"\nready after {ready_s and round(ready_s, 1)} s (process start -> /healthz 200), sampled at {args.rate} Hz")
     print_table(rows, ["thread", "seconds", "where"])
 
 

@@ -78,3 +78,35 @@ def test_rotation_keeps_the_newest_steps_past_10_to_the_8(tmp_path):
         removed = rotate_checkpoints(directory, keep=2)
     assert sorted(Path(p).name for p in removed) == ["step-99999990", "step-99999999"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [partial.name, "step-100000000", "step-100000010"]
+
+
+def test_snapshot_preparation_says_when_done_and_stops_on_clear():
+    """HostSnapshot.prepare runs in a thread of its own: done() there once every buffer is in
+    place; clear() stops a preparation in flight after the buffer it is on, and done() is not
+    called for it."""
+    import torch
+
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    like = (torch.Size([4, 4]), torch.float32, torch.device("cpu"))  # host tensors need no buffer
+    snap, done = HostSnapshot(), []
+    snap.prepare([like, like], lambda: done.append(threading.current_thread().name))
+    snap.wait()
+    assert done == ["checkpoint-buffers"]
+
+    cancel, reached = snap._cancel, []
+
+    def layout():  # the second shape only once clear() has asked the preparation to stop
+        yield like
+        cancel.wait(30)
+        reached.append("second")
+        yield like
+        reached.append("third")
+        yield like
+
+    snap.prepare(layout(), lambda: done.append("again"))
+    snap.clear()
+    assert reached == ["second"] and done == ["checkpoint-buffers"] and snap._buffers == {}
+    snap.prepare([like], lambda: done.append("after clear"))  # a new preparation is not cancelled
+    snap.wait()
+    assert done[-1] == "after clear"

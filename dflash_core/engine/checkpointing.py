@@ -127,21 +127,33 @@ class HostSnapshot:
     state lists them, so a checkpoint copies into the buffers of the one before. They can be
     prepared ahead, in a background thread, from the shapes the state will have (pinned
     allocation takes seconds for a large drafter); a tensor with no buffer of its shape gets one
-    when it is first copied. Host tensors (step counters, small) are cloned."""
+    when it is first copied. Host tensors (step counters, small) are cloned.
+
+    Page-locking gigabytes slows every CUDA call other threads make meanwhile (kernel loads and
+    launches included), so the engine prepares them once it is ready, not while it compiles."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._preparing: threading.Thread | None = None
+        self._cancel = threading.Event()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def prepare(self, likes: list[tuple[torch.Size, torch.dtype, torch.device]]) -> None:
-        """Allocate buffers for the device tensors of these shapes in a background thread."""
+    def prepare(
+        self, likes: list[tuple[torch.Size, torch.dtype, torch.device]], done: Callable[[], None] | None = None
+    ) -> None:
+        """Allocate buffers for the device tensors of these shapes in a background thread; done()
+        there once they all are (not when clear() cut it short)."""
+        cancel = self._cancel
 
         def run() -> None:
             for shape, dtype, device in likes:
+                if cancel.is_set():
+                    return
                 if torch.device(device).type == "cuda":
                     key = (tuple(shape), dtype)
                     self._buffers.setdefault(key, []).append(_host_buffer(shape, dtype, device))
+            if done is not None:
+                done()
 
         self._preparing = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
         self._preparing.start()
@@ -187,10 +199,13 @@ class HostSnapshot:
         return _rebuild(state, iter(copies)), event
 
     def clear(self) -> None:
+        """Drop the buffers; a preparation in flight stops after the buffer it is allocating."""
+        self._cancel.set()
         if self._preparing is not None:
             self._preparing.join()
             self._preparing = None
         self._buffers = {}
+        self._cancel = threading.Event()
 
 
 def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -5,6 +5,7 @@ Threads after warm-up:
                  hand them to the drafters (pipeline.py)
   drafter-<dev>  one per replica: forward + backward of its micro-batches, optimizer step (drafters.py)
   caller         the job's thread: the job's loop (dflash_core/train/run.py), gradient averaging, checkpoints
+  checkpoint-buffers  once, from ready on: pins the checkpoint snapshot's host buffers (HostSnapshot)
 No worker thread exists before warm-up ends (warmup.py says why).
 
 A job is run by its kind's run class (the table of dflash_core/kinds.py; the protocol in kinds.py),
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from ..data.prepare import Tokenization, save_tokenizer
 from ..devices import CudaContexts
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult
+from .checkpointing import expected_layout
 from .compile import (
     ARTIFACTS_FILE,
     CompileGuard,
@@ -112,9 +115,25 @@ class Engine(PartsView):
         if self.parts.plan.compiled:
             log_compile_times()
         self.drafters.start(self.parts.replicas, lambda name: self.timeline.mark(f"thread:{name}"))
+        if self.parts.snapshot is not None:  # pinned now that nothing compiles (HostSnapshot says why)
+            self._prepare_snapshot(self.parts.snapshot, expected_layout(self.parts.replicas[0]))
         self.ready = True
         self.ranks.announce_ready(lambda: self.parts.description(self.config.shape) if self.parts else {})
         self.timeline.enter("ready", len(self.replicas))
+
+    def _prepare_snapshot(self, snapshot, layout) -> None:
+        """The checkpoint's pinned buffers, in the background; logged and marked when allocated (a
+        checkpoint before then waits for them)."""
+        began = time.monotonic()
+        nbytes = sum(shape.numel() * dtype.itemsize for shape, dtype, _ in layout)
+
+        def done() -> None:
+            self.timeline.mark("ready:checkpoint_buffers")
+            seconds = round(time.monotonic() - began, 2)
+            fields = {"bytes": nbytes, "tensors": len(layout), "seconds": seconds}
+            log.info("checkpoint buffers pinned", extra={"fields": fields})
+
+        snapshot.prepare(layout, done)
 
     # ------------------------------------------------------------------ status
     def status(self) -> EngineStatus:

@@ -29,7 +29,7 @@ from ..recipes import recipe_named
 from ..target import TargetModel
 from ..target_fusion import relative_error
 from .api import WarmupRecord
-from .checkpointing import HostSnapshot, expected_layout
+from .checkpointing import HostSnapshot
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
 from .drafters import GradSync
@@ -188,10 +188,6 @@ class _Build:
         features = self.warm_targets(targets, batch)
         gamma = recipe_gamma(config.recipe, config.block_size)
         replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), gamma)
-        snapshot = None
-        if replicas[0].device.type == "cuda":  # pinned while the drafters compile (seconds either way)
-            snapshot = HostSnapshot()
-            snapshot.prepare(expected_layout(replicas[0]))
         # another micro-batch than the recorded one, to check a recorded step graph on
         check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
         self.warm_drafters(replicas, batch, features, check)
@@ -200,9 +196,8 @@ class _Build:
             rep.zero_grad()
         reset_weights(replicas, WARMUP_SEED)
         feature_spec = (tuple(features.shape), features.dtype)
-        if snapshot is not None:
-            snapshot.wait()
-            timeline.mark("build:checkpoint_buffers")
+        # its pinned buffers are allocated once the engine is ready (Engine.build; HostSnapshot says why)
+        snapshot = HostSnapshot() if replicas[0].device.type == "cuda" else None
         return Parts(
             str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma, snapshot
         )

@@ -57,6 +57,9 @@ def test_replicas_identical_and_no_runtime_compile(tmp_path):
     )
     assert res.status == "SUCCEEDED" and len(steps) == 50
     assert engine.status().compiles["runtime"] == 0
+    labels = [label for label, _ in engine.build_timeline()]  # the checkpoint at step 50 waited for them
+    # the snapshot's buffers pinned once the engine was ready, not beside its compiles
+    assert labels.index("ready:checkpoint_buffers") > labels.index("warmup:done"), labels
     assert all(rep.step_graph is not None for rep in engine.replicas)  # the job replayed graphs
     first = [p.detach().cpu() for p in engine.replicas[0].drafter.parameters()]
     masters = {k: v.cpu() for k, v in engine.replicas[0].weights_state().items()}

@@ -110,3 +110,34 @@ def test_snapshot_preparation_says_when_done_and_stops_on_clear():
     snap.prepare([like], lambda: done.append("after clear"))  # a new preparation is not cancelled
     snap.wait()
     assert done[-1] == "after clear"
+
+
+def test_snapshot_preparation_that_fails_is_logged_not_raised():
+    """A buffer the host cannot allocate: the preparation stops with a warning naming the error,
+    done() is not called, and the snapshot stays usable (a checkpoint allocates what is missing)."""
+    import logging
+
+    import torch
+
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dflash.engine")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    snap, done = HostSnapshot(), []
+    try:
+        # negative: no host allocates it (and on a host without CUDA, nothing pins)
+        snap.prepare([(torch.Size([-3]), torch.float32, torch.device("cuda:0"))], lambda: done.append(1))
+        snap.wait()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert done == []
+    warned = [r.getMessage() for r in records if "checkpoint buffers not pinned ahead" in r.getMessage()]
+    assert len(warned) == 1 and ("negative" in warned[0] or "pin" in warned[0]), warned
+    copy, event = snap.copy({"step": torch.tensor(2.0)})
+    assert event is None and copy["step"].item() == 2.0

@@ -146,12 +146,17 @@ class HostSnapshot:
         cancel = self._cancel
 
         def run() -> None:
-            for shape, dtype, device in likes:
-                if cancel.is_set():
-                    return
-                if torch.device(device).type == "cuda":
-                    key = (tuple(shape), dtype)
-                    self._buffers.setdefault(key, []).append(_host_buffer(shape, dtype, device))
+            try:
+                for shape, dtype, device in likes:
+                    if cancel.is_set():
+                        return
+                    if torch.device(device).type == "cuda":
+                        key = (tuple(shape), dtype)
+                        self._buffers.setdefault(key, []).append(_host_buffer(shape, dtype, device))
+            except (RuntimeError, MemoryError) as e:  # the host cannot pin that much: said, not raised away
+                # the first checkpoint allocates what is missing itself and fails the job there if it must
+                log.warning("checkpoint buffers not pinned ahead: %s", e, extra={"fields": {"error": str(e)[:500]}})
+                return
             if done is not None:
                 done()
 

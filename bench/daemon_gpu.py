@@ -8,8 +8,11 @@ stops it (SIGTERM) and starts it again on the warm cache to measure time to read
 (--warm-starts N: N times, and their median; --warm-env "A;B": the warm starts take turns with
 these environments, e.g. "TORCHINDUCTOR_COMPILE_THREADS=1", and a median is reported per
 environment; "" is the unchanged one).
-Context tokens/s of the job = the full pipeline (target forward + drafter step + grad sync +
-optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
+The job is submitted once the checkpoint snapshot's host buffers, which the daemon pins in the
+background from ready on, are pinned (`checkpoint_buffers` in /healthz; the row's `pinned_s`, the
+seconds after ready), so that its steps are the steady ones; --job-at-ready submits it at ready,
+beside the pinning (what a job arriving at once sees). Context tokens/s of the job = the full
+pipeline (target forward + drafter step + grad sync + optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
 
 --gil SECONDS samples the daemon with `py-spy record --gil` (pip install -e ".[bench]": the `bench`
 extra) for that long from the job's 20th step: the share of time some thread of the daemon held
@@ -84,6 +87,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float,
             pass
         time.sleep(0.25)
     raise TimeoutError("daemon not ready in time")
+
+
+def wait_buffers(url: str, timeout: float) -> float:
+    """Seconds until /healthz no longer says the checkpoint buffers are pinning."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if httpx.get(url + "/healthz", timeout=5).json().get("checkpoint_buffers") != "pinning":
+            return time.time() - t0
+        time.sleep(0.25)
+    raise TimeoutError(f"the checkpoint buffers were still pinning after {timeout:.0f} s")
 
 
 def metric_samples(page: str, names: tuple[str, ...]) -> list[tuple[str, dict[str, str], float]]:
@@ -192,6 +205,11 @@ def main(argv=None):
     p.add_argument(
         "--block-size", type=int, default=16, help="0: the recipe's default (a dspark daemon refuses any but 7)"
     )
+    p.add_argument(
+        "--job-at-ready",
+        action="store_true",
+        help="submit the job at ready, beside the pinning of the checkpoint buffers (default: once they are pinned)",
+    )
     p.add_argument("--engine-extra", default="", help='more [engine] lines, e.g. "teacher = true"')
     p.add_argument("--job-extra", default="{}", help='more job fields as JSON, e.g. \'{"loss": "kl"}\'')
     args = p.parse_args(argv)
@@ -240,6 +258,8 @@ inductor_cache_dir = "{work / "inductor"}"
                 row["env"] = variant or "-"
             record[f"phases_{phase}"] = phases
             if phase == "cold":
+                if not args.job_at_ready:
+                    row["pinned_s"] = round(wait_buffers(url, args.timeout), 1)
                 answer = httpx.post(
                     url + "/jobs",
                     json={

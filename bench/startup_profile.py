@@ -36,6 +36,8 @@ def main(argv=None) -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--rate", type=int, default=RATE, help="samples per second")
     args = p.parse_args(argv)
+    if args.rate <= 0:
+        p.error("--rate must be positive")
     import tomllib
 
     with open(args.config, "rb") as f:

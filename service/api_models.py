@@ -97,6 +97,11 @@ class Health(_Open):
     error: str | None = None
     compiles: dict[str, Any] | None = None
     warmup_seconds: list[dict[str, Any]] | None = None
+    checkpoint_buffers: Literal["none", "pinning", "pinned", "failed"] | None = Field(
+        None,
+        description="ready: the checkpoint snapshot's pinned host buffers, allocated in the background from ready "
+        "on (a checkpoint due before they are pinned waits for them; failed: the first checkpoint pins what is missing)",
+    )
     rank: int | None = Field(None, description="multi-host: this process's rank")
     ranks_ready: int | None = Field(None, description="multi-host, rank 0: ranks warm and answering")
     ranks_total: int | None = Field(None, description="multi-host: ranks in the group")

@@ -194,7 +194,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     t = time.monotonic()
     engine = Engine(config.engine, config.data_dir)
     try:
-        engine.build()
+        engine.build(checkpoints=False)  # it trains nothing: no buffers to pin
         saved = engine.save_compile_artifacts()
         status = engine.status()
     except Exception as e:  # noqa: BLE001 - the build's failure is the command's result

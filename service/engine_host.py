@@ -285,6 +285,7 @@ class EngineHost:
             body["error"] = self._error or (snapshot.group_problem if snapshot else None) or self._group_end
         if status == READY and snapshot is not None:
             body["compiles"] = snapshot.compiles
+            body["checkpoint_buffers"] = snapshot.checkpoint_buffers
             body["warmup_seconds"] = [
                 {"component": w.component, "device": w.device, "seconds": round(w.seconds, 4)} for w in snapshot.warmup
             ]

@@ -82,22 +82,33 @@ def test_rotation_keeps_the_newest_steps_past_10_to_the_8(tmp_path):
 
 def test_snapshot_preparation_says_when_done_and_stops_on_clear():
     """HostSnapshot.prepare runs in a thread of its own: done() there once every buffer is in
-    place; clear() stops a preparation in flight after the buffer it is on, and done() is not
-    called for it."""
+    place, its state pinning then pinned; clear() stops a preparation in flight after the buffer
+    it is on, and done() is not called for it."""
     import torch
 
     from dflash_core.engine.checkpointing import HostSnapshot
 
     like = (torch.Size([4, 4]), torch.float32, torch.device("cpu"))  # host tensors need no buffer
     snap, done = HostSnapshot(), []
-    snap.prepare([like, like], lambda: done.append(threading.current_thread().name))
-    snap.wait()
-    assert done == ["checkpoint-buffers"]
+    assert snap.state == "empty"
+    gate = threading.Event()
 
-    cancel, reached = snap._cancel, []
-
-    def layout():  # the second shape only once clear() has asked the preparation to stop
+    def held():  # the first shape once the test has seen the state
+        gate.wait(30)
         yield like
+        yield like
+
+    snap.prepare(held(), lambda: done.append(threading.current_thread().name))
+    assert snap.state == "pinning"
+    gate.set()
+    snap.wait()
+    assert done == ["checkpoint-buffers"] and snap.state == "pinned"
+
+    cancel, first, reached = snap._cancel, threading.Event(), []
+
+    def layout():  # past the first shape only once clear() has asked the preparation to stop
+        yield like
+        first.set()
         cancel.wait(30)
         reached.append("second")
         yield like
@@ -105,8 +116,10 @@ def test_snapshot_preparation_says_when_done_and_stops_on_clear():
         yield like
 
     snap.prepare(layout(), lambda: done.append("again"))
+    assert first.wait(30)  # the thread is past its first shape, held in the generator
     snap.clear()
     assert reached == ["second"] and done == ["checkpoint-buffers"] and snap._buffers == {}
+    assert snap.state == "empty"
     snap.prepare([like], lambda: done.append("after clear"))  # a new preparation is not cancelled
     snap.wait()
     assert done[-1] == "after clear"
@@ -136,8 +149,8 @@ def test_snapshot_preparation_that_fails_is_logged_not_raised():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    assert done == []
+    assert done == [] and snap.state == "failed"
     warned = [r.getMessage() for r in records if "checkpoint buffers not pinned ahead" in r.getMessage()]
-    assert len(warned) == 1 and ("negative" in warned[0] or "pin" in warned[0]), warned
+    assert len(warned) == 1, warned
     copy, event = snap.copy({"step": torch.tensor(2.0)})
     assert event is None and copy["step"].item() == 2.0

@@ -46,6 +46,9 @@ class EngineStatus:
     queue_depths: dict[str, int]  # micro-batches waiting per drafter (empty between jobs)
     threads_alive: bool  # every worker thread started after warm-up is running
     allocator: dict[str, dict[str, int]]  # CUDA caching-allocator gauges per device (none on CPU)
+    # the checkpoint snapshot's pinned host buffers, allocated from ready on: none (no GPU state
+    # to pin, or a rank that does not checkpoint) | pinning | pinned | failed (the first checkpoint pins them)
+    checkpoint_buffers: str = "none"
     # multi-host (one process: rank 0 of 1): this process's rank, the group's size, the ranks rank 0
     # sees warm and beating (other ranks: themselves), and why the group cannot train, if it cannot
     rank: int = 0

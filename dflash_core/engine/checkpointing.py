@@ -6,8 +6,8 @@ leaves; everything else is decided here:
 - cadence: every `checkpoint_interval` steps and at the last step; `finish` also writes the
   current step when the job stops early (cancel, shutdown) so that it resumes from there;
 - snapshot: a copy of the fp32 master weights and the optimizer state of exactly one step into
-  host buffers allocated when the job starts and reused by every checkpoint (pinned when the
-  state lives on a GPU). The copies are launched on a side stream and training goes on at once:
+  host buffers allocated once (by the engine from ready on, or when the job starts where nobody
+  kept them) and reused by every checkpoint (pinned when the state lives on a GPU). The copies are launched on a side stream and training goes on at once:
   the next step's forward and backward only read the weights, and the replica's next optimizer
   step, the first write, waits on the GPU for the copies to finish (`DrafterReplica.write_guard`).
   The loop's pause is the launch, not the copy;
@@ -27,7 +27,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,14 +135,17 @@ class HostSnapshot:
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._preparing: threading.Thread | None = None
+        self._lock = threading.Lock()  # the job's checkpoint and the engine's close may both join it
         self._cancel = threading.Event()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.state = "empty"  # empty | pinning | pinned | failed: what /healthz reports
 
     def prepare(
-        self, likes: list[tuple[torch.Size, torch.dtype, torch.device]], done: Callable[[], None] | None = None
+        self, likes: Iterable[tuple[torch.Size, torch.dtype, torch.device]], done: Callable[[], None] | None = None
     ) -> None:
         """Allocate buffers for the device tensors of these shapes in a background thread; done()
         there once they all are (not when clear() cut it short)."""
+        self._join()  # one preparation at a time
         cancel = self._cancel
 
         def run() -> None:
@@ -155,26 +158,33 @@ class HostSnapshot:
                         self._buffers.setdefault(key, []).append(_host_buffer(shape, dtype, device))
             except (RuntimeError, MemoryError) as e:  # the host cannot pin that much: said, not raised away
                 # the first checkpoint allocates what is missing itself and fails the job there if it must
+                self.state = "failed"
                 log.warning("checkpoint buffers not pinned ahead: %s", e, extra={"fields": {"error": str(e)[:500]}})
                 return
+            self.state = "pinned"
             if done is not None:
                 done()
 
-        self._preparing = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
-        self._preparing.start()
+        thread = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
+        with self._lock:
+            self._preparing = thread
+            self.state = "pinning"
+        thread.start()
+
+    def _join(self) -> None:
+        with self._lock:
+            thread, self._preparing = self._preparing, None
+        if thread is not None:
+            thread.join()
 
     def wait(self) -> None:
         """Until the buffers `prepare` started are allocated."""
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+        self._join()
 
     def copy(self, state: Any) -> tuple[Any, torch.cuda.Event | None]:
         """(the state with every tensor replaced by its host copy, an event the copies of device
         tensors complete at, or None when everything was copied synchronously)."""
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+        self._join()
         tensors: list[torch.Tensor] = []
         _collect(state, tensors)
         event = None
@@ -206,11 +216,10 @@ class HostSnapshot:
     def clear(self) -> None:
         """Drop the buffers; a preparation in flight stops after the buffer it is allocating."""
         self._cancel.set()
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+        self._join()
         self._buffers = {}
         self._cancel = threading.Event()
+        self.state = "empty"
 
 
 def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -260,8 +269,9 @@ class Checkpointer:
         target_path: str,
         snapshot: HostSnapshot | None = None,
     ):
-        """snapshot: host buffers the caller keeps across jobs (prepared at engine start, so a
-        job does not wait seconds for pinned memory before its first step); None: this job's own."""
+        """snapshot: host buffers the caller keeps across jobs (prepared from the engine's ready on,
+        so a job does not pin gigabytes itself; its first checkpoint waits for them if they are
+        not yet pinned); None: this job's own."""
         self.job = job
         self.replica = replica  # replicas are identical: the first one's state is the job's
         self.callbacks = callbacks

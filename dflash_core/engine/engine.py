@@ -23,12 +23,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ..data.cache_entry import sweep_partial
 from ..data.prepare import Tokenization, save_tokenizer
 from ..devices import CudaContexts
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult
-from .checkpointing import expected_layout
+from .checkpointing import HostSnapshot, expected_layout
 from .compile import (
     ARTIFACTS_FILE,
     CompileGuard,
@@ -87,17 +89,19 @@ class Engine(PartsView):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ build + warm-up
-    def build(self) -> Engine:
+    def build(self, checkpoints: bool = True) -> Engine:
         """Load everything and warm it, in the calling thread. Returns self when ready (in a
-        group: this rank is ready; rank 0's status says when every rank is)."""
+        group: this rank is ready; rank 0's status says when every rank is). checkpoints: pin
+        the checkpoint snapshot's host buffers from ready on (False: an engine that trains no
+        job, such as `precompile`'s)."""
         try:
-            self._build()
+            self._build(checkpoints)
         except BaseException as e:
             self.ranks.announce_failed(e)
             raise
         return self
 
-    def _build(self) -> None:
+    def _build(self, checkpoints: bool) -> None:
         self.ranks.join(self.drafter_devices, self.timeline)
         if trusted_artifacts(self.data_dir / ARTIFACTS_FILE, self.data_dir) and load_artifacts(
             self.data_dir / ARTIFACTS_FILE
@@ -107,21 +111,22 @@ class Engine(PartsView):
             sweep_partial(self.data_dir / "cache" / partial)
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts)
         self.ranks.bind(self.drafters, self.parts.drafter_config.block_size)
-        if not self.ranks.leads and self.parts.snapshot is not None:  # only rank 0 checkpoints
-            self.parts.snapshot.clear()
+        if not (checkpoints and self.ranks.leads):  # only rank 0 checkpoints
             self.parts.snapshot = None
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")
         if self.parts.plan.compiled:
             log_compile_times()
         self.drafters.start(self.parts.replicas, lambda name: self.timeline.mark(f"thread:{name}"))
-        if self.parts.snapshot is not None:  # pinned now that nothing compiles (HostSnapshot says why)
-            self._prepare_snapshot(self.parts.snapshot, expected_layout(self.parts.replicas[0]))
         self.ready = True
         self.ranks.announce_ready(lambda: self.parts.description(self.config.shape) if self.parts else {})
         self.timeline.enter("ready", len(self.replicas))
+        if self.parts.snapshot is not None:  # pinned now that nothing compiles (HostSnapshot says why)
+            self._prepare_snapshot(self.parts.snapshot, expected_layout(self.parts.replicas[0]))
 
-    def _prepare_snapshot(self, snapshot, layout) -> None:
+    def _prepare_snapshot(
+        self, snapshot: HostSnapshot, layout: list[tuple[torch.Size, torch.dtype, torch.device]]
+    ) -> None:
         """The checkpoint's pinned buffers, in the background; logged and marked when allocated (a
         checkpoint before then waits for them)."""
         began = time.monotonic()
@@ -152,6 +157,7 @@ class Engine(PartsView):
             tokens_per_second=self.rate.rate(),
             queue_depths=self._queue_depths(),
             threads_alive=self.drafters.alive(),
+            checkpoint_buffers=self.parts.snapshot.state if self.parts and self.parts.snapshot else "none",
             allocator={d: s for d in sorted(devices) if (s := allocator_stats(d))} if self.ready else {},
             **self.ranks.status(self.ready),
         )

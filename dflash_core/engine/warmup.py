@@ -196,7 +196,7 @@ class _Build:
             rep.zero_grad()
         reset_weights(replicas, WARMUP_SEED)
         feature_spec = (tuple(features.shape), features.dtype)
-        # its pinned buffers are allocated once the engine is ready (Engine.build; HostSnapshot says why)
+        # its pinned buffers are allocated once the engine is ready (Engine._build; HostSnapshot says why)
         snapshot = HostSnapshot() if replicas[0].device.type == "cuda" else None
         return Parts(
             str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma, snapshot

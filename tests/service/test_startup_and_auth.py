@@ -49,6 +49,7 @@ def test_healthz_503_while_warming_then_200_and_livez_throughout(warming_daemon)
     ready = d.http.get("/healthz").json()
     assert ready["drafters_ready"] == ready["drafters_total"] == 1
     assert ready["compiles"]["runtime"] == 0
+    assert ready["checkpoint_buffers"] == "none"  # a CPU engine's state is host memory: nothing to pin
     assert {"warming_target", "warming_drafters"} <= {p for _, _, p in seen}, seen
 
     assert queued is not None

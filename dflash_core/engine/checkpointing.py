@@ -7,7 +7,8 @@ leaves; everything else is decided here:
   current step when the job stops early (cancel, shutdown) so that it resumes from there;
 - snapshot: a copy of the fp32 master weights and the optimizer state of exactly one step into
   host buffers allocated once (by the engine from ready on, or when the job starts where nobody
-  kept them) and reused by every checkpoint (pinned when the state lives on a GPU). The copies are launched on a side stream and training goes on at once:
+  kept them) and reused by every checkpoint (pinned when the state lives on a GPU). The copies
+  are launched on a side stream and training goes on at once:
   the next step's forward and backward only read the weights, and the replica's next optimizer
   step, the first write, waits on the GPU for the copies to finish (`DrafterReplica.write_guard`).
   The loop's pause is the launch, not the copy;

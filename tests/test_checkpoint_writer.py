@@ -154,3 +154,39 @@ def test_snapshot_preparation_that_fails_is_logged_not_raised():
     assert len(warned) == 1, warned
     copy, event = snap.copy({"step": torch.tensor(2.0)})
     assert event is None and copy["step"].item() == 2.0
+
+
+def test_a_held_preparation_waits_between_buffers_until_released():
+    """hold() pauses a preparation before its next buffer (what a job's start and first step do
+    while the engine's pinning still runs); release() lets it go on; wait() (a checkpoint's copy
+    too) releases it rather than waiting forever."""
+    import time
+
+    import torch
+
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    like = (torch.Size([2]), torch.float32, torch.device("cpu"))
+    snap, done, fetched = HostSnapshot(), [], []
+    first = threading.Event()
+
+    def layout():
+        for i in range(3):
+            fetched.append(i)
+            if i == 0:
+                first.set()
+            yield like
+
+    snap.hold()
+    snap.prepare(layout(), lambda: done.append(1))
+    assert first.wait(30)
+    time.sleep(0.2)  # held: the thread stays before its first buffer however long this takes
+    assert fetched == [0] and done == [] and snap.state == "pinning"
+    snap.release()
+    snap.wait()
+    assert fetched == [0, 1, 2] and done == [1] and snap.state == "pinned"
+
+    snap.hold()  # held again, a later preparation: wait() releases it
+    snap.prepare([like, like], lambda: done.append(2))
+    snap.wait()
+    assert done == [1, 2]

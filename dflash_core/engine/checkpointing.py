@@ -131,13 +131,17 @@ class HostSnapshot:
     when it is first copied. Host tensors (step counters, small) are cloned.
 
     Page-locking gigabytes slows every CUDA call other threads make meanwhile (kernel loads and
-    launches included), so the engine prepares them once it is ready, not while it compiles."""
+    launches included), so the engine prepares them once it is ready, not while it compiles, and
+    a job that starts while they are still being pinned holds the preparation (hold / release)
+    through its start and first step."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._preparing: threading.Thread | None = None
         self._lock = threading.Lock()  # the job's checkpoint and the engine's close may both join it
         self._cancel = threading.Event()
+        self._go = threading.Event()  # cleared: a preparation pauses before its next buffer
+        self._go.set()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.state = "empty"  # empty | pinning | pinned | failed: what /healthz reports
 
@@ -146,12 +150,16 @@ class HostSnapshot:
     ) -> None:
         """Allocate buffers for the device tensors of these shapes in a background thread; done()
         there once they all are (not when clear() cut it short)."""
+        held = not self._go.is_set()
         self._join()  # one preparation at a time
-        cancel = self._cancel
+        if held:  # a hold is kept for this one
+            self._go.clear()
+        cancel, go = self._cancel, self._go
 
         def run() -> None:
             try:
                 for shape, dtype, device in likes:
+                    go.wait()
                     if cancel.is_set():
                         return
                     if torch.device(device).type == "cuda":
@@ -172,7 +180,16 @@ class HostSnapshot:
             self.state = "pinning"
         thread.start()
 
+    def hold(self) -> None:
+        """Pause a preparation in flight before its next buffer (the one it is allocating
+        completes) until release(); whoever then waits for the buffers releases it."""
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
+
     def _join(self) -> None:
+        self._go.set()  # a held preparation goes on: the caller waits for it to end
         with self._lock:
             thread, self._preparing = self._preparing, None
         if thread is not None:
@@ -314,6 +331,11 @@ class Checkpointer:
         self._writer = CheckpointWriter()
         self._own_buffers = snapshot is None
         self._snapshot_buffers = HostSnapshot() if snapshot is None else snapshot
+        # the engine's pinning (if still going) waits while this job starts and takes its first
+        # step, which would otherwise share the driver with it; the first save() releases it
+        self._held = snapshot is not None
+        if snapshot is not None:
+            snapshot.hold()
         self._pauses: dict[int, float] = {}
         if snapshot is None:
             self._snapshot_buffers.prepare(expected_layout(replica))  # the last step always checkpoints
@@ -322,8 +344,14 @@ class Checkpointer:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self._release()
         if kind is not None:  # the job is failing: a write in flight completes, nothing new starts
             self.abandon()
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self._snapshot_buffers.release()
 
     def _drop_newer_than(self, step: int | None) -> None:
         """A resumed job recomputes the steps after its checkpoint: checkpoints of later steps on
@@ -344,6 +372,7 @@ class Checkpointer:
         self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None, *, force: bool = False
     ) -> None:
         """After step `step`: report writes that finished, and write this step if it is due."""
+        self._release()  # the first step is done: the engine's pinning goes on beside the next ones
         self._report(self._writer.poll())
         if not (force or self.due(step)) or self._last_step == step:
             return

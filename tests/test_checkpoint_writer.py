@@ -159,7 +159,7 @@ def test_snapshot_preparation_that_fails_is_logged_not_raised():
 def test_a_held_preparation_waits_between_buffers_until_released():
     """hold() pauses a preparation before its next buffer (what a job's start and first step do
     while the engine's pinning still runs); release() lets it go on; wait() (a checkpoint's copy
-    too) releases it rather than waiting forever."""
+    too) lets a held one go on rather than waiting forever."""
     import time
 
     import torch
@@ -186,7 +186,41 @@ def test_a_held_preparation_waits_between_buffers_until_released():
     snap.wait()
     assert fetched == [0, 1, 2] and done == [1] and snap.state == "pinned"
 
-    snap.hold()  # held again, a later preparation: wait() releases it
+    snap.hold()  # held again, a later preparation: wait() lets it go on
     snap.prepare([like, like], lambda: done.append(2))
     snap.wait()
     assert done == [1, 2]
+
+
+def test_a_hold_never_blocks_whoever_waits_for_the_buffers_nor_clear():
+    """A wait for the buffers overrides a hold for as long as it waits, even a hold taken while
+    it waits (a job starting while the engine closes); clear() stops a held preparation."""
+    import torch
+
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    like = (torch.Size([2]), torch.float32, torch.device("cpu"))
+    snap, done = HostSnapshot(), []
+    first, proceed = threading.Event(), threading.Event()
+
+    def layout():
+        first.set()
+        yield like
+        proceed.wait(30)
+        yield like
+
+    snap.hold()
+    snap.prepare(layout(), lambda: done.append("waited"))
+    assert first.wait(30)
+    waiter = threading.Thread(target=snap.wait)
+    waiter.start()
+    snap.hold()  # another hold while (or before) the waiter waits
+    proceed.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and done == ["waited"]
+
+    first.clear()
+    snap.prepare(layout(), lambda: done.append("cleared"))  # still held
+    assert first.wait(30)
+    snap.clear()  # returns: the held preparation stops before its next buffer
+    assert done == ["waited"] and snap.state == "empty"

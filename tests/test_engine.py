@@ -426,3 +426,26 @@ def test_a_failing_replica_with_gradient_accumulation_does_not_hang_the_job(
     assert result and "injected replica fault" in str(result[0])
     monkeypatch.undo()
     engine.close()
+
+
+def test_a_job_holds_the_engines_pinning_through_its_first_step(tmp_path, default_assets):
+    """The checkpoint buffers the engine pins from ready on (a CPU engine has none to pin, so
+    the test gives it a snapshot): a job holds their preparation from its start to its first
+    step's checkpoint call, and the preparation goes on after it."""
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    engine = make_engine(tmp_path / "data", ["cpu"])
+    snap = HostSnapshot()
+    engine.parts.snapshot = snap
+    held_at_steps = []
+
+    class Watch(Recorder):
+        def on_step(self, stats):
+            super().on_step(stats)
+            held_at_steps.append(snap._held)  # on_step comes before the step's checkpoint call
+
+    rec = Watch()
+    res = engine.run_job(job(default_assets, tmp_path / "out", steps=3), rec)
+    assert res.status == "SUCCEEDED", res.error
+    assert held_at_steps == [True, False, False] and not snap._held
+    engine.close()

@@ -207,8 +207,11 @@ class ContinualRun(TrainRun):
         self._report_records()
         self._report_publish()
         self._answer()
-        if self._writing is not None and self.step > self.start:  # a write that finished is recorded now
-            self._writing.save(self.step, self.stats, self.eval_result)
+        if self._writing is not None:
+            # waiting for data: the engine's pinning, held for the job's first step, may go on
+            self._writing.release_hold()
+            if self.step > self.start:  # a write that finished is recorded now
+                self._writing.save(self.step, self.stats, self.eval_result)
         self._maybe_swap()
         if self.cb.should_cancel():
             self.status = "STOPPED"

@@ -137,11 +137,13 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        # guards the preparing thread, the hold and the joins: a job's checkpoint, the job's hold
+        # and the engine's close may reach it from different threads
+        self._cond = threading.Condition()
         self._preparing: threading.Thread | None = None
-        self._lock = threading.Lock()  # the job's checkpoint and the engine's close may both join it
+        self._held = False
+        self._joining = 0  # threads waiting for the preparation to end: they override a hold
         self._cancel = threading.Event()
-        self._go = threading.Event()  # cleared: a preparation pauses before its next buffer
-        self._go.set()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.state = "empty"  # empty | pinning | pinned | failed: what /healthz reports
 
@@ -150,16 +152,17 @@ class HostSnapshot:
     ) -> None:
         """Allocate buffers for the device tensors of these shapes in a background thread; done()
         there once they all are (not when clear() cut it short)."""
-        held = not self._go.is_set()
         self._join()  # one preparation at a time
-        if held:  # a hold is kept for this one
-            self._go.clear()
-        cancel, go = self._cancel, self._go
+        cancel = self._cancel
+
+        def may_go() -> bool:
+            return not self._held or self._joining > 0 or cancel.is_set()
 
         def run() -> None:
             try:
                 for shape, dtype, device in likes:
-                    go.wait()
+                    with self._cond:
+                        self._cond.wait_for(may_go)
                     if cancel.is_set():
                         return
                     if torch.device(device).type == "cuda":
@@ -175,25 +178,37 @@ class HostSnapshot:
                 done()
 
         thread = threading.Thread(target=run, name="checkpoint-buffers", daemon=True)
-        with self._lock:
+        with self._cond:
             self._preparing = thread
             self.state = "pinning"
         thread.start()
 
     def hold(self) -> None:
-        """Pause a preparation in flight before its next buffer (the one it is allocating
-        completes) until release(); whoever then waits for the buffers releases it."""
-        self._go.clear()
+        """Pause a preparation (in flight or to come) before its next buffer, the one it is
+        allocating being completed, until release(); anyone waiting for the buffers (wait, copy,
+        clear) lets it go on meanwhile."""
+        with self._cond:
+            self._held = True
 
     def release(self) -> None:
-        self._go.set()
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
     def _join(self) -> None:
-        self._go.set()  # a held preparation goes on: the caller waits for it to end
-        with self._lock:
-            thread, self._preparing = self._preparing, None
-        if thread is not None:
+        with self._cond:
+            thread = self._preparing
+            if thread is None:
+                return
+            self._joining += 1
+            self._cond.notify_all()
+        try:
             thread.join()
+        finally:
+            with self._cond:
+                self._joining -= 1
+                if self._preparing is thread:
+                    self._preparing = None
 
     def wait(self) -> None:
         """Until the buffers `prepare` started are allocated."""
@@ -233,7 +248,9 @@ class HostSnapshot:
 
     def clear(self) -> None:
         """Drop the buffers; a preparation in flight stops after the buffer it is allocating."""
-        self._cancel.set()
+        with self._cond:
+            self._cancel.set()
+            self._cond.notify_all()
         self._join()
         self._buffers = {}
         self._cancel = threading.Event()
@@ -331,24 +348,26 @@ class Checkpointer:
         self._writer = CheckpointWriter()
         self._own_buffers = snapshot is None
         self._snapshot_buffers = HostSnapshot() if snapshot is None else snapshot
-        # the engine's pinning (if still going) waits while this job starts and takes its first
-        # step, which would otherwise share the driver with it; the first save() releases it
-        self._held = snapshot is not None
-        if snapshot is not None:
-            snapshot.hold()
+        self._held = False  # the engine's pinning held by this job (__enter__)
         self._pauses: dict[int, float] = {}
         if snapshot is None:
             self._snapshot_buffers.prepare(expected_layout(replica))  # the last step always checkpoints
 
     def __enter__(self) -> Checkpointer:
+        # the engine's pinning, if it still runs, waits while this job starts and takes its first
+        # step, which would otherwise share the driver with it: the first save() releases it
+        if not self._own_buffers:
+            self._held = True
+            self._snapshot_buffers.hold()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        self._release()
+        self.release_hold()
         if kind is not None:  # the job is failing: a write in flight completes, nothing new starts
             self.abandon()
 
-    def _release(self) -> None:
+    def release_hold(self) -> None:
+        """Let the engine's pinning go on (the first step is done, or the job waits for data)."""
         if self._held:
             self._held = False
             self._snapshot_buffers.release()
@@ -372,7 +391,7 @@ class Checkpointer:
         self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None, *, force: bool = False
     ) -> None:
         """After step `step`: report writes that finished, and write this step if it is due."""
-        self._release()  # the first step is done: the engine's pinning goes on beside the next ones
+        self.release_hold()  # the first step is done: the engine's pinning goes on beside the next ones
         self._report(self._writer.poll())
         if not (force or self.due(step)) or self._last_step == step:
             return
@@ -387,6 +406,7 @@ class Checkpointer:
     ) -> str | None:
         """Wait for the write in flight; with write_last (a job stopped early after it made
         progress) also write this step, so that the job resumes from there. The last checkpoint's path."""
+        self.release_hold()
         if write_last:
             self.save(step, stats, eval_result, force=True)
         self._report(self._writer.wait())
@@ -397,6 +417,7 @@ class Checkpointer:
 
     def abandon(self) -> None:
         """After a failure: let a write in flight finish (its directory is then complete or absent)."""
+        self.release_hold()
         try:
             self._writer.wait()
         except Exception:  # noqa: BLE001 - the failure already propagating is the job's error

@@ -67,6 +67,8 @@ class NoCheckpoints:
 
     def save(self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None = None) -> None: ...
 
+    def release_hold(self) -> None: ...
+
     def finish(
         self, step: int, stats: StepStats | None, eval_result: dict[str, Any] | None, write_last: bool
     ) -> str | None:

@@ -449,3 +449,33 @@ def test_a_job_holds_the_engines_pinning_through_its_first_step(tmp_path, defaul
     assert res.status == "SUCCEEDED", res.error
     assert held_at_steps == [True, False, False] and not snap._held
     engine.close()
+
+
+def test_a_continual_job_waiting_for_data_lets_the_pinning_go_on(tmp_path, default_assets):
+    """A continual job with no records yet holds the engine's pinning only until it starts
+    waiting for data: then it lets the preparation go on (it could wait for hours)."""
+    from dflash_core.continual.job import ContinualJob
+    from dflash_core.engine.checkpointing import HostSnapshot
+
+    engine = make_engine(tmp_path / "data", ["cpu"])
+    snap = HostSnapshot()
+    engine.parts.snapshot = snap
+    source = tmp_path / "records"
+    source.mkdir()
+    seen = []
+
+    class Watch(Recorder):
+        def should_cancel(self):
+            seen.append(snap._held)
+            # stop once it has let go (or, were it never to, after a few seconds of polls)
+            return (not snap._held and len(seen) > 1) or len(seen) > 300
+
+    spec = ContinualJob(
+        datasets=[], sources=[str(source)], output_dir=str(tmp_path / "out"), poll_seconds=0.05, seq_len=256
+    )
+    rec = Watch()
+    res = engine.run_job(spec, rec)
+    assert res.status == "STOPPED", res.error
+    assert seen[0] is True and seen[-1] is False, seen[:3]  # held as it began, let go while waiting
+    assert not rec.steps
+    engine.close()

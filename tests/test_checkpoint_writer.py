@@ -86,7 +86,7 @@ def test_snapshot_preparation_says_when_done_and_stops_on_clear():
     it is on, and done() is not called for it."""
     import torch
 
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     like = (torch.Size([4, 4]), torch.float32, torch.device("cpu"))  # host tensors need no buffer
     snap, done = HostSnapshot(), []
@@ -132,7 +132,7 @@ def test_snapshot_preparation_that_fails_is_logged_not_raised():
 
     import torch
 
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
@@ -164,7 +164,7 @@ def test_a_held_preparation_waits_between_buffers_until_released():
 
     import torch
 
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     like = (torch.Size([2]), torch.float32, torch.device("cpu"))
     snap, done, fetched = HostSnapshot(), [], []
@@ -197,7 +197,7 @@ def test_a_hold_never_blocks_whoever_waits_for_the_buffers_nor_clear():
     it waits (a job starting while the engine closes); clear() stops a held preparation."""
     import torch
 
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     like = (torch.Size([2]), torch.float32, torch.device("cpu"))
     snap, done = HostSnapshot(), []

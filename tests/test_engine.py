@@ -432,7 +432,7 @@ def test_a_job_holds_the_engines_pinning_through_its_first_step(tmp_path, defaul
     """The checkpoint buffers the engine pins from ready on (a CPU engine has none to pin, so
     the test gives it a snapshot): a job holds their preparation from its start to its first
     step's checkpoint call, and the preparation goes on after it."""
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     engine = make_engine(tmp_path / "data", ["cpu"])
     snap = HostSnapshot()
@@ -455,7 +455,7 @@ def test_a_continual_job_waiting_for_data_lets_the_pinning_go_on(tmp_path, defau
     """A continual job with no records yet holds the engine's pinning only until it starts
     waiting for data: then it lets the preparation go on (it could wait for hours)."""
     from dflash_core.continual.job import ContinualJob
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     engine = make_engine(tmp_path / "data", ["cpu"])
     snap = HostSnapshot()

@@ -30,7 +30,6 @@ from ..data.prepare import Tokenization, save_tokenizer
 from ..devices import CudaContexts
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult
-from .checkpointing import HostSnapshot, expected_layout
 from .compile import (
     ARTIFACTS_FILE,
     CompileGuard,
@@ -46,6 +45,7 @@ from .config import EngineConfig, TrainJob, job_template
 from .context import LivePipeline, RunContext
 from .distributed import RankGroup
 from .drafters import Drafters, GradSync
+from .host_snapshot import HostSnapshot, expected_layout
 from .kinds import JobRun, run_class
 from .pipeline import FeaturePipeline
 from .ranks import GroupRanks, PeerFailed, ranks_for

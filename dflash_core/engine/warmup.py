@@ -29,10 +29,10 @@ from ..recipes import recipe_named
 from ..target import TargetModel
 from ..target_fusion import relative_error
 from .api import WarmupRecord
-from .checkpointing import HostSnapshot
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
 from .drafters import GradSync
+from .host_snapshot import HostSnapshot
 from .pipeline import capture
 from .replica import DrafterReplica, ReplicaStep
 from .step_graph import record_step_graph

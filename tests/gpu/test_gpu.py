@@ -155,7 +155,7 @@ def test_checkpoint_snapshot_is_one_steps_state_and_reuses_its_buffers():
     """HostSnapshot: device tensors copied asynchronously into pinned buffers that the next
     snapshot reuses; an in-place write ordered after the copy event (as the replica's next
     optimizer step is, by its write guard) does not reach the snapshot."""
-    from dflash_core.engine.checkpointing import HostSnapshot
+    from dflash_core.engine.host_snapshot import HostSnapshot
 
     snap = HostSnapshot()
     snap.prepare([(torch.Size([4096, 4096]), torch.float32, torch.device("cuda:0"))])

@@ -111,8 +111,6 @@ class Engine(PartsView):
             sweep_partial(self.data_dir / "cache" / partial)
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts)
         self.ranks.bind(self.drafters, self.parts.drafter_config.block_size)
-        if not (checkpoints and self.ranks.leads):  # only rank 0 checkpoints
-            self.parts.snapshot = None
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
         self.timeline.mark("warmup:done")
         if self.parts.plan.compiled:
@@ -121,14 +119,14 @@ class Engine(PartsView):
         self.ready = True
         self.ranks.announce_ready(lambda: self.parts.description(self.config.shape) if self.parts else {})
         self.timeline.enter("ready", len(self.replicas))
-        if self.parts.snapshot is not None:  # pinned now that nothing compiles (HostSnapshot says why)
-            self._prepare_snapshot(self.parts.snapshot, expected_layout(self.parts.replicas[0]))
+        # only rank 0 checkpoints; a CPU state needs no pinned buffers (HostSnapshot says why now)
+        if checkpoints and self.ranks.leads and self.parts.replicas[0].device.type == "cuda":
+            self.parts.snapshot = self._prepare_snapshot(expected_layout(self.parts.replicas[0]))
 
-    def _prepare_snapshot(
-        self, snapshot: HostSnapshot, layout: list[tuple[torch.Size, torch.dtype, torch.device]]
-    ) -> None:
+    def _prepare_snapshot(self, layout: list[tuple[torch.Size, torch.dtype, torch.device]]) -> HostSnapshot:
         """The checkpoint's pinned buffers, in the background; logged and marked when allocated (a
         checkpoint before then waits for them)."""
+        snapshot = HostSnapshot()
         began = time.monotonic()
         nbytes = sum(shape.numel() * dtype.itemsize for shape, dtype, _ in layout)
 
@@ -139,6 +137,7 @@ class Engine(PartsView):
             log.info("checkpoint buffers pinned", extra={"fields": fields})
 
         snapshot.prepare(layout, done)
+        return snapshot
 
     # ------------------------------------------------------------------ status
     def status(self) -> EngineStatus:

@@ -92,7 +92,7 @@ class Parts:
     # the checkpoint's pinned host buffers, allocated once per engine (every job has the same
     # shapes): pinning gigabytes takes seconds and holds up the device's other calls, which a
     # job would otherwise spend before its first step. None off CUDA.
-    snapshot: HostSnapshot | None = None
+    snapshot: HostSnapshot | None = None  # the checkpoint's pinned host buffers: the engine's, from ready on
 
     def description(self, shape: ShapeConfig) -> dict[str, Any]:
         """What every rank of a group must share to train together (compared by rank 0)."""
@@ -196,11 +196,7 @@ class _Build:
             rep.zero_grad()
         reset_weights(replicas, WARMUP_SEED)
         feature_spec = (tuple(features.shape), features.dtype)
-        # its pinned buffers are allocated once the engine is ready (Engine._build; HostSnapshot says why)
-        snapshot = HostSnapshot() if replicas[0].device.type == "cuda" else None
-        return Parts(
-            str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma, snapshot
-        )
+        return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""

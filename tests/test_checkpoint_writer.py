@@ -224,3 +224,70 @@ def test_a_hold_never_blocks_whoever_waits_for_the_buffers_nor_clear():
     assert first.wait(30)
     snap.clear()  # returns: the held preparation stops before its next buffer
     assert done == ["waited"] and snap.state == "empty"
+
+
+def test_pinned_buffers_are_carved_from_power_of_two_slabs_each_a_tensor_of_its_own(tmp_path):
+    """PinnedSlabs, pageable here (the carving is the same as pinned): the fp32 masters and two
+    moments of a drafter-like layout, scaled down with the slab (matrices of 1/4, 1/16, 3/4 and
+    5/4 slabs and vectors, as the reference drafter's to 256 MiB), take slabs whose sizes are
+    powers of two and whose sum is within 6 % of the buffers' bytes (a small state's slabs grow
+    from its first buffer's size), where one power-of-two
+    allocation per buffer (what torch's pinned allocator does) takes over a quarter more. Every
+    buffer is a tensor with a storage of its own, of its exact size, overlapping no other, and
+    outlives the slabs' owner; safetensors and torch.save write each at its own size and read
+    back what was written."""
+    import gc
+    import itertools
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.engine.host_snapshot import PinnedSlabs
+
+    slab = 1 << 20
+    layer = [(256, 256), (64, 256), (64, 256), (256, 256), (768, 256), (768, 256), (256, 768), (256,), (256,)]
+    masters = [(1280, 256), (256,)] + layer * 5  # fc (5/4 of a slab), its norm, five layers
+    shapes = masters + [s for s in masters for _ in range(2)]
+    slabs = PinnedSlabs(pin=False, slab_bytes=slab)
+    buffers = [slabs.take(torch.Size(s), torch.float32) for s in shapes]
+    extra = [slabs.take(torch.Size([3, 5]), torch.bfloat16), slabs.take(torch.Size([]), torch.float32)]
+    empty = slabs.take(torch.Size([0, 4]), torch.float32)
+    assert empty.shape == (0, 4)
+    small = PinnedSlabs(pin=False, slab_bytes=slab)  # a small state: slabs grow from its first buffer
+    for n in (1000, 5000, 30000, 2000):
+        small.take(torch.Size([n]), torch.float32)
+    assert [len(raw) for raw, _ in small._slabs] == [4096, 32768, 131072] and small.nbytes < 2 * 4 * 38000
+
+    exact = sum(t.numel() * 4 for t in buffers)
+    each_rounded = sum(1 << (t.numel() * 4 - 1).bit_length() for t in buffers)
+    sizes = [len(raw) for raw, _ in slabs._slabs]
+    assert set(sizes) == {slab, 2 * slab}, sizes  # the powers of two that hold fc's 5/4 and the rest
+    assert each_rounded > 1.25 * exact  # what one pinned allocation per buffer would hold
+    assert slabs.nbytes == sum(sizes) <= 1.06 * exact, (slabs.nbytes, exact)
+
+    everything = buffers + extra
+    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in everything)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ranges)), "buffers overlap"
+    for t in everything:
+        assert t.untyped_storage().data_ptr() == t.data_ptr()
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    for i, t in enumerate(everything):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + i)
+    del slabs
+    gc.collect()
+    for i, t in enumerate(everything):  # still there, each its own values
+        assert torch.equal(t, (torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + i).to(t.dtype)), i
+
+    named = {f"b{i}": t for i, t in enumerate(everything[:12])} | {"bf16": extra[0]}
+    clones = {k: v.clone() for k, v in named.items()}
+    save_file(named, tmp_path / "carved.safetensors")
+    save_file(clones, tmp_path / "cloned.safetensors")
+    assert os.path.getsize(tmp_path / "carved.safetensors") == os.path.getsize(tmp_path / "cloned.safetensors")
+    back = load_file(tmp_path / "carved.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in clones.items())
+    torch.save({"state": everything}, tmp_path / "carved.pt")
+    torch.save({"state": [t.clone() for t in everything]}, tmp_path / "cloned.pt")
+    assert os.path.getsize(tmp_path / "carved.pt") == os.path.getsize(tmp_path / "cloned.pt")
+    loaded = torch.load(tmp_path / "carved.pt")["state"]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, everything, strict=True))

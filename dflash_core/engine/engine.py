@@ -133,7 +133,12 @@ class Engine(PartsView):
         def done() -> None:
             self.timeline.mark("ready:checkpoint_buffers")
             seconds = round(time.monotonic() - began, 2)
-            fields = {"bytes": nbytes, "tensors": len(layout), "seconds": seconds}
+            fields = {
+                "bytes": nbytes,
+                "pinned_bytes": snapshot.pinned_bytes,
+                "tensors": len(layout),
+                "seconds": seconds,
+            }
             log.info("checkpoint buffers pinned", extra={"fields": fields})
 
         snapshot.prepare(layout, done)

@@ -4,6 +4,7 @@ that every checkpoint reuses, and the preparation of those buffers ahead of the 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,6 +14,9 @@ import torch
 from .replica import DrafterReplica
 
 log = logging.getLogger("dflash.engine")
+
+SLAB_BYTES = 256 << 20  # the smallest pinned allocation the buffers are carved from
+ALIGN = 4096  # each buffer starts on a page of its slab
 
 
 class HostSnapshot:
@@ -28,10 +32,12 @@ class HostSnapshot:
     Page-locking gigabytes slows every CUDA call other threads make meanwhile (kernel loads and
     launches included), so the engine prepares them once it is ready, not while it compiles, and
     a job that starts while they are still being pinned holds the preparation (hold / release)
-    through its start and first step."""
+    through its start and first step. The pinned buffers are carved out of a few slabs (PinnedSlabs
+    says why)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._slabs = PinnedSlabs()
         # guards the preparing thread, the hold and the joins: a job's checkpoint, the job's hold
         # and the engine's close may reach it from different threads
         self._cond = threading.Condition()
@@ -62,7 +68,7 @@ class HostSnapshot:
                         return
                     if torch.device(device).type == "cuda":
                         key = (tuple(shape), dtype)
-                        self._buffers.setdefault(key, []).append(_host_buffer(shape, dtype, device))
+                        self._buffers.setdefault(key, []).append(self._slabs.take(shape, dtype))
             except (RuntimeError, MemoryError) as e:  # the host cannot pin that much: said, not raised away
                 # the first checkpoint allocates what is missing itself and fails the job there if it must
                 self.state = "failed"
@@ -127,7 +133,7 @@ class HostSnapshot:
             pool = self._buffers.setdefault(key, [])
             n = used[key] = used.get(key, 0) + 1
             if len(pool) < n:
-                pool.append(_host_buffer(t.shape, t.dtype, t.device))
+                pool.append(self._slabs.take(t.shape, t.dtype))
             buf = pool[n - 1]
             copies.append(buf)
             by_device.setdefault(t.device, []).append((buf, t))
@@ -148,12 +154,55 @@ class HostSnapshot:
             self._cond.notify_all()
         self._join()
         self._buffers = {}
+        self._slabs = PinnedSlabs()
         self._cancel = threading.Event()
         self.state = "empty"
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the buffers hold pinned (their slabs)."""
+        return self._slabs.nbytes
 
-def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+class PinnedSlabs:
+    """Host buffers carved out of few large allocations whose sizes are powers of two.
+
+    torch's pinned-memory allocator rounds every allocation up to a power of two, so buffers
+    of a drafter's matrices (a 192 MiB MLP weight takes 256 MiB) would pin about a quarter more
+    host memory than they hold, and take as much longer to pin. Here each buffer takes the first
+    slab with room for it (else a new one, twice the last up to SLAB_BYTES, or the power of two
+    that holds it), and is a tensor with
+    a storage of its own over its slab's bytes (torch.frombuffer), so that safetensors and
+    torch.save see separate tensors of their exact sizes. A buffer keeps its slab alive.
+
+    pin=False: the same carving from pageable memory (what a host without CUDA can test)."""
+
+    def __init__(self, pin: bool = True, slab_bytes: int = SLAB_BYTES):
+        self.pin = pin
+        self.slab_bytes = slab_bytes
+        self._slabs: list[tuple[Any, list[int]]] = []  # (the slab's bytes as an array, [bytes used])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(raw) for raw, _ in self._slabs)
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        need = -(-numel * dtype.itemsize // ALIGN) * ALIGN
+        for raw, used in self._slabs:
+            if used[0] + need <= len(raw):
+                break
+        else:
+            # slabs double up to slab_bytes: a small state pins little more than it holds
+            last = len(self._slabs[-1][0]) if self._slabs else 0
+            size = max(1 << (need - 1).bit_length(), min(self.slab_bytes, 2 * last))
+            # the array holds the slab tensor; frombuffer's tensors hold the array
+            raw, used = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin).numpy(), [0]
+            self._slabs.append((raw, used))
+        offset, used[0] = used[0], used[0] + need
+        return torch.frombuffer(raw, dtype=dtype, count=numel, offset=offset).view(tuple(shape))
 
 
 def _collect(obj: Any, out: list[torch.Tensor]) -> None:

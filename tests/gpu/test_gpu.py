@@ -159,14 +159,16 @@ def test_checkpoint_snapshot_is_one_steps_state_and_reuses_its_buffers():
 
     snap = HostSnapshot()
     snap.prepare([(torch.Size([4096, 4096]), torch.float32, torch.device("cuda:0"))])
-    w = torch.randn(4096, 4096, device="cuda")
-    state = {"w": w, "step": torch.tensor(3.0)}
+    w, b = torch.randn(4096, 4096, device="cuda"), torch.randn(1000, device="cuda")
+    state = {"w": w, "b": b, "step": torch.tensor(3.0)}
     before = w.clone()
-    (copy, event) = snap.copy(state)
+    (copy, event) = snap.copy(state)  # b: a buffer carved where none was prepared
     torch.cuda.current_stream().wait_event(event)  # the write guard
     w.mul_(2)  # the next optimizer step
     event.synchronize()
     assert torch.equal(copy["w"], before.cpu()) and copy["w"].is_pinned() and copy["step"].item() == 3.0
+    assert torch.equal(copy["b"], b.cpu()) and copy["b"].is_pinned()
+    assert snap.pinned_bytes == (64 + 128) << 20  # w's slab, then one twice its size
     ptr = copy["w"].data_ptr()
     (again, event) = snap.copy(state)
     event.synchronize()

@@ -169,6 +169,26 @@ def cache_custom_autograd_graphs() -> None:
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
+def stable_graph_cache_keys() -> None:
+    """Make inductor's graph cache keys independent of what the process imported before torch.
+
+    The FX graph cache key pickles each example input's metadata, its memory format too, which
+    pickles as the global `torch.contiguous_format`: pickle finds a module for that dotted name
+    by walking sys.modules for the first module with a `torch` attribute, and which one comes
+    first depends on the process (`serve` imports the web stack before torch, `precompile` does
+    not; `multiprocessing` aliases `__main__` as `__mp_main__`). The same graph then had two keys,
+    and the first `serve` after `precompile` rebuilt every graph. Pickled by its bare name
+    (`contiguous_format`), the format's module is `torch` itself, the first module that has one;
+    it unpickles to the same object."""
+    import copyreg
+
+    copyreg.pickle(torch.memory_format, _memory_format_by_name)
+
+
+def _memory_format_by_name(fmt: torch.memory_format) -> str:
+    return str(fmt).removeprefix("torch.")
+
+
 def compiled_graphs() -> int:
     try:
         from torch._dynamo.utils import counters

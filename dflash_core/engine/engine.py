@@ -37,6 +37,7 @@ from .compile import (
     load_artifacts,
     log_compile_times,
     save_artifacts,
+    stable_graph_cache_keys,
     trusted_artifacts,
     trusted_cache_dir,
     use_cache_dir,
@@ -75,6 +76,7 @@ class Engine(PartsView):
         else:
             use_cache_dir(*trusted_cache_dir(self.data_dir / "inductor-cache", self.data_dir))
         cache_custom_autograd_graphs()
+        stable_graph_cache_keys()
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())
         self._cuda_contexts = CudaContexts(flat_devices(target_devices) + self.drafter_devices)

@@ -20,8 +20,12 @@ import json, sys
 if "--serve-imports" in sys.argv:  # what `serve` imports before torch: the web stack, multiprocessing with it
     import fastapi, uvicorn
 from dflash_core.engine import Engine, EngineConfig
+from dflash_core.engine.compile import load_artifacts, save_artifacts
+from pathlib import Path
 Engine(EngineConfig(drafter_devices=["cpu"], target_devices=["cpu"]), sys.argv[1])  # no build: the cache is set here
 import torch
+if "--load-artifacts" in sys.argv:
+    assert load_artifacts(Path(sys.argv[sys.argv.index("--load-artifacts") + 1]))
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 if "--resolve-only" not in sys.argv:
@@ -30,6 +34,8 @@ if "--resolve-only" not in sys.argv:
     linear.__class__ = Fp8Linear  # as fp8.use_fp8_linears makes the FP8 drafter's layers
     fn = torch.compile(lambda x: torch.sin(linear(x)) * 3 + x.cos(), dynamic=False)
     fn(torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+if "--save-artifacts" in sys.argv:
+    assert save_artifacts(Path(sys.argv[sys.argv.index("--save-artifacts") + 1])) > 0
 aot = counters["aot_autograd"]
 print(json.dumps({"cache_dir": cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"],
@@ -53,13 +59,15 @@ def run_probe(data_dir: Path, env: dict[str, str], *flags: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # two fresh interpreters and C++ compiles: about 30 s on 2 cores
+@pytest.mark.slow  # three fresh interpreters and C++ compiles: about 20 s on 2 cores
 def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
     """The second process hits every graph the first compiled, although it imported the web
-    stack before torch and the first did not (`serve` after `precompile`)."""
+    stack before torch and the first did not (`serve` after `precompile`); so does a process
+    whose empty cache was filled from the first one's portable artifacts."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env["PYTHONPATH"] = str(REPO)
-    cold = run_probe(tmp_path / "data", env)
+    artifacts = tmp_path / "compile-artifacts.bin"
+    cold = run_probe(tmp_path / "data", env, "--save-artifacts", str(artifacts))
     cache = tmp_path / "data" / "inductor-cache"
     assert Path(cold["cache_dir"]) == cache and cold["misses"] >= 1 and cold["hits"] == 0
     assert any(cache.rglob("*")), "nothing was written to the data directory's cache"
@@ -70,6 +78,10 @@ def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
     # the FP8 linear's autograd Function does not keep AOTAutograd's cache from the graph: a warm
     # start loads its forward-backward split instead of tracing the joint graph again
     assert cold["aot_bypasses"] == 0 and warm["aot_bypasses"] == 0 and warm["aot_hits"] >= 1
+    # another machine's empty cache filled from the first process's portable artifacts (what
+    # `precompile` writes beside its cache): its graphs are hits too
+    shipped = run_probe(tmp_path / "elsewhere", env, "--serve-imports", "--load-artifacts", str(artifacts))
+    assert shipped["hits"] >= 1 and shipped["misses"] == 0 and shipped["aot_hits"] >= 1, shipped
 
 
 def test_an_exported_variable_wins(tmp_path):

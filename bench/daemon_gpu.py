@@ -5,7 +5,8 @@
 Starts `dflash-trainer serve` (target on cuda:0, drafter on cuda:1; colocated on cuda:0 with one
 GPU) with a cold inductor cache and measures time to /healthz 200; runs one job; keeps /metrics;
 stops it (SIGTERM) and starts it again on the warm cache to measure time to ready once more
-(--warm-starts N: N times, and their median; --warm-env "A;B": the warm starts take turns with
+(--warm-starts N: N times, and their median; --precompile: `dflash-trainer precompile` on the empty
+caches before the first start, which is then the start after it; --warm-env "A;B": the warm starts take turns with
 these environments, e.g. "TORCHINDUCTOR_COMPILE_THREADS=1", and a median is reported per
 environment; "" is the unchanged one).
 The job is submitted once the checkpoint snapshot's host buffers, which the daemon pins in the
@@ -66,6 +67,44 @@ def start(config: Path, log: Path, inductor_cache: Path, extra_env: dict[str, st
         stderr=subprocess.STDOUT,
         env=env,
     )
+
+
+def run_precompile(config: Path, log: Path, inductor_cache: Path) -> dict:
+    """`dflash-trainer precompile` on the config with start()'s cache variables: its row."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
+        TRITON_CACHE_DIR=str(inductor_cache / "triton-home"),
+    )
+    t = time.time()
+    with log.open("w") as f:
+        done = subprocess.run(
+            [sys.executable, "-m", "service.cli", "precompile", "--config", str(config)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"precompile exited with {done.returncode}: see {log}")
+    return {"cache": "precompile", "ready_s": round(time.time() - t, 1)} | warmup_compiles(log)
+
+
+def warmup_compiles(log: Path) -> dict:
+    """From a daemon's log: the drafters' warm-up seconds and inductor's graph-cache hits and
+    misses during it (the engine's `drafter warm-up compiles` lines, summed over drafter GPUs)."""
+    out: dict = {}
+    if not log.is_file():
+        return out
+    for line in log.read_text(errors="replace").splitlines():
+        if "drafter warm-up compiles" not in line:
+            continue
+        for item in line.split():
+            name, eq, value = item.partition("=")
+            if eq and name in ("seconds", "fxgraph_cache_hit", "fxgraph_cache_miss"):
+                key = "warmup_s" if name == "seconds" else name.removeprefix("fxgraph_cache_")
+                out[key] = round(out.get(key, 0) + float(value), 2)
+    return out
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float, list[str]]:
@@ -210,6 +249,11 @@ def main(argv=None):
         action="store_true",
         help="submit the job at ready, beside the pinning of the checkpoint buffers (default: once they are pinned)",
     )
+    p.add_argument(
+        "--precompile",
+        action="store_true",
+        help="run `dflash-trainer precompile` on the empty caches first: the first start is then the one after it",
+    )
     p.add_argument("--engine-extra", default="", help='more [engine] lines, e.g. "teacher = true"')
     p.add_argument("--job-extra", default="{}", help='more job fields as JSON, e.g. \'{"loss": "kl"}\'')
     args = p.parse_args(argv)
@@ -247,13 +291,16 @@ inductor_cache_dir = "{work / "inductor"}"
     shutil.rmtree(work / "data" / BYTECODE_DIR, ignore_errors=True)
     variants = [v.strip() for v in args.warm_env.split(";")] if args.warm_env else [""]
     envs = {v: parse_env(v) for v in variants}
+    if args.precompile:
+        rows.append(run_precompile(config, out / "precompile.log", work / "inductor"))
     phases = ["cold"] + ["warm" if args.warm_starts == 1 else f"warm{i + 1}" for i in range(args.warm_starts)]
     for n, phase in enumerate(phases):
         variant = "" if phase == "cold" else variants[(n - 1) % len(variants)]
         proc = start(config, out / f"daemon_{phase}.log", work / "inductor", envs[variant])
         try:
             ready_s, phases = wait_ready(url, proc, args.timeout)
-            row = {"cache": phase, "ready_s": round(ready_s, 1)}
+            row = {"cache": "after precompile" if phase == "cold" and args.precompile else phase}
+            row |= {"ready_s": round(ready_s, 1)} | warmup_compiles(out / f"daemon_{phase}.log")
             if len(variants) > 1:
                 row["env"] = variant or "-"
             record[f"phases_{phase}"] = phases
@@ -333,7 +380,7 @@ inductor_cache_dir = "{work / "inductor"}"
         finally:
             stop_daemon(proc, timeout=60)
     for variant in variants:
-        warm = sorted(r["ready_s"] for r in rows if r["cache"] != "cold" and r.get("env", "-") == (variant or "-"))
+        warm = sorted(r["ready_s"] for r in rows if r["cache"].startswith("warm") and r.get("env", "-") == (variant or "-"))
         if len(warm) > 1:
             median = {"cache": f"warm median of {len(warm)}", "ready_s": round(statistics.median(warm), 1)}
             rows.append(median | ({"env": variant or "-"} if len(variants) > 1 else {}))

@@ -35,6 +35,7 @@ from .drafters import GradSync
 from .host_snapshot import HostSnapshot
 from .pipeline import capture
 from .replica import DrafterReplica, ReplicaStep
+from .side_compile import SideCompiles, drafter_specs, target_bytes_by_device
 from .step_graph import record_step_graph
 
 log = logging.getLogger("dflash.engine")
@@ -181,22 +182,41 @@ class _Build:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         cuda.wait()
         timeline.mark("build:cuda_contexts")
-        targets = self.load_targets(target_path, drafter_config.target_layer_ids)
-        drafter_config = serving_inputs(drafter_config, targets[0])
-        timeline.enter("warming_target")
-        batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
-        features = self.warm_targets(targets, batch)
         gamma = recipe_gamma(config.recipe, config.block_size)
-        replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), gamma)
-        # another micro-batch than the recorded one, to check a recorded step graph on
-        check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
-        self.warm_drafters(replicas, batch, features, check)
+        side = self.start_side_compiles(target_path, drafter_config, pad, gamma)
+        try:
+            targets = self.load_targets(target_path, drafter_config.target_layer_ids)
+            drafter_config = serving_inputs(drafter_config, targets[0])
+            timeline.enter("warming_target")
+            batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
+            features = self.warm_targets(targets, batch)
+            side.wait(features, timeline.mark)
+            replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), gamma)
+            # another micro-batch than the recorded one, to check a recorded step graph on
+            check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
+            self.warm_drafters(replicas, batch, features, check)
+        except BaseException:
+            side.stop()
+            raise
+        side.note_warmed()
         GradSync().average([rep.grads() for rep in replicas])  # exercise this host's sync path once
         for rep in replicas:
             rep.zero_grad()
         reset_weights(replicas, WARMUP_SEED)
         feature_spec = (tuple(features.shape), features.dtype)
         return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
+
+    def start_side_compiles(
+        self, target_path: str, drafter_config: DrafterConfig, pad: int, gamma: float
+    ) -> SideCompiles:
+        """The drafter devices' compiles in child processes beside the target's (side_compile.py
+        says when); none for a plan that does not compile."""
+        if not self.plan.compiled:
+            return SideCompiles([], [])
+        step = (gamma, LossConfig().chunk_size, self.config.teacher)
+        specs = drafter_specs(drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices)
+        weights = target_bytes_by_device(target_path, self.target_devices)
+        return SideCompiles.start(specs, weights, self.timeline.mark)
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""

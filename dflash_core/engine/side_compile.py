@@ -1,0 +1,306 @@
+"""A cold start's drafter compile in a child process, beside the target's.
+
+A cold start compiles the target's fused layer and then each drafter GPU's step (dynamo,
+AOTAutograd, inductor's lowering), one after the other in the build thread. Both are mostly
+Python that holds the GIL, so a thread cannot overlap them; a process can. Once the drafter's
+architecture is known, the build starts one child per drafter device. A child builds a replica
+on its device with stand-ins for what the target would hand it (a random head and random
+features of the target's shapes and dtype: only shapes, dtypes and devices reach the compiled
+graphs' keys), runs the warm-up's training step and step graph, and exits. Its graphs land in
+the shared compile cache, from which the build's own drafter warm-up then loads them, as a warm
+start does. The build waits for the children before it creates its replicas, so a child's
+memory is free by then.
+
+A child runs only where it pays and cannot hurt:
+- the plan compiles and the cache has not seen this drafter warmed on this device (a marker in
+  the compile cache directory, written after the build's drafter warm-up and keyed by what the
+  compiled graphs depend on): a warm start starts none;
+- the device has room beside the target's weights: the child's allocator is capped at what the
+  target leaves free, so the child runs out of memory before the build would.
+A child that fails, or outlasts WAIT_BOUND_S, costs its time only: the build compiles as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+log = logging.getLogger("dflash.engine")
+
+# A cold drafter compile takes a minute or two on a loaded host; a child still running after this
+# is stuck, and the build compiles for itself rather than wait longer.
+WAIT_BOUND_S = 900.0
+# What the build keeps free on a device beside the target's weights and the child's cap: the
+# target's warm-up activations, its recorded graph and the CUDA contexts.
+HEADROOM_FRACTION = 0.06
+# Below this share of the device, the child's step would not fit anyway: no child.
+MIN_CHILD_FRACTION = 0.2
+MARKER_DIR = "dflash-drafters-warmed"
+RESULT_PREFIX = "side-compile-result "
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """What a child needs to compile one drafter device's step as the build will."""
+
+    device: str
+    drafter: dict[str, Any]  # DrafterConfig.to_dict()
+    shape: dict[str, int]  # ShapeConfig's fields
+    plan: dict[str, Any]  # StepPlan's fields
+    gamma: float
+    chunk_size: int
+    teacher: bool
+    pad_token_id: int
+    replica_index: int
+    drafter_devices: int  # the recompile limit grows with them
+    features: tuple[int, int]  # [S, width] of the target's capture
+    dtype: str  # the target's compute dtype, which its head and features have
+    memory_fraction: float | None = None  # the child's allocator cap on its device
+
+    def key(self) -> str:
+        """What the drafter's compiled graphs on this device depend on, hashed: the marker's name."""
+        props = torch.cuda.get_device_properties(self.device) if self.device.startswith("cuda") else None
+        fields = dataclasses.asdict(self)
+        for name in ("memory_fraction", "replica_index"):  # neither reaches the graphs
+            fields.pop(name)
+        fields["drafter"] = {k: v for k, v in self.drafter.items() if k not in ("mask_token", "input_embedding_scale")}
+        fields["torch"] = torch.__version__
+        fields["gpu"] = [props.name, props.major, props.minor] if props is not None else None
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def drafter_specs(
+    drafter: Any, shape: Any, plan: Any, step: tuple[float, int, bool], pad_token_id: int, devices: list[str]
+) -> list[SideSpec]:
+    """One spec per distinct drafter device (replicas that share a device share its graphs), as
+    the build will warm it: drafter a DrafterConfig, shape a ShapeConfig, plan a StepPlan, step
+    the ReplicaStep's (gamma, chunk_size, teacher)."""
+    from ..devices import compute_dtype
+
+    gamma, chunk_size, teacher = step
+    width = feature_width(drafter.hidden_size, drafter.target_layer_ids, teacher)
+    return [
+        SideSpec(
+            device=str(dev),
+            drafter=drafter.to_dict(),
+            shape=dataclasses.asdict(shape),
+            plan=dataclasses.asdict(plan),
+            gamma=gamma,
+            chunk_size=chunk_size,
+            teacher=teacher,
+            pad_token_id=pad_token_id,
+            replica_index=i,
+            drafter_devices=len(devices),
+            features=(shape.seq_len, width),
+            dtype=str(compute_dtype(dev)).removeprefix("torch."),
+        )
+        for i, dev in enumerate(devices)
+        if dev not in devices[:i]
+    ]
+
+
+def feature_width(hidden_size: int, layer_ids: tuple[int, ...] | list[int], teacher: bool) -> int:
+    """The capture's width: the captured layers' hidden states, and a teacher's final one."""
+    return hidden_size * (len(layer_ids) + (1 if teacher else 0))
+
+
+def marker(spec: SideSpec) -> Path:
+    """Where the build notes that it warmed this drafter on this device: inside the compile cache,
+    so that emptying the cache empties the notes with it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir()) / MARKER_DIR / spec.key()
+
+
+def note_warmed(spec: SideSpec) -> None:
+    """After the build's warm-up of spec's device: a later cold-looking build need not compile
+    beside the target (a failure to write costs the next start its head start, nothing else)."""
+    path = marker(spec)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"device": spec.device, "written": time.time()}))
+    except OSError as e:
+        log.warning("could not note the drafter warm-up in the compile cache: %s", e)
+
+
+class SideCompile:
+    """A running child (start) and, once waited for, what it did (wait)."""
+
+    def __init__(self, spec: SideSpec, proc: subprocess.Popen, output: IO[bytes]):
+        self.spec, self.proc, self._output = spec, proc, output
+        self.started = time.monotonic()
+
+    @staticmethod
+    def start(spec: SideSpec) -> SideCompile:
+        # unnamed, nothing left on disk; closed when the child is waited for (_finish)
+        output = tempfile.TemporaryFile()  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_core.engine.side_compile_child"],
+            stdin=subprocess.PIPE,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+        )
+        assert proc.stdin is not None
+        try:  # a few kilobytes: the pipe takes them without the child reading yet
+            proc.stdin.write(json.dumps(dataclasses.asdict(spec)).encode())
+            proc.stdin.close()
+        except BrokenPipeError:  # the child is gone already: its output says why
+            pass
+        return SideCompile(spec, proc, output)
+
+    def wait(self, bound: float = WAIT_BOUND_S) -> dict[str, Any]:
+        """The child's result ({"ok": bool, ...}); a child still running after `bound` seconds
+        since its start is killed."""
+        try:
+            self.proc.wait(timeout=max(0.0, bound - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return self._finish({"ok": False, "error": f"still compiling after {bound:.0f} s: stopped"})
+        return self._finish(self._result())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._output.close()
+
+    def _result(self) -> dict[str, Any]:
+        text = self._read()
+        for line in reversed(text.splitlines()):
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX) :])
+        return {"ok": False, "error": f"exited {self.proc.returncode}: {text[-1500:].strip()}"}
+
+    def _read(self) -> str:
+        self._output.seek(0)
+        return self._output.read().decode(errors="replace")
+
+    def _finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        self._output.close()
+        return {**result, "device": self.spec.device, "seconds": round(time.monotonic() - self.started, 2)}
+
+
+def child_env() -> dict[str, str]:
+    """The build's environment (its compile cache variables among them, which use_cache_dir set)
+    with this checkout importable."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def memory_fraction(device: str, target_bytes: int) -> float | None:
+    """The child's allocator cap on `device` as a share of it: what is free now less the target's
+    weights that will load there and the headroom; None where that leaves too little."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    room = free - target_bytes - HEADROOM_FRACTION * total
+    return None if room < MIN_CHILD_FRACTION * total else room / total
+
+
+def target_bytes_by_device(target_path: str, entries: list[str | list[str]]) -> Callable[[str], int | None]:
+    """device -> the target's weight bytes that will load there (a copy's share per stage), for
+    the target copies `entries` (a device, or the devices one copy is split over); the size is
+    counted once, on the first device that holds a share."""
+    stages = [e if isinstance(e, list) else [e] for e in entries]
+
+    @functools.cache
+    def total() -> int | None:
+        from transformers import AutoConfig
+
+        from ..devices import compute_dtype
+
+        return target_weight_bytes(AutoConfig.from_pretrained(target_path), compute_dtype("cuda"))
+
+    def on(device: str) -> int | None:
+        share = sum(1 / len(copy) for copy in stages if device in copy)
+        weights = total() if share else 0
+        return None if weights is None else int(weights * share)
+
+    return on
+
+
+def target_weight_bytes(hf_config: Any, dtype: torch.dtype) -> int | None:
+    """The target's weights in the dtype it loads in, counted on the meta device (no memory, no
+    files read); None where the family cannot be built from its config."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except Exception as e:  # noqa: BLE001 - an unknown family loses the head start, not the build
+        log.info("no drafter compile beside the target: its size is unknown (%s)", e)
+        return None
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+class SideCompiles:
+    """The build's children: one per drafter device whose step is not in the cache yet and that
+    has room for it. The specs of every drafter device are kept, for the notes after warm-up."""
+
+    def __init__(self, specs: list[SideSpec], children: list[SideCompile]):
+        self.specs, self.children = specs, children
+
+    @staticmethod
+    def start(
+        specs: list[SideSpec], target_bytes: Callable[[str], int | None], mark: Callable[[str], None]
+    ) -> SideCompiles:
+        """target_bytes(device): the target's weights that will load there (None: unknown, no
+        child); asked only where a child would start. mark(label): the build timeline's."""
+        children = []
+        for spec in specs:
+            if marker(spec).exists():
+                continue
+            weights = target_bytes(spec.device)
+            fraction = None if weights is None else memory_fraction(spec.device, weights)
+            if fraction is None:
+                log.info(
+                    "no drafter compile beside the target: too little memory on %s beside its weights", spec.device
+                )
+                continue
+            try:
+                children.append(SideCompile.start(dataclasses.replace(spec, memory_fraction=round(fraction, 4))))
+            except OSError as e:  # no process to be had: the build compiles for itself
+                log.warning("could not start the drafter compile beside the target: %s", e)
+                continue
+            mark(f"build:side_compile_started:{spec.device}")
+        return SideCompiles(specs, children)
+
+    def wait(self, features: torch.Tensor, mark: Callable[[str], None]) -> None:
+        """Every child's end, logged; the stand-in features checked against the target's."""
+        for child in self.children:
+            result = child.wait()
+            mark(f"build:side_compile_done:{child.spec.device}")
+            if result["ok"]:
+                log.info("drafter compiled beside the target", extra={"fields": result})
+            else:
+                log.warning("the drafter compile beside the target failed; compiling here", extra={"fields": result})
+        got = (tuple(features.shape), str(features.dtype).removeprefix("torch."))
+        for spec in self.specs[: 1 if self.children else 0]:
+            if got != (spec.features, spec.dtype):
+                log.warning(
+                    "the drafter compile beside the target assumed other features than the target gives",
+                    extra={"fields": {"assumed": [list(spec.features), spec.dtype], "target": [list(got[0]), got[1]]}},
+                )
+
+    def note_warmed(self) -> None:
+        for spec in self.specs:
+            note_warmed(spec)
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()

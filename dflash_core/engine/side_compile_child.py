@@ -1,0 +1,87 @@
+"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child` reads a
+SideSpec as JSON on its standard input, builds one drafter replica as the engine's build will,
+warms it on stand-ins for the target's head and features (which fills the shared compile cache),
+and prints its result as the last line of its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..config import DrafterConfig, ShapeConfig
+from ..data.batches import synthetic_micro_batch
+from ..drafter import FrozenHead
+from .compile import (
+    cache_custom_autograd_graphs,
+    compile_delta,
+    compile_snapshot,
+    raise_recompile_limit,
+    stable_graph_cache_keys,
+)
+from .config import StepPlan
+from .replica import DrafterReplica, ReplicaStep
+from .side_compile import RESULT_PREFIX, SideSpec
+from .step_graph import record_step_graph
+from .warmup import WARMUP_SEED, reset_weights, warm_replica
+
+
+def run_child(spec: SideSpec) -> dict[str, Any]:
+    """Build one replica as the build will, warm it on stand-ins, record its step graph."""
+    cache_custom_autograd_graphs()  # the build's settings: part of the graphs' cache keys
+    stable_graph_cache_keys()
+    device = torch.device(spec.device)
+    if spec.memory_fraction is not None and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, device)
+    drafter = DrafterConfig(**{**spec.drafter, "target_layer_ids": tuple(spec.drafter["target_layer_ids"])})
+    shape, plan = ShapeConfig(**spec.shape), StepPlan(**spec.plan)
+    dtype = getattr(torch, spec.dtype)
+    gen = torch.Generator(device).manual_seed(WARMUP_SEED)
+    vocab, hidden = drafter.vocab_size, drafter.hidden_size
+    embed = torch.randn(vocab, hidden, generator=gen, device=device).to(dtype)
+    head = FrozenHead(embed, torch.randn(vocab, hidden, generator=gen, device=device).to(dtype))
+    features = torch.randn(*spec.features, generator=gen, device=device).to(dtype)
+    if plan.compiled:
+        raise_recompile_limit(spec.drafter_devices)
+    step = ReplicaStep(spec.gamma, spec.chunk_size, teacher=spec.teacher)
+    rep = DrafterReplica(spec.replica_index, drafter, device, head, plan, step)
+    reset_weights([rep], WARMUP_SEED)
+    batch = synthetic_micro_batch(shape, vocab, spec.pad_token_id)
+    check = synthetic_micro_batch(shape, vocab, spec.pad_token_id, seed=WARMUP_SEED + 1)
+    before = compile_snapshot()
+    warm_replica(rep, batch, features)
+    graph = plan.compiled and record_step_graph(rep, batch, features, check)
+    return {"ok": True, "step_graph": bool(graph), **compile_delta(before, compile_snapshot())}
+
+
+def _exit_with_parent() -> None:
+    """A child whose build died (SIGKILL leaves no one to stop it) stops compiling for no one."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="side-compile-parent", daemon=True).start()
+
+
+def main() -> int:
+    _exit_with_parent()
+    fields = json.load(sys.stdin)
+    spec = SideSpec(**{**fields, "features": tuple(fields["features"])})
+    try:
+        result = run_child(spec)
+    except Exception as e:  # noqa: BLE001 - reported to the build, which compiles for itself
+        result = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:1000]}"}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""The drafter compile beside the target (dflash_core/engine/side_compile.py): a child process
+builds a replica from its spec and warms it on stand-ins; the build gets back what it did, stops a
+child that outlasts its bound, and starts none where the compile cache has seen the drafter warmed
+or the target's size is unknown. The compile itself, and the build's hits on what the child
+compiled, need CUDA: tests/gpu/test_side_compile_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dflash_core.config import DrafterConfig, ShapeConfig
+from dflash_core.engine.config import CPU_PLAN
+from dflash_core.engine.side_compile import (
+    SideCompile,
+    SideCompiles,
+    SideSpec,
+    drafter_specs,
+    marker,
+    note_warmed,
+    target_bytes_by_device,
+)
+
+
+def tiny_spec(devices: tuple[str, ...] = ("cpu",), **changes) -> SideSpec:
+    drafter = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        block_size=4,
+        mask_token_id=5,
+        target_layer_ids=(0, 1),
+        num_target_layers=2,
+    )
+    shape = ShapeConfig(seq_len=64, num_anchors=4, block_size=4)
+    spec = drafter_specs(drafter, shape, CPU_PLAN, (4.0, 2048, False), 0, list(devices))[0]
+    return dataclasses.replace(spec, **changes)
+
+
+def test_a_child_warms_a_replica_from_its_spec():
+    """The spec travels to a fresh interpreter, which builds the replica and runs the warm-up's
+    step on a random head and random features of the target's width (two captured layers)."""
+    spec = tiny_spec()
+    assert spec.features == (64, 128) and spec.dtype == "float32"
+    result = SideCompile.start(spec).wait()
+    assert result["ok"], result
+    assert result["device"] == "cpu" and result["step_graph"] is False and result["seconds"] > 0
+
+
+def test_a_failed_child_and_a_stuck_one_come_back_as_results():
+    bad = SideCompile.start(tiny_spec(dtype="no_such_dtype")).wait()
+    assert not bad["ok"] and "no_such_dtype" in bad["error"], bad
+    stuck = SideCompile.start(tiny_spec())
+    result = stuck.wait(bound=0.2)  # importing torch alone takes longer
+    assert not result["ok"] and "stopped" in result["error"], result
+    assert stuck.proc.returncode is not None  # killed and reaped, not left running
+
+
+def test_one_child_per_device_and_markers_keyed_by_what_the_graphs_depend_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    specs = [tiny_spec(("cpu", "cpu"))]
+    assert len(drafter_specs_of(("cpu", "cpu"))) == 1  # replicas sharing a device share its graphs
+    spec = specs[0]
+    same = dataclasses.replace(
+        spec,
+        replica_index=3,
+        memory_fraction=0.5,
+        drafter={**spec.drafter, "mask_token": "<m>", "input_embedding_scale": 8.0},
+    )
+    assert spec.key() == same.key()
+    for other in (
+        dataclasses.replace(spec, shape={**spec.shape, "seq_len": 128}),
+        dataclasses.replace(spec, plan={**spec.plan, "precision": "fp8"}),
+        dataclasses.replace(spec, teacher=True),
+        dataclasses.replace(spec, drafter_devices=3),
+        dataclasses.replace(spec, drafter={**spec.drafter, "num_hidden_layers": 2}),
+    ):
+        assert other.key() != spec.key(), other
+    assert not marker(spec).exists()
+    note_warmed(spec)
+    assert marker(spec).is_file() and tmp_path in marker(spec).parents  # emptied with the cache
+    marks: list[str] = []
+    # warmed before: no child, and the target's size is not even asked for
+    warmed = SideCompiles.start([spec], lambda device: pytest.fail(f"asked for {device}"), marks.append)
+    assert warmed.children == [] and marks == []
+    # not warmed, but the target's size is unknown: no child either
+    cold = dataclasses.replace(spec, shape={**spec.shape, "seq_len": 128})
+    unknown = SideCompiles.start([cold], lambda device: None, marks.append)
+    assert unknown.children == [] and marks == []
+    unknown.note_warmed()
+    assert marker(cold).is_file()
+
+
+def drafter_specs_of(devices: tuple[str, ...]) -> list[SideSpec]:
+    spec = tiny_spec(devices)
+    drafter = DrafterConfig(**{**spec.drafter, "target_layer_ids": tuple(spec.drafter["target_layer_ids"])})
+    return drafter_specs(drafter, ShapeConfig(**spec.shape), CPU_PLAN, (4.0, 2048, False), 0, list(devices))
+
+
+def test_the_targets_weights_per_device_counted_without_loading_them(random_target_dir):
+    """The size the child's memory cap leaves room for: the model's parameters in bf16 (counted
+    on the meta device), a split copy's share on each of its devices, nothing elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(random_target_dir))
+    expected = sum(p.numel() for p in model.parameters()) * 2
+    on = target_bytes_by_device(str(random_target_dir), ["cuda:0", ["cuda:1", "cuda:2"]])
+    assert on("cuda:0") == expected
+    assert on("cuda:1") == on("cuda:2") == expected // 2
+    assert on("cuda:3") == 0

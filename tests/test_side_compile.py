@@ -102,14 +102,18 @@ def drafter_specs_of(devices: tuple[str, ...]) -> list[SideSpec]:
     return drafter_specs(drafter, ShapeConfig(**spec.shape), CPU_PLAN, (4.0, 2048, False), 0, list(devices))
 
 
-def test_the_targets_weights_per_device_counted_without_loading_them(random_target_dir):
-    """The size the child's memory cap leaves room for: the model's parameters in bf16 (counted
-    on the meta device), a split copy's share on each of its devices, nothing elsewhere."""
-    from transformers import AutoModelForCausalLM
+def test_the_targets_bytes_per_device_counted_without_loading_it(random_target_dir):
+    """What the child's memory cap leaves room for: the model's parameters in bf16 (counted on
+    the meta device), a split copy's share on each of its devices, and its warm-up's transient
+    activations on each device that holds a share; nothing elsewhere."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(random_target_dir))
-    expected = sum(p.numel() for p in model.parameters()) * 2
-    on = target_bytes_by_device(str(random_target_dir), ["cuda:0", ["cuda:1", "cuda:2"]])
-    assert on("cuda:0") == expected
-    assert on("cuda:1") == on("cuda:2") == expected // 2
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    config = AutoConfig.from_pretrained(str(random_target_dir))
+    seq_len = 256
+    activations = (4 * seq_len * max(config.intermediate_size, config.hidden_size) + 2 * seq_len**2) * 2
+    on = target_bytes_by_device(str(random_target_dir), ["cuda:0", ["cuda:1", "cuda:2"]], seq_len)
+    assert on("cuda:0") == weights + activations
+    assert on("cuda:1") == on("cuda:2") == weights // 2 + activations
     assert on("cuda:3") == 0

@@ -212,26 +212,43 @@ def memory_fraction(device: str, target_bytes: int) -> float | None:
     return None if room < MIN_CHILD_FRACTION * total else room / total
 
 
-def target_bytes_by_device(target_path: str, entries: list[str | list[str]]) -> Callable[[str], int | None]:
-    """device -> the target's weight bytes that will load there (a copy's share per stage), for
-    the target copies `entries` (a device, or the devices one copy is split over); the size is
-    counted once, on the first device that holds a share."""
+def target_bytes_by_device(
+    target_path: str, entries: list[str | list[str]], seq_len: int
+) -> Callable[[str], int | None]:
+    """device -> the bytes the target will take there while a child runs: its weights (a copy's
+    share per stage) and its warm-up's transient activations, for the target copies `entries` (a
+    device, or the devices one copy is split over); counted once, for the first device asked."""
     stages = [e if isinstance(e, list) else [e] for e in entries]
 
     @functools.cache
-    def total() -> int | None:
+    def sizes() -> tuple[int, int] | None:
         from transformers import AutoConfig
 
         from ..devices import compute_dtype
 
-        return target_weight_bytes(AutoConfig.from_pretrained(target_path), compute_dtype("cuda"))
+        config = AutoConfig.from_pretrained(target_path)
+        dtype = compute_dtype("cuda")
+        weights = target_weight_bytes(config, dtype)
+        return None if weights is None else (weights, warmup_activation_bytes(config, seq_len, dtype))
 
     def on(device: str) -> int | None:
         share = sum(1 / len(copy) for copy in stages if device in copy)
-        weights = total() if share else 0
-        return None if weights is None else int(weights * share)
+        if not share:
+            return 0
+        counted = sizes()
+        return None if counted is None else int(counted[0] * share + counted[1])
 
     return on
+
+
+def warmup_activation_bytes(hf_config: Any, seq_len: int, dtype: torch.dtype) -> int:
+    """A bound on what the target's warm-up holds at once beyond its weights: a layer's MLP
+    intermediates (gate, up and their product) and residual stream at seq_len tokens, and an
+    eager attention's additive [S, S] mask, each in the target's dtype."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    inner = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    return (4 * seq_len * max(inner, hidden) + 2 * seq_len * seq_len) * dtype.itemsize
 
 
 def target_weight_bytes(hf_config: Any, dtype: torch.dtype) -> int | None:

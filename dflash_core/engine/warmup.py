@@ -215,7 +215,7 @@ class _Build:
             return SideCompiles([], [])
         step = (gamma, LossConfig().chunk_size, self.config.teacher)
         specs = drafter_specs(drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices)
-        weights = target_bytes_by_device(target_path, self.target_devices)
+        weights = target_bytes_by_device(target_path, self.target_devices, self.config.seq_len)
         return SideCompiles.start(specs, weights, self.timeline.mark)
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:

@@ -7,6 +7,11 @@ compiled, need CUDA: tests/gpu/test_side_compile_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -21,6 +26,7 @@ from dflash_core.engine.side_compile import (
     note_warmed,
     target_bytes_by_device,
 )
+from tests.helpers import REPO_ROOT as REPO
 
 
 def tiny_spec(devices: tuple[str, ...] = ("cpu",), **changes) -> SideSpec:
@@ -59,6 +65,54 @@ def test_a_failed_child_and_a_stuck_one_come_back_as_results():
     result = stuck.wait(bound=0.2)  # importing torch alone takes longer
     assert not result["ok"] and "stopped" in result["error"], result
     assert stuck.proc.returncode is not None  # killed and reaped, not left running
+
+
+def test_the_build_stops_its_children():
+    """What the build does when it fails before it waits for them (an exception in the target's
+    load, say): no child keeps compiling."""
+    child = SideCompile.start(tiny_spec())
+    SideCompiles([tiny_spec()], [child]).stop()
+    assert child.proc.returncode is not None
+
+
+# a stand-in build: starts a process that watches it as a child does, prints that pid, then sleeps
+# until the test kills it
+ORPHANED = """
+import os, subprocess, sys
+watcher = "import sys, time; from dflash_core.engine.side_compile_child import exit_with_parent; " \\
+    "exit_with_parent(int(sys.argv[1])); time.sleep(120)"
+proc = subprocess.Popen([sys.executable, "-c", watcher, str(os.getpid())])
+print(proc.pid, flush=True)
+import time; time.sleep(120)
+"""
+
+
+def test_a_child_exits_when_its_build_dies(tmp_path):
+    """SIGKILL leaves no build to stop a child: the child notices its parent is gone and exits."""
+    build = subprocess.Popen([sys.executable, "-c", ORPHANED], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert build.stdout is not None
+    child = int(build.stdout.readline())
+    time.sleep(0.5)  # the child has started watching (or will find its parent gone at once)
+    assert alive(child)
+    build.send_signal(signal.SIGKILL)
+    build.wait()
+    deadline = time.monotonic() + 60  # the watch polls every second; the child still imports torch
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # an exited orphan is reaped by init; until then it is a zombie, which has stopped
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped between the two looks
+        return False
 
 
 def test_one_child_per_device_and_markers_keyed_by_what_the_graphs_depend_on(tmp_path, monkeypatch):

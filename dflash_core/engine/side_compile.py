@@ -149,7 +149,7 @@ class SideCompile:
         # unnamed, nothing left on disk; closed when the child is waited for (_finish)
         output = tempfile.TemporaryFile()  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_core.engine.side_compile_child"],
+            [sys.executable, "-m", "dflash_core.engine.side_compile_child", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=output,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
-"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child` reads a
-SideSpec as JSON on its standard input, builds one drafter replica as the engine's build will,
+"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child BUILD_PID` reads
+a SideSpec as JSON on its standard input, builds one drafter replica as the engine's build will,
 warms it on stand-ins for the target's head and features (which fills the shared compile cache),
-and prints its result as the last line of its output."""
+and prints its result as the last line of its output. It exits when the build's process does."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def run_child(spec: SideSpec) -> dict[str, Any]:
     return {"ok": True, "step_graph": bool(graph), **compile_delta(before, compile_snapshot())}
 
 
-def _exit_with_parent() -> None:
-    """A child whose build died (SIGKILL leaves no one to stop it) stops compiling for no one."""
-    parent = os.getppid()
+def exit_with_parent(parent: int) -> None:
+    """A child whose build died (SIGKILL leaves no one to stop it) stops compiling for no one:
+    once its parent is no longer `parent` (the build's pid, given on the command line, since the
+    build may die while this process still imports), it exits within a second."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -72,7 +73,7 @@ def _exit_with_parent() -> None:
 
 
 def main() -> int:
-    _exit_with_parent()
+    exit_with_parent(int(sys.argv[1]))
     fields = json.load(sys.stdin)
     spec = SideSpec(**{**fields, "features": tuple(fields["features"])})
     try:

@@ -53,15 +53,20 @@ def test_a_child_warms_a_replica_from_its_spec():
     step on a random head and random features of the target's width (two captured layers)."""
     spec = tiny_spec()
     assert spec.features == (64, 128) and spec.dtype == "float32"
-    result = SideCompile.start(spec).wait()
+    child = SideCompile.start("cpu")
+    child.send(spec)
+    result = child.wait()
     assert result["ok"], result
     assert result["device"] == "cpu" and result["step_graph"] is False and result["seconds"] > 0
 
 
 def test_a_failed_child_and_a_stuck_one_come_back_as_results():
-    bad = SideCompile.start(tiny_spec(dtype="no_such_dtype")).wait()
+    failing = SideCompile.start("cpu")
+    failing.send(tiny_spec(dtype="no_such_dtype"))
+    bad = failing.wait()
     assert not bad["ok"] and "no_such_dtype" in bad["error"], bad
-    stuck = SideCompile.start(tiny_spec())
+    stuck = SideCompile.start("cpu")
+    stuck.send(tiny_spec())
     result = stuck.wait(bound=0.2)  # importing torch alone takes longer
     assert not result["ok"] and "stopped" in result["error"], result
     assert stuck.proc.returncode is not None  # killed and reaped, not left running
@@ -70,9 +75,10 @@ def test_a_failed_child_and_a_stuck_one_come_back_as_results():
 def test_the_build_stops_its_children():
     """What the build does when it fails before it waits for them (an exception in the target's
     load, say): no child keeps compiling."""
-    child = SideCompile.start(tiny_spec())
-    SideCompiles([tiny_spec()], [child]).stop()
-    assert child.proc.returncode is not None
+    side = SideCompiles.start(["cpu", "cpu"])
+    assert len(side.children) == 1  # replicas that share a device share its graphs
+    side.stop()
+    assert side.children[0].proc.returncode is not None
 
 
 # a stand-in build: starts a process that watches it as a child does, prints that pid, then sleeps
@@ -139,13 +145,17 @@ def test_one_child_per_device_and_markers_keyed_by_what_the_graphs_depend_on(tmp
     note_warmed(spec)
     assert marker(spec).is_file() and tmp_path in marker(spec).parents  # emptied with the cache
     marks: list[str] = []
-    # warmed before: no child, and the target's size is not even asked for
-    warmed = SideCompiles.start([spec], lambda device: pytest.fail(f"asked for {device}"), marks.append)
-    assert warmed.children == [] and marks == []
-    # not warmed, but the target's size is unknown: no child either
+    # warmed before: the child is stopped, and the target's size is not even asked for
+    warmed = SideCompiles.start(["cpu"])
+    child = warmed.children[0]
+    warmed.assign([spec], lambda device: pytest.fail(f"asked for {device}"), marks.append)
+    assert warmed.children == [] and marks == [] and child.proc.returncode is not None
+    # not warmed, but the target's size is unknown: stopped too
     cold = dataclasses.replace(spec, shape={**spec.shape, "seq_len": 128})
-    unknown = SideCompiles.start([cold], lambda device: None, marks.append)
-    assert unknown.children == [] and marks == []
+    unknown = SideCompiles.start(["cpu"])
+    child = unknown.children[0]
+    unknown.assign([cold], lambda device: None, marks.append)
+    assert unknown.children == [] and marks == [] and child.proc.returncode is not None
     unknown.note_warmed()
     assert marker(cold).is_file()
 

@@ -138,34 +138,40 @@ def note_warmed(spec: SideSpec) -> None:
 
 
 class SideCompile:
-    """A running child (start) and, once waited for, what it did (wait)."""
+    """A child process for one drafter device: started early (start), it imports torch, dynamo
+    and inductor and creates its CUDA context while the build imports transformers; then either
+    given its spec to compile (send) or stopped; once given one, waited for (wait)."""
 
-    def __init__(self, spec: SideSpec, proc: subprocess.Popen, output: IO[bytes]):
-        self.spec, self.proc, self._output = spec, proc, output
+    def __init__(self, device: str, proc: subprocess.Popen, output: IO[bytes]):
+        self.device, self.proc, self._output = device, proc, output
         self.started = time.monotonic()
 
     @staticmethod
-    def start(spec: SideSpec) -> SideCompile:
-        # unnamed, nothing left on disk; closed when the child is waited for (_finish)
+    def start(device: str) -> SideCompile:
+        # unnamed, nothing left on disk; closed when the child is waited for or stopped
         output = tempfile.TemporaryFile()  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_core.engine.side_compile_child", str(os.getpid())],
+            [sys.executable, "-m", "dflash_core.engine.side_compile_child", str(os.getpid()), device],
             stdin=subprocess.PIPE,
             stdout=output,
             stderr=subprocess.STDOUT,
             env=child_env(),
         )
-        assert proc.stdin is not None
-        try:  # a few kilobytes: the pipe takes them without the child reading yet
-            proc.stdin.write(json.dumps(dataclasses.asdict(spec)).encode())
-            proc.stdin.close()
+        return SideCompile(device, proc, output)
+
+    def send(self, spec: SideSpec) -> None:
+        """The spec to compile; the child starts at once (its imports may still be running)."""
+        assert self.proc.stdin is not None
+        self.started = time.monotonic()
+        try:  # a few kilobytes: the pipe takes them whether or not the child reads yet
+            self.proc.stdin.write(json.dumps(dataclasses.asdict(spec)).encode())
+            self.proc.stdin.close()
         except BrokenPipeError:  # the child is gone already: its output says why
             pass
-        return SideCompile(spec, proc, output)
 
     def wait(self, bound: float = WAIT_BOUND_S) -> dict[str, Any]:
-        """The child's result ({"ok": bool, ...}); a child still running after `bound` seconds
-        since its start is killed."""
+        """The child's result ({"ok": bool, ...}); a child still running `bound` seconds after its
+        spec was sent is killed."""
         try:
             self.proc.wait(timeout=max(0.0, bound - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
@@ -177,6 +183,8 @@ class SideCompile:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
         self._output.close()
 
     def _result(self) -> dict[str, Any]:
@@ -192,7 +200,7 @@ class SideCompile:
 
     def _finish(self, result: dict[str, Any]) -> dict[str, Any]:
         self._output.close()
-        return {**result, "device": self.spec.device, "seconds": round(time.monotonic() - self.started, 2)}
+        return {**result, "device": self.device, "seconds": round(time.monotonic() - self.started, 2)}
 
 
 def child_env() -> dict[str, str]:
@@ -266,42 +274,55 @@ def target_weight_bytes(hf_config: Any, dtype: torch.dtype) -> int | None:
 
 
 class SideCompiles:
-    """The build's children: one per drafter device whose step is not in the cache yet and that
-    has room for it. The specs of every drafter device are kept, for the notes after warm-up."""
+    """The build's children: one per distinct drafter device, started before the build knows the
+    drafter's architecture (start), then kept for the devices whose step is not in the cache yet
+    and that have room for it, and stopped for the others (assign)."""
 
-    def __init__(self, specs: list[SideSpec], children: list[SideCompile]):
-        self.specs, self.children = specs, children
+    def __init__(self, children: list[SideCompile]):
+        self.children = children
+        self.specs: list[SideSpec] = []  # every drafter device's, for the notes after warm-up
 
     @staticmethod
-    def start(
-        specs: list[SideSpec], target_bytes: Callable[[str], int | None], mark: Callable[[str], None]
-    ) -> SideCompiles:
-        """target_bytes(device): the target's weights that will load there (None: unknown, no
-        child); asked only where a child would start. mark(label): the build timeline's."""
+    def start(devices: list[str]) -> SideCompiles:
         children = []
-        for spec in specs:
-            if marker(spec).exists():
-                continue
-            weights = target_bytes(spec.device)
-            fraction = None if weights is None else memory_fraction(spec.device, weights)
-            if fraction is None:
-                log.info(
-                    "no drafter compile beside the target: too little memory on %s beside its weights", spec.device
-                )
-                continue
+        for device in dict.fromkeys(devices):  # replicas that share a device share its graphs
             try:
-                children.append(SideCompile.start(dataclasses.replace(spec, memory_fraction=round(fraction, 4))))
+                children.append(SideCompile.start(device))
             except OSError as e:  # no process to be had: the build compiles for itself
                 log.warning("could not start the drafter compile beside the target: %s", e)
+        return SideCompiles(children)
+
+    def assign(
+        self, specs: list[SideSpec], target_bytes: Callable[[str], int | None], mark: Callable[[str], None]
+    ) -> None:
+        """Give each child its device's spec, or stop it where the cache has seen this drafter
+        warmed there or the device lacks room. target_bytes(device): what the target will take
+        there (None: unknown, no child); asked only where a child would compile. mark(label):
+        the build timeline's."""
+        self.specs = specs
+        by_device = {spec.device: spec for spec in specs}
+        kept = []
+        for child in self.children:
+            spec = by_device[child.device]
+            fraction = None
+            if not marker(spec).exists():
+                weights = target_bytes(spec.device)
+                fraction = None if weights is None else memory_fraction(spec.device, weights)
+                if fraction is None:
+                    log.info("no drafter compile beside the target: too little memory on %s", spec.device)
+            if fraction is None:
+                child.stop()
                 continue
+            child.send(dataclasses.replace(spec, memory_fraction=round(fraction, 4)))
             mark(f"build:side_compile_started:{spec.device}")
-        return SideCompiles(specs, children)
+            kept.append(child)
+        self.children = kept
 
     def wait(self, features: torch.Tensor, mark: Callable[[str], None]) -> None:
         """Every child's end, logged; the stand-in features checked against the target's."""
         for child in self.children:
             result = child.wait()
-            mark(f"build:side_compile_done:{child.spec.device}")
+            mark(f"build:side_compile_done:{child.device}")
             if result["ok"]:
                 log.info("drafter compiled beside the target", extra={"fields": result})
             else:

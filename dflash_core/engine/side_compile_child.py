@@ -1,5 +1,6 @@
-"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child BUILD_PID` reads
-a SideSpec as JSON on its standard input, builds one drafter replica as the engine's build will,
+"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child BUILD_PID DEVICE`
+imports what a compile needs and creates the device's context, then reads a SideSpec as JSON on
+its standard input, builds one drafter replica as the engine's build will,
 warms it on stand-ins for the target's head and features (which fills the shared compile cache),
 and prints its result as the last line of its output. It exits when the build's process does."""
 
@@ -72,9 +73,23 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="side-compile-parent", daemon=True).start()
 
 
+def prepare(device: str) -> None:
+    """While the build still imports transformers: what the compile would otherwise start with,
+    dynamo's and inductor's imports and the device's CUDA context."""
+    import torch._dynamo
+    import torch._inductor.compile_fx
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.mem_get_info(torch.device(device))
+
+
 def main() -> int:
     exit_with_parent(int(sys.argv[1]))
-    fields = json.load(sys.stdin)
+    prepare(sys.argv[2])
+    try:
+        fields = json.load(sys.stdin)  # until the build sends the spec (or stops this process)
+    except ValueError:  # the build closed the pipe without one: nothing to compile
+        return 0
     spec = SideSpec(**{**fields, "features": tuple(fields["features"])})
     try:
         result = run_child(spec)

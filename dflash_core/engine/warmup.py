@@ -178,13 +178,15 @@ class _Build:
             timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
         timeline.enter("loading_target")
         target_path, layer_ids = _target_source(config, data_dir)
-        tokenizer, drafter_config = self.drafter_config(target_path, layer_ids)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        cuda.wait()
-        timeline.mark("build:cuda_contexts")
-        gamma = recipe_gamma(config.recipe, config.block_size)
-        side = self.start_side_compiles(target_path, drafter_config, pad, gamma)
+        # the drafter devices' compile processes import beside the build (side_compile.py)
+        side = SideCompiles.start(self.drafter_devices if plan.compiled else [])
         try:
+            tokenizer, drafter_config = self.drafter_config(target_path, layer_ids)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+            cuda.wait()
+            timeline.mark("build:cuda_contexts")
+            gamma = recipe_gamma(config.recipe, config.block_size)
+            self.assign_side_compiles(side, target_path, drafter_config, pad, gamma)
             targets = self.load_targets(target_path, drafter_config.target_layer_ids)
             drafter_config = serving_inputs(drafter_config, targets[0])
             timeline.enter("warming_target")
@@ -206,17 +208,15 @@ class _Build:
         feature_spec = (tuple(features.shape), features.dtype)
         return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
 
-    def start_side_compiles(
-        self, target_path: str, drafter_config: DrafterConfig, pad: int, gamma: float
-    ) -> SideCompiles:
-        """The drafter devices' compiles in child processes beside the target's (side_compile.py
-        says when); none for a plan that does not compile."""
-        if not self.plan.compiled:
-            return SideCompiles([], [])
+    def assign_side_compiles(
+        self, side: SideCompiles, target_path: str, drafter_config: DrafterConfig, pad: int, gamma: float
+    ) -> None:
+        """Give the compile processes their specs, now that the drafter is known (side_compile.py
+        says which compile and which stop)."""
         step = (gamma, LossConfig().chunk_size, self.config.teacher)
         specs = drafter_specs(drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices)
         weights = target_bytes_by_device(target_path, self.target_devices, self.config.seq_len)
-        return SideCompiles.start(specs, weights, self.timeline.mark)
+        side.assign(specs if self.plan.compiled else [], weights, self.timeline.mark)
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""

@@ -2,21 +2,22 @@
 
 A cold start compiles the target's fused layer and then each drafter GPU's step (dynamo,
 AOTAutograd, inductor's lowering), one after the other in the build thread. Both are mostly
-Python that holds the GIL, so a thread cannot overlap them; a process can. Once the drafter's
-architecture is known, the build starts one child per drafter device. A child builds a replica
-on its device with stand-ins for what the target would hand it (a random head and random
-features of the target's shapes and dtype: only shapes, dtypes and devices reach the compiled
-graphs' keys), runs the warm-up's training step and step graph, and exits. Its graphs land in
-the shared compile cache, from which the build's own drafter warm-up then loads them, as a warm
-start does. The build waits for the children before it creates its replicas, so a child's
-memory is free by then.
+Python that holds the GIL, so a thread cannot overlap them; a process can. The build starts one
+child per distinct drafter device as it begins; the child imports torch, dynamo and inductor
+and creates its CUDA context while the build imports transformers. Once the drafter's
+architecture is known, each child gets its spec, builds a replica on its device with stand-ins
+for what the target would hand it (a random head and random features of the target's shapes
+and dtype: only shapes, dtypes and devices reach the compiled graphs' keys), runs the warm-up's
+training step and step graph, and exits. Its graphs land in the shared compile cache, from
+which the build's own drafter warm-up then loads them, as a warm start does. The build waits
+for the children before it creates its replicas, so a child's memory is free by then.
 
-A child runs only where it pays and cannot hurt:
-- the plan compiles and the cache has not seen this drafter warmed on this device (a marker in
-  the compile cache directory, written after the build's drafter warm-up and keyed by what the
-  compiled graphs depend on): a warm start starts none;
-- the device has room beside the target's weights: the child's allocator is capped at what the
-  target leaves free, so the child runs out of memory before the build would.
+A child compiles only where it pays and cannot hurt, and is stopped elsewhere:
+- the cache has not seen this drafter warmed on this device (a marker in the compile cache
+  directory, written after the build's drafter warm-up and keyed by what the compiled graphs
+  depend on): a warm start stops its children before they compile anything;
+- the device has room beside what the target will take there: the child's allocator is capped
+  at what that leaves free, so the child runs out of memory before the build would.
 A child that fails, or outlasts WAIT_BOUND_S, costs its time only: the build compiles as before.
 """
 
@@ -150,13 +151,17 @@ class SideCompile:
     def start(device: str) -> SideCompile:
         # unnamed, nothing left on disk; closed when the child is waited for or stopped
         output = tempfile.TemporaryFile()  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_core.engine.side_compile_child", str(os.getpid()), device],
-            stdin=subprocess.PIPE,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env=child_env(),
-        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dflash_core.engine.side_compile_child", str(os.getpid()), device],
+                stdin=subprocess.PIPE,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+            )
+        except BaseException:
+            output.close()
+            raise
         return SideCompile(device, proc, output)
 
     def send(self, spec: SideSpec) -> None:

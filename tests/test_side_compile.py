@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.engine.config import CPU_PLAN
@@ -44,7 +45,7 @@ def tiny_spec(devices: tuple[str, ...] = ("cpu",), **changes) -> SideSpec:
         num_target_layers=2,
     )
     shape = ShapeConfig(seq_len=64, num_anchors=4, block_size=4)
-    spec = drafter_specs(drafter, shape, CPU_PLAN, (4.0, 2048, False), 0, list(devices))[0]
+    spec = drafter_specs(drafter, shape, CPU_PLAN, (4.0, 2048, False), 0, list(devices), torch.float32)[0]
     return dataclasses.replace(spec, **changes)
 
 
@@ -130,6 +131,7 @@ def test_one_child_per_device_and_markers_keyed_by_what_the_graphs_depend_on(tmp
         spec,
         replica_index=3,
         memory_fraction=0.5,
+        drafter_devices=3,  # dynamo's recompile limit, not the graphs
         drafter={**spec.drafter, "mask_token": "<m>", "input_embedding_scale": 8.0},
     )
     assert spec.key() == same.key()
@@ -137,7 +139,7 @@ def test_one_child_per_device_and_markers_keyed_by_what_the_graphs_depend_on(tmp
         dataclasses.replace(spec, shape={**spec.shape, "seq_len": 128}),
         dataclasses.replace(spec, plan={**spec.plan, "precision": "fp8"}),
         dataclasses.replace(spec, teacher=True),
-        dataclasses.replace(spec, drafter_devices=3),
+        dataclasses.replace(spec, dtype="bfloat16"),
         dataclasses.replace(spec, drafter={**spec.drafter, "num_hidden_layers": 2}),
     ):
         assert other.key() != spec.key(), other
@@ -163,7 +165,9 @@ def test_one_child_per_device_and_markers_keyed_by_what_the_graphs_depend_on(tmp
 def drafter_specs_of(devices: tuple[str, ...]) -> list[SideSpec]:
     spec = tiny_spec(devices)
     drafter = DrafterConfig(**{**spec.drafter, "target_layer_ids": tuple(spec.drafter["target_layer_ids"])})
-    return drafter_specs(drafter, ShapeConfig(**spec.shape), CPU_PLAN, (4.0, 2048, False), 0, list(devices))
+    return drafter_specs(
+        drafter, ShapeConfig(**spec.shape), CPU_PLAN, (4.0, 2048, False), 0, list(devices), torch.float32
+    )
 
 
 def test_the_targets_bytes_per_device_counted_without_loading_it(random_target_dir):
@@ -181,3 +185,16 @@ def test_the_targets_bytes_per_device_counted_without_loading_it(random_target_d
     assert on("cuda:0") == weights + activations
     assert on("cuda:1") == on("cuda:2") == weights // 2 + activations
     assert on("cuda:3") == 0
+
+
+def test_children_share_the_cores_unless_the_user_sized_the_pool(monkeypatch):
+    """Each child starts its own inductor worker pool; the pool's size is not in the graphs'
+    cache keys, so the children split the cores, and an exported size is left as it is."""
+    from dflash_core.engine.side_compile import child_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert child_env(1)["TORCHINDUCTOR_COMPILE_THREADS"] == str(cores)
+    assert child_env(cores * 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    assert child_env(4)["TORCHINDUCTOR_COMPILE_THREADS"] == "3"

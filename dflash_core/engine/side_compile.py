@@ -4,7 +4,7 @@ A cold start compiles the target's fused layer and then each drafter GPU's step 
 AOTAutograd, inductor's lowering), one after the other in the build thread. Both are mostly
 Python that holds the GIL, so a thread cannot overlap them; a process can. The build starts one
 child per distinct drafter device as it begins; the child imports torch, dynamo and inductor
-and creates its CUDA context while the build imports transformers. Once the drafter's
+while the build imports transformers. Once the drafter's
 architecture is known, each child gets its spec, builds a replica on its device with stand-ins
 for what the target would hand it (a random head and random features of the target's shapes
 and dtype: only shapes, dtypes and devices reach the compiled graphs' keys), runs the warm-up's
@@ -43,14 +43,15 @@ import torch
 log = logging.getLogger("dflash.engine")
 
 # A cold drafter compile takes a minute or two on a loaded host; a child still running after this
-# is stuck, and the build compiles for itself rather than wait longer.
-WAIT_BOUND_S = 900.0
+# is stuck, and the build compiles for itself rather than hold its ready back longer.
+WAIT_BOUND_S = 600.0
 # What the build keeps free on a device beside the target's weights and the child's cap: the
 # target's warm-up activations, its recorded graph and the CUDA contexts.
 HEADROOM_FRACTION = 0.06
 # Below this share of the device, the child's step would not fit anyway: no child.
 MIN_CHILD_FRACTION = 0.2
 MARKER_DIR = "dflash-drafters-warmed"
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # dflash_core
 RESULT_PREFIX = "side-compile-result "
 
 
@@ -73,30 +74,51 @@ class SideSpec:
     memory_fraction: float | None = None  # the child's allocator cap on its device
 
     def key(self) -> str:
-        """What the drafter's compiled graphs on this device depend on, hashed: the marker's name."""
+        """What the drafter's compiled graphs on this device depend on, hashed: the marker's name
+        (the code that builds them too: another version of this package or of torch or Triton is
+        another key, as it is another compile)."""
         props = torch.cuda.get_device_properties(self.device) if self.device.startswith("cuda") else None
         fields = dataclasses.asdict(self)
-        for name in ("memory_fraction", "replica_index"):  # neither reaches the graphs
+        # none of these reaches the graphs (the devices' count sets dynamo's recompile limit)
+        for name in ("memory_fraction", "replica_index", "drafter_devices"):
             fields.pop(name)
         fields["drafter"] = {k: v for k, v in self.drafter.items() if k not in ("mask_token", "input_embedding_scale")}
-        fields["torch"] = torch.__version__
+        fields["code"] = code_version()
         fields["gpu"] = [props.name, props.major, props.minor] if props is not None else None
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+@functools.cache
+def code_version() -> list[str]:
+    """torch's and Triton's versions and a hash of this package's sources."""
+    import triton
+
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE_ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return [torch.__version__, triton.__version__, digest.hexdigest()[:16]]
+
+
 def drafter_specs(
-    drafter: Any, shape: Any, plan: Any, step: tuple[float, int, bool], pad_token_id: int, devices: list[str]
+    drafter: Any,
+    shape: Any,
+    plan: Any,
+    step: tuple[float, int, bool],
+    pad_token_id: int,
+    devices: list[str],
+    target_dtype: torch.dtype,
 ) -> list[SideSpec]:
     """One spec per distinct drafter device (replicas that share a device share its graphs), as
     the build will warm it: drafter a DrafterConfig, shape a ShapeConfig, plan a StepPlan, step
-    the ReplicaStep's (gamma, chunk_size, teacher)."""
-    from ..devices import compute_dtype
-
+    the ReplicaStep's (gamma, chunk_size, teacher); target_dtype: the target's, which its head and
+    features have."""
     gamma, chunk_size, teacher = step
+    devices = distinct_devices(devices)
     width = feature_width(drafter.hidden_size, drafter.target_layer_ids, teacher)
     return [
         SideSpec(
-            device=str(dev),
+            device=dev,
             drafter=drafter.to_dict(),
             shape=dataclasses.asdict(shape),
             plan=dataclasses.asdict(plan),
@@ -107,11 +129,22 @@ def drafter_specs(
             replica_index=i,
             drafter_devices=len(devices),
             features=(shape.seq_len, width),
-            dtype=str(compute_dtype(dev)).removeprefix("torch."),
+            dtype=str(target_dtype).removeprefix("torch."),
         )
         for i, dev in enumerate(devices)
-        if dev not in devices[:i]
     ]
+
+
+def distinct_devices(devices: list[str]) -> list[str]:
+    """Each device once, in order, as `cuda:<index>` ("cuda" and "cuda:0" are one GPU)."""
+    return list(dict.fromkeys(canonical_device(d) for d in devices))
+
+
+def canonical_device(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(dev)
 
 
 def feature_width(hidden_size: int, layer_ids: tuple[int, ...] | list[int], teacher: bool) -> int:
@@ -140,24 +173,26 @@ def note_warmed(spec: SideSpec) -> None:
 
 class SideCompile:
     """A child process for one drafter device: started early (start), it imports torch, dynamo
-    and inductor and creates its CUDA context while the build imports transformers; then either
-    given its spec to compile (send) or stopped; once given one, waited for (wait)."""
+    and inductor while the build imports transformers; then either given its spec to compile
+    (send) or stopped; once given one, waited for (wait)."""
 
     def __init__(self, device: str, proc: subprocess.Popen, output: IO[bytes]):
         self.device, self.proc, self._output = device, proc, output
         self.started = time.monotonic()
 
     @staticmethod
-    def start(device: str) -> SideCompile:
+    def start(device: str, siblings: int = 1) -> SideCompile:
+        """siblings: how many children the build starts, which share the host's cores."""
         # unnamed, nothing left on disk; closed when the child is waited for or stopped
         output = tempfile.TemporaryFile()  # noqa: SIM115
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dflash_core.engine.side_compile_child", str(os.getpid()), device],
+                # -P: the working directory does not shadow the build's packages
+                [sys.executable, "-P", "-m", "dflash_core.engine.side_compile_child", str(os.getpid())],
                 stdin=subprocess.PIPE,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                env=child_env(),
+                env=child_env(siblings),
             )
         except BaseException:
             output.close()
@@ -169,7 +204,7 @@ class SideCompile:
         assert self.proc.stdin is not None
         self.started = time.monotonic()
         try:  # a few kilobytes: the pipe takes them whether or not the child reads yet
-            self.proc.stdin.write(json.dumps(dataclasses.asdict(spec)).encode())
+            self.proc.stdin.write(json.dumps(dataclasses.asdict(spec)).encode() + b"\n")
             self.proc.stdin.close()
         except BrokenPipeError:  # the child is gone already: its output says why
             pass
@@ -196,7 +231,13 @@ class SideCompile:
         text = self._read()
         for line in reversed(text.splitlines()):
             if line.startswith(RESULT_PREFIX):
-                return json.loads(line[len(RESULT_PREFIX) :])
+                try:
+                    result = json.loads(line[len(RESULT_PREFIX) :])
+                except ValueError:
+                    break
+                if isinstance(result, dict) and "ok" in result:
+                    return result
+                break
         return {"ok": False, "error": f"exited {self.proc.returncode}: {text[-1500:].strip()}"}
 
     def _read(self) -> str:
@@ -208,12 +249,20 @@ class SideCompile:
         return {**result, "device": self.device, "seconds": round(time.monotonic() - self.started, 2)}
 
 
-def child_env() -> dict[str, str]:
-    """The build's environment (its compile cache variables among them, which use_cache_dir set)
-    with this checkout importable."""
+def child_env(siblings: int) -> dict[str, str]:
+    """The build's environment (its compile cache variables among them, which use_cache_dir set),
+    with this package importable where it is not installed, and inductor's worker pool sized to
+    the child's share of the cores (each child starts its own; the size is not in the graphs'
+    cache keys) unless the user set it."""
+    import site
+
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    root = str(PACKAGE_ROOT.parent)
+    installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if os.path.realpath(root) not in installed:  # a checkout: the child starts without its cwd on the path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in env:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, siblings)))
     return env
 
 
@@ -231,7 +280,7 @@ def target_bytes_by_device(
     """device -> the bytes the target will take there while a child runs: its weights (a copy's
     share per stage) and its warm-up's transient activations, for the target copies `entries` (a
     device, or the devices one copy is split over); counted once, for the first device asked."""
-    stages = [e if isinstance(e, list) else [e] for e in entries]
+    stages = [distinct_devices(e if isinstance(e, list) else [e]) for e in entries]
 
     @functools.cache
     def sizes() -> tuple[int, int] | None:
@@ -245,6 +294,7 @@ def target_bytes_by_device(
         return None if weights is None else (weights, warmup_activation_bytes(config, seq_len, dtype))
 
     def on(device: str) -> int | None:
+        device = canonical_device(device)
         share = sum(1 / len(copy) for copy in stages if device in copy)
         if not share:
             return 0
@@ -256,12 +306,17 @@ def target_bytes_by_device(
 
 def warmup_activation_bytes(hf_config: Any, seq_len: int, dtype: torch.dtype) -> int:
     """A bound on what the target's warm-up holds at once beyond its weights: a layer's MLP
-    intermediates (gate, up and their product) and residual stream at seq_len tokens, and an
-    eager attention's additive [S, S] mask, each in the target's dtype."""
+    intermediates (gate, up and their product) and residual stream at seq_len tokens, the
+    additive [S, S] masks, and where the family's attention is eager its [heads, S, S] scores,
+    their softmax and its cast, each in the target's dtype."""
+    from ..target import attention_implementation
+
     text = getattr(hf_config, "text_config", None) or hf_config
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     inner = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
-    return (4 * seq_len * max(inner, hidden) + 2 * seq_len * seq_len) * dtype.itemsize
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    scores = 3 * heads * seq_len * seq_len if attention_implementation(hf_config) == "eager" else 0
+    return (4 * seq_len * max(inner, hidden) + 2 * seq_len * seq_len + scores) * dtype.itemsize
 
 
 def target_weight_bytes(hf_config: Any, dtype: torch.dtype) -> int | None:
@@ -289,12 +344,16 @@ class SideCompiles:
 
     @staticmethod
     def start(devices: list[str]) -> SideCompiles:
-        children = []
-        for device in dict.fromkeys(devices):  # replicas that share a device share its graphs
-            try:
-                children.append(SideCompile.start(device))
-            except OSError as e:  # no process to be had: the build compiles for itself
-                log.warning("could not start the drafter compile beside the target: %s", e)
+        children: list[SideCompile] = []
+        distinct = distinct_devices(devices)  # replicas that share a device share its graphs
+        try:
+            for device in distinct:
+                children.append(SideCompile.start(device, len(distinct)))
+        except OSError as e:  # no process to be had: the build compiles for itself
+            log.warning("could not start the drafter compile beside the target: %s", e)
+        except BaseException:
+            SideCompiles(children).stop()
+            raise
         return SideCompiles(children)
 
     def assign(
@@ -305,7 +364,7 @@ class SideCompiles:
         there (None: unknown, no child); asked only where a child would compile. mark(label):
         the build timeline's."""
         self.specs = specs
-        by_device = {spec.device: spec for spec in specs}
+        by_device = {spec.device: spec for spec in specs}  # both canonical (distinct_devices)
         kept = []
         for child in self.children:
             spec = by_device[child.device]

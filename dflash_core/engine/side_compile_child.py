@@ -1,6 +1,5 @@
-"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child BUILD_PID DEVICE`
-imports what a compile needs and creates the device's context, then reads a SideSpec as JSON on
-its standard input, builds one drafter replica as the engine's build will,
+"""The child of side_compile.py: `python -m dflash_core.engine.side_compile_child BUILD_PID`
+imports what a compile needs, then reads a SideSpec as one line of JSON on its standard input, builds one drafter replica as the engine's build will,
 warms it on stand-ins for the target's head and features (which fills the shared compile cache),
 and prints its result as the last line of its output. It exits when the build's process does."""
 
@@ -73,21 +72,20 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="side-compile-parent", daemon=True).start()
 
 
-def prepare(device: str) -> None:
-    """While the build still imports transformers: what the compile would otherwise start with,
-    dynamo's and inductor's imports and the device's CUDA context."""
+def prepare() -> None:
+    """While the build still imports transformers: the imports the compile would otherwise start
+    with. The CUDA context waits for the spec: the build creates its own first (a GPU in
+    exclusive-process mode takes one process only)."""
     import torch._dynamo
-    import torch._inductor.compile_fx
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.mem_get_info(torch.device(device))
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def main() -> int:
     exit_with_parent(int(sys.argv[1]))
-    prepare(sys.argv[2])
+    prepare()
+    line = sys.stdin.readline()  # until the build sends the spec (or stops this process)
     try:
-        fields = json.load(sys.stdin)  # until the build sends the spec (or stops this process)
+        fields = json.loads(line)
     except ValueError:  # the build closed the pipe without one: nothing to compile
         return 0
     spec = SideSpec(**{**fields, "features": tuple(fields["features"])})

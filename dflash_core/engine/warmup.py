@@ -23,7 +23,7 @@ import torch
 
 from ..config import DrafterConfig, LossConfig, ShapeConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
-from ..devices import CudaContexts, default_devices
+from ..devices import CudaContexts, compute_dtype, default_devices
 from ..parity import check_serving_parity
 from ..recipes import recipe_named
 from ..target import TargetModel
@@ -214,7 +214,10 @@ class _Build:
         """Give the compile processes their specs, now that the drafter is known (side_compile.py
         says which compile and which stop)."""
         step = (gamma, LossConfig().chunk_size, self.config.teacher)
-        specs = drafter_specs(drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices)
+        target_dtype = compute_dtype(flat_devices(self.target_devices)[0])
+        specs = drafter_specs(
+            drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices, target_dtype
+        )
         weights = target_bytes_by_device(target_path, self.target_devices, self.config.seq_len)
         side.assign(specs if self.plan.compiled else [], weights, self.timeline.mark)
 

@@ -212,14 +212,16 @@ class _Build:
         self, side: SideCompiles, target_path: str, drafter_config: DrafterConfig, pad: int, gamma: float
     ) -> None:
         """Give the compile processes their specs, now that the drafter is known (side_compile.py
-        says which compile and which stop)."""
+        says which compile and which stop); a plan that does not compile started none."""
+        if not self.plan.compiled:
+            return
         step = (gamma, LossConfig().chunk_size, self.config.teacher)
         target_dtype = compute_dtype(flat_devices(self.target_devices)[0])
         specs = drafter_specs(
             drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices, target_dtype
         )
         weights = target_bytes_by_device(target_path, self.target_devices, self.config.seq_len)
-        side.assign(specs if self.plan.compiled else [], weights, self.timeline.mark)
+        side.assign(specs, weights, self.timeline.mark)
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""

@@ -114,11 +114,20 @@ def run_precompile(config: Path, log: Path, inductor_cache: Path) -> dict:
 
 def warmup_compiles(log: Path) -> dict:
     """From a daemon's log: the drafters' warm-up seconds and inductor's graph-cache hits and
-    misses during it (the engine's `drafter warm-up compiles` lines, summed over drafter GPUs)."""
+    misses during it (the engine's `drafter warm-up compiles` lines, summed over drafter GPUs),
+    and the seconds of the compiles beside the target (`drafter compiled beside the target`:
+    side_s, the longest child's; side_failed, children that failed)."""
     out: dict = {}
     if not log.is_file():
         return out
     for line in log.read_text(errors="replace").splitlines():
+        if "drafter compiled beside the target" in line or "drafter compile beside the target failed" in line:
+            fields = dict(item.partition("=")[::2] for item in line.split() if "=" in item)
+            if fields.get("ok") == "True":
+                out["side_s"] = max(out.get("side_s", 0.0), float(fields.get("seconds", 0)))
+            else:
+                out["side_failed"] = out.get("side_failed", 0) + 1
+            continue
         if "drafter warm-up compiles" not in line:
             continue
         for item in line.split():

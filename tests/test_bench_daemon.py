@@ -1,0 +1,46 @@
+"""bench.daemon_gpu reads a start's compile figures from the daemon's own log lines (the text
+formatter's `message key=value ...`), as the engine writes them."""
+
+from __future__ import annotations
+
+import logging
+
+from bench.daemon_gpu import warmup_compiles
+from service.logs import TextFormatter
+
+
+def line(message: str, **fields) -> str:
+    record = logging.LogRecord("dflash.engine", logging.INFO, __file__, 1, message, None, None)
+    record.fields = fields
+    return TextFormatter().format(record)
+
+
+def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
+    log = tmp_path / "daemon_cold.log"
+    log.write_text(
+        "\n".join(
+            [
+                line(
+                    "drafter compiled beside the target", ok=True, fxgraph_cache_miss=4.0, device="cuda:0", seconds=17.7
+                ),
+                line("drafter compiled beside the target", ok=True, device="cuda:1", seconds=19.25),
+                line("the drafter compile beside the target failed; compiling here", ok=False, device="cuda:2"),
+                line(
+                    "drafter warm-up compiles",
+                    device="cuda:0",
+                    seconds=1.699,
+                    fxgraph_cache_hit=4.0,
+                    fxgraph_cache_miss=0.0,
+                ),
+                line(
+                    "drafter warm-up compiles",
+                    device="cuda:1",
+                    seconds=1.5,
+                    fxgraph_cache_hit=4.0,
+                    fxgraph_cache_miss=1.0,
+                ),
+            ]
+        )
+    )
+    assert warmup_compiles(log) == {"side_s": 19.25, "side_failed": 1, "warmup_s": 3.2, "hit": 8.0, "miss": 1.0}
+    assert warmup_compiles(tmp_path / "missing.log") == {}

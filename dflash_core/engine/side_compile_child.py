@@ -1,7 +1,8 @@
 """The child of side_compile.py: `python -m dflash_core.engine.side_compile_child BUILD_PID`
-imports what a compile needs, then reads a SideSpec as one line of JSON on its standard input, builds one drafter replica as the engine's build will,
-warms it on stand-ins for the target's head and features (which fills the shared compile cache),
-and prints its result as the last line of its output. It exits when the build's process does."""
+imports what a compile needs, then reads a SideSpec as one line of JSON on its standard input,
+builds one drafter replica as the engine's build will, warms it on stand-ins for the target's
+head and features (which fills the shared compile cache), and prints its result as the last
+line of its output. It exits when the build's process does."""
 
 from __future__ import annotations
 

@@ -114,8 +114,10 @@ def drafter_specs(
     the ReplicaStep's (gamma, chunk_size, teacher); target_dtype: the target's, which its head and
     features have."""
     gamma, chunk_size, teacher = step
-    devices = distinct_devices(devices)
     width = feature_width(drafter.hidden_size, drafter.target_layer_ids, teacher)
+    canonical = [canonical_device(d) for d in devices]
+    # a device's first replica, and the count of all replicas, as the build's warm-up sees them
+    first = {dev: canonical.index(dev) for dev in distinct_devices(devices)}
     return [
         SideSpec(
             device=dev,
@@ -127,11 +129,11 @@ def drafter_specs(
             teacher=teacher,
             pad_token_id=pad_token_id,
             replica_index=i,
-            drafter_devices=len(devices),
+            drafter_devices=len(devices),  # the build's recompile limit counts every replica
             features=(shape.seq_len, width),
             dtype=str(target_dtype).removeprefix("torch."),
         )
-        for i, dev in enumerate(devices)
+        for dev, i in first.items()
     ]
 
 

@@ -34,8 +34,10 @@ case "$(realpath -m "$OUT")/" in
   "$(realpath "$PWD")"/docs/*) echo "OUT=$OUT is under docs/: benchmark output stays out of the repository (use out/)" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
+# with their bytecode, as pip and the image install them: the daemon's start measures its own imports,
+# not the compiling of these sources
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi -L

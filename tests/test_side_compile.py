@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,8 +195,70 @@ def test_children_share_the_cores_unless_the_user_sized_the_pool(monkeypatch):
     from dflash_core.engine.side_compile import child_env
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    cores = os.cpu_count() or 1
+    cores = min(32, len(os.sched_getaffinity(0)))  # what inductor would start on its own
     assert child_env(1)["TORCHINDUCTOR_COMPILE_THREADS"] == str(cores)
     assert child_env(cores * 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
     assert child_env(4)["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_a_pinned_build_sizes_its_childrens_pools_by_its_own_cores():
+    """A container pinned to a few cores of a large host: the pool follows the cores the build
+    may run on, as inductor's own sizing does, not the host's count."""
+    code = (
+        "import os; os.environ.pop('TORCHINDUCTOR_COMPILE_THREADS', None); "
+        "from dflash_core.engine.side_compile import child_env; "
+        "print(child_env(1)['TORCHINDUCTOR_COMPILE_THREADS'])"
+    )
+    out = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "1", out
+
+
+def test_a_child_and_what_it_started_are_stopped_together(tmp_path):
+    """A child runs in a process group of its own, which its compile workers join; stopping it
+    ends them too, and waiting for one that exited ends what it left running."""
+    child = SideCompile.start("cpu")
+    assert os.getpgid(child.proc.pid) == child.proc.pid
+    child.stop()
+    # a stand-in child that leaves a worker behind, as inductor's pool does when its owner exits
+    spawner = (
+        "import subprocess, sys; "
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print(w.pid, flush=True)"
+    )
+    with open(tmp_path / "out", "w+b") as output:
+        proc = subprocess.Popen([sys.executable, "-c", spawner], stdout=output, start_new_session=True)
+        ended = SideCompile("cpu", proc, output)
+        ended.wait(bound=60)
+    worker = int((tmp_path / "out").read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker)
+
+
+def test_a_failure_in_the_builds_bookkeeping_costs_the_head_start_only():
+    """Whatever goes wrong while the build sizes a child's memory (a config it cannot read, say)
+    stops that child and lets the build go on, as a failed child does."""
+    side = SideCompiles.start(["cpu"])
+    child = side.children[0]
+
+    def unreadable(device: str) -> int:
+        raise ValueError(f"cannot size the target on {device}")
+
+    side.assign([tiny_spec(shape={"seq_len": 96, "num_anchors": 4, "block_size": 4})], unreadable, lambda _: None)
+    assert side.children == [] and child.proc.returncode is not None
+
+
+def test_per_layer_sizes_bound_the_warmup_by_the_largest():
+    """Families whose configs list a size per layer (Gemma 3n's MLP widths)."""
+    from transformers import Gemma3nTextConfig
+
+    from dflash_core.engine.side_compile import warmup_activation_bytes
+
+    config = Gemma3nTextConfig(intermediate_size=[256, 512, 384], num_hidden_layers=3, hidden_size=128)
+    got = warmup_activation_bytes(config, 64, torch.bfloat16)
+    assert got >= (4 * 64 * 512 + 2 * 64 * 64) * 2

@@ -23,12 +23,14 @@ A child that fails, or outlasts WAIT_BOUND_S, costs its time only: the build com
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,7 @@ MIN_CHILD_FRACTION = 0.2
 MARKER_DIR = "dflash-drafters-warmed"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # dflash_core
 RESULT_PREFIX = "side-compile-result "
+POOL_MAX = 32  # inductor's own cap on its worker pool
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,8 @@ class SideCompile:
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=child_env(siblings),
+                # its own process group, which its compile workers join: stopped together
+                start_new_session=True,
             )
         except BaseException:
             output.close()
@@ -219,15 +224,23 @@ class SideCompile:
         except subprocess.TimeoutExpired:
             self.stop()
             return self._finish({"ok": False, "error": f"still compiling after {bound:.0f} s: stopped"})
+        self._end_group()  # its compile workers, which outlive a child that exits at once
         return self._finish(self._result())
 
     def stop(self) -> None:
+        self._end_group()
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
         self._output.close()
+
+    def _end_group(self) -> None:
+        """The child and whatever it started (inductor's worker pool), at once: a worker in the
+        middle of a Triton build would otherwise finish it for no one."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _result(self) -> dict[str, Any]:
         text = self._read()
@@ -264,8 +277,18 @@ def child_env(siblings: int) -> dict[str, str]:
     if os.path.realpath(root) not in installed:  # a checkout: the child starts without its cwd on the path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in env:
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, siblings)))
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, pool_size() // max(1, siblings)))
     return env
+
+
+def pool_size() -> int:
+    """The worker pool inductor would start on its own: the cores this process may run on, at
+    most POOL_MAX (an exported size replaces inductor's rule, so the child's must keep it)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return min(POOL_MAX, cores)
 
 
 def memory_fraction(device: str, target_bytes: int) -> float | None:
@@ -314,11 +337,18 @@ def warmup_activation_bytes(hf_config: Any, seq_len: int, dtype: torch.dtype) ->
     from ..target import attention_implementation
 
     text = getattr(hf_config, "text_config", None) or hf_config
-    hidden = int(getattr(text, "hidden_size", 0) or 0)
-    inner = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
-    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    hidden = _largest(getattr(text, "hidden_size", 0))
+    inner = _largest(getattr(text, "intermediate_size", 0)) or 4 * hidden
+    heads = _largest(getattr(text, "num_attention_heads", 0))
     scores = 3 * heads * seq_len * seq_len if attention_implementation(hf_config) == "eager" else 0
     return (4 * seq_len * max(inner, hidden) + 2 * seq_len * seq_len + scores) * dtype.itemsize
+
+
+def _largest(size: Any) -> int:
+    """A config's size, or the largest of its per-layer sizes (a list in some families)."""
+    if isinstance(size, list | tuple):
+        return max((int(s) for s in size if s), default=0)
+    return int(size or 0)
 
 
 def target_weight_bytes(hf_config: Any, dtype: torch.dtype) -> int | None:
@@ -370,12 +400,11 @@ class SideCompiles:
         kept = []
         for child in self.children:
             spec = by_device[child.device]
-            fraction = None
-            if not marker(spec).exists():
-                weights = target_bytes(spec.device)
-                fraction = None if weights is None else memory_fraction(spec.device, weights)
-                if fraction is None:
-                    log.info("no drafter compile beside the target: too little memory on %s", spec.device)
+            try:
+                fraction = self._fraction(spec, target_bytes)
+            except Exception as e:  # noqa: BLE001 - the head start is lost, the build compiles as before
+                log.warning("no drafter compile beside the target on %s: %s: %s", spec.device, type(e).__name__, e)
+                fraction = None
             if fraction is None:
                 child.stop()
                 continue
@@ -383,6 +412,18 @@ class SideCompiles:
             mark(f"build:side_compile_started:{spec.device}")
             kept.append(child)
         self.children = kept
+
+    @staticmethod
+    def _fraction(spec: SideSpec, target_bytes: Callable[[str], int | None]) -> float | None:
+        """The child's memory cap on spec's device; None where it should not compile: the cache
+        has seen this drafter warmed there, the target's size is unknown, or too little is left."""
+        if marker(spec).exists():
+            return None
+        weights = target_bytes(spec.device)
+        fraction = None if weights is None else memory_fraction(spec.device, weights)
+        if fraction is None:
+            log.info("no drafter compile beside the target: too little memory on %s", spec.device)
+        return fraction
 
     def wait(self, features: torch.Tensor, mark: Callable[[str], None]) -> None:
         """Every child's end, logged; the stand-in features checked against the target's."""

@@ -37,8 +37,11 @@ def run_child(spec: SideSpec) -> dict[str, Any]:
     cache_custom_autograd_graphs()  # the build's settings: part of the graphs' cache keys
     stable_graph_cache_keys()
     device = torch.device(spec.device)
-    if spec.memory_fraction is not None and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, device)
+    if device.type == "cuda":
+        # anything that asks for the current device gets this one, not a context on cuda:0
+        torch.cuda.set_device(device)
+        if spec.memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(spec.memory_fraction, device)
     drafter = DrafterConfig(**{**spec.drafter, "target_layer_ids": tuple(spec.drafter["target_layer_ids"])})
     shape, plan = ShapeConfig(**spec.shape), StepPlan(**spec.plan)
     dtype = getattr(torch, spec.dtype)
@@ -99,4 +102,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # at once: the compile cache is written, and the interpreter's shutdown would wait on
+    # inductor's worker pool while the build waits on this process (the build ends the pool)
+    sys.stdout.flush()
+    os._exit(code)

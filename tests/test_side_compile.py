@@ -253,6 +253,24 @@ def test_a_failure_in_the_builds_bookkeeping_costs_the_head_start_only():
     assert side.children == [] and child.proc.returncode is not None
 
 
+def test_no_child_where_inductors_graph_cache_is_off(tmp_path, monkeypatch):
+    """The child's graphs reach the build only through the on-disk graph cache: with it off a
+    child would compile for no one, so none starts (and no marker is written: nothing to find)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    assert SideCompiles.start(["cpu"]).children == []
+    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    side = SideCompiles.start(["cpu"])
+    assert side.children == []
+    spec = tiny_spec()
+    side.assign([spec], lambda device: pytest.fail(f"asked for {device}"), lambda _: None)
+    side.note_warmed()
+    assert not marker(spec).exists()
+
+
 def test_per_layer_sizes_bound_the_warmup_by_the_largest():
     """Families whose configs list a size per layer (Gemma 3n's MLP widths)."""
     from transformers import Gemma3nTextConfig

@@ -291,6 +291,15 @@ def pool_size() -> int:
     return min(POOL_MAX, cores)
 
 
+def graph_cache_on() -> bool:
+    """Whether a child's graphs can reach the build: through inductor's on-disk graph cache,
+    which the user may have turned off (TORCHINDUCTOR_FX_GRAPH_CACHE=0 or
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1); without it a child compiles for no one."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.fx_graph_cache) and not bool(getattr(inductor_config, "force_disable_caches", False))
+
+
 def memory_fraction(device: str, target_bytes: int) -> float | None:
     """The child's allocator cap on `device` as a share of it: what is free now less the target's
     weights that will load there and the headroom; None where that leaves too little."""
@@ -377,6 +386,9 @@ class SideCompiles:
     @staticmethod
     def start(devices: list[str]) -> SideCompiles:
         children: list[SideCompile] = []
+        if devices and not graph_cache_on():
+            log.info("no drafter compile beside the target: inductor's graph cache is off")
+            return SideCompiles(children)
         distinct = distinct_devices(devices)  # replicas that share a device share its graphs
         try:
             for device in distinct:
@@ -445,6 +457,8 @@ class SideCompiles:
             )
 
     def note_warmed(self) -> None:
+        if not graph_cache_on():  # nothing of this warm-up is in the cache for a later start
+            return
         for spec in self.specs:
             note_warmed(spec)
 

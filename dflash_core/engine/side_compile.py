@@ -184,6 +184,7 @@ class SideCompile:
     def __init__(self, device: str, proc: subprocess.Popen, output: IO[bytes]):
         self.device, self.proc, self._output = device, proc, output
         self.started = time.monotonic()
+        self._ended = False  # the child reaped and its group ended: its ids may belong to others now
 
     @staticmethod
     def start(device: str, siblings: int = 1) -> SideCompile:
@@ -224,23 +225,26 @@ class SideCompile:
         except subprocess.TimeoutExpired:
             self.stop()
             return self._finish({"ok": False, "error": f"still compiling after {bound:.0f} s: stopped"})
-        self._end_group()  # its compile workers, which outlive a child that exits at once
+        self._end()  # its compile workers, which outlive a child that exits at once
         return self._finish(self._result())
 
     def stop(self) -> None:
-        self._end_group()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
+        self._end()
         self._output.close()
 
-    def _end_group(self) -> None:
+    def _end(self) -> None:
         """The child and whatever it started (inductor's worker pool), at once: a worker in the
-        middle of a Triton build would otherwise finish it for no one."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        middle of a Triton build would otherwise finish it for no one. Once only: after that the
+        group's id may be another process's."""
+        if not self._ended:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            if self.proc.poll() is None:  # not its group's leader after all
+                self.proc.kill()
+            self.proc.wait()
+            self._ended = True
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
 
     def _result(self) -> dict[str, Any]:
         text = self._read()

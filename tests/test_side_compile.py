@@ -19,6 +19,7 @@ import torch
 
 from dflash_core.config import DrafterConfig, ShapeConfig
 from dflash_core.engine.config import CPU_PLAN
+from dflash_core.engine.replica import ReplicaStep
 from dflash_core.engine.side_compile import (
     SideCompile,
     SideCompiles,
@@ -46,7 +47,7 @@ def tiny_spec(devices: tuple[str, ...] = ("cpu",), **changes) -> SideSpec:
         num_target_layers=2,
     )
     shape = ShapeConfig(seq_len=64, num_anchors=4, block_size=4)
-    spec = drafter_specs(drafter, shape, CPU_PLAN, (4.0, 2048, False), 0, list(devices), torch.float32)[0]
+    spec = drafter_specs(drafter, shape, CPU_PLAN, ReplicaStep(4.0, 2048), 0, list(devices), torch.float32)[0]
     return dataclasses.replace(spec, **changes)
 
 
@@ -168,7 +169,7 @@ def drafter_specs_of(devices: tuple[str, ...]) -> list[SideSpec]:
     spec = tiny_spec(devices)
     drafter = DrafterConfig(**{**spec.drafter, "target_layer_ids": tuple(spec.drafter["target_layer_ids"])})
     return drafter_specs(
-        drafter, ShapeConfig(**spec.shape), CPU_PLAN, (4.0, 2048, False), 0, list(devices), torch.float32
+        drafter, ShapeConfig(**spec.shape), CPU_PLAN, ReplicaStep(4.0, 2048), 0, list(devices), torch.float32
     )
 
 
@@ -195,7 +196,7 @@ def test_children_share_the_cores_unless_the_user_sized_the_pool(monkeypatch):
     from dflash_core.engine.side_compile import child_env
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    cores = min(32, len(os.sched_getaffinity(0)))  # what inductor would start on its own
+    cores = min(32, len(os.sched_getaffinity(0)))  # what inductor starts on its own (capped at 32)
     assert child_env(1)["TORCHINDUCTOR_COMPILE_THREADS"] == str(cores)
     assert child_env(cores * 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")

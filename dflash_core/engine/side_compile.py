@@ -55,7 +55,6 @@ MIN_CHILD_FRACTION = 0.2
 MARKER_DIR = "dflash-drafters-warmed"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # dflash_core
 RESULT_PREFIX = "side-compile-result "
-POOL_MAX = 32  # inductor's own cap on its worker pool
 
 
 @dataclass(frozen=True)
@@ -107,17 +106,15 @@ def drafter_specs(
     drafter: Any,
     shape: Any,
     plan: Any,
-    step: tuple[float, int, bool],
+    step: Any,
     pad_token_id: int,
     devices: list[str],
     target_dtype: torch.dtype,
 ) -> list[SideSpec]:
     """One spec per distinct drafter device (replicas that share a device share its graphs), as
     the build will warm it: drafter a DrafterConfig, shape a ShapeConfig, plan a StepPlan, step
-    the ReplicaStep's (gamma, chunk_size, teacher); target_dtype: the target's, which its head and
-    features have."""
-    gamma, chunk_size, teacher = step
-    width = feature_width(drafter.hidden_size, drafter.target_layer_ids, teacher)
+    the replicas' ReplicaStep; target_dtype: the target's, which its head and features have."""
+    width = feature_width(drafter.hidden_size, drafter.target_layer_ids, step.teacher)
     canonical = [canonical_device(d) for d in devices]
     # a device's first replica, and the count of all replicas, as the build's warm-up sees them
     first = {dev: canonical.index(dev) for dev in distinct_devices(devices)}
@@ -127,9 +124,9 @@ def drafter_specs(
             drafter=drafter.to_dict(),
             shape=dataclasses.asdict(shape),
             plan=dataclasses.asdict(plan),
-            gamma=gamma,
-            chunk_size=chunk_size,
-            teacher=teacher,
+            gamma=step.gamma,
+            chunk_size=step.chunk_size,
+            teacher=step.teacher,
             pad_token_id=pad_token_id,
             replica_index=i,
             drafter_devices=len(devices),  # the build's recompile limit counts every replica
@@ -281,18 +278,12 @@ def child_env(siblings: int) -> dict[str, str]:
     if os.path.realpath(root) not in installed:  # a checkout: the child starts without its cwd on the path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in env:
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, pool_size() // max(1, siblings)))
+        # inductor's own pool size for this process (the cores it may run on, capped), split: an
+        # exported size replaces inductor's rule in the child, so it must be this one's share
+        import torch._inductor.config as inductor_config
+
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (inductor_config.compile_threads or 1) // max(1, siblings)))
     return env
-
-
-def pool_size() -> int:
-    """The worker pool inductor would start on its own: the cores this process may run on, at
-    most POOL_MAX (an exported size replaces inductor's rule, so the child's must keep it)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        cores = os.cpu_count() or 1
-    return min(POOL_MAX, cores)
 
 
 def graph_cache_on() -> bool:

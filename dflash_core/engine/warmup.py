@@ -186,14 +186,16 @@ class _Build:
             cuda.wait()
             timeline.mark("build:cuda_contexts")
             gamma = recipe_gamma(config.recipe, config.block_size)
-            self.assign_side_compiles(side, target_path, drafter_config, pad, gamma)
+            # what every replica's micro-step is built with, the compile processes' too
+            step = ReplicaStep(gamma, LossConfig().chunk_size, teacher=config.teacher)
+            self.assign_side_compiles(side, target_path, drafter_config, pad, step)
             targets = self.load_targets(target_path, drafter_config.target_layer_ids)
             drafter_config = serving_inputs(drafter_config, targets[0])
             timeline.enter("warming_target")
             batch = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad)
             features = self.warm_targets(targets, batch)
             side.wait(features, timeline.mark)
-            replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), gamma)
+            replicas = self.make_replicas(drafter_config, targets[0].frozen_head(), step)
             # another micro-batch than the recorded one, to check a recorded step graph on
             check = synthetic_micro_batch(config.shape, drafter_config.vocab_size, pad, seed=WARMUP_SEED + 1)
             self.warm_drafters(replicas, batch, features, check)
@@ -209,19 +211,17 @@ class _Build:
         return Parts(str(target_path), tokenizer, drafter_config, pad, plan, targets, replicas, feature_spec, gamma)
 
     def assign_side_compiles(
-        self, side: SideCompiles, target_path: str, drafter_config: DrafterConfig, pad: int, gamma: float
+        self, side: SideCompiles, target_path: str, drafter_config: DrafterConfig, pad: int, step: ReplicaStep
     ) -> None:
         """Give the compile processes their specs, now that the drafter is known (side_compile.py
         says which compile and which stop); a plan that does not compile started none."""
         if not self.plan.compiled:
             return
-        step = (gamma, LossConfig().chunk_size, self.config.teacher)
-        target_dtype = compute_dtype(flat_devices(self.target_devices)[0])
-        specs = drafter_specs(
-            drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices, target_dtype
+        dtype = compute_dtype(flat_devices(self.target_devices)[0])
+        specs = drafter_specs(drafter_config, self.config.shape, self.plan, step, pad, self.drafter_devices, dtype)
+        side.assign(
+            specs, target_bytes_by_device(target_path, self.target_devices, self.config.seq_len), self.timeline.mark
         )
-        weights = target_bytes_by_device(target_path, self.target_devices, self.config.seq_len)
-        side.assign(specs, weights, self.timeline.mark)
 
     def drafter_config(self, target_path: str, layer_ids: list[int] | None) -> tuple[Any, DrafterConfig]:
         """The target's tokenizer (with the mask token it may add) and the drafter's architecture."""
@@ -337,21 +337,12 @@ class _Build:
             return f"a fused layer's output is {error:.2e} off the eager layer's (tolerance {target.fused_tolerance})"
         return None
 
-    def make_replicas(self, drafter_config: DrafterConfig, head: Any, gamma: float) -> list[DrafterReplica]:
+    def make_replicas(self, drafter_config: DrafterConfig, head: Any, step: ReplicaStep) -> list[DrafterReplica]:
         if self.plan.compiled:
             raise_recompile_limit(len(self.drafter_devices))
         replicas = []
         for i, dev in enumerate(self.drafter_devices):
-            replicas.append(
-                DrafterReplica(
-                    i,
-                    drafter_config,
-                    dev,
-                    head,
-                    self.plan,
-                    ReplicaStep(gamma, LossConfig().chunk_size, teacher=self.config.teacher),
-                )
-            )
+            replicas.append(DrafterReplica(i, drafter_config, dev, head, self.plan, step))
             self.timeline.mark(f"build:replica_created:{dev}")
         reset_weights(replicas, WARMUP_SEED)
         self.timeline.mark("build:weights_initialized")

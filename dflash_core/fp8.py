@@ -115,62 +115,92 @@ def scaled_mm(a8, a_inv, b8, b_inv, out_dtype: torch.dtype) -> torch.Tensor:
     return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
 
 
-class _Fp8Products(torch.autograd.Function):
-    """y_p = x_i W_j^T for each product p = (i, j) of `pairs`, with FP8 operands; the backward's
-    GEMMs in FP8 too. Each input and each weight is cast once for all the products it enters (a
-    drafter layer's block states feed q, k and v; the target features k and v; k's and v's weights
-    two inputs each), which is the same cast as one per product, once instead of several times:
-    fewer passes over the activations and, under torch.compile, fewer custom Functions for dynamo
-    to trace. Saves the FP8 casts (half the bytes of bf16 activations)."""
+@torch.library.custom_op("dflash::fp8_products", mutates_args=())
+def _fp8_products(
+    xs: list[torch.Tensor],
+    ws: list[torch.Tensor],
+    x8s: list[torch.Tensor],
+    x_invs: list[torch.Tensor],
+    w8s: list[torch.Tensor],
+    w_invs: list[torch.Tensor],
+    pairs: list[int],
+) -> list[torch.Tensor]:
+    """xs[i] @ ws[j]^T in bf16 for each (i, j) of `pairs` (flattened: i0, j0, i1, j1, ...), computed
+    from the operands' FP8 casts (x8s, w8s with their inverse scales; `quantize`), xs [M, K]. xs
+    and ws enter only for the gradient, which the operator defines (`_fp8_products_backward`).
 
-    @staticmethod
-    def forward(ctx, pairs: tuple[tuple[int, int], ...], n_inputs: int, *tensors: torch.Tensor):
-        xs, ws = tensors[:n_inputs], tensors[n_inputs:]
-        x8s = [quantize(x.reshape(-1, x.shape[-1]), FORWARD_DTYPE) for x in xs]
-        w8s = [quantize(w, FORWARD_DTYPE) for w in ws]
-        outs = []
-        for i, j in pairs:
-            (x8, x_inv), (w8, w_inv) = x8s[i], w8s[j]
-            out = scaled_mm(x8, x_inv, w8.t(), w_inv, torch.bfloat16)
-            outs.append(out.view(*xs[i].shape[:-1], ws[j].shape[0]))
-        ctx.pairs, ctx.n_inputs = pairs, n_inputs
-        ctx.weight_is_fp32 = tuple(w.dtype == torch.float32 for w in ws)
-        ctx.save_for_backward(*(t for cast in x8s + w8s for t in cast))
-        return tuple(outs)
+    An operator rather than a custom autograd Function, because torch.compile takes an operator as
+    one opaque node where it would trace (speculate) a Function's forward and backward in Python
+    at every cold compile and every warm start's trace of the layer. The casts stay outside it, in
+    the compiled graph with the ops around them, and the backward's casts and GEMMs are traced
+    into the compiled backward graph as ordinary ops."""
+    return [
+        scaled_mm(x8s[i], x_invs[i], w8s[j].t(), w_invs[j], torch.bfloat16) for i, j in zip(pairs[::2], pairs[1::2])
+    ]
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        saved, n = ctx.saved_tensors, ctx.n_inputs
-        x8s = [(saved[2 * i], saved[2 * i + 1]) for i in range(n)]
-        w8s = [(saved[2 * (n + j)], saved[2 * (n + j) + 1]) for j in range(len(ctx.weight_is_fp32))]
-        needs_x, needs_w = ctx.needs_input_grad[2 : 2 + n], ctx.needs_input_grad[2 + n :]
-        grad_x: list[torch.Tensor | None] = [None] * n
-        grad_w: list[torch.Tensor | None] = [None] * len(w8s)
-        w_cols: dict[int, torch.Tensor] = {}  # each operand laid out column-major once
-        x_cols: dict[int, torch.Tensor] = {}
-        for (i, j), grad_out in zip(ctx.pairs, grads, strict=True):
-            g8, g_inv = quantize(grad_out.reshape(-1, grad_out.shape[-1]), GRAD_DTYPE)
-            if needs_x[i]:
-                w8, w_inv = w8s[j]
-                if j not in w_cols:
-                    w_cols[j] = column_major(w8)
-                part = scaled_mm(g8, g_inv, w_cols[j], w_inv, torch.bfloat16).view(*grad_out.shape[:-1], w8.shape[1])
-                grad_x[i] = part if grad_x[i] is None else grad_x[i] + part
-            if needs_w[j]:
-                x8, x_inv = x8s[i]
-                if i not in x_cols:
-                    x_cols[i] = column_major(x8)
-                out_dtype = torch.float32 if ctx.weight_is_fp32[j] else torch.bfloat16
-                part = scaled_mm(g8.t().contiguous(), g_inv, x_cols[i], x_inv, out_dtype)
-                grad_w[j] = part if grad_w[j] is None else grad_w[j] + part
-        return (None, None, *grad_x, *grad_w)
+
+@_fp8_products.register_fake
+def _(xs, ws, x8s, x_invs, w8s, w_invs, pairs):
+    return [
+        x8s[i].new_empty((x8s[i].shape[0], w8s[j].shape[0]), dtype=torch.bfloat16)
+        for i, j in zip(pairs[::2], pairs[1::2])
+    ]
+
+
+def _fp8_products_saves(ctx, inputs, output) -> None:
+    xs, ws, x8s, x_invs, w8s, w_invs, pairs = inputs
+    ctx.pairs = list(zip(pairs[::2], pairs[1::2]))
+    ctx.n_inputs = len(xs)
+    ctx.needs_x = [x.requires_grad for x in xs]
+    ctx.needs_w = [w.requires_grad for w in ws]
+    ctx.weight_is_fp32 = [w.dtype == torch.float32 for w in ws]  # fp32 masters take fp32 gradients
+    ctx.save_for_backward(*x8s, *x_invs, *w8s, *w_invs)  # the casts: half the bytes of bf16 activations
+
+
+def _fp8_products_backward(ctx, grads: list[torch.Tensor]):
+    """The backward's GEMMs in FP8 too: grad_x = g @ W, grad_W = g^T @ x, each product's g cast
+    once, each operand laid out column-major once, a shared operand's gradient summed over the
+    products it enters."""
+    n, saved = ctx.n_inputs, ctx.saved_tensors
+    m = (len(saved) - 2 * n) // 2
+    x8s, x_invs, w8s, w_invs = saved[:n], saved[n : 2 * n], saved[2 * n : 2 * n + m], saved[2 * n + m :]
+    grad_x: list[torch.Tensor | None] = [None] * n
+    grad_w: list[torch.Tensor | None] = [None] * m
+    w_cols: dict[int, torch.Tensor] = {}
+    x_cols: dict[int, torch.Tensor] = {}
+    for (i, j), grad_out in zip(ctx.pairs, grads, strict=True):
+        g8, g_inv = quantize(grad_out, GRAD_DTYPE)
+        if ctx.needs_x[i]:
+            if j not in w_cols:
+                w_cols[j] = column_major(w8s[j])
+            part = scaled_mm(g8, g_inv, w_cols[j], w_invs[j], torch.bfloat16)
+            grad_x[i] = part if grad_x[i] is None else grad_x[i] + part
+        if ctx.needs_w[j]:
+            if i not in x_cols:
+                x_cols[i] = column_major(x8s[i])
+            out_dtype = torch.float32 if ctx.weight_is_fp32[j] else torch.bfloat16
+            part = scaled_mm(g8.t().contiguous(), g_inv, x_cols[i], x_invs[i], out_dtype)
+            grad_w[j] = part if grad_w[j] is None else grad_w[j] + part
+    casts_x, casts_w = [None] * n, [None] * m  # the casts and their scales take no gradient
+    return grad_x, grad_w, casts_x, casts_x, casts_w, casts_w, None
+
+
+_fp8_products.register_autograd(_fp8_products_backward, setup_context=_fp8_products_saves)
 
 
 def fp8_products(
     inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
 ) -> tuple[torch.Tensor, ...]:
-    """inputs[i] @ weights[j].T for each (i, j) in pairs, as FP8 GEMMs sharing their casts."""
-    return _Fp8Products.apply(tuple(pairs), len(inputs), *inputs, *weights)
+    """inputs[i] @ weights[j].T for each (i, j) in pairs, as FP8 GEMMs (the backward's too). Each
+    input and each weight is cast once for all the products it enters (a drafter layer's block
+    states feed q, k and v; the target features k and v; k's and v's weights two inputs each): the
+    same cast as one per product, with fewer passes over the activations."""
+    rows = [x.reshape(-1, x.shape[-1]) for x in inputs]
+    x8s, x_invs = zip(*(quantize(x.detach(), FORWARD_DTYPE) for x in rows), strict=True)
+    w8s, w_invs = zip(*(quantize(w.detach(), FORWARD_DTYPE) for w in weights), strict=True)
+    flat = [k for pair in pairs for k in pair]
+    outs = torch.ops.dflash.fp8_products(rows, list(weights), list(x8s), list(x_invs), list(w8s), list(w_invs), flat)
+    return tuple(out.view(*inputs[i].shape[:-1], weights[j].shape[0]) for out, (i, j) in zip(outs, pairs, strict=True))
 
 
 def fp8_fits(rows: int, weight: torch.Tensor) -> bool:

@@ -75,7 +75,7 @@ def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
     # first process did not (as `precompile` does not): the keys do not depend on it
     warm = run_probe(tmp_path / "data", env, "--serve-imports")
     assert warm["hits"] >= 1 and warm["misses"] == 0
-    # the FP8 linear's autograd Function does not keep AOTAutograd's cache from the graph: a warm
+    # the FP8 linear (a custom operator) does not keep AOTAutograd's cache from the graph: a warm
     # start loads its forward-backward split instead of tracing the joint graph again
     assert cold["aot_bypasses"] == 0 and warm["aot_bypasses"] == 0 and warm["aot_hits"] >= 1
     # another machine's empty cache filled from the first process's portable artifacts (what

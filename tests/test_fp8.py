@@ -163,6 +163,50 @@ def test_fp8_products_sum_a_shared_weights_gradient():
     assert _rel(w.grad, exact) < 0.06 and w.grad.dtype == torch.bfloat16
 
 
+def test_fp8_products_compile_as_one_operator_with_the_eager_gradients():
+    """Under torch.compile the FP8 group is one opaque operator in dynamo's graph, not a custom
+    autograd Function for dynamo to speculate (its forward and backward traced in Python at every
+    trace of the layer); traced through AOTAutograd, the forward and both gradients are the eager
+    ones bit for bit (the same casts and GEMMs), an fp32 master weight's gradient in fp32."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    g = torch.Generator().manual_seed(3)
+    block = torch.randn(2, 16, 64, generator=g).bfloat16()
+    context = torch.randn(2, 32, 64, generator=g).bfloat16()
+    q = (torch.randn(64, 64, generator=g) * 0.05).bfloat16()
+    k = torch.randn(32, 64, generator=g) * 0.05  # fp32, as a master weight
+
+    def group(x, c, wq, wk):
+        outs = fp8_products((x, c), (wq, wk), ((0, 0), (1, 1), (0, 1)))
+        return sum((o.float() * (n + 1)).sum() for n, o in enumerate(outs))
+
+    targets: list[str] = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (block, context, q, k)]
+        loss = fn(*leaves)
+        loss.backward()
+        return [loss.detach()] + [t.grad for t in leaves]
+
+    eager = run(group)
+    torch._dynamo.reset()
+    run(torch.compile(group, backend=record))
+    assert any(t.startswith("dflash.fp8_products") for t in targets)
+    assert not any("autograd_function_apply" in t for t in targets)
+    torch._dynamo.reset()
+    as_traced = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=lambda gm, _: make_boxed_func(gm)
+    )
+    traced = run(torch.compile(group, backend=as_traced))
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
+    assert eager[4].dtype == torch.float32 and eager[3].dtype == torch.bfloat16
+
+
 def test_fp8_linears_keep_parameters_and_fall_back_without_gradients():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 16, bias=True)).bfloat16()
     params = list(model.parameters())

@@ -156,19 +156,6 @@ def raise_recompile_limit(devices: int) -> None:
         dynamo_config.fail_on_recompile_limit_hit = True
 
 
-def cache_custom_autograd_graphs() -> None:
-    """Let AOTAutograd's cache keep graphs that call custom autograd Functions (the FP8 linears'
-    `_Fp8Products`). Torch bypasses that cache for them by default, which makes every warm start
-    of an FP8 engine trace and partition those joint graphs again (the FX graphs come from the
-    cache, the forward-backward split would not). Dynamo traces such a Function's forward and
-    backward into subgraphs of the graph it hands AOTAutograd, and the cache key hashes that
-    graph: a changed Function is a different key, not a stale hit."""
-    import torch._functorch.config as functorch_config
-
-    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
-        functorch_config.autograd_cache_allow_custom_autograd_functions = True
-
-
 def stable_graph_cache_keys() -> None:
     """Make inductor's graph cache keys independent of what the process imported before torch.
 

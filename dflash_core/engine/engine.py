@@ -33,7 +33,6 @@ from .api import EngineStatus, JobCallbacks, JobError, JobResult
 from .compile import (
     ARTIFACTS_FILE,
     CompileGuard,
-    cache_custom_autograd_graphs,
     load_artifacts,
     log_compile_times,
     save_artifacts,
@@ -75,7 +74,6 @@ class Engine(PartsView):
             use_cache_dir(str(config.inductor_cache_dir), "engine.inductor_cache_dir")
         else:
             use_cache_dir(*trusted_cache_dir(self.data_dir / "inductor-cache", self.data_dir))
-        cache_custom_autograd_graphs()
         stable_graph_cache_keys()
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())

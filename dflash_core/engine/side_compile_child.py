@@ -19,7 +19,6 @@ from ..config import DrafterConfig, ShapeConfig
 from ..data.batches import synthetic_micro_batch
 from ..drafter import FrozenHead
 from .compile import (
-    cache_custom_autograd_graphs,
     compile_delta,
     compile_snapshot,
     raise_recompile_limit,
@@ -34,8 +33,7 @@ from .warmup import WARMUP_SEED, reset_weights, warm_replica
 
 def run_child(spec: SideSpec) -> dict[str, Any]:
     """Build one replica as the build will, warm it on stand-ins, record its step graph."""
-    cache_custom_autograd_graphs()  # the build's settings: part of the graphs' cache keys
-    stable_graph_cache_keys()
+    stable_graph_cache_keys()  # the build's settings: part of the graphs' cache keys
     device = torch.device(spec.device)
     if device.type == "cuda":
         # anything that asks for the current device gets this one, not a context on cuda:0

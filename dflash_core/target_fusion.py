@@ -9,9 +9,10 @@ One compiled function serves every layer of a family (parameters are graph input
 drafter's `run_layer`), so a cold start compiles one layer's graph, not the stack's. The
 compiled forward runs only while the capture is recorded: its replays run the recorded kernels
 and never enter Python, and a capture at any other length (or with the graph dropped) runs the
-eager layers, so nothing compiles after warm-up. The FP8 linears stay outside the compiled
-graphs (a graph break each): their input casts share one cast per activation through a
-per-thread cache that dynamo cannot trace.
+eager layers, so nothing compiles after warm-up. An FP8 target's linears are traced into the
+compiled graph with their input casts (target_precision.Fp8FrozenLinear), so a layer is one
+graph, its casts fused into the kernels that produce their inputs, where a graph break at each
+linear would compile a layer as pieces and write every input before casting it.
 """
 
 from __future__ import annotations
@@ -74,13 +75,8 @@ class LayerFusion:
     def __init__(self, layers: nn.ModuleList):
         self._switch = ThreadSwitch()
         self._layers = list(layers)
-        self._opaque: list[nn.Module] = []
         for layer in self._layers:
             layer.forward = _LayerForward(layer, self._switch)
-            for module in layer.modules():
-                if getattr(module, "fusion_opaque", False):  # run eagerly between the compiled pieces
-                    module.forward = torch.compiler.disable(type(module).forward.__get__(module))
-                    self._opaque.append(module)
 
     def active(self) -> contextlib.AbstractContextManager[None]:
         """The compiled layers in the calling thread for the block."""
@@ -113,8 +109,8 @@ class LayerFusion:
 
     def remove(self) -> None:
         """Back to the layers' own forward."""
-        for module in self._layers + self._opaque:
-            module.__dict__.pop("forward", None)
+        for layer in self._layers:
+            layer.__dict__.pop("forward", None)
 
 
 def _first(output: Any) -> torch.Tensor:

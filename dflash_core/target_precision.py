@@ -47,19 +47,29 @@ class InputCasts:
             return entry[2]
         x2 = x.reshape(-1, cols)
         rows = x2.shape[0]
-        padded = rows + (-rows % FP8_MULTIPLE)  # FP8 GEMMs take rows in multiples of 16
         if x.is_cuda:
             from .kernels.fp8_cast import quantize_rows
 
-            x8, inv = quantize_rows(x2, FORWARD_DTYPE, padded)
+            x8, inv = quantize_rows(x2, FORWARD_DTYPE, rows + (-rows % FP8_MULTIPLE))
+            result = (x8, inv, rows)
         else:  # the same values through torch ops (CPU tests; the engine refuses FP8 on a CPU)
-            x8, inv = quantize(F.pad(x2, (0, 0, 0, padded - rows)), FORWARD_DTYPE)
-        result = (x8, inv, rows)
+            result = cast_rows(x, cols)
         self._local.entry = (x, version, result) if version is not None else None
         return result
 
     def clear(self) -> None:
         self._local.entry = None
+
+
+def cast_rows(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """InputCasts.cast's result through torch ops: what a compiled graph traces. Inductor fuses
+    the casts of one x for the linears it feeds (q, k and v) with the op that produces x into one
+    kernel, which is what the cache saves eagerly."""
+    x2 = x.reshape(-1, cols)
+    rows = x2.shape[0]
+    padded = rows + (-rows % FP8_MULTIPLE)  # FP8 GEMMs take rows in multiples of 16
+    x8, inv = quantize(F.pad(x2, (0, 0, 0, padded - rows)), FORWARD_DTYPE)
+    return x8, inv, rows
 
 
 def _version(x: torch.Tensor) -> int | None:
@@ -72,12 +82,13 @@ def _version(x: torch.Tensor) -> int | None:
 
 class Fp8FrozenLinear(nn.Module):
     """A frozen nn.Linear as an FP8 GEMM: the weight quantized once (buffers, no parameters), the
-    input cast through the layer stack's shared InputCasts."""
+    input cast through the layer stack's shared InputCasts, or inside a compiled graph (the fused
+    layers, target_fusion.py) by the graph's own ops, which dynamo traces where it cannot trace
+    the cache (per thread, by tensor identity)."""
 
     weight8: torch.Tensor
     weight_inv_scale: torch.Tensor
     bias: torch.Tensor | None
-    fusion_opaque = True  # its cast cache is per thread and by tensor identity: outside compiled graphs
 
     def __init__(self, linear: nn.Linear, casts: InputCasts):
         super().__init__()
@@ -90,7 +101,10 @@ class Fp8FrozenLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x8, x_inv, rows = self.casts.cast(x, self.in_features)
+        if torch.compiler.is_compiling():
+            x8, x_inv, rows = cast_rows(x, self.in_features)
+        else:
+            x8, x_inv, rows = self.casts.cast(x, self.in_features)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         out = torch._scaled_mm(
             x8, self.weight8.t(), scale_a=x_inv, scale_b=self.weight_inv_scale, bias=bias, out_dtype=x.dtype

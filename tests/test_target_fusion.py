@@ -9,7 +9,7 @@ from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.engine.compile import compiled_graphs
 from dflash_core.target import TargetModel
-from dflash_core.target_fusion import FUSED_TOLERANCE, LayerFusion, relative_error
+from dflash_core.target_fusion import FUSED_TOLERANCE, FUSED_TOLERANCE_FP8, LayerFusion, relative_error
 
 
 def test_fused_layers_give_the_eager_features_with_one_graph(assets_dir):
@@ -32,3 +32,23 @@ def test_fused_layers_give_the_eager_features_with_one_graph(assets_dir):
     assert compiled_graphs() - before == 1
     fusion.remove()
     assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_an_fp8_targets_fused_layer_is_one_graph(assets_dir):
+    """An FP8 target's linears are traced into the compiled layer with their input casts: one
+    graph serves every layer (no graph break at each linear), and the features are the eager
+    ones (the shared per-thread casts) up to FP8's tolerance."""
+    target = TargetModel(assets_dir / "target", [0, 1], "cpu", teacher=True, fp8=True)
+    mb = synthetic_micro_batch(ShapeConfig(seq_len=64, num_anchors=4, block_size=8), 125, 0, seed=1)
+    args = (mb.input_ids, mb.position_ids, mb.doc_ids)
+    eager = target.capture_ungraphed(*args)
+    assert target.fused_tolerance == FUSED_TOLERANCE_FP8
+    fusion = LayerFusion(target.decoder_layers())
+    before = compiled_graphs()
+    with fusion.active():
+        fused = target.capture_ungraphed(*args)
+    assert compiled_graphs() - before == 1
+    assert fused.shape == eager.shape and relative_error(fused, eager) <= FUSED_TOLERANCE_FP8
+    assert fusion.layer_error(lambda: target.capture_ungraphed(*args)) <= FUSED_TOLERANCE_FP8
+    fusion.remove()
+    assert torch.equal(target.capture_ungraphed(*args), eager)

@@ -169,7 +169,7 @@ def _fp8_products_backward(ctx, grads: list[torch.Tensor]):
     w_cols: dict[int, torch.Tensor] = {}
     x_cols: dict[int, torch.Tensor] = {}
     for (i, j), grad_out in zip(ctx.pairs, grads, strict=True):
-        g8, g_inv = quantize(grad_out, GRAD_DTYPE)
+        g8, g_inv = quantize(grad_out.contiguous(), GRAD_DTYPE)  # the GEMM takes g8 row-major
         if ctx.needs_x[i]:
             if j not in w_cols:
                 w_cols[j] = column_major(w8s[j])

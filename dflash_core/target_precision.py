@@ -62,7 +62,8 @@ class InputCasts:
 
 
 def cast_rows(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """InputCasts.cast's result through torch ops: what a compiled graph traces. Inductor fuses
+    """InputCasts.cast's result through torch ops (the formula of the CUDA kernel, whose scale's
+    division may round differently than the compiled one): what a compiled graph traces. Inductor fuses
     the casts of one x for the linears it feeds (q, k and v) with the op that produces x into one
     kernel, which is what the cache saves eagerly."""
     x2 = x.reshape(-1, cols)

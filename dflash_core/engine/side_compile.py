@@ -38,9 +38,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .replica import ReplicaStep
 
 log = logging.getLogger("dflash.engine")
 
@@ -106,7 +109,7 @@ def drafter_specs(
     drafter: Any,
     shape: Any,
     plan: Any,
-    step: Any,
+    step: ReplicaStep,
     pad_token_id: int,
     devices: list[str],
     target_dtype: torch.dtype,

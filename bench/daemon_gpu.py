@@ -21,6 +21,10 @@ pipeline (target forward + drafter step + grad sync + optimizer). Writes $OUT/da
 extra) for that long from the job's 20th step: the share of time some thread of the daemon held
 the GIL (samples recorded / samples taken), and how that time splits between the target's
 capture, the drafter step and the rest. The job must run that long past step 20 (--steps).
+
+The step figures (step_ms, tokens_per_s) are the job's steady steps: from step 11 to before the
+last QUEUE_DEPTH + 1, which run after the target has captured all the data (drain_step_ms: their
+median, the drafter's step with no capture beside it).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
+from dflash_core.engine.pipeline import QUEUE_DEPTH
 from service.bytecode import BYTECODE_DIR
 from service.demo import free_port, stop_daemon
 
@@ -185,6 +190,8 @@ def reserved_bytes(page: str) -> dict[str, float]:
 
 
 GIL_RATE = 200  # py-spy samples per second
+WARM_STEPS = 10  # a job's first steps, left out of its step figures
+DRAIN_STEPS = QUEUE_DEPTH + 1  # the captures ahead of the drafter: the queue's and the one in hand
 
 
 def start_gil_sampler(pid: int, seconds: float, out: Path) -> subprocess.Popen:
@@ -208,6 +215,28 @@ def start_gil_sampler(pid: int, seconds: float, out: Path) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
+
+
+def steady_window(n: int) -> slice:
+    """The steps of an n-step job that measure the pipeline's steady state: from step 11 (after
+    the first steps' one-time work) to before the last DRAIN_STEPS. The target's captures run that
+    many micro-batches ahead of the drafter, so once the data is all captured the last steps are
+    the drafter's alone, shorter than the steady step wherever the two share a GPU."""
+    return slice(WARM_STEPS, max(WARM_STEPS, n - DRAIN_STEPS))
+
+
+def step_figures(steps: list[dict]) -> dict:
+    """step_ms (median) and tokens_per_s over the steady window; drain_step_ms, the median of the
+    last DRAIN_STEPS steps (the drafter step with no capture beside it)."""
+    steady = [s for s in steps[steady_window(len(steps))] if s.get("step_seconds")]
+    drain = [s["step_seconds"] for s in steps[-DRAIN_STEPS:] if s.get("step_seconds")]
+    secs = [s["step_seconds"] for s in steady]
+    toks = sum(s.get("context_tokens") or 0 for s in steady)
+    return {
+        "step_ms": round(1000 * statistics.median(secs), 1) if secs else None,
+        "tokens_per_s": round(toks / sum(secs)) if secs else None,
+        "drain_step_ms": round(1000 * statistics.median(drain), 1) if drain else None,
+    }
 
 
 def gil_share(raw: Path, seconds: float) -> dict[str, float]:
@@ -294,6 +323,11 @@ def main(argv=None):
     p.add_argument("--engine-extra", default="", help='more [engine] lines, e.g. "teacher = true"')
     p.add_argument("--job-extra", default="{}", help='more job fields as JSON, e.g. \'{"loss": "kl"}\'')
     args = p.parse_args(argv)
+    if args.steps < WARM_STEPS + DRAIN_STEPS + 5:
+        p.error(
+            f"--steps must be at least {WARM_STEPS + DRAIN_STEPS + 5}: the step figures leave out the first "
+            f"{WARM_STEPS} steps and the last {DRAIN_STEPS} (the pipeline's drain) and need 5 between"
+        )
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
     target = write_target_dir(work / "target", QWEN3_8B)
@@ -403,14 +437,7 @@ inductor_cache_dir = "{work / "inductor"}"
                 final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
                 record["job"] = final
                 record["step_seconds"] = [s.get("step_seconds") for s in steps]  # every step's, in order
-                secs = [s.get("step_seconds") for s in steps[10:] if s.get("step_seconds")]
-                toks = [s.get("context_tokens") for s in steps[10:] if s.get("context_tokens")]
-                row.update(
-                    state=final.get("state"),
-                    steps=len(steps),
-                    step_ms=round(1000 * statistics.median(secs), 1) if secs else None,
-                    tokens_per_s=round(sum(toks) / sum(secs)) if secs else None,
-                )
+                row.update(state=final.get("state"), steps=len(steps), **step_figures(steps))
             metrics = httpx.get(url + "/metrics", timeout=10).text
             (out / f"metrics_{phase}.txt").write_text(metrics)
             for name, labels, val in metric_samples(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from bench.daemon_gpu import warmup_compiles
+from bench.daemon_gpu import step_figures, warmup_compiles
+from dflash_core.engine.pipeline import QUEUE_DEPTH
 from service.logs import TextFormatter
 
 
@@ -44,3 +45,15 @@ def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
     )
     assert warmup_compiles(log) == {"side_s": 19.25, "side_failed": 1, "warmup_s": 3.2, "hit": 8.0, "miss": 1.0}
     assert warmup_compiles(tmp_path / "missing.log") == {}
+
+
+def test_the_step_figures_leave_out_the_first_steps_and_the_pipelines_drain():
+    # the shape of a colocated 20-step job: one slow first step, the steady steps with the target's
+    # capture beside the drafter, then as many drafter-only steps as the captures ran ahead
+    drain = QUEUE_DEPTH + 1
+    seconds = [0.34] + [0.143] * (19 - drain) + [0.094] * drain
+    steps = [{"step_seconds": s, "context_tokens": 3000} for s in seconds]
+    figures = step_figures(steps)
+    assert figures["step_ms"] == 143.0
+    assert figures["drain_step_ms"] == 94.0
+    assert figures["tokens_per_s"] == round(3000 / 0.143)

@@ -57,3 +57,10 @@ def test_the_step_figures_leave_out_the_first_steps_and_the_pipelines_drain():
     assert figures["step_ms"] == 143.0
     assert figures["drain_step_ms"] == 94.0
     assert figures["tokens_per_s"] == round(3000 / 0.143)
+
+
+def test_a_job_too_short_for_a_steady_window_has_no_step_figure():
+    steps = [{"step_seconds": 0.14, "context_tokens": 3000} for _ in range(10)]
+    figures = step_figures(steps)
+    assert figures["step_ms"] is None and figures["tokens_per_s"] is None
+    assert figures["drain_step_ms"] == 140.0

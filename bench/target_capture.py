@@ -13,13 +13,18 @@ place of the packed flex attention): host_ms, the time the calling thread spends
 total_ms, until the device finished; medians after warm-up. The graph's outputs are compared bit
 for bit with the forward it recorded run without the graph, and each row's features with the
 first row's (the same seed gives the same weights). --profile adds device time by kernel class
-of the recorded forward; record_s includes the fused layers' compile.
+of the recorded forward; record_s includes the fused layers' compile, from an empty inductor cache
+of the run's own (a temporary directory, removed at the end; an exported TORCHINDUCTOR_CACHE_DIR
+is used instead), so two trees
+run one after the other do not share kernels; the rows of one run do.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
@@ -27,6 +32,7 @@ import torch
 from bench.common import QWEN3_8B, REFERENCE_SHAPE, env_record, out_dir, report, write_target_dir
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
+from dflash_core.engine.compile import use_cache_dir
 from dflash_core.target import TargetModel
 
 
@@ -121,6 +127,15 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="device time by kernel class of each")
     args = p.parse_args(argv)
     out = out_dir()
+    cache = tempfile.mkdtemp(prefix="target-capture-inductor-")
+    try:
+        use_cache_dir(cache, "this run's own, for record_s")
+        run(args, out)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, out) -> None:
     write_target_dir(out / "target", QWEN3_8B)
     shape = ShapeConfig(seq_len=args.seq_len, num_anchors=REFERENCE_SHAPE.num_anchors, block_size=16)
     batches = []

@@ -45,6 +45,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
+from dflash_core.engine.compile import TRITON_KERNELS_DIR
 from dflash_core.engine.pipeline import QUEUE_DEPTH
 from service.bytecode import BYTECODE_DIR
 from service.demo import free_port, stop_daemon
@@ -61,12 +62,14 @@ def parse_env(spec: str) -> dict[str, str]:
 
 def start(config: Path, log: Path, inductor_cache: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     # the cache directory set here, not inherited: gpu_session.sh exports one for the whole call,
-    # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be
+    # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be.
+    # Triton's beside it where the engine puts it, so `serve --config` on the same config (such as
+    # bench.startup_profile's) finds the same caches
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
         TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
-        TRITON_CACHE_DIR=str(inductor_cache / "triton-home"),  # user Triton kernels (the AdamW) too
+        TRITON_CACHE_DIR=str(inductor_cache / TRITON_KERNELS_DIR),  # the hand-written Triton kernels too
         **(extra_env or {}),
     )
     return subprocess.Popen(
@@ -103,7 +106,7 @@ def run_precompile(config: Path, log: Path, inductor_cache: Path) -> dict:
         os.environ,
         PYTHONUNBUFFERED="1",
         TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
-        TRITON_CACHE_DIR=str(inductor_cache / "triton-home"),
+        TRITON_CACHE_DIR=str(inductor_cache / TRITON_KERNELS_DIR),
     )
     t = time.time()
     with log.open("w") as f:

@@ -25,6 +25,7 @@ from ..trust import problem, tree_problem
 
 log = logging.getLogger("dflash.engine")
 _SET_HERE: dict[str, str] = {}  # cache variables this process set itself (not exported by the user)
+TRITON_KERNELS_DIR = "triton-kernels"  # Triton's own cache, under the inductor cache directory
 
 
 def use_cache_dir(directory: str, why: str) -> tuple[str, str]:
@@ -38,7 +39,7 @@ def use_cache_dir(directory: str, why: str) -> tuple[str, str]:
     out = []
     for var, path in (
         ("TORCHINDUCTOR_CACHE_DIR", directory),
-        ("TRITON_CACHE_DIR", os.path.join(directory, "triton-kernels")),
+        ("TRITON_CACHE_DIR", os.path.join(directory, TRITON_KERNELS_DIR)),
     ):
         if var not in os.environ:
             os.environ[var] = _SET_HERE[var] = path

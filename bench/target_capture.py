@@ -15,8 +15,8 @@ for bit with the forward it recorded run without the graph, and each row's featu
 first row's (the same seed gives the same weights). --profile adds device time by kernel class
 of the recorded forward; record_s includes the fused layers' compile, from an empty inductor cache
 of the run's own (a temporary directory, removed at the end; an exported TORCHINDUCTOR_CACHE_DIR
-is used instead), so two trees
-run one after the other do not share kernels; the rows of one run do.
+is used instead), so two trees run one after the other do not share kernels; the rows of one run
+do.
 """
 
 from __future__ import annotations

@@ -76,10 +76,16 @@ def exit_with_parent(parent: int) -> None:
 
 def prepare() -> None:
     """While the build still imports transformers: the imports the compile would otherwise start
-    with. The CUDA context waits for the spec: the build creates its own first (a GPU in
-    exclusive-process mode takes one process only)."""
+    with (the drafter's RoPE is transformers' Qwen3 one, so its modeling module too). The CUDA
+    context waits for the spec: the build creates its own first (a GPU in exclusive-process mode
+    takes one process only)."""
     import torch._dynamo
     import torch._inductor.compile_fx  # noqa: F401
+
+    from ..transformers_imports import skip_unused_imports
+
+    skip_unused_imports()
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
 
 
 def main() -> int:

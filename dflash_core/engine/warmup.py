@@ -28,6 +28,7 @@ from ..parity import check_serving_parity
 from ..recipes import recipe_named
 from ..target import TargetModel
 from ..target_fusion import relative_error
+from ..transformers_imports import skip_unused_imports
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
@@ -155,6 +156,7 @@ def device_label(entry: str | list[str]) -> str:
 
 def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts) -> Parts:
     """Load the target copies and the drafter replicas and warm each device in turn."""
+    skip_unused_imports()  # before the build's first import of transformers
     return _Build(config, timeline).run(data_dir, cuda)
 
 

@@ -63,3 +63,28 @@ def test_the_compile_child_and_the_build_import_transformers_without_scikit_lear
     )
     # no scikit-learn, and a second call finds the generation utilities already imported
     assert out.splitlines() == ["False False", "False Qwen3ForCausalLM"]
+
+
+def test_the_engine_build_skips_scikit_learn_before_it_imports_transformers(tmp_path):
+    """The build's first step: a build that fails on a missing target has already imported
+    transformers' tokenizer classes, and a model class imported after it comes without
+    scikit-learn."""
+    out = run(
+        f"""
+        import sys
+        from dflash_core.devices import CudaContexts
+        from dflash_core.engine.config import EngineConfig
+        from dflash_core.engine.warmup import Timeline, build
+        config = EngineConfig(drafter_devices=["cpu"], target_devices=["cpu"], target_path={str(tmp_path / "none")!r})
+        try:
+            build(config, {str(tmp_path)!r}, Timeline(1, lambda *a: None), CudaContexts([]))
+        except Exception as e:
+            print(type(e).__name__, 'transformers.models.auto' in sys.modules)
+        import transformers.models.qwen3.modeling_qwen3
+        print('sklearn' in sys.modules)
+        """,
+        fake_sklearn(tmp_path / "site"),
+    )
+    first, second = out.splitlines()[-2:]
+    assert first.endswith(" True"), out  # the build got as far as transformers' auto classes
+    assert second == "False"

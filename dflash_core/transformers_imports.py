@@ -3,8 +3,8 @@
 transformers' generation utilities, which every model class imports, import scikit-learn at
 module level wherever it is installed: its `roc_curve` serves only assisted generation's
 adaptive confidence threshold (an assistant model proposing tokens to `generate`). Nothing here
-calls `generate` with an assistant, and the import costs seconds of every daemon start on hosts
-whose image carries scikit-learn (the import chain of scipy and joblib), where it does nothing.
+calls `generate` with an assistant, and on hosts whose image carries scikit-learn every daemon
+start and every compile child would import it (and scipy and joblib behind it) for nothing.
 `skip_unused_imports` makes transformers see scikit-learn as absent, in this process only and
 before the generation utilities are first imported; elsewhere transformers is as installed.
 """

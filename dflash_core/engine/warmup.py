@@ -156,7 +156,6 @@ def device_label(entry: str | list[str]) -> str:
 
 def build(config: EngineConfig, data_dir: Path, timeline: Timeline, cuda: CudaContexts) -> Parts:
     """Load the target copies and the drafter replicas and warm each device in turn."""
-    skip_unused_imports()  # before the build's first import of transformers
     return _Build(config, timeline).run(data_dir, cuda)
 
 
@@ -183,6 +182,7 @@ class _Build:
         # the drafter devices' compile processes import beside the build (side_compile.py)
         side = SideCompiles.start(self.drafter_devices if plan.compiled else [])
         try:
+            skip_unused_imports()  # before the build's first import of transformers
             tokenizer, drafter_config = self.drafter_config(target_path, layer_ids)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
             cuda.wait()

@@ -32,5 +32,5 @@ def skip_unused_imports() -> bool:
     if not hasattr(hf_utils, "is_sklearn_available"):
         return False
     # the generation module binds the check from transformers.utils when it is imported
-    hf_utils.is_sklearn_available = _unavailable  # type: ignore[attr-defined]
+    hf_utils.is_sklearn_available = _unavailable
     return True

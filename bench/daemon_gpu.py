@@ -8,7 +8,9 @@ stops it (SIGTERM) and starts it again on the warm cache to measure time to read
 (--warm-starts N: N times, and their median; --precompile: `dflash-trainer precompile` on the empty
 caches before the first start, which is then the start after it; --bytecode-kept: the cold start
 finds the libraries' bytecode compiled, as the image the Dockerfile builds has it, and only the
-compile caches empty; --warm-env "A;B": the warm starts take turns with
+compile caches empty; --cold-starts N: N cold starts, each on emptied caches, and their median (a
+single cold start's time spreads by seconds from one start to the next on one machine; the job
+runs after the first); --warm-env "A;B": the warm starts take turns with
 these environments, e.g. "TORCHINDUCTOR_COMPILE_THREADS=1", and a median is reported per
 environment; "" is the unchanged one).
 The job is submitted once the checkpoint snapshot's host buffers, which the daemon pins in the
@@ -285,6 +287,22 @@ def gil_share(raw: Path, seconds: float) -> dict[str, float]:
     } | {f"gil_pct_{k}": v for k, v in shares.items()}
 
 
+def start_names(cold: int, warm: int) -> list[str]:
+    """The starts in order: the cold ones ("cold", or "cold1".. where there are several), then the
+    warm ones ("warm", or "warm1"..)."""
+    colds = ["cold"] if cold == 1 else [f"cold{i + 1}" for i in range(cold)]
+    return colds + (["warm"] if warm == 1 else [f"warm{i + 1}" for i in range(warm)])
+
+
+def empty_caches(work: Path, bytecode_kept: bool) -> float | None:
+    """What a cold start finds: no compiled kernels and no libraries' Python bytecode (the daemon
+    keeps it in the data directory where it cannot keep it beside the sources), or with
+    bytecode_kept that bytecode compiled again (the seconds it took)."""
+    shutil.rmtree(work / "inductor", ignore_errors=True)
+    shutil.rmtree(work / "data" / BYTECODE_DIR, ignore_errors=True)
+    return fill_bytecode(work / "data" / BYTECODE_DIR) if bytecode_kept else None
+
+
 def main(argv=None):
     import torch
 
@@ -298,6 +316,7 @@ def main(argv=None):
     p.add_argument("--colocated", action="store_true")
     p.add_argument("--two-drafters", action="store_true", help="drafters on cuda:0 and cuda:1 (target on cuda:0)")
     p.add_argument("--warm-starts", type=int, default=1, help="warm restarts after the cold start (median reported)")
+    p.add_argument("--cold-starts", type=int, default=1, help="cold starts, each on emptied caches (median reported)")
     p.add_argument(
         "--warm-env",
         default="",
@@ -327,6 +346,8 @@ def main(argv=None):
     p.add_argument("--engine-extra", default="", help='more [engine] lines, e.g. "teacher = true"')
     p.add_argument("--job-extra", default="{}", help='more job fields as JSON, e.g. \'{"loss": "kl"}\'')
     args = p.parse_args(argv)
+    if args.cold_starts < 1:
+        p.error("--cold-starts must be at least 1: the job runs after the first cold start")
     work = Path(os.environ.get("DAEMON_WORK", "/tmp/dflash-daemon-gpu"))
     work.mkdir(parents=True, exist_ok=True)
     target = write_target_dir(work / "target", QWEN3_8B)
@@ -355,32 +376,32 @@ inductor_cache_dir = "{work / "inductor"}"
     url = f"http://127.0.0.1:{port}"
     out = out_dir()
     rows, record = [], {"args": vars(args), "drafter_device": drafter_dev}
-    # "cold" is empty caches: compiled kernels and the libraries' Python bytecode (the daemon keeps
-    # it in the data directory where it cannot keep it beside the sources)
-    shutil.rmtree(work / "inductor", ignore_errors=True)
-    shutil.rmtree(work / "data" / BYTECODE_DIR, ignore_errors=True)
-    if args.bytecode_kept:
-        record["bytecode_fill_s"] = fill_bytecode(work / "data" / BYTECODE_DIR)
     variants = [v.strip() for v in args.warm_env.split(";")] if args.warm_env else [""]
     envs = {v: parse_env(v) for v in variants}
-    if args.precompile:
-        rows.append(run_precompile(config, out / "precompile.log", work / "inductor"))
-    phases = ["cold"] + ["warm" if args.warm_starts == 1 else f"warm{i + 1}" for i in range(args.warm_starts)]
-    for n, phase in enumerate(phases):
-        variant = "" if phase == "cold" else variants[(n - 1) % len(variants)]
+    starts = start_names(args.cold_starts, args.warm_starts)
+    cold_ready: list[float] = []
+    for n, phase in enumerate(starts):
+        cold = phase.startswith("cold")
+        if cold:
+            record["bytecode_fill_s"] = empty_caches(work, args.bytecode_kept)
+            if args.precompile:
+                rows.append(run_precompile(config, out / "precompile.log", work / "inductor"))
+        variant = "" if cold else variants[(n - args.cold_starts) % len(variants)]
         proc = start(config, out / f"daemon_{phase}.log", work / "inductor", envs[variant])
         try:
-            ready_s, phases = wait_ready(url, proc, args.timeout)
+            ready_s, progress = wait_ready(url, proc, args.timeout)
             row = {"cache": phase}
-            if phase == "cold" and args.precompile:
-                row["cache"] = "after precompile"
-            elif phase == "cold" and args.bytecode_kept:
-                row["cache"] = "cold (bytecode kept)"
+            if cold:
+                cold_ready.append(ready_s)
+            if cold and args.precompile:
+                row["cache"] = "after precompile" if phase == "cold" else f"after precompile ({phase})"
+            elif cold and args.bytecode_kept:
+                row["cache"] = phase + " (bytecode kept)"
             row |= {"ready_s": round(ready_s, 1)} | warmup_compiles(out / f"daemon_{phase}.log")
             if len(variants) > 1:
                 row["env"] = variant or "-"
-            record[f"phases_{phase}"] = phases
-            if phase == "cold":
+            record[f"phases_{phase}"] = progress
+            if n == 0:  # the job: after the first cold start only
                 if not args.job_at_ready:
                     row["pinned_s"] = round(wait_buffers(url, args.timeout), 1)
                 answer = httpx.post(
@@ -448,6 +469,8 @@ inductor_cache_dir = "{work / "inductor"}"
             print(json.dumps(row), flush=True)
         finally:
             stop_daemon(proc, timeout=60)
+    if len(cold_ready) > 1:
+        rows.append({"cache": f"cold median of {len(cold_ready)}", "ready_s": round(statistics.median(cold_ready), 1)})
     for variant in variants:
         warm = sorted(
             r["ready_s"] for r in rows if r["cache"].startswith("warm") and r.get("env", "-") == (variant or "-")
@@ -455,9 +478,13 @@ inductor_cache_dir = "{work / "inductor"}"
         if len(warm) > 1:
             median = {"cache": f"warm median of {len(warm)}", "ready_s": round(statistics.median(warm), 1)}
             rows.append(median | ({"env": variant or "-"} if len(variants) > 1 else {}))
+    # the job's output, under the data directory's default (its checkpoint holds the drafter's
+    # whole training state, about 14 GB at the reference shape): runs one after the other on one
+    # machine filled its disk
+    shutil.rmtree(work / "data" / "jobs", ignore_errors=True)
     record["rows"] = rows
     (out / "daemon_gpu.json").write_text(json.dumps(record, indent=1, default=str))
-    print(json.dumps(record.get("phases_cold")), json.dumps(record.get("phases_warm")))
+    print(json.dumps(record.get(f"phases_{starts[0]}")), json.dumps(record.get(f"phases_{starts[-1]}")))
     cols = sorted(
         {k for r in rows for k in r},
         key=lambda k: (k not in ("cache", "env", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k),

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from bench.daemon_gpu import step_figures, warmup_compiles
+import pytest
+
+from bench.daemon_gpu import empty_caches, start_names, step_figures, warmup_compiles
+from bench.daemon_gpu import main as daemon_gpu_main
 from dflash_core.engine.pipeline import QUEUE_DEPTH
+from service.bytecode import BYTECODE_DIR
 from service.logs import TextFormatter
 
 
@@ -64,3 +68,25 @@ def test_a_job_too_short_for_a_steady_window_has_no_step_figure():
     figures = step_figures(steps)
     assert figures["step_ms"] is None and figures["tokens_per_s"] is None
     assert figures["drain_step_ms"] == 140.0
+
+
+def test_the_starts_are_named_cold_then_warm():
+    assert start_names(1, 1) == ["cold", "warm"]
+    assert start_names(1, 0) == ["cold"]
+    assert start_names(3, 2) == ["cold1", "cold2", "cold3", "warm1", "warm2"]
+
+
+def test_each_cold_start_finds_the_compile_and_bytecode_caches_empty(tmp_path):
+    (tmp_path / "inductor" / "fxgraph").mkdir(parents=True)
+    (tmp_path / "inductor" / "fxgraph" / "entry").write_text("graph")
+    bytecode = tmp_path / "data" / BYTECODE_DIR
+    bytecode.mkdir(parents=True)
+    (bytecode / "stale.pyc").write_bytes(b"x")
+    assert empty_caches(tmp_path, bytecode_kept=False) is None
+    assert not (tmp_path / "inductor").exists() and not bytecode.exists()
+
+
+def test_fewer_than_one_cold_start_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        daemon_gpu_main(["--cold-starts", "0"])
+    assert "--cold-starts" in capsys.readouterr().err

@@ -6,11 +6,11 @@ Starts `dflash-trainer serve` (target on cuda:0, drafter on cuda:1; colocated on
 GPU) with a cold inductor cache and measures time to /healthz 200; runs one job; keeps /metrics;
 stops it (SIGTERM) and starts it again on the warm cache to measure time to ready once more
 (--warm-starts N: N times, and their median; --precompile: `dflash-trainer precompile` on the empty
-caches before the first start, which is then the start after it; --bytecode-kept: the cold start
+caches before each cold start, which is then the start after it; --bytecode-kept: the cold start
 finds the libraries' bytecode compiled, as the image the Dockerfile builds has it, and only the
-compile caches empty; --cold-starts N: N cold starts, each on emptied caches, and their median (a
-single cold start's time spreads by seconds from one start to the next on one machine; the job
-runs after the first); --warm-env "A;B": the warm starts take turns with
+compile caches empty; --cold-starts N: N cold starts, each on emptied caches, and their median
+(a cold start's time varies from one start to the next; the job runs after the first);
+--warm-env "A;B": the warm starts take turns with
 these environments, e.g. "TORCHINDUCTOR_COMPILE_THREADS=1", and a median is reported per
 environment; "" is the unchanged one).
 The job is submitted once the checkpoint snapshot's host buffers, which the daemon pins in the
@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -102,8 +103,9 @@ def fill_bytecode(directory: Path) -> float:
     return round(time.time() - t, 1)
 
 
-def run_precompile(config: Path, log: Path, inductor_cache: Path) -> dict:
-    """`dflash-trainer precompile` on the config with start()'s cache variables: its row."""
+def run_precompile(config: Path, log: Path, inductor_cache: Path, name: str = "precompile") -> dict:
+    """`dflash-trainer precompile` on the config with start()'s cache variables: its row, named
+    `name`."""
     env = dict(
         os.environ,
         PYTHONUNBUFFERED="1",
@@ -120,7 +122,7 @@ def run_precompile(config: Path, log: Path, inductor_cache: Path) -> dict:
         )
     if done.returncode != 0:
         raise SystemExit(f"precompile exited with {done.returncode}: see {log}")
-    return {"cache": "precompile", "ready_s": round(time.time() - t, 1)} | warmup_compiles(log)
+    return {"cache": name, "ready_s": round(time.time() - t, 1)} | warmup_compiles(log)
 
 
 def warmup_compiles(log: Path) -> dict:
@@ -303,6 +305,148 @@ def empty_caches(work: Path, bytecode_kept: bool) -> float | None:
     return fill_bytecode(work / "data" / BYTECODE_DIR) if bytecode_kept else None
 
 
+def cold_label(phase: str, precompile: bool, bytecode_kept: bool) -> str:
+    """A cold start's row name: what its caches held."""
+    if precompile:
+        return "after precompile" if phase == "cold" else f"after precompile ({phase})"
+    return f"{phase} (bytecode kept)" if bytecode_kept else phase
+
+
+def median_rows(rows: list[dict], variants: list[str]) -> list[dict]:
+    """The median of the cold starts' ready_s where there are several, and of the warm starts'
+    per --warm-env variant."""
+    medians = []
+    colds = [r["ready_s"] for r in rows if r.get("cold_start")]
+    if len(colds) > 1:
+        medians.append({"cache": f"cold median of {len(colds)}", "ready_s": round(statistics.median(colds), 1)})
+    for variant in variants:
+        warm = sorted(
+            r["ready_s"] for r in rows if r["cache"].startswith("warm") and r.get("env", "-") == (variant or "-")
+        )
+        if len(warm) > 1:
+            median = {"cache": f"warm median of {len(warm)}", "ready_s": round(statistics.median(warm), 1)}
+            medians.append(median | ({"env": variant or "-"} if len(variants) > 1 else {}))
+    return medians
+
+
+@dataclass(frozen=True)
+class Bench:
+    """Where the daemon of the starts runs: its config, the bench's work directory, its URL, and
+    $OUT."""
+
+    config: Path
+    work: Path
+    url: str
+    out: Path
+
+
+def run_starts(
+    args: argparse.Namespace, starts: list[str], variants: list[str], bench: Bench, record: dict
+) -> list[dict]:
+    """Each start in turn (start_names): the daemon to ready, the job after the first, its
+    /metrics; a row each (a cold one marked `cold_start`)."""
+    rows: list[dict] = []
+    envs = {v: parse_env(v) for v in variants}
+    out = bench.out
+    for n, phase in enumerate(starts):
+        cold = phase.startswith("cold")
+        if cold:
+            fill = empty_caches(bench.work, args.bytecode_kept)
+            if fill is not None:
+                record.setdefault("bytecode_fill_s", []).append(fill)
+            if args.precompile:
+                label, log = (
+                    ("precompile", "precompile.log")
+                    if phase == "cold"
+                    else (f"precompile ({phase})", f"precompile_{phase}.log")
+                )
+                rows.append(run_precompile(bench.config, out / log, bench.work / "inductor", label))
+        variant = "" if cold else variants[(n - args.cold_starts) % len(variants)]
+        proc = start(bench.config, out / f"daemon_{phase}.log", bench.work / "inductor", envs[variant])
+        try:
+            ready_s, progress = wait_ready(bench.url, proc, args.timeout)
+            row: dict = {"cache": cold_label(phase, args.precompile, args.bytecode_kept) if cold else phase}
+            row |= {"ready_s": round(ready_s, 1)} | warmup_compiles(out / f"daemon_{phase}.log")
+            if len(variants) > 1:
+                row["env"] = variant or "-"
+            record[f"phases_{phase}"] = progress
+            if n == 0:  # the job: after the first cold start only
+                row |= run_job(args, bench.url, proc, out, record)
+            metrics = httpx.get(bench.url + "/metrics", timeout=10).text
+            (out / f"metrics_{phase}.txt").write_text(metrics)
+            for name, labels, val in metric_samples(
+                metrics, ("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")
+            ):
+                key = name.removeprefix("dflash_") + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+                row[key] = round(val / 2**30, 2) if "bytes" in name else val
+            print(json.dumps(row), flush=True)
+            rows.append(row | ({"cold_start": True} if cold else {}))
+        finally:
+            stop_daemon(proc, timeout=60)
+    return rows
+
+
+def run_job(args: argparse.Namespace, url: str, proc: subprocess.Popen, out: Path, record: dict) -> dict:
+    """The job on a ready daemon, followed to its end: its row's fields (step figures, reserved
+    memory's swing, the GIL's shares); its events' figures go into `record`."""
+    row: dict = {}
+    if not args.job_at_ready:
+        row["pinned_s"] = round(wait_buffers(url, args.timeout), 1)
+    answer = httpx.post(
+        url + "/jobs",
+        json={
+            "name": "gpu-100",
+            "datasets": ["builtin://train"],
+            "steps": args.steps,
+            "checkpoint_interval": 50,
+            "learning_rate": 6e-4,
+            **json.loads(args.job_extra),
+        },
+        timeout=10,
+    )
+    if answer.status_code >= 400:  # the daemon's reason, not a KeyError on a missing id
+        raise SystemExit(f"the daemon refused the job: HTTP {answer.status_code}: {answer.text[:2000]}")
+    job = answer.json()
+    steps, reserved = [], {}  # reserved: device -> bytes sampled after every step from step 11 on
+    sampler = None
+    with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
+        for line in r.iter_lines():
+            if line.strip():
+                ev = json.loads(line)
+                if ev.get("kind") == "step":
+                    steps.append(ev)
+                    if args.gil and len(steps) == 20:
+                        sampler = start_gil_sampler(proc.pid, args.gil, out / "gil.txt")
+                    sampling = sampler is not None and sampler.poll() is None
+                    # no per-step scrape while the GIL is sampled: a scrape per step is
+                    # the bench's load, not a production Prometheus's
+                    if len(steps) > 10 and not sampling:
+                        for dev, val in reserved_bytes(httpx.get(url + "/metrics", timeout=10).text).items():
+                            reserved.setdefault(dev, []).append(val)
+    record["reserved_during_job"] = {
+        dev: {
+            "samples": len(v),
+            "min_gib": round(min(v) / 2**30, 3),
+            "max_gib": round(max(v) / 2**30, 3),
+            "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3),
+            # (sample index, GiB) where the value changed: when a growth happened
+            "changes": [(i, round(x / 2**30, 3)) for i, x in enumerate(v) if i == 0 or x != v[i - 1]],
+        }
+        for dev, v in reserved.items()
+    }
+    for dev, st in record["reserved_during_job"].items():
+        row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
+    if sampler is not None:
+        sampler.wait(timeout=args.gil + 60)
+        if (out / "gil.txt").is_file():
+            row.update(gil_share(out / "gil.txt", args.gil))
+    final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
+    record["job"] = final
+    record["step_seconds"] = [s.get("step_seconds") for s in steps]  # every step's, in order
+    row.update(state=final.get("state"), steps=len(steps), **step_figures(steps))
+    return row
+
+
 def main(argv=None):
     import torch
 
@@ -375,116 +519,23 @@ inductor_cache_dir = "{work / "inductor"}"
 """)
     url = f"http://127.0.0.1:{port}"
     out = out_dir()
-    rows, record = [], {"args": vars(args), "drafter_device": drafter_dev}
+    record: dict = {"args": vars(args), "drafter_device": drafter_dev}
     variants = [v.strip() for v in args.warm_env.split(";")] if args.warm_env else [""]
-    envs = {v: parse_env(v) for v in variants}
     starts = start_names(args.cold_starts, args.warm_starts)
-    cold_ready: list[float] = []
-    for n, phase in enumerate(starts):
-        cold = phase.startswith("cold")
-        if cold:
-            record["bytecode_fill_s"] = empty_caches(work, args.bytecode_kept)
-            if args.precompile:
-                rows.append(run_precompile(config, out / "precompile.log", work / "inductor"))
-        variant = "" if cold else variants[(n - args.cold_starts) % len(variants)]
-        proc = start(config, out / f"daemon_{phase}.log", work / "inductor", envs[variant])
-        try:
-            ready_s, progress = wait_ready(url, proc, args.timeout)
-            row = {"cache": phase}
-            if cold:
-                cold_ready.append(ready_s)
-            if cold and args.precompile:
-                row["cache"] = "after precompile" if phase == "cold" else f"after precompile ({phase})"
-            elif cold and args.bytecode_kept:
-                row["cache"] = phase + " (bytecode kept)"
-            row |= {"ready_s": round(ready_s, 1)} | warmup_compiles(out / f"daemon_{phase}.log")
-            if len(variants) > 1:
-                row["env"] = variant or "-"
-            record[f"phases_{phase}"] = progress
-            if n == 0:  # the job: after the first cold start only
-                if not args.job_at_ready:
-                    row["pinned_s"] = round(wait_buffers(url, args.timeout), 1)
-                answer = httpx.post(
-                    url + "/jobs",
-                    json={
-                        "name": "gpu-100",
-                        "datasets": ["builtin://train"],
-                        "steps": args.steps,
-                        "checkpoint_interval": 50,
-                        "learning_rate": 6e-4,
-                        **json.loads(args.job_extra),
-                    },
-                    timeout=10,
-                )
-                if answer.status_code >= 400:  # the daemon's reason, not a KeyError on a missing id
-                    raise SystemExit(f"the daemon refused the job: HTTP {answer.status_code}: {answer.text[:2000]}")
-                job = answer.json()
-                steps, reserved = [], {}  # reserved: device -> bytes sampled after every step from step 11 on
-                sampler = None
-                with httpx.stream("GET", f"{url}/jobs/{job['id']}/events?follow=true", timeout=None) as r:
-                    for line in r.iter_lines():
-                        if line.strip():
-                            ev = json.loads(line)
-                            if ev.get("kind") == "step":
-                                steps.append(ev)
-                                if args.gil and len(steps) == 20:
-                                    sampler = start_gil_sampler(proc.pid, args.gil, out / "gil.txt")
-                                sampling = sampler is not None and sampler.poll() is None
-                                # no per-step scrape while the GIL is sampled: a scrape per step is
-                                # the bench's load, not a production Prometheus's
-                                if len(steps) > 10 and not sampling:
-                                    for dev, val in reserved_bytes(
-                                        httpx.get(url + "/metrics", timeout=10).text
-                                    ).items():
-                                        reserved.setdefault(dev, []).append(val)
-                record["reserved_during_job"] = {
-                    dev: {
-                        "samples": len(v),
-                        "min_gib": round(min(v) / 2**30, 3),
-                        "max_gib": round(max(v) / 2**30, 3),
-                        "swing_pct": round(100 * (max(v) - min(v)) / (max(v) or 1), 3),
-                        # (sample index, GiB) where the value changed: when a growth happened
-                        "changes": [(i, round(x / 2**30, 3)) for i, x in enumerate(v) if i == 0 or x != v[i - 1]],
-                    }
-                    for dev, v in reserved.items()
-                }
-                for dev, st in record["reserved_during_job"].items():
-                    row[f"job_reserved_swing_pct[{dev}]"] = st["swing_pct"]
-                if sampler is not None:
-                    sampler.wait(timeout=args.gil + 60)
-                    if (out / "gil.txt").is_file():
-                        row.update(gil_share(out / "gil.txt", args.gil))
-                final = httpx.get(f"{url}/jobs/{job['id']}", timeout=10).json()
-                record["job"] = final
-                record["step_seconds"] = [s.get("step_seconds") for s in steps]  # every step's, in order
-                row.update(state=final.get("state"), steps=len(steps), **step_figures(steps))
-            metrics = httpx.get(url + "/metrics", timeout=10).text
-            (out / f"metrics_{phase}.txt").write_text(metrics)
-            for name, labels, val in metric_samples(
-                metrics, ("dflash_cuda_reserved_bytes", "dflash_compiles_total", "dflash_cuda_alloc_retries_total")
-            ):
-                key = name.removeprefix("dflash_") + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
-                row[key] = round(val / 2**30, 2) if "bytes" in name else val
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        finally:
-            stop_daemon(proc, timeout=60)
-    if len(cold_ready) > 1:
-        rows.append({"cache": f"cold median of {len(cold_ready)}", "ready_s": round(statistics.median(cold_ready), 1)})
-    for variant in variants:
-        warm = sorted(
-            r["ready_s"] for r in rows if r["cache"].startswith("warm") and r.get("env", "-") == (variant or "-")
-        )
-        if len(warm) > 1:
-            median = {"cache": f"warm median of {len(warm)}", "ready_s": round(statistics.median(warm), 1)}
-            rows.append(median | ({"env": variant or "-"} if len(variants) > 1 else {}))
-    # the job's output, under the data directory's default (its checkpoint holds the drafter's
-    # whole training state, about 14 GB at the reference shape): runs one after the other on one
-    # machine filled its disk
-    shutil.rmtree(work / "data" / "jobs", ignore_errors=True)
+    try:
+        rows = run_starts(args, starts, variants, Bench(config, work, url, out), record)
+    finally:
+        # the job's output under the data directory's default: its checkpoint holds the drafter's
+        # whole training state, large at the reference shape, and bench runs one after the other
+        # on one machine would fill its disk
+        shutil.rmtree(work / "data" / "jobs", ignore_errors=True)
+    rows += median_rows(rows, variants)
+    for row in rows:
+        row.pop("cold_start", None)
     record["rows"] = rows
     (out / "daemon_gpu.json").write_text(json.dumps(record, indent=1, default=str))
-    print(json.dumps(record.get(f"phases_{starts[0]}")), json.dumps(record.get(f"phases_{starts[-1]}")))
+    warm = [name for name in starts if name.startswith("warm")]
+    print(json.dumps(record.get(f"phases_{starts[0]}")), json.dumps(record.get(f"phases_{warm[-1]}") if warm else None))
     cols = sorted(
         {k for r in rows for k in r},
         key=lambda k: (k not in ("cache", "env", "ready_s", "state", "steps", "step_ms", "tokens_per_s"), k),

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from bench.daemon_gpu import empty_caches, start_names, step_figures, warmup_compiles
+from bench.daemon_gpu import cold_label, empty_caches, median_rows, start_names, step_figures, warmup_compiles
 from bench.daemon_gpu import main as daemon_gpu_main
 from dflash_core.engine.pipeline import QUEUE_DEPTH
 from service.bytecode import BYTECODE_DIR
@@ -90,3 +90,20 @@ def test_fewer_than_one_cold_start_is_refused(capsys):
     with pytest.raises(SystemExit):
         daemon_gpu_main(["--cold-starts", "0"])
     assert "--cold-starts" in capsys.readouterr().err
+
+
+def test_cold_rows_say_what_their_caches_held_and_get_a_median_of_their_own():
+    assert cold_label("cold", precompile=False, bytecode_kept=True) == "cold (bytecode kept)"
+    assert cold_label("cold2", precompile=True, bytecode_kept=True) == "after precompile (cold2)"
+    rows = [
+        {"cache": "cold1", "ready_s": 40.0, "cold_start": True},
+        {"cache": "cold2", "ready_s": 44.0, "cold_start": True},
+        {"cache": "cold3", "ready_s": 41.0, "cold_start": True},
+        {"cache": "warm1", "ready_s": 14.0, "env": "-"},
+        {"cache": "warm2", "ready_s": 15.0, "env": "A=1"},
+        {"cache": "warm3", "ready_s": 16.0, "env": "-"},
+    ]
+    assert median_rows(rows, ["", "A=1"]) == [
+        {"cache": "cold median of 3", "ready_s": 41.0},
+        {"cache": "warm median of 2", "ready_s": 15.0, "env": "-"},
+    ]

@@ -63,23 +63,26 @@ def parse_env(spec: str) -> dict[str, str]:
     return {k: v for k, _, v in pairs}
 
 
-def start(config: Path, log: Path, inductor_cache: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    # the cache directory set here, not inherited: gpu_session.sh exports one for the whole call,
-    # which the engine's inductor_cache_dir (a default) would not override, so "cold" would not be.
-    # Triton's beside it where the engine puts it, so `serve --config` on the same config (such as
-    # bench.startup_profile's) finds the same caches
-    env = dict(
+def cache_env(inductor_cache: Path) -> dict[str, str]:
+    """The environment of the bench's daemon and precompile processes. The cache directory is set
+    here, not inherited: gpu_session.sh exports one for the whole call, which the engine's
+    inductor_cache_dir (a default) would not override, so "cold" would not be. Triton's beside it
+    where the engine puts it (the hand-written Triton kernels too), so `serve --config` on the same
+    config (such as bench.startup_profile's) finds the same caches."""
+    return dict(
         os.environ,
         PYTHONUNBUFFERED="1",
         TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
-        TRITON_CACHE_DIR=str(inductor_cache / TRITON_KERNELS_DIR),  # the hand-written Triton kernels too
-        **(extra_env or {}),
+        TRITON_CACHE_DIR=str(inductor_cache / TRITON_KERNELS_DIR),
     )
+
+
+def start(config: Path, log: Path, inductor_cache: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--config", str(config)],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        env=env,
+        env=cache_env(inductor_cache) | (extra_env or {}),
     )
 
 
@@ -106,19 +109,13 @@ def fill_bytecode(directory: Path) -> float:
 def run_precompile(config: Path, log: Path, inductor_cache: Path, name: str = "precompile") -> dict:
     """`dflash-trainer precompile` on the config with start()'s cache variables: its row, named
     `name`."""
-    env = dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        TORCHINDUCTOR_CACHE_DIR=str(inductor_cache),
-        TRITON_CACHE_DIR=str(inductor_cache / TRITON_KERNELS_DIR),
-    )
     t = time.time()
     with log.open("w") as f:
         done = subprocess.run(
             [sys.executable, "-m", "service.cli", "precompile", "--config", str(config)],
             stdout=f,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=cache_env(inductor_cache),
         )
     if done.returncode != 0:
         raise SystemExit(f"precompile exited with {done.returncode}: see {log}")

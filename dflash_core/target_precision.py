@@ -48,9 +48,8 @@ class InputCasts:
         if x.is_cuda:
             from .kernels.fp8_cast import quantize_rows
 
-            x2 = x.reshape(-1, cols)
-            rows = x2.shape[0]
-            x8, inv = quantize_rows(x2, FORWARD_DTYPE, rows + (-rows % FP8_MULTIPLE))
+            x2, rows, padded = _rows(x, cols)
+            x8, inv = quantize_rows(x2, FORWARD_DTYPE, padded)
             result = (x8, inv, rows)
         else:  # the same values through torch ops (CPU tests; the engine refuses FP8 on a CPU)
             result = cast_rows(x, cols)
@@ -66,11 +65,17 @@ def cast_rows(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor, i
     division may round differently than the compiled one): what a compiled graph traces. Inductor fuses
     the casts of one x for the linears it feeds (q, k and v) with the op that produces x into one
     kernel, which is what the cache saves eagerly."""
-    x2 = x.reshape(-1, cols)
-    rows = x2.shape[0]
-    padded = rows + (-rows % FP8_MULTIPLE)  # FP8 GEMMs take rows in multiples of 16
+    x2, rows, padded = _rows(x, cols)
     x8, inv = quantize(F.pad(x2, (0, 0, 0, padded - rows)), FORWARD_DTYPE)
     return x8, inv, rows
+
+
+def _rows(x: torch.Tensor, cols: int) -> tuple[torch.Tensor, int, int]:
+    """x as rows of `cols`, their count, and that count padded to what FP8 GEMMs take (multiples
+    of FP8_MULTIPLE)."""
+    x2 = x.reshape(-1, cols)
+    rows = x2.shape[0]
+    return x2, rows, rows + (-rows % FP8_MULTIPLE)
 
 
 def _version(x: torch.Tensor) -> int | None:

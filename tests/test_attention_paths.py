@@ -118,8 +118,8 @@ def test_split_mask_mod_is_the_mask_reshaped():
 
 @pytest.mark.slow  # an inductor compile of a drafter layer on the CPU (about 20 s with a cold cache)
 def test_one_compiled_layer_serves_every_layer():
-    """The compiled step: a 5-layer drafter compiles the layer twice (the first layer's input has
-    no grad, the others' has), not once per layer; the loss chunk adds one graph."""
+    """The compiled step: a 5-layer drafter compiles the layer once, the first layer too (its
+    input takes a gradient like the others'), not once per layer; the loss chunk adds one graph."""
     from torch._dynamo.utils import counters
 
     from dflash_core.engine.config import StepPlan
@@ -135,4 +135,4 @@ def test_one_compiled_layer_serves_every_layer():
     plan = StepPlan(attention="dense", compiled=True, loss="compiled", working_weights="fp32")
     rep = DrafterReplica(0, cfg, "cpu", head, plan, ReplicaStep(2.0, 16))
     rep.forward_backward(mb, feats, 1.0, rep.new_accumulator())
-    assert counters["stats"]["unique_graphs"] - before == 3
+    assert counters["stats"]["unique_graphs"] - before == 2

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.compiled_graphs import inventory
 from tests.helpers import REPO_ROOT as REPO
 from tests.helpers import run_cli
 
@@ -71,6 +72,10 @@ def test_the_data_dirs_cache_is_filled_then_hit(tmp_path):
     cache = tmp_path / "data" / "inductor-cache"
     assert Path(cold["cache_dir"]) == cache and cold["misses"] >= 1 and cold["hits"] == 0
     assert any(cache.rglob("*")), "nothing was written to the data directory's cache"
+    # what it compiled, graph by graph (bench.compiled_graphs reads the output code inductor
+    # wrote there): the function's training forward and its backward, each with its own kernels
+    graphs = inventory(cache)
+    assert sorted(g.kind for g in graphs) == ["backward", "forward"] and all(g.kernels for g in graphs), graphs
     # a restart with the same data volume, importing what `serve` imports before torch where the
     # first process did not (as `precompile` does not): the keys do not depend on it
     warm = run_probe(tmp_path / "data", env, "--serve-imports")

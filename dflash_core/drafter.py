@@ -177,8 +177,21 @@ class DecoderLayer(nn.Module):
 def run_layer(layer: DecoderLayer, h, context, rope_q, rope_k, attend) -> torch.Tensor:
     """One decoder layer called as a free function. Compiled once (`torch.compile(run_layer)`),
     the same compiled code serves every layer, since parameters are graph inputs: a cold compile
-    costs one layer's graph, not the whole stack's."""
+    costs one layer's graph, not the whole stack's (the first layer's too: `input_with_grad`)."""
     return layer(h, context, rope_q, rope_k, attend)
+
+
+def input_with_grad(h: torch.Tensor) -> torch.Tensor:
+    """The first layer's input as one that takes a gradient, where gradients are on, for a
+    compiled layer function: dynamo guards on whether an input takes a gradient, and the block
+    embeddings (frozen) take none where every later layer's input does, so the first layer would
+    be a second graph of its own, traced at every start and compiled at every cold one. Nothing
+    reads that gradient; computing it adds the first layer's norm and residual input gradient (a
+    row reduction and elementwise ops), and it is held, as the graph's other buffers, for as long
+    as the step's loss is."""
+    if not torch.is_grad_enabled() or h.requires_grad:
+        return h
+    return h.detach().requires_grad_()
 
 
 class DFlashDrafter(nn.Module):
@@ -213,7 +226,7 @@ class DFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(target_features.to(dtype)))
         rope_q = self.rotary(block_positions, dtype)
         rope_k = self.rotary(torch.cat([context_positions, block_positions]), dtype)
-        h = block_embeds
+        h = block_embeds if layer_fn is run_layer else input_with_grad(block_embeds)
         for layer in self.layers:
             h = layer_fn(layer, h, context, rope_q, rope_k, attend)
         return self.norm(h)

@@ -50,18 +50,6 @@ def block_embeddings(head: FrozenHead, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(ids, head.embed_weight).unsqueeze(0)
 
 
-def input_with_grad(embeds: torch.Tensor) -> torch.Tensor:
-    """The block embeddings as an input that takes a gradient, where gradients are on. The
-    embeddings are frozen and nothing reads that gradient; it makes the first layer's input
-    like every other layer's, so the one compiled layer is one graph (dynamo guards on whether
-    an input takes a gradient). A first layer of its own is a second forward and backward graph,
-    traced at every start and compiled at every cold one; the gradient it adds is the first
-    layer's norm and residual backward, elementwise."""
-    if not torch.is_grad_enabled() or embeds.requires_grad:
-        return embeds
-    return embeds.detach().requires_grad_()
-
-
 def drafter_forward(
     drafter: DFlashDrafter,
     head: FrozenHead,
@@ -78,7 +66,7 @@ def drafter_forward(
     if kernels.forward is not None:
         return kernels.forward(embeds, feats, positions, batch.position_ids, attend)[0]
     if kernels.layer is not None:
-        return drafter(input_with_grad(embeds), feats, positions, batch.position_ids, attend, kernels.layer)[0]
+        return drafter(embeds, feats, positions, batch.position_ids, attend, kernels.layer)[0]
     return drafter(embeds, feats, positions, batch.position_ids, attend)[0]
 
 

@@ -6,8 +6,8 @@ from, for instance the daemon's after `bench.daemon_gpu` (its cache is <DAEMON_W
 
     python -m bench.compiled_graphs /tmp/dflash-daemon-gpu/inductor --stems 12
 
-A graph whose output code is written twice (compiled, then loaded in another process) is one
-module: the file is named by a hash of its code.
+The file is named by a hash of its code: a graph whose output code is written twice (compiled,
+then loaded in another process), or two graphs whose code is the same, show as one module.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ def inventory(cache: Path) -> list[Graph]:
     """The compiled graphs whose output code is under `cache`, most kernels first by kind."""
     graphs = []
     for path in sorted(cache.rglob("*.py")):
-        code = path.read_text(errors="replace")
+        try:
+            code = path.read_text(errors="replace")
+        except OSError:  # removed while read, a dangling link: not a module this run can read
+            continue
         if "def call(" not in code or "async_compile" not in code:
             continue  # a kernel's own source, or another cache's module
         kernels = tuple(m.group(1) for m in KERNEL.finditer(code))
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     from bench.common import report  # torch's import: only once the arguments hold
 
     graphs = inventory(args.cache)
+    if not graphs:
+        p.error(f"no compiled graph's output code under {args.cache} (an inductor cache directory?)")
     for g in graphs:
         print(f"{g.kind} {g.path}:")
         for stem, n in g.stems().most_common(args.stems):

@@ -18,6 +18,10 @@ background from ready on, are pinned (`checkpoint_buffers` in /healthz; the row'
 seconds after ready), so that its steps are the steady ones; --job-at-ready submits it at ready,
 beside the pinning (what a job arriving at once sees). Context tokens/s of the job = the full
 pipeline (target forward + drafter step + grad sync + optimizer). Writes $OUT/daemon_gpu.json and the /metrics pages; prints a table last.
+A start's row also says where a cold start's time went, from the daemon's log: `side_s` and
+`side_kernels` (the drafter compile beside the target: its seconds and the Triton kernels it
+compiled) and `target_s` (the target's warm-up, its fused layers' compile included), the two
+halves that run side by side; `warmup_s`, the drafters' warm-up after them.
 
 --gil SECONDS samples the daemon with `py-spy record --gil` (pip install -e ".[bench]": the `bench`
 extra) for that long from the job's 20th step: the share of time some thread of the daemon held
@@ -124,9 +128,11 @@ def run_precompile(config: Path, log: Path, inductor_cache: Path, name: str = "p
 
 def warmup_compiles(log: Path) -> dict:
     """From a daemon's log: the drafters' warm-up seconds and inductor's graph-cache hits and
-    misses during it (the engine's `drafter warm-up compiles` lines, summed over drafter GPUs),
-    and the seconds of the compiles beside the target (`drafter compiled beside the target`:
-    side_s, the longest child's; side_failed, children that failed)."""
+    misses during it (the engine's `drafter warm-up compiles` lines, summed over drafter GPUs);
+    the compiles beside the target (`drafter compiled beside the target`: side_s, the longest
+    child's seconds; side_kernels, the most kernels a child compiled; side_failed, children that
+    failed); and target_s, the target's warm-up (its fused layers' compile in a cold start) from
+    the build timeline. A cold start's two halves: side_s and target_s."""
     out: dict = {}
     if not log.is_file():
         return out
@@ -135,8 +141,13 @@ def warmup_compiles(log: Path) -> dict:
             fields = dict(item.partition("=")[::2] for item in line.split() if "=" in item)
             if fields.get("ok") == "True":
                 out["side_s"] = max(out.get("side_s", 0.0), float(fields.get("seconds", 0)))
+                kernels = int(float(fields.get("async_compile_cache_miss", 0)))
+                out["side_kernels"] = max(out.get("side_kernels", 0), kernels)
             else:
                 out["side_failed"] = out.get("side_failed", 0) + 1
+            continue
+        if "engine build timeline" in line:
+            out |= target_warmup(line)
             continue
         if "drafter warm-up compiles" not in line:
             continue
@@ -146,6 +157,22 @@ def warmup_compiles(log: Path) -> dict:
                 key = "warmup_s" if name == "seconds" else name.removeprefix("fxgraph_cache_")
                 out[key] = round(out.get(key, 0) + float(value), 2)
     return out
+
+
+def target_warmup(line: str) -> dict:
+    """target_s from an `engine build timeline` line: the seconds from the target's warm-up
+    phase to its last device's warm target (`build:target_warm:<device>`); {} without them."""
+    events = {}
+    for item in line.split():
+        label, at, t = item.rpartition("@")
+        if at and label:
+            try:
+                events[label.removeprefix("events=")] = float(t)
+            except ValueError:
+                continue
+    start = events.get("progress:warming_target:0")
+    ends = [t for label, t in events.items() if label.startswith("build:target_warm:")]
+    return {"target_s": round(max(ends) - start, 2)} if start is not None and ends else {}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float, list[str]]:

@@ -28,7 +28,13 @@ def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
                 line(
                     "drafter compiled beside the target", ok=True, fxgraph_cache_miss=4.0, device="cuda:0", seconds=17.7
                 ),
-                line("drafter compiled beside the target", ok=True, device="cuda:1", seconds=19.25),
+                line(
+                    "drafter compiled beside the target",
+                    ok=True,
+                    device="cuda:1",
+                    seconds=19.25,
+                    async_compile_cache_miss=122.0,
+                ),
                 line("the drafter compile beside the target failed; compiling here", ok=False, device="cuda:2"),
                 line(
                     "drafter warm-up compiles",
@@ -47,7 +53,20 @@ def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
             ]
         )
     )
-    assert warmup_compiles(log) == {"side_s": 19.25, "side_failed": 1, "warmup_s": 3.2, "hit": 8.0, "miss": 1.0}
+    with log.open("a") as f:  # the target's two devices: its warm-up ends with the later one
+        events = (
+            "build:x@1.0 progress:warming_target:0@3.5 build:target_warm:cuda:0@20.0 build:target_warm:cuda:1@21.25"
+        )
+        f.write("\n" + line("engine build timeline", engine_created_after_seconds=1.2, events=events) + "\n")
+    assert warmup_compiles(log) == {
+        "side_s": 19.25,
+        "side_kernels": 122,
+        "side_failed": 1,
+        "warmup_s": 3.2,
+        "hit": 8.0,
+        "miss": 1.0,
+        "target_s": 17.75,
+    }
     assert warmup_compiles(tmp_path / "missing.log") == {}
 
 

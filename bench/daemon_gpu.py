@@ -137,25 +137,22 @@ def warmup_compiles(log: Path) -> dict:
     if not log.is_file():
         return out
     for line in log.read_text(errors="replace").splitlines():
+        if "engine build timeline" in line:
+            out |= target_warmup(line)
+            continue
+        fields = dict(item.partition("=")[::2] for item in line.split() if "=" in item)
         if "drafter compiled beside the target" in line or "drafter compile beside the target failed" in line:
-            fields = dict(item.partition("=")[::2] for item in line.split() if "=" in item)
             if fields.get("ok") == "True":
                 out["side_s"] = max(out.get("side_s", 0.0), float(fields.get("seconds", 0)))
                 kernels = int(float(fields.get("async_compile_cache_miss", 0)))
                 out["side_kernels"] = max(out.get("side_kernels", 0), kernels)
             else:
                 out["side_failed"] = out.get("side_failed", 0) + 1
-            continue
-        if "engine build timeline" in line:
-            out |= target_warmup(line)
-            continue
-        if "drafter warm-up compiles" not in line:
-            continue
-        for item in line.split():
-            name, eq, value = item.partition("=")
-            if eq and name in ("seconds", "fxgraph_cache_hit", "fxgraph_cache_miss"):
-                key = "warmup_s" if name == "seconds" else name.removeprefix("fxgraph_cache_")
-                out[key] = round(out.get(key, 0) + float(value), 2)
+        elif "drafter warm-up compiles" in line:
+            for name in ("seconds", "fxgraph_cache_hit", "fxgraph_cache_miss"):
+                if name in fields:
+                    key = "warmup_s" if name == "seconds" else name.removeprefix("fxgraph_cache_")
+                    out[key] = round(out.get(key, 0) + float(fields[name]), 2)
     return out
 
 

@@ -12,6 +12,11 @@ It runs only while dynamo traces (flex_attention is a compiled kernel; run eager
 to a dense reference), and only where it gives SDPA's answer up to rounding: a boolean mask of
 one sequence whose length is whole tiles, no softcapping, no attention sinks, no dropout.
 Everything else, and every eager caller of the target, gets transformers' own SDPA function.
+
+Every layer of a pattern gets the same mask, so its BlockMask (the tile lists: reductions over
+the S x S mask and a sort) is built once per forward, outside the compiled layers (BlockMasks),
+and handed to each layer's attention with its keyword arguments (BLOCK_MASK); built inside, it
+would be part of the compiled layer's graph, compiled with it and run again in every layer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import torch
 from .step.attention import tile_lists
 
 TILE = 128  # flex_attention's tile: the BlockMask's granularity on queries and keys
+# the keyword argument that carries a layer's BlockMask from its caller to its attention function,
+# through the decoder layer's and the attention module's **kwargs
+BLOCK_MASK = "packed_block_mask"
 
 
 def tile_masks(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,17 +68,47 @@ def block_mask_of(mask: torch.Tensor):
     )
 
 
+def whole_tiles(mask: Any) -> bool:
+    """Whether `mask` is a boolean mask [1, 1, S, S] of whole tiles: one flex_attention can read."""
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[:2] == (1, 1)
+        and mask.shape[2] == mask.shape[3]
+        and mask.shape[3] % TILE == 0
+    )
+
+
+class BlockMasks:
+    """The BlockMask of each distinct attention mask of one forward, built on first request. Keyed
+    by the mask tensor itself (held here, so its id stays its own for the forward's length)."""
+
+    def __init__(self) -> None:
+        self._built: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def of(self, mask: Any) -> Any:
+        """The BlockMask of `mask`, or None where flex could not read it (whole_tiles)."""
+        if not whole_tiles(mask):
+            return None
+        if id(mask) not in self._built:
+            self._built[id(mask)] = (mask, block_mask_of(mask))
+        return self._built[id(mask)][1]
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+
 def takes_flex(module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kwargs: dict) -> bool:
     """Whether flex_attention gives this call SDPA's answer (see the module's docstring); the
     caller adds that it runs compiled on a GPU."""
-    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4):
+    if not whole_tiles(mask):
         return False
     b, hq, s, _ = query.shape
     return (
         b == 1
-        and tuple(mask.shape) == (1, 1, s, key.shape[2])
+        and mask.shape[2] == s
         and key.shape[2] == s
-        and s % TILE == 0
         and hq % key.shape[1] == 0
         and not dropout
         and kwargs.get("softcap") is None
@@ -80,9 +118,12 @@ def takes_flex(module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, d
 
 
 def packed_attention(sdpa: Any):
-    """transformers' SDPA attention function with the flex path in front of it."""
+    """transformers' SDPA attention function with the flex path in front of it. The flex path
+    takes the mask's BlockMask from the BLOCK_MASK keyword where the caller built it (BlockMasks),
+    and builds it itself otherwise."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        block_mask = kwargs.pop(BLOCK_MASK, None)
         compiled = query.is_cuda and torch.compiler.is_compiling()
         if not (compiled and takes_flex(module, query, key, attention_mask, dropout, kwargs)):
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -92,7 +133,7 @@ def packed_attention(sdpa: Any):
             query,
             key,
             value,
-            block_mask=block_mask_of(attention_mask),
+            block_mask=block_mask if block_mask is not None else block_mask_of(attention_mask),
             scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )

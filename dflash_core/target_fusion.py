@@ -12,7 +12,9 @@ and never enter Python, and a capture at any other length (or with the graph dro
 eager layers, so nothing compiles after warm-up. An FP8 target's linears are traced into the
 compiled graph with their input casts (target_precision.Fp8FrozenLinear), so a layer is one
 graph, its casts fused into the kernels that produce their inputs, where a graph break at each
-linear would compile a layer as pieces and write every input before casting it.
+linear would compile a layer as pieces and write every input before casting it. The packed
+attention's BlockMask of each mask is built once per forward, outside the compiled layers, and
+passed to them (target_attention.BlockMasks).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .target_attention import BLOCK_MASK, BlockMasks
 from .thread_switch import ThreadSwitch
 
 # relative L2 error of a fused layer's output against its eager output on the same input above
@@ -57,16 +60,19 @@ def compiled_target_layer():
 
 
 class _LayerForward:
-    """A layer's forward: the compiled one while its fusion is active in this thread, else the
-    class's eager one."""
+    """A layer's forward: the compiled one while its fusion is active in this thread (with the
+    BlockMask of its attention mask, built once for the forward), else the class's eager one."""
 
     def __init__(self, layer: nn.Module, switch: ThreadSwitch):
         self.layer, self.switch = layer, switch
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.switch.is_on:
-            return compiled_target_layer()(self.layer, *args, **kwargs)
-        return type(self.layer).forward(self.layer, *args, **kwargs)
+        if not self.switch.is_on:
+            return type(self.layer).forward(self.layer, *args, **kwargs)
+        block_mask = self.switch.value.of(kwargs.get("attention_mask"))
+        if block_mask is not None:
+            kwargs = {**kwargs, BLOCK_MASK: block_mask}
+        return compiled_target_layer()(self.layer, *args, **kwargs)
 
 
 class LayerFusion:
@@ -78,9 +84,10 @@ class LayerFusion:
         for layer in self._layers:
             layer.forward = _LayerForward(layer, self._switch)
 
-    def active(self) -> contextlib.AbstractContextManager[None]:
-        """The compiled layers in the calling thread for the block."""
-        return self._switch.on()
+    def active(self) -> contextlib.AbstractContextManager[BlockMasks]:
+        """The compiled layers in the calling thread for the block, one forward: the BlockMasks
+        its layers' masks get are built once for it (yielded)."""
+        return self._switch.on(BlockMasks())
 
     @torch.no_grad()
     def layer_error(self, run: Any) -> float:
@@ -103,7 +110,8 @@ class LayerFusion:
         errors = []
         for layer, (args, kwargs) in seen.items():
             eager = _first(type(layer).forward(layer, *args, **kwargs))
-            fused = _first(compiled_target_layer()(layer, *args, **kwargs))
+            with self.active():
+                fused = _first(layer.forward(*args, **kwargs))
             errors.append(relative_error(fused, eager))
         return max(errors, default=0.0)
 

@@ -19,15 +19,21 @@ class ThreadSwitch:
         """Whether the calling thread is inside `on()`."""
         return getattr(self._local, "on", False)
 
+    @property
+    def value(self) -> Any:
+        """What the calling thread turned the switch on with (None when off)."""
+        return getattr(self._local, "value", None)
+
     @contextlib.contextmanager
-    def on(self) -> Iterator[None]:
-        """On in the calling thread for the block (nested blocks leave it as they found it)."""
-        before = self.is_on
-        self._local.on = True
+    def on(self, value: Any = None) -> Iterator[Any]:
+        """On in the calling thread for the block, carrying `value` for it (yielded; nested
+        blocks leave both as they found them)."""
+        before = self.is_on, self.value
+        self._local.on, self._local.value = True, value
         try:
-            yield
+            yield value
         finally:
-            self._local.on = before
+            self._local.on, self._local.value = before
 
     def __getstate__(self) -> dict[str, Any]:
         return {}  # a copy starts off: thread state is not copied

@@ -12,7 +12,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.target import packed_masks
-from dflash_core.target_attention import TILE, block_mask_of, takes_flex, tile_masks, use_packed_attention
+from dflash_core.target_attention import (
+    BLOCK_MASK,
+    TILE,
+    BlockMasks,
+    block_mask_of,
+    takes_flex,
+    tile_masks,
+    use_packed_attention,
+)
 
 S = 4 * TILE
 
@@ -58,6 +66,23 @@ def test_the_block_mask_visits_what_the_mask_keeps_and_reads_it_where_it_cuts(as
         assert torch.equal(block.mask_mod(0, 0, q, kv), dense)
 
 
+def test_a_masks_block_mask_is_built_once_per_forward(assets_dir):
+    """BlockMasks (one forward's): the same mask gets the same BlockMask, which visits what
+    block_mask_of's does; another mask its own; a mask flex cannot read (additive, not whole
+    tiles) none."""
+    full, sliding = _masks(assets_dir, 100)
+    masks = BlockMasks()
+    first = masks.of(full)
+    assert masks.of(full) is first and len(masks) == 1
+    assert torch.equal(first.to_dense(), block_mask_of(full).to_dense())
+    assert masks.of(sliding) is not first and len(masks) == 2
+    q, kv = torch.meshgrid(torch.arange(S), torch.arange(S), indexing="ij")
+    assert torch.equal(masks.of(sliding).mask_mod(0, 0, q, kv), sliding[0, 0])  # reads its own mask
+    assert masks.of(full.float()) is None
+    assert masks.of(full[..., 1:, 1:]) is None
+    assert masks.of(None) is None and len(masks) == 2
+
+
 class _Attention(torch.nn.Module):
     sinks = None
 
@@ -95,6 +120,9 @@ def test_outside_a_compiled_trace_it_is_sdpa_and_installing_it_is_idempotent():
         ours, _ = installed(module, q, k, v, mask, scaling=0.25)
         theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
         assert torch.equal(ours, theirs)
+        # a BlockMask handed in is the flex path's alone: SDPA never sees it
+        handed, _ = installed(module, q, k, v, mask, scaling=0.25, **{BLOCK_MASK: block_mask_of(mask)})
+        assert torch.equal(handed, theirs)
     finally:
         use_packed_attention(False)
     assert AttentionInterface._global_mapping["sdpa"] is before

@@ -9,6 +9,7 @@ from dflash_core.config import ShapeConfig
 from dflash_core.data.batches import synthetic_micro_batch
 from dflash_core.engine.compile import compiled_graphs
 from dflash_core.target import TargetModel
+from dflash_core.target_attention import TILE, use_packed_attention
 from dflash_core.target_fusion import FUSED_TOLERANCE, FUSED_TOLERANCE_FP8, LayerFusion, relative_error
 
 
@@ -32,6 +33,32 @@ def test_fused_layers_give_the_eager_features_with_one_graph(assets_dir):
     assert compiled_graphs() - before == 1
     fusion.remove()
     assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_a_forward_builds_each_masks_block_mask_once_for_all_layers(assets_dir):
+    """At a length of whole flex tiles, the fused forward builds the packed attention's BlockMask
+    of its one mask once, outside the compiled layers, and hands it to every layer: still one
+    graph, the same features, and nothing built outside the forward."""
+    target = TargetModel(assets_dir / "target", [0, 1], "cpu", teacher=True)
+    mb = synthetic_micro_batch(ShapeConfig(seq_len=2 * TILE, num_anchors=4, block_size=8), 125, 0, seed=2)
+    args = (mb.input_ids, mb.position_ids, mb.doc_ids)
+    eager = target.capture_ungraphed(*args)
+    use_packed_attention()
+    fusion = LayerFusion(target.decoder_layers())
+    try:
+        before = compiled_graphs()
+        with fusion.active() as masks:
+            fused = target.capture_ungraphed(*args)
+        assert len(target.decoder_layers()) > 1 and len(masks) == 1
+        assert compiled_graphs() - before == 1
+        assert relative_error(fused, eager) <= FUSED_TOLERANCE
+        with fusion.active() as again:
+            assert torch.equal(target.capture_ungraphed(*args), fused)
+        assert again is not masks and len(again) == 1
+        assert compiled_graphs() - before == 1
+    finally:
+        fusion.remove()
+        use_packed_attention(False)
 
 
 def test_an_fp8_targets_fused_layer_is_one_graph(assets_dir):

@@ -21,7 +21,10 @@ pipeline (target forward + drafter step + grad sync + optimizer). Writes $OUT/da
 A start's row also says where a cold start's time went, from the daemon's log: `side_s` and
 `side_kernels` (the drafter compile beside the target: its seconds and the Triton kernels it
 compiled) and `target_s` (the target's warm-up, its fused layers' compile included), the two
-halves that run side by side; `warmup_s`, the drafters' warm-up after them.
+halves that run side by side; `warmup_s`, the drafters' warm-up after them; `transformers_s`, the
+build's import of transformers, host-bound work that changes to the engine's compiled code leave
+alone: where two rows differ in it, the host ran at another speed between them. The row of the start that ran the job says when its
+first step came: `to_first_step_s` from the job's start, `first_step_s` of it the step itself.
 
 --gil SECONDS samples the daemon with `py-spy record --gil` (pip install -e ".[bench]": the `bench`
 extra) for that long from the job's 20th step: the share of time some thread of the daemon held
@@ -123,24 +126,30 @@ def run_precompile(config: Path, log: Path, inductor_cache: Path, name: str = "p
         )
     if done.returncode != 0:
         raise SystemExit(f"precompile exited with {done.returncode}: see {log}")
-    return {"cache": name, "ready_s": round(time.time() - t, 1)} | warmup_compiles(log)
+    return {"cache": name, "ready_s": round(time.time() - t, 1)} | log_figures(log)
 
 
-def warmup_compiles(log: Path) -> dict:
+def log_figures(log: Path) -> dict:
     """From a daemon's log: the drafters' warm-up seconds and inductor's graph-cache hits and
     misses during it (the engine's `drafter warm-up compiles` lines, summed over drafter GPUs);
     the compiles beside the target (`drafter compiled beside the target`: side_s, the longest
     child's seconds; side_kernels, the most kernels a child compiled; side_failed, children that
-    failed); and target_s, the target's warm-up (its fused layers' compile in a cold start) from
-    the build timeline. A cold start's two halves: side_s and target_s."""
+    failed); target_s and transformers_s from the build timeline (build_phases); and the job's
+    first step (`job's first step`: first_step_s, and to_first_step_s from the job's start). A
+    cold start's two halves: side_s and target_s."""
     out: dict = {}
     if not log.is_file():
         return out
     for line in log.read_text(errors="replace").splitlines():
         if "engine build timeline" in line:
-            out |= target_warmup(line)
+            out |= build_phases(line)
             continue
         fields = dict(item.partition("=")[::2] for item in line.split() if "=" in item)
+        if "job's first step" in line:
+            if "first_step_s" in fields and "total_s" in fields:
+                out["first_step_s"] = float(fields["first_step_s"])
+                out["to_first_step_s"] = float(fields["total_s"])
+            continue
         if "drafter compiled beside the target" in line or "drafter compile beside the target failed" in line:
             if fields.get("ok") == "True":
                 out["side_s"] = max(out.get("side_s", 0.0), float(fields.get("seconds", 0)))
@@ -156,9 +165,10 @@ def warmup_compiles(log: Path) -> dict:
     return out
 
 
-def target_warmup(line: str) -> dict:
-    """target_s from an `engine build timeline` line: the seconds from the target's warm-up
-    phase to its last device's warm target (`build:target_warm:<device>`); {} without them."""
+def build_phases(line: str) -> dict:
+    """From an `engine build timeline` line: target_s, the seconds from the target's warm-up
+    phase to its last device's warm target (`build:target_warm:<device>`), and transformers_s,
+    from the target's loading phase to transformers imported; each left out without its events."""
     events = {}
     for item in line.split():
         label, at, t = item.rpartition("@")
@@ -167,9 +177,15 @@ def target_warmup(line: str) -> dict:
                 events[label.removeprefix("events=")] = float(t)
             except ValueError:
                 continue
+    out = {}
     start = events.get("progress:warming_target:0")
     ends = [t for label, t in events.items() if label.startswith("build:target_warm:")]
-    return {"target_s": round(max(ends) - start, 2)} if start is not None and ends else {}
+    if start is not None and ends:
+        out["target_s"] = round(max(ends) - start, 2)
+    loading, imported = events.get("progress:loading_target:0"), events.get("build:transformers_imported")
+    if loading is not None and imported is not None:
+        out["transformers_s"] = round(imported - loading, 2)
+    return out
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> tuple[float, list[str]]:
@@ -387,7 +403,7 @@ def run_starts(
         try:
             ready_s, progress = wait_ready(bench.url, proc, args.timeout)
             row: dict = {"cache": cold_label(phase, args.precompile, args.bytecode_kept) if cold else phase}
-            row |= {"ready_s": round(ready_s, 1)} | warmup_compiles(out / f"daemon_{phase}.log")
+            row |= {"ready_s": round(ready_s, 1)} | log_figures(out / f"daemon_{phase}.log")
             if len(variants) > 1:
                 row["env"] = variant or "-"
             record[f"phases_{phase}"] = progress

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from bench.daemon_gpu import cold_label, empty_caches, median_rows, start_names, step_figures, warmup_compiles
+from bench.daemon_gpu import cold_label, empty_caches, log_figures, median_rows, start_names, step_figures
 from bench.daemon_gpu import main as daemon_gpu_main
 from dflash_core.engine.pipeline import QUEUE_DEPTH
 from service.bytecode import BYTECODE_DIR
@@ -55,10 +55,13 @@ def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
     )
     with log.open("a") as f:  # the target's two devices: its warm-up ends with the later one
         events = (
-            "build:x@1.0 progress:warming_target:0@3.5 build:target_warm:cuda:0@20.0 build:target_warm:cuda:1@21.25"
+            "progress:loading_target:0@1.5 build:transformers_imported@3.25 progress:warming_target:0@3.5"
+            " build:target_warm:cuda:0@20.0 build:target_warm:cuda:1@21.25"
         )
         f.write("\n" + line("engine build timeline", engine_created_after_seconds=1.2, events=events) + "\n")
-    assert warmup_compiles(log) == {
+        fields = dict(data_open=0.46, first_step=0.415, total=0.883)
+        f.write(line("job's first step", **{f"{k}_s": v for k, v in fields.items()}) + "\n")
+    assert log_figures(log) == {
         "side_s": 19.25,
         "side_kernels": 122,
         "side_failed": 1,
@@ -66,8 +69,11 @@ def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
         "hit": 8.0,
         "miss": 1.0,
         "target_s": 17.75,
+        "transformers_s": 1.75,
+        "first_step_s": 0.415,
+        "to_first_step_s": 0.883,
     }
-    assert warmup_compiles(tmp_path / "missing.log") == {}
+    assert log_figures(tmp_path / "missing.log") == {}
 
 
 def test_the_step_figures_leave_out_the_first_steps_and_the_pipelines_drain():

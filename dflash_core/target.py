@@ -327,7 +327,8 @@ class TargetModel:
             return False
         if fuse:
             use_packed_attention(packed_attention)
-            self._fusion, self._fused_len = LayerFusion(self.decoder_layers()), seq_len
+            self._fusion = LayerFusion(self.decoder_layers(), packed=packed_attention)
+            self._fused_len = seq_len
         dev = self.device
         inputs = (
             torch.zeros(seq_len, dtype=torch.long, device=dev),

@@ -119,8 +119,8 @@ def takes_flex(module: Any, query: torch.Tensor, key: torch.Tensor, mask: Any, d
 
 def packed_attention(sdpa: Any):
     """transformers' SDPA attention function with the flex path in front of it. The flex path
-    takes the mask's BlockMask from the BLOCK_MASK keyword where the caller built it (BlockMasks),
-    and builds it itself otherwise."""
+    takes the mask's BlockMask from the BLOCK_MASK keyword where the caller built it (the fused
+    layers: BlockMasks), and builds it itself for a compiled caller that hands none in."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         block_mask = kwargs.pop(BLOCK_MASK, None)

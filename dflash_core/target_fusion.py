@@ -69,25 +69,29 @@ class _LayerForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.switch.is_on:
             return type(self.layer).forward(self.layer, *args, **kwargs)
-        block_mask = self.switch.value.of(kwargs.get("attention_mask"))
+        masks = self.switch.value
+        block_mask = masks.of(kwargs.get("attention_mask")) if masks is not None else None
         if block_mask is not None:
             kwargs = {**kwargs, BLOCK_MASK: block_mask}
         return compiled_target_layer()(self.layer, *args, **kwargs)
 
 
 class LayerFusion:
-    """The decoder layers of one target, each answering through a `_LayerForward`."""
+    """The decoder layers of one target, each answering through a `_LayerForward`. packed: their
+    attention is the packed flex path (target_attention.use_packed_attention), which takes the
+    BlockMasks; without it none are built."""
 
-    def __init__(self, layers: nn.ModuleList):
+    def __init__(self, layers: nn.ModuleList, packed: bool = True):
         self._switch = ThreadSwitch()
+        self._packed = packed
         self._layers = list(layers)
         for layer in self._layers:
             layer.forward = _LayerForward(layer, self._switch)
 
-    def active(self) -> contextlib.AbstractContextManager[BlockMasks]:
+    def active(self) -> contextlib.AbstractContextManager[BlockMasks | None]:
         """The compiled layers in the calling thread for the block, one forward: the BlockMasks
-        its layers' masks get are built once for it (yielded)."""
-        return self._switch.on(BlockMasks())
+        its layers' masks get are built once for it (yielded; None where not packed)."""
+        return self._switch.on(BlockMasks() if self._packed else None)
 
     @torch.no_grad()
     def layer_error(self, run: Any) -> float:

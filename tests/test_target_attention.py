@@ -17,6 +17,7 @@ from dflash_core.target_attention import (
     TILE,
     BlockMasks,
     block_mask_of,
+    packed_attention,
     takes_flex,
     tile_masks,
     use_packed_attention,
@@ -120,9 +121,16 @@ def test_outside_a_compiled_trace_it_is_sdpa_and_installing_it_is_idempotent():
         ours, _ = installed(module, q, k, v, mask, scaling=0.25)
         theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
         assert torch.equal(ours, theirs)
-        # a BlockMask handed in is the flex path's alone: SDPA never sees it
-        handed, _ = installed(module, q, k, v, mask, scaling=0.25, **{BLOCK_MASK: block_mask_of(mask)})
-        assert torch.equal(handed, theirs)
+        # a BlockMask handed in is the flex path's alone: SDPA never sees it (transformers' own
+        # function would ignore it, so a stand-in in front of it says what it was given)
+        given = []
+
+        def sdpa(*args, **kwargs):
+            given.append(set(kwargs))
+            return sdpa_attention_forward(*args, **kwargs)
+
+        handed, _ = packed_attention(sdpa)(module, q, k, v, mask, scaling=0.25, **{BLOCK_MASK: block_mask_of(mask)})
+        assert torch.equal(handed, theirs) and given == [{"dropout", "scaling"}]
     finally:
         use_packed_attention(False)
     assert AttentionInterface._global_mapping["sdpa"] is before

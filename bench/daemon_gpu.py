@@ -21,10 +21,11 @@ pipeline (target forward + drafter step + grad sync + optimizer). Writes $OUT/da
 A start's row also says where a cold start's time went, from the daemon's log: `side_s` and
 `side_kernels` (the drafter compile beside the target: its seconds and the Triton kernels it
 compiled) and `target_s` (the target's warm-up, its fused layers' compile included), the two
-halves that run side by side; `warmup_s`, the drafters' warm-up after them; `transformers_s`, the
-build's import of transformers, host-bound work that changes to the engine's compiled code leave
-alone: where two rows differ in it, the host ran at another speed between them. The row of the start that ran the job says when its
-first step came: `to_first_step_s` from the job's start, `first_step_s` of it the step itself.
+halves that run side by side; `warmup_s`, the drafters' warm-up after them; `transformers_s`,
+the build's import of transformers, host-bound work that the engine's compiled code does not
+change: where two rows differ in it, the host ran at another speed between them. The row of
+the start that ran the job says when its first step came: `to_first_step_s` from the job's
+start, `first_step_s` of it the step itself.
 
 --gil SECONDS samples the daemon with `py-spy record --gil` (pip install -e ".[bench]": the `bench`
 extra) for that long from the job's 20th step: the share of time some thread of the daemon held

@@ -61,6 +61,8 @@ def test_a_child_warms_a_replica_from_its_spec():
     result = child.wait()
     assert result["ok"], result
     assert result["device"] == "cpu" and result["step_graph"] is False and result["seconds"] > 0
+    # where the child's time went: the warm-up's step ran, no step graph was recorded on the CPU
+    assert result["warm_s"] > 0 and result["setup_s"] >= 0 and result["record_s"] < result["warm_s"]
 
 
 def test_a_failed_child_and_a_stuck_one_come_back_as_results():

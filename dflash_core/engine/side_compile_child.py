@@ -32,7 +32,10 @@ from .warmup import WARMUP_SEED, reset_weights, warm_replica
 
 
 def run_child(spec: SideSpec) -> dict[str, Any]:
-    """Build one replica as the build will, warm it on stand-ins, record its step graph."""
+    """Build one replica as the build will, warm it on stand-ins, record its step graph; the
+    result says the seconds of each part (setup_s: the CUDA context, stand-ins and replica;
+    warm_s: the warm-up step with its compiles; record_s: the step graph and its check)."""
+    began = time.monotonic()
     stable_graph_cache_keys()  # the build's settings: part of the graphs' cache keys
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -55,10 +58,17 @@ def run_child(spec: SideSpec) -> dict[str, Any]:
     reset_weights([rep], WARMUP_SEED)
     batch = synthetic_micro_batch(shape, vocab, spec.pad_token_id)
     check = synthetic_micro_batch(shape, vocab, spec.pad_token_id, seed=WARMUP_SEED + 1)
-    before = compile_snapshot()
+    before, set_up = compile_snapshot(), time.monotonic()
     warm_replica(rep, batch, features)
+    warmed = time.monotonic()
     graph = plan.compiled and record_step_graph(rep, batch, features, check)
-    return {"ok": True, "step_graph": bool(graph), **compile_delta(before, compile_snapshot())}
+    seconds = {"setup_s": set_up - began, "warm_s": warmed - set_up, "record_s": time.monotonic() - warmed}
+    return {
+        "ok": True,
+        "step_graph": bool(graph),
+        **{k: round(v, 2) for k, v in seconds.items()},
+        **compile_delta(before, compile_snapshot()),
+    }
 
 
 def exit_with_parent(parent: int) -> None:

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -378,6 +379,15 @@ class Bench:
     out: Path
 
 
+def start_row(label: str, ready_s: float, log: Path, job: Callable[[], dict] | None) -> dict:
+    """A start's row: its time to ready, the job's fields where it runs one (job()), and the
+    figures of its log (log_figures), read after the job, whose first step the log says."""
+    row: dict = {"cache": label, "ready_s": round(ready_s, 1)}
+    if job is not None:
+        row |= job()
+    return row | log_figures(log)
+
+
 def run_starts(
     args: argparse.Namespace, starts: list[str], variants: list[str], bench: Bench, record: dict
 ) -> list[dict]:
@@ -403,13 +413,13 @@ def run_starts(
         proc = start(bench.config, out / f"daemon_{phase}.log", bench.work / "inductor", envs[variant])
         try:
             ready_s, progress = wait_ready(bench.url, proc, args.timeout)
-            row: dict = {"cache": cold_label(phase, args.precompile, args.bytecode_kept) if cold else phase}
-            row |= {"ready_s": round(ready_s, 1)} | log_figures(out / f"daemon_{phase}.log")
+            label = cold_label(phase, args.precompile, args.bytecode_kept) if cold else phase
+            # the job: after the first cold start only
+            job = (lambda: run_job(args, bench.url, proc, out, record)) if n == 0 else None
+            row = start_row(label, ready_s, out / f"daemon_{phase}.log", job)
             if len(variants) > 1:
                 row["env"] = variant or "-"
             record[f"phases_{phase}"] = progress
-            if n == 0:  # the job: after the first cold start only
-                row |= run_job(args, bench.url, proc, out, record)
             metrics = httpx.get(bench.url + "/metrics", timeout=10).text
             (out / f"metrics_{phase}.txt").write_text(metrics)
             for name, labels, val in metric_samples(

@@ -7,7 +7,15 @@ import logging
 
 import pytest
 
-from bench.daemon_gpu import cold_label, empty_caches, log_figures, median_rows, start_names, step_figures
+from bench.daemon_gpu import (
+    cold_label,
+    empty_caches,
+    log_figures,
+    median_rows,
+    start_names,
+    start_row,
+    step_figures,
+)
 from bench.daemon_gpu import main as daemon_gpu_main
 from dflash_core.engine.pipeline import QUEUE_DEPTH
 from service.bytecode import BYTECODE_DIR
@@ -74,6 +82,31 @@ def test_a_cold_starts_side_compile_and_warm_up_from_its_log(tmp_path):
         "to_first_step_s": 0.883,
     }
     assert log_figures(tmp_path / "missing.log") == {}
+
+
+def test_a_start_row_reads_the_jobs_first_step_from_the_log_after_the_job(tmp_path):
+    """The daemon logs the job's first step while the job runs, after ready: the row reads the
+    log once the job is done, so a cold start's row carries it."""
+    log = tmp_path / "daemon_cold.log"
+    log.write_text(line("drafter compiled beside the target", ok=True, seconds=16.5) + "\n")
+
+    def job() -> dict:
+        with log.open("a") as f:
+            f.write(line("job's first step", first_step_s=0.41, total_s=0.85) + "\n")
+        return {"state": "SUCCEEDED", "step_ms": 140.6}
+
+    row = start_row("cold", 23.06, log, job)
+    assert row == {
+        "cache": "cold",
+        "ready_s": 23.1,
+        "state": "SUCCEEDED",
+        "step_ms": 140.6,
+        "side_s": 16.5,
+        "side_kernels": 0,
+        "first_step_s": 0.41,
+        "to_first_step_s": 0.85,
+    }
+    assert "first_step_s" not in start_row("warm1", 9.4, tmp_path / "daemon_warm1.log", None)
 
 
 def test_the_step_figures_leave_out_the_first_steps_and_the_pipelines_drain():

@@ -92,7 +92,7 @@ def test_decoder_runs_the_rotary_and_cache_write_kernels_and_keeps_its_tokens(ch
     in its prefills and decode steps, and its greedy tokens are those of the same decoder with
     the two eager (both kernels are exact)."""
     got = checked["decoder_kernels"]
-    assert got["equal"] and got["tokens"] == 4 * 8, got
+    assert got["equal"] and got["tokens"] == 4 * 4, got  # 4 prompts, 4 new tokens each
     assert got["calls"]["fused"]["rope"] > 0 and got["calls"]["fused"]["writes"] > 0, got
     assert got["calls"]["eager"] == {"rope": 0, "writes": 0}, got
 

@@ -7,6 +7,7 @@ compiled, need CUDA: tests/gpu/test_side_compile_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -194,15 +195,26 @@ def test_the_targets_bytes_per_device_counted_without_loading_it(random_target_d
 
 def test_children_share_the_cores_unless_the_user_sized_the_pool(monkeypatch):
     """Each child starts its own inductor worker pool; the pool's size is not in the graphs'
-    cache keys, so the children split the cores, and an exported size is left as it is."""
-    from dflash_core.engine.side_compile import child_env
+    cache keys, so the children split the cores (the size travels in their specs), and an
+    exported size is left to the children, which inherit it."""
+    from dflash_core.engine.side_compile import compile_threads_share
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     cores = min(32, len(os.sched_getaffinity(0)))  # what inductor starts on its own (capped at 32)
-    assert child_env(1)["TORCHINDUCTOR_COMPILE_THREADS"] == str(cores)
-    assert child_env(cores * 2)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert compile_threads_share(1) == cores
+    assert compile_threads_share(cores * 2) == 1
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
-    assert child_env(4)["TORCHINDUCTOR_COMPILE_THREADS"] == "3"
+    assert compile_threads_share(4) is None
+
+
+def test_a_child_sizes_its_pool_from_its_spec(tmp_path):
+    """The child applies its spec's share before it compiles (the pool starts at the first
+    compile); its result says what its inductor used."""
+    child = SideCompile.start("cpu")
+    child.send(tiny_spec(compile_threads=3))
+    result = child.wait()
+    assert result["ok"], result
+    assert result["compile_threads"] == 3, result
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
@@ -211,8 +223,8 @@ def test_a_pinned_build_sizes_its_childrens_pools_by_its_own_cores():
     may run on, as inductor's own sizing does, not the host's count."""
     code = (
         "import os; os.environ.pop('TORCHINDUCTOR_COMPILE_THREADS', None); "
-        "from dflash_core.engine.side_compile import child_env; "
-        "print(child_env(1)['TORCHINDUCTOR_COMPILE_THREADS'])"
+        "from dflash_core.engine.side_compile import compile_threads_share; "
+        "print(compile_threads_share(1))"
     )
     out = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
@@ -245,6 +257,41 @@ def test_a_child_and_what_it_started_are_stopped_together(tmp_path):
     assert not alive(worker)
 
 
+# a fresh interpreter's engine build up to its children's start, saying whether dynamo was in by then
+DYNAMO_AT_START = """
+import json, sys
+from dflash_core.engine import Engine, EngineConfig
+from dflash_core.engine.side_compile import SideCompiles
+
+start = SideCompiles.start
+
+def recording(devices):
+    print(json.dumps({"dynamo_imported": "torch._dynamo" in sys.modules}), flush=True)
+    SideCompiles.start = start
+    raise SystemExit(0)
+
+SideCompiles.start = staticmethod(recording)
+Engine(EngineConfig(drafter_devices=["cpu"], target_devices=["cpu"]), sys.argv[1]).build()
+"""
+
+
+def test_the_build_starts_its_children_before_it_imports_dynamo(tmp_path):
+    """The children import torch, dynamo and inductor beside the build. Started before the build
+    imports dynamo itself (the engine object's compile guard no longer imports it), they reach
+    their spec that much sooner."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run(
+        [sys.executable, "-c", DYNAMO_AT_START, str(tmp_path / "data")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"dynamo_imported": False}
+
+
 def test_a_failure_in_the_builds_bookkeeping_costs_the_head_start_only():
     """Whatever goes wrong while the build sizes a child's memory (a config it cannot read, say)
     stops that child and lets the build go on, as a failed child does."""
@@ -260,20 +307,22 @@ def test_a_failure_in_the_builds_bookkeeping_costs_the_head_start_only():
 
 def test_no_child_where_inductors_graph_cache_is_off(tmp_path, monkeypatch):
     """The child's graphs reach the build only through the on-disk graph cache: with it off a
-    child would compile for no one, so none starts (and no marker is written: nothing to find)."""
+    child would compile for no one, so each is stopped before its spec (and no marker is
+    written: nothing to find)."""
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    assert SideCompiles.start(["cpu"]).children == []
-    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    side = SideCompiles.start(["cpu"])
-    assert side.children == []
-    spec = tiny_spec()
-    side.assign([spec], lambda device: pytest.fail(f"asked for {device}"), lambda _: None)
-    side.note_warmed()
-    assert not marker(spec).exists()
+    for setting, off in (("force_disable_caches", True), ("fx_graph_cache", False)):
+        monkeypatch.setattr(inductor_config, setting, off)
+        side = SideCompiles.start(["cpu"])
+        child = side.children[0]
+        spec = tiny_spec()
+        side.assign([spec], lambda device: pytest.fail(f"asked for {device}"), lambda _: None)
+        assert side.children == [] and child.proc.returncode is not None
+        side.note_warmed()
+        assert not marker(spec).exists()
+        monkeypatch.undo()
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
 
 def test_per_layer_sizes_bound_the_warmup_by_the_largest():

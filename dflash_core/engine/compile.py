@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -178,6 +179,11 @@ def _memory_format_by_name(fmt: torch.memory_format) -> str:
 
 
 def compiled_graphs() -> int:
+    """The graphs dynamo compiled in this process so far: 0 before anything imported dynamo (then
+    nothing has been compiled, and importing it here would move a second of a start's imports
+    in front of what the start does first)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0
     try:
         from torch._dynamo.utils import counters
     except Exception:  # noqa: BLE001 - dynamo unavailable: nothing is ever compiled

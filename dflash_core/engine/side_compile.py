@@ -3,12 +3,13 @@
 A cold start compiles the target's fused layer and then each drafter GPU's step (dynamo,
 AOTAutograd, inductor's lowering), one after the other in the build thread. Both are mostly
 Python that holds the GIL, so a thread cannot overlap them; a process can. The build starts one
-child per distinct drafter device as it begins; the child imports torch, dynamo and inductor
-while the build imports transformers. Once the drafter's
-architecture is known, each child gets its spec, builds a replica on its device with stand-ins
-for what the target would hand it (a random head and random features of the target's shapes
-and dtype: only shapes, dtypes and devices reach the compiled graphs' keys), runs the warm-up's
-training step and step graph, and exits. Its graphs land in the shared compile cache, from
+child per distinct drafter device as its first step, before it imports dynamo itself: the child
+imports torch, dynamo and inductor while the build imports them and transformers, and is ready
+the sooner for its spec. Once the drafter's architecture is known, each child gets its spec
+(with its share of the cores for inductor's worker pool), builds a replica on its device with
+stand-ins for what the target would hand it (a random head and random features of the target's
+shapes and dtype: only shapes, dtypes and devices reach the compiled graphs' keys), runs the
+warm-up's training step and step graph, and exits. Its graphs land in the shared compile cache, from
 which the build's own drafter warm-up then loads them, as a warm start does. The build waits
 for the children before it creates its replicas, so a child's memory is free by then.
 
@@ -17,7 +18,8 @@ A child compiles only where it pays and cannot hurt, and is stopped elsewhere:
   directory, written after the build's drafter warm-up and keyed by what the compiled graphs
   depend on): a warm start stops its children before they compile anything;
 - the device has room beside what the target will take there: the child's allocator is capped
-  at what that leaves free, so the child runs out of memory before the build would.
+  at what that leaves free, so the child runs out of memory before the build would;
+- inductor's on-disk graph cache is on: without it the child's graphs would reach no one.
 A child that fails, or outlasts WAIT_BOUND_S, costs its time only: the build compiles as before.
 """
 
@@ -77,6 +79,7 @@ class SideSpec:
     features: tuple[int, int]  # [S, width] of the target's capture
     dtype: str  # the target's compute dtype, which its head and features have
     memory_fraction: float | None = None  # the child's allocator cap on its device
+    compile_threads: int | None = None  # the child's inductor worker pool (compile_threads_share)
 
     def key(self) -> str:
         """What the drafter's compiled graphs on this device depend on, hashed: the marker's name
@@ -85,7 +88,7 @@ class SideSpec:
         props = torch.cuda.get_device_properties(self.device) if self.device.startswith("cuda") else None
         fields = dataclasses.asdict(self)
         # none of these reaches the graphs (the devices' count sets dynamo's recompile limit)
-        for name in ("memory_fraction", "replica_index", "drafter_devices"):
+        for name in ("memory_fraction", "compile_threads", "replica_index", "drafter_devices"):
             fields.pop(name)
         fields["drafter"] = {k: v for k, v in self.drafter.items() if k not in ("mask_token", "input_embedding_scale")}
         fields["code"] = code_version()
@@ -187,8 +190,9 @@ class SideCompile:
         self._ended = False  # the child reaped and its group ended: its ids may belong to others now
 
     @staticmethod
-    def start(device: str, siblings: int = 1) -> SideCompile:
-        """siblings: how many children the build starts, which share the host's cores."""
+    def start(device: str) -> SideCompile:
+        """The child, importing; nothing here imports dynamo or inductor (child_env), so the build
+        starts it before its own imports of them."""
         # unnamed, nothing left on disk; closed when the child is waited for or stopped
         output = tempfile.TemporaryFile()  # noqa: SIM115
         try:
@@ -198,7 +202,7 @@ class SideCompile:
                 stdin=subprocess.PIPE,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                env=child_env(siblings),
+                env=child_env(),
                 # its own process group, which its compile workers join: stopped together
                 start_new_session=True,
             )
@@ -268,11 +272,9 @@ class SideCompile:
         return {**result, "device": self.device, "seconds": round(time.monotonic() - self.started, 2)}
 
 
-def child_env(siblings: int) -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """The build's environment (its compile cache variables among them, which use_cache_dir set),
-    with this package importable where it is not installed, and inductor's worker pool sized to
-    the child's share of the cores (each child starts its own; the size is not in the graphs'
-    cache keys) unless the user set it."""
+    with this package importable where it is not installed."""
     import site
 
     env = dict(os.environ)
@@ -280,13 +282,19 @@ def child_env(siblings: int) -> dict[str, str]:
     installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
     if os.path.realpath(root) not in installed:  # a checkout: the child starts without its cwd on the path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    if "TORCHINDUCTOR_COMPILE_THREADS" not in env:
-        # inductor's own pool size for this process (the cores it may run on, capped), split: an
-        # exported size replaces inductor's rule in the child, so it must be this one's share
-        import torch._inductor.config as inductor_config
-
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (inductor_config.compile_threads or 1) // max(1, siblings)))
     return env
+
+
+def compile_threads_share(siblings: int) -> int | None:
+    """The size of a child's inductor worker pool: this process's own (the cores it may run on,
+    capped: inductor's rule) split among the `siblings` children, since each starts its own pool
+    and the size is not in the graphs' cache keys. None where the user exported
+    TORCHINDUCTOR_COMPILE_THREADS, which the children inherit and keep."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return None
+    import torch._inductor.config as inductor_config
+
+    return max(1, (inductor_config.compile_threads or 1) // max(1, siblings))
 
 
 def graph_cache_on() -> bool:
@@ -384,13 +392,9 @@ class SideCompiles:
     @staticmethod
     def start(devices: list[str]) -> SideCompiles:
         children: list[SideCompile] = []
-        if devices and not graph_cache_on():
-            log.info("no drafter compile beside the target: inductor's graph cache is off")
-            return SideCompiles(children)
-        distinct = distinct_devices(devices)  # replicas that share a device share its graphs
         try:
-            for device in distinct:
-                children.append(SideCompile.start(device, len(distinct)))
+            for device in distinct_devices(devices):  # replicas that share a device share its graphs
+                children.append(SideCompile.start(device))
         except OSError as e:  # no process to be had: the build compiles for itself
             log.warning("could not start the drafter compile beside the target: %s", e)
         except BaseException:
@@ -404,9 +408,16 @@ class SideCompiles:
         """Give each child its device's spec, or stop it where the cache has seen this drafter
         warmed there or the device lacks room. target_bytes(device): what the target will take
         there (None: unknown, no child); asked only where a child would compile. mark(label):
-        the build timeline's."""
+        the build timeline's. With inductor's graph cache off, every child is stopped: its graphs
+        would reach the build only through that cache."""
         self.specs = specs
+        if self.children and not graph_cache_on():
+            log.info("no drafter compile beside the target: inductor's graph cache is off")
+            self.stop()
+            self.children = []
+            return
         by_device = {spec.device: spec for spec in specs}  # both canonical (distinct_devices)
+        threads = compile_threads_share(len(self.children))
         kept = []
         for child in self.children:
             spec = by_device[child.device]
@@ -418,7 +429,7 @@ class SideCompiles:
             if fraction is None:
                 child.stop()
                 continue
-            child.send(dataclasses.replace(spec, memory_fraction=round(fraction, 4)))
+            child.send(dataclasses.replace(spec, memory_fraction=round(fraction, 4), compile_threads=threads))
             mark(f"build:side_compile_started:{spec.device}")
             kept.append(child)
         self.children = kept

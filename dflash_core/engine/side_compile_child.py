@@ -34,9 +34,14 @@ from .warmup import WARMUP_SEED, reset_weights, warm_replica
 def run_child(spec: SideSpec) -> dict[str, Any]:
     """Build one replica as the build will, warm it on stand-ins, record its step graph; the
     result says the seconds of each part (setup_s: the CUDA context, stand-ins and replica;
-    warm_s: the warm-up step with its compiles; record_s: the step graph and its check)."""
+    warm_s: the warm-up step with its compiles; record_s: the step graph and its check) and the
+    size of inductor's worker pool it compiled with (the spec's share of the build's cores)."""
+    import torch._inductor.config as inductor_config
+
     began = time.monotonic()
     stable_graph_cache_keys()  # the build's settings: part of the graphs' cache keys
+    if spec.compile_threads is not None:  # before the first compile starts inductor's worker pool
+        inductor_config.compile_threads = spec.compile_threads
     device = torch.device(spec.device)
     if device.type == "cuda":
         # anything that asks for the current device gets this one, not a context on cuda:0
@@ -66,6 +71,7 @@ def run_child(spec: SideSpec) -> dict[str, Any]:
     return {
         "ok": True,
         "step_graph": bool(graph),
+        "compile_threads": inductor_config.compile_threads,
         **{k: round(v, 2) for k, v in seconds.items()},
         **compile_delta(before, compile_snapshot()),
     }

@@ -175,13 +175,16 @@ class _Build:
 
     def run(self, data_dir: Path, cuda: CudaContexts) -> Parts:
         config, timeline, plan = self.config, self.timeline, self.plan
-        if plan.compiled and any(d.startswith("cuda") for d in self.drafter_devices) and start_compile_workers():
-            timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
-        timeline.enter("loading_target")
-        target_path, layer_ids = _target_source(config, data_dir)
-        # the drafter devices' compile processes import beside the build (side_compile.py)
+        # the drafter devices' compile processes, first: they import torch, dynamo and inductor
+        # while the build imports them and transformers (side_compile.py)
         side = SideCompiles.start(self.drafter_devices if plan.compiled else [])
+        if side.children:
+            timeline.mark("build:side_compiles_spawned")
         try:
+            if plan.compiled and any(d.startswith("cuda") for d in self.drafter_devices) and start_compile_workers():
+                timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
+            timeline.enter("loading_target")
+            target_path, layer_ids = _target_source(config, data_dir)
             skip_unused_imports()  # before the build's first import of transformers
             tokenizer, drafter_config = self.drafter_config(target_path, layer_ids)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

@@ -126,6 +126,16 @@ def train_spec(assets, output_dir, steps: int, *, checkpoint_interval: int | Non
     )
 
 
+def run_code(code: str, *args: str, env: dict[str, str], timeout: float = 300) -> dict:
+    """`python -c CODE ARGS` in a fresh interpreter, in this checkout, with `env`; the JSON object
+    on the last line of its output."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_interpreted_check(module: str, *args: str) -> dict:
     """`python -m MODULE ARGS` with TRITON_INTERPRET=1 (read when a kernel module is imported, so it
     takes a fresh interpreter); the check's result, the JSON object on its last line."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.compiled_graphs import inventory
 from tests.helpers import REPO_ROOT as REPO
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_code
 
 PROBE = """
 import json, sys
@@ -48,16 +47,7 @@ def run_probe(data_dir: Path, env: dict[str, str], *flags: str) -> dict:
     """An engine created in a fresh interpreter, then inductor's cache directory and its hits and
     misses for one compiled function with an FP8 linear, forward and backward (--resolve-only: the
     directory alone, nothing compiled)."""
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(data_dir), *flags],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_code(PROBE, str(data_dir), *flags, env=env)
 
 
 @pytest.mark.slow  # three fresh interpreters and C++ compiles: about 20 s on 2 cores

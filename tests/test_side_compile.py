@@ -7,7 +7,6 @@ compiled, need CUDA: tests/gpu/test_side_compile_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -31,6 +30,7 @@ from dflash_core.engine.side_compile import (
     target_bytes_by_device,
 )
 from tests.helpers import REPO_ROOT as REPO
+from tests.helpers import run_code
 
 
 def tiny_spec(devices: tuple[str, ...] = ("cpu",), **changes) -> SideSpec:
@@ -280,16 +280,7 @@ def test_the_build_starts_its_children_before_it_imports_dynamo(tmp_path):
     imports dynamo itself (the engine object's compile guard no longer imports it), they reach
     their spec that much sooner."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    out = subprocess.run(
-        [sys.executable, "-c", DYNAMO_AT_START, str(tmp_path / "data")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"dynamo_imported": False}
+    assert run_code(DYNAMO_AT_START, str(tmp_path / "data"), env=env) == {"dynamo_imported": False}
 
 
 def test_a_failure_in_the_builds_bookkeeping_costs_the_head_start_only():
@@ -313,16 +304,15 @@ def test_no_child_where_inductors_graph_cache_is_off(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     for setting, off in (("force_disable_caches", True), ("fx_graph_cache", False)):
-        monkeypatch.setattr(inductor_config, setting, off)
-        side = SideCompiles.start(["cpu"])
-        child = side.children[0]
-        spec = tiny_spec()
-        side.assign([spec], lambda device: pytest.fail(f"asked for {device}"), lambda _: None)
-        assert side.children == [] and child.proc.returncode is not None
-        side.note_warmed()
-        assert not marker(spec).exists()
-        monkeypatch.undo()
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        with monkeypatch.context() as setting_off:
+            setting_off.setattr(inductor_config, setting, off)
+            side = SideCompiles.start(["cpu"])
+            child = side.children[0]
+            spec = tiny_spec()
+            side.assign([spec], lambda device: pytest.fail(f"asked for {device}"), lambda _: None)
+            assert side.children == [] and child.proc.returncode is not None
+            side.note_warmed()
+            assert not marker(spec).exists()
 
 
 def test_per_layer_sizes_bound_the_warmup_by_the_largest():

@@ -54,14 +54,17 @@ def tiny_spec(devices: tuple[str, ...] = ("cpu",), **changes) -> SideSpec:
 
 def test_a_child_warms_a_replica_from_its_spec():
     """The spec travels to a fresh interpreter, which builds the replica and runs the warm-up's
-    step on a random head and random features of the target's width (two captured layers)."""
-    spec = tiny_spec()
+    step on a random head and random features of the target's width (two captured layers), with
+    its spec's share of the cores for inductor's worker pool (applied before the first compile
+    starts the pool)."""
+    spec = tiny_spec(compile_threads=3)
     assert spec.features == (64, 128) and spec.dtype == "float32"
     child = SideCompile.start("cpu")
     child.send(spec)
     result = child.wait()
     assert result["ok"], result
     assert result["device"] == "cpu" and result["step_graph"] is False and result["seconds"] > 0
+    assert result["compile_threads"] == 3, result
     # where the child's time went: the warm-up's step ran, no step graph was recorded on the CPU
     assert result["warm_s"] > 0 and result["setup_s"] >= 0 and result["record_s"] < result["warm_s"]
 
@@ -205,16 +208,6 @@ def test_children_share_the_cores_unless_the_user_sized_the_pool(monkeypatch):
     assert compile_threads_share(cores * 2) == 1
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
     assert compile_threads_share(4) is None
-
-
-def test_a_child_sizes_its_pool_from_its_spec(tmp_path):
-    """The child applies its spec's share before it compiles (the pool starts at the first
-    compile); its result says what its inductor used."""
-    child = SideCompile.start("cpu")
-    child.send(tiny_spec(compile_threads=3))
-    result = child.wait()
-    assert result["ok"], result
-    assert result["compile_threads"] == 3, result
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")

@@ -289,7 +289,7 @@ def test_a_failure_in_the_builds_bookkeeping_costs_the_head_start_only():
     assert side.children == [] and child.proc.returncode is not None
 
 
-def test_no_child_where_inductors_graph_cache_is_off(tmp_path, monkeypatch):
+def test_no_child_compiles_where_inductors_graph_cache_is_off(tmp_path, monkeypatch):
     """The child's graphs reach the build only through the on-disk graph cache: with it off a
     child would compile for no one, so each is stopped before its spec (and no marker is
     written: nothing to find)."""

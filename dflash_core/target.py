@@ -314,6 +314,14 @@ class TargetModel:
         return self._capture(input_ids, position_ids, doc_ids)
 
     @torch.no_grad()
+    def layer_fusion(self, packed_attention: bool) -> LayerFusion:
+        """The compiled decoder layers of record_graph. Their forwards build the packed attention's
+        BlockMasks only where packed_attention is on and the layers' attention is transformers'
+        SDPA, which the packed path stands in front of: a target on eager attention (gpt-oss, for
+        its sinks) would build them for nothing."""
+        sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
+        return LayerFusion(self.decoder_layers(), packed=packed_attention and sdpa)
+
     def record_graph(self, seq_len: int, fuse: bool = True, packed_attention: bool = True) -> bool:
         """Record capture() of a sequence of seq_len tokens as a CUDA graph, so that a micro-batch
         costs the host one replay instead of the eager forward's hundreds of kernel launches (and
@@ -327,7 +335,7 @@ class TargetModel:
             return False
         if fuse:
             use_packed_attention(packed_attention)
-            self._fusion = LayerFusion(self.decoder_layers(), packed=packed_attention)
+            self._fusion = self.layer_fusion(packed_attention)
             self._fused_len = seq_len
         dev = self.device
         inputs = (

@@ -120,6 +120,21 @@ def test_gpt_oss_runs_eager_and_qwen3_sdpa(target_dir):
     assert attention_implementation(AutoConfig.from_pretrained(target_dir("gpt_oss"))) == "eager"
 
 
+@pytest.mark.parametrize(("family", "builds"), [("qwen3", True), ("gpt_oss", False)])
+def test_the_fused_layers_build_block_masks_only_for_sdpa_targets(target_dir, family, builds):
+    """The packed flex path stands in front of transformers' SDPA; gpt-oss runs eager attention
+    (its sinks), whose layers would be handed BlockMasks they never read: its fused forwards build
+    none. Without the packed path, no target's do."""
+    target = TargetModel(target_dir(family), [1, 3], "cpu")
+    for packed in (True, False):
+        fusion = target.layer_fusion(packed)
+        try:
+            with fusion.active() as masks:
+                assert (masks is not None) is (builds and packed), (family, packed)
+        finally:
+            fusion.remove()
+
+
 # --- RoPE: the drafter's is the target's, and its checkpoint config says so ---------------------
 
 

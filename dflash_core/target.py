@@ -313,7 +313,6 @@ class TargetModel:
             return self._graph_output
         return self._capture(input_ids, position_ids, doc_ids)
 
-    @torch.no_grad()
     def layer_fusion(self, packed_attention: bool) -> LayerFusion:
         """The compiled decoder layers of record_graph. Their forwards build the packed attention's
         BlockMasks only where packed_attention is on and the layers' attention is transformers'
@@ -322,6 +321,7 @@ class TargetModel:
         sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
         return LayerFusion(self.decoder_layers(), packed=packed_attention and sdpa)
 
+    @torch.no_grad()
     def record_graph(self, seq_len: int, fuse: bool = True, packed_attention: bool = True) -> bool:
         """Record capture() of a sequence of seq_len tokens as a CUDA graph, so that a micro-batch
         costs the host one replay instead of the eager forward's hundreds of kernel launches (and

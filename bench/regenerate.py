@@ -11,9 +11,11 @@ continuous batching, the decode step recorded as a CUDA graph), its attention as
 defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
 batched GEMMs over the whole static cache. `--fused` says how the layers' elementwise work runs:
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
-as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py); norms, the RMSNorm
-kernel alone (the rotary embedding and the cache writes eager); off, transformers' eager code;
-on,norms,off: a row of each.
+as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; and a sampled step's
+noise and argmax, kernels/gumbel_max.py); eager-sampler, all of that but the sampling, which runs
+as torch ops; norms, the RMSNorm kernel alone (the rotary embedding, the cache writes and the
+sampling eager); off, transformers' eager code and the sampling as torch ops; on,norms,off: a
+row of each.
 
 A row per precision, attention and slot count:
 
@@ -21,7 +23,9 @@ A row per precision, attention and slot count:
                  median after warm-up: the step that reads the whole cache with either attention
   decode_ms      the same with the slots at the run's mean position (prompt + half the new
                  tokens): what a wave's steps take on average
-  sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8)
+  sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8: every row sorted)
+  sampled_all_ms decode_ms with sampling from the whole distribution (temperature 1, no top-k
+                 or top-p: the on-policy setting)
   decode_tok_s   slots / decode_ms
   bound_tok_s    slots / (bytes / measured copy bandwidth), the bytes being every weight the
                  step reads (all but the input embedding; FP8 weights count one byte) and the
@@ -55,7 +59,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--fused on,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
+        [--fused on,eager-sampler,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
 """
 
 from __future__ import annotations
@@ -141,12 +145,12 @@ def serial_floor_ms(
     return (slots * cache_bytes / bandwidth + layers + lm_head) * 1e3
 
 
-def time_step(dec: SlotDecoder, greedy: bool, position: int) -> float:
+def time_step(dec: SlotDecoder, mode: str, position: int) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
     enough to centre on it (each step moves the slots on by one; the cache's end holds them)."""
     last = dec.length - 1
     dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
-    return median(cuda_time_ms(lambda: dec._step(greedy), warmup=WARMUP, iters=ITERS))
+    return median(cuda_time_ms(lambda: dec._step(mode), warmup=WARMUP, iters=ITERS))
 
 
 @torch.no_grad()
@@ -170,6 +174,8 @@ def run_slots(
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
+    if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernel
+        dec.sample_kernel = False
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
@@ -189,10 +195,15 @@ def run_slots(
     torch.cuda.synchronize()
     creep = torch.cuda.memory_reserved() - reserved_after
     mean_valid = prompt_len + new_tokens // 2  # positions a step reads per slot, over the run
-    full_ms = time_step(dec, True, length - 1)
-    decode_ms = time_step(dec, True, mean_valid - 1)
-    dec.warm(Sampling(temperature=0.7, top_p=0.8, ignore_stop=True))
-    sampled_ms = time_step(dec, False, mean_valid - 1)
+    full_ms = time_step(dec, "greedy", length - 1)
+    decode_ms = time_step(dec, "greedy", mean_valid - 1)
+    sampled = {}
+    for name, sampling in (
+        ("sampled_ms", Sampling(temperature=0.7, top_p=0.8, ignore_stop=True)),
+        ("sampled_all_ms", Sampling(temperature=1.0, ignore_stop=True)),
+    ):
+        dec.warm(sampling)
+        sampled[name] = round(time_step(dec, sampling.mode, mean_valid - 1), 3)
     weights = step_weight_bytes(model)
     per_token = kv_bytes_per_token(model.config, dec.dtype)
     whole = bound(slots, weights, length, per_token, bandwidth)
@@ -208,7 +219,7 @@ def run_slots(
         "weights_gb": round(weights / 1e9, 2),
         "full_ms": round(full_ms, 3),
         "decode_ms": round(decode_ms, 3),
-        "sampled_ms": round(sampled_ms, 3),
+        **sampled,
         "decode_tok_s": round(decode_tok_s),
         "bound_tok_s": round(whole),
         "of_bound": round(slots / (full_ms * 1e-3) / whole, 3),
@@ -314,16 +325,22 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
 
 
 def parse_fused(spec: str) -> list[str]:
-    """--fused's rows: on, norms, off."""
+    """--fused's rows: on, eager-sampler, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= {"on", "norms", "off"}:
-        raise ValueError(f"--fused takes on, norms and off, not {spec!r}")
+    if not names or not set(names) <= {"on", "eager-sampler", "norms", "off"}:
+        raise ValueError(f"--fused takes on, eager-sampler, norms and off, not {spec!r}")
     return list(dict.fromkeys(names))
 
 
 def fused_label(dec) -> str:
-    """Which of the layers' kernels a decoder runs: norms, rope, writes joined by '+', or eager."""
-    parts = [name for name, on in (("norms", dec.norms), ("rope", dec.rope), ("writes", dec.cache.write_kernel)) if on]
+    """Which of its kernels a decoder runs: norms, rope, writes, sampler joined by '+', or eager."""
+    kernels = (
+        ("norms", dec.norms),
+        ("rope", dec.rope),
+        ("writes", dec.cache.write_kernel),
+        ("sampler", dec.sample_kernel),
+    )
+    parts = [name for name, on in kernels if on]
     return "+".join(parts) or "eager"
 
 
@@ -385,8 +402,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--fused",
         default="on",
-        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes as kernels), norms (that kernel "
-        "alone), off (eager)",
+        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels), "
+        "eager-sampler (all but the sampling), norms (that kernel alone), off (eager)",
     )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)

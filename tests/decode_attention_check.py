@@ -5,7 +5,8 @@ tests.decode_attention_check` (a separate process: the flag is read when the ker
 imported). Prints one JSON object: per case, the largest errors relative to the output's scale
 (the kernel's and the masked path's against the reference, and between them). The RMSNorm kernel
 (dflash_core/kernels/rms_norm.py), which the decoder's kernel path runs too, against the norm
-classes' own forwards."""
+classes' own forwards; the sampling kernel (dflash_core/kernels/gumbel_max.py) against the torch
+ops it replaces."""
 
 from __future__ import annotations
 
@@ -315,6 +316,58 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
     return {"equal": outputs[0] == outputs[1], "calls": counts, "tokens": sum(len(t) for t in outputs[0].values())}
 
 
+def sampler_cases(device: str = "cpu") -> dict:
+    """The sampling kernel (dflash_core/kernels/gumbel_max.py) against the torch ops it replaces,
+    on the same device: logits in fp32 and bf16 (many equal values), a vocabulary inside one of
+    the kernel's blocks and one over several with the last partial, entries at -inf (what top-k
+    and top-p leave out) and a row with none left (index 0, as torch.argmax), three temperatures."""
+    from dflash_core.kernels.gumbel_max import gumbel_argmax
+    from dflash_core.regenerate.decode import gumbel_noise
+
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (128, 9001):
+            logits = (torch.randn(8, vocab, generator=g) * 4).to(dtype)
+            logits[1, ::3] = float("-inf")
+            logits[2] = float("-inf")
+            seeds = torch.randint(0, 2**40, (8,), generator=g)
+            steps = torch.randint(0, 10**6, (8,), generator=g)
+            logits, seeds, steps = logits.to(device), seeds.to(device), steps.to(device)
+            for t in (0.6, 1.0, 1.7):
+                temp = torch.tensor([t], device=device)
+                ref = (logits.float() / temp + gumbel_noise(seeds, steps, vocab)).argmax(-1)
+                got = gumbel_argmax(logits, temp, seeds, steps)
+                name = f"{str(dtype).removeprefix('torch.')}_{vocab}_t{t}"
+                out[name] = {"equal": torch.equal(got, ref), "mismatches": int((got != ref).sum())}
+    return out
+
+
+def decoder_sampler_case(device: str = "cpu") -> dict:
+    """The slot decoder's sampled tokens with the sampling kernel and with the torch ops, from the
+    whole distribution and filtered by top-k and top-p (the kernel seen to run in both)."""
+    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
+
+    model = tiny_llama().to(device)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (4, 9, 2, 6)]
+    result = {}
+    for sampling in (
+        Sampling(temperature=1.0, ignore_stop=True),
+        Sampling(temperature=0.8, top_p=0.9, top_k=20, ignore_stop=True),
+    ):
+        outputs, calls = [], []
+        for kernel in (True, False):
+            dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=False, fused_kernels=False)
+            dec.sample_kernel = kernel
+            requests = [Request(k, p, KERNELS_NEW_TOKENS, seed=k) for k, p in enumerate(prompts)]
+            with _counting("dflash_core.kernels.gumbel_max", "gumbel_argmax") as seen:
+                outputs.append({c.key: c.tokens for c in dec.generate(requests, sampling)})
+            calls.append(len(seen))
+        result[sampling.mode] = {"equal": outputs[0] == outputs[1], "kernel_calls": calls[0], "eager_calls": calls[1]}
+    return result
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -398,6 +451,7 @@ def slot_write_cases(device: str = "cpu") -> dict:
 if __name__ == "__main__":
     result = {"kernel": kernel_cases(), "norms": norm_cases(), "rope": rope_cases(), "slot_write": slot_write_cases()}
     result["decoder_kernels"] = decoder_kernels_case()
+    result["sampler"], result["decoder_sampler"] = sampler_cases(), decoder_sampler_case()
     if "--decoder" in sys.argv:
         result["decoder"] = decoder_compare()
         result["decoder_one_kind"] = decoder_compare(build=tiny_llama)

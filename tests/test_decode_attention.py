@@ -138,3 +138,14 @@ def test_split_count():
     few = split_count(2, 8, 4096, cpu)
     assert 1 < few <= 4096 // MIN_SPLIT
     assert split_count(1, 1, 100, cpu) == 1  # too short to split
+
+
+def test_sampling_kernel_draws_the_tokens_of_the_torch_ops(checked):
+    """The sampling kernel through Triton's interpreter: the tokens of the noise, sum and argmax
+    as torch ops, for fp32 and bf16 logits, one block and several, -inf entries and a row with
+    nothing left; and the decoder's sampled tokens unchanged by it, whole and filtered."""
+    for name, got in checked["sampler"].items():
+        assert got["equal"], (name, got)
+    for mode in ("sample", "filtered"):
+        got = checked["decoder_sampler"][mode]
+        assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)

@@ -112,10 +112,13 @@ def test_sampler_follows_the_distribution():
     seeds = torch.arange(n, dtype=torch.long)
     steps = torch.zeros(n, dtype=torch.long)
     one = torch.ones(1)
-    picks = choose_tokens(logits, seeds, steps, False, one, torch.zeros(1, dtype=torch.long), one)
-    freq = torch.bincount(picks, minlength=4).float() / n
-    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015), freq
-    picks = choose_tokens(logits, seeds, steps, False, one, torch.zeros(1, dtype=torch.long), torch.tensor([0.7]))
+    no_k = torch.zeros(1, dtype=torch.long)
+    for mode in ("sample", "filtered"):  # top_p 1 filters nothing: both modes draw the same tokens
+        picks = choose_tokens(logits, seeds, steps, mode, one, no_k, one)
+        freq = torch.bincount(picks, minlength=4).float() / n
+        assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015), freq
+    assert torch.equal(picks, choose_tokens(logits, seeds, steps, "sample", one, no_k, one))
+    picks = choose_tokens(logits, seeds, steps, "filtered", one, no_k, torch.tensor([0.7]))
     freq = torch.bincount(picks, minlength=4).float() / n
     assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.015, freq
 

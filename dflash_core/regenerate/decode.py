@@ -19,7 +19,9 @@ call `past_key_values.update` and whose layers are full or sliding attention run
 Sampling is counter based: the noise of a token is a hash of the sequence's own seed, its
 position among the generated tokens and the vocabulary index (Gumbel-max over the temperature-
 scaled, top-k / top-p filtered logits), so a sequence's output depends on its seed alone, never
-on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `generate`).
+on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `generate`). Sampling
+from the whole distribution (no top-k, no top-p) needs no sort; each mode is its own recorded
+step, and on CUDA the noise, the sum and the argmax are one kernel (kernels/gumbel_max.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels import runs_on
 from ..target_norms import NormKernels
 from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
@@ -65,6 +68,14 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def mode(self) -> str:
+        """greedy; sample (from the whole temperature-scaled distribution); or filtered (top_k or
+        top_p cut it first, which takes a sort of every row): each mode its own recorded step."""
+        if self.greedy:
+            return "greedy"
+        return "filtered" if self.top_k > 0 or self.top_p < 1 else "sample"
 
 
 @dataclass
@@ -112,20 +123,35 @@ def choose_tokens(
     logits: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
-    greedy: bool,
+    mode: str,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """The next token of each row of logits [N, V] (fp32): argmax when greedy, else Gumbel-max
-    over the logits scaled by 1/temperature, cut to the top_k largest (0: all) and then to the
-    smallest set whose probability reaches top_p (the order transformers applies them in)."""
-    if greedy:
+    """The next token of each row of logits [N, V]: argmax when greedy, else Gumbel-max over the
+    logits scaled by 1/temperature (fp32), in the filtered mode cut to the top_k largest (0: all)
+    and then to the smallest set whose probability reaches top_p (the order transformers applies
+    them in). kernel: the noise, the sum and the argmax in one Triton kernel
+    (kernels/gumbel_max.py), the same tokens."""
+    if mode == "greedy":
         return logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
-    scaled = logits / temperature
+    if mode == "filtered":
+        logits = keep_top(logits.float() / temperature, top_k, top_p)
+        temperature = torch.ones_like(temperature)  # already scaled: x / 1 is x
+    if kernel:
+        from ..kernels.gumbel_max import gumbel_argmax
+
+        return gumbel_argmax(logits, temperature, seeds, steps)
+    return (logits.float() / temperature + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(dim=-1)
+
+
+def keep_top(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """scaled [N, V] with -inf outside each row's top_k largest (0: all) and then outside the
+    smallest set of those whose probability reaches top_p."""
+    vocab = scaled.shape[-1]
     values, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    rank = torch.arange(vocab, device=scaled.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab)
     values = values.masked_fill(rank >= k, float("-inf"))
     probs = values.softmax(dim=-1)
@@ -133,8 +159,7 @@ def choose_tokens(
     keep_sorted = (before < top_p) | (rank == 0)
     keep_sorted &= rank < k
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    filtered = scaled.masked_fill(~keep, float("-inf"))
-    return (filtered + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1)
+    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def layer_kinds(config) -> list[str]:
@@ -163,7 +188,8 @@ class SlotDecoder:
     CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks.
     fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py)
     and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
-    CUDA), each where it matches what it replaces."""
+    CUDA), each where it matches what it replaces, and so does a sampled step's choice of tokens
+    (kernels/gumbel_max.py: the same tokens as its torch ops)."""
 
     def __init__(
         self,
@@ -210,7 +236,8 @@ class SlotDecoder:
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.sample_kernel = fuse and runs_on(dev)
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
@@ -253,7 +280,7 @@ class SlotDecoder:
             self.config._attn_implementation = saved
         return out.last_hidden_state
 
-    def _decode_step(self, greedy: bool) -> None:
+    def _decode_step(self, mode: str) -> None:
         """One token for every slot from self.tokens at self.positions into self.next_tokens; then
         the inputs move on by one (what the next step reads). Fixed shapes: a graph records it."""
         cache = self.cache
@@ -269,28 +296,30 @@ class SlotDecoder:
                 for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
             }
         hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
-        logits = self.head(hidden[:, -1]).float()
-        chosen = choose_tokens(logits, self.seeds, self.steps, greedy, self.temperature, self.top_k, self.top_p)
+        logits = self.head(hidden[:, -1])
+        chosen = choose_tokens(
+            logits, self.seeds, self.steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel
+        )
         self.next_tokens.copy_(chosen)
         self.tokens.copy_(chosen)
         self.positions.add_(1).clamp_(max=self.length - 1)  # an idle slot's position must stay in the cache
         self.steps.add_(1)
 
-    def _record(self, greedy: bool) -> torch.cuda.CUDAGraph:
+    def _record(self, mode: str) -> torch.cuda.CUDAGraph:
         dev = self.device
         saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) outside the graph
             for _ in range(2):
-                self._decode_step(greedy)
+                self._decode_step(mode)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may make
         # CUDA calls meanwhile; they are not part of this capture
         capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
         with torch.cuda.device(dev), capture:
-            self._decode_step(greedy)
+            self._decode_step(mode)
         torch.cuda.synchronize(dev)
         for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
             t.copy_(s)
@@ -301,11 +330,11 @@ class SlotDecoder:
         with torch.no_grad():
             self._set_sampling(sampling)
             if self.use_graph:
-                if sampling.greedy not in self._graphs:
-                    self._graphs[sampling.greedy] = self._record(sampling.greedy)
+                if sampling.mode not in self._graphs:
+                    self._graphs[sampling.mode] = self._record(sampling.mode)
             else:
                 saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
-                self._decode_step(sampling.greedy)
+                self._decode_step(sampling.mode)
                 for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
                     t.copy_(s)
 
@@ -314,14 +343,14 @@ class SlotDecoder:
         self.top_k.fill_(max(0, sampling.top_k))
         self.top_p.fill_(sampling.top_p)
 
-    def _step(self, greedy: bool) -> None:
-        graph = self._graphs.get(greedy) if self.use_graph else None
+    def _step(self, mode: str) -> None:
+        graph = self._graphs.get(mode) if self.use_graph else None
         if graph is not None:
             graph.replay()
         else:
-            self._decode_step(greedy)
+            self._decode_step(mode)
 
-    def _prefill(self, admitted: list[tuple[int, Request]], greedy: bool) -> list[int]:
+    def _prefill(self, admitted: list[tuple[int, Request]], mode: str) -> list[int]:
         """Prompts into their slots' caches; their first generated tokens."""
         dev = self.device
         ids, pos, lens = padded_prompts([r.prompt for _, r in admitted], dev)
@@ -332,10 +361,11 @@ class SlotDecoder:
         finally:
             self.cache.rows = None
         last = hidden[torch.arange(len(admitted), device=dev), lens - 1]
-        logits = self.head(last).float()
+        logits = self.head(last)
         seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
         steps = torch.zeros(len(admitted), dtype=torch.long, device=dev)
-        return choose_tokens(logits, seeds, steps, greedy, self.temperature, self.top_k, self.top_p).tolist()
+        chosen = choose_tokens(logits, seeds, steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel)
+        return chosen.tolist()
 
     # ------------------------------------------------------------------ the loop
     def generate(
@@ -352,7 +382,7 @@ class SlotDecoder:
             yield from self._generate(iter(requests), sampling, should_stop)
 
     def _generate(self, pending_iter: Iterator[Request], sampling: Sampling, should_stop) -> Iterator[Completion]:
-        greedy = sampling.greedy
+        mode = sampling.mode
         stops = set() if sampling.ignore_stop else set(sampling.stop_token_ids)
         active: dict[int, _Slot] = {}
         free = deque(range(self.slots))
@@ -370,12 +400,12 @@ class SlotDecoder:
             # prompts go in once a few slots are free (each prefill is an eager forward: one per
             # freed slot would cost more host time than the idle slots cost steps), or when none runs
             if free and pending and (len(free) >= self.admit_batch or not active):
-                yield from self._admit(active, free, pending, greedy, stops)
+                yield from self._admit(active, free, pending, mode, stops)
             if not active:
                 if exhausted and not pending:
                     return
                 continue
-            self._step(greedy)
+            self._step(mode)
             chosen = self.next_tokens.tolist()
             self.tokens_generated += len(active)
             for slot in list(active):
@@ -387,7 +417,7 @@ class SlotDecoder:
                     free.append(slot)
                     yield self._done(state, token in stops)
 
-    def _admit(self, active, free, pending, greedy, stops) -> Iterator[Completion]:
+    def _admit(self, active, free, pending, mode, stops) -> Iterator[Completion]:
         """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
         batch: list[tuple[int, Request]] = []
         while free and pending:
@@ -399,7 +429,7 @@ class SlotDecoder:
         for start, end in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens):
             chunk = batch[start:end]
             began = time.perf_counter()
-            firsts = self._prefill(chunk, greedy)
+            firsts = self._prefill(chunk, mode)
             self.prefill_seconds += time.perf_counter() - began
             slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
             n = len(chunk)

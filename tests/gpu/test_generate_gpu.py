@@ -4,7 +4,8 @@ prompts of different lengths with slots refilled; seeded sampling equal with and
 reserved memory flat over a second run; the decode-attention kernel against a float64 reference,
 and the recorded step with it equal to the step without it; the RMSNorm kernel against the norm
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
-cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them."""
+cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
+the sampling kernel's tokens those of the torch ops it replaces, alone and in the recorded step."""
 
 import pytest
 import torch
@@ -104,6 +105,36 @@ def test_rope_and_slot_write_kernels_on_cuda():
     assert dispatch["inactive_is_own"] and dispatch["interleaved_refused"], dispatch
     for dtype, case in slot_write_cases("cuda").items():
         assert case["written"] and case["outside_untouched"], (dtype, case)
+
+
+def test_sampling_kernel_on_cuda():
+    """The CPU's interpreted sampling cases, compiled, against the torch ops on CUDA: the same
+    tokens (the kernel's logarithm and division round as torch's CUDA ones)."""
+    from tests.decode_attention_check import decoder_sampler_case, sampler_cases
+
+    for name, got in sampler_cases("cuda").items():
+        assert got["equal"], (name, got)
+    for mode, got in decoder_sampler_case("cuda").items():
+        assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)
+
+
+def test_sampled_recorded_step_with_the_kernel_equals_the_torch_ops(setup):
+    """The recorded decode step samples through the kernel by default on CUDA, from the whole
+    distribution and filtered: the tokens of the eager step with the sampling as torch ops."""
+    from dflash_core.regenerate.decode import Sampling
+
+    model, prompts = setup
+    eos = model.generation_config.eos_token_id
+    for sampling in (
+        Sampling(temperature=1.0, stop_token_ids=(eos,)),
+        Sampling(temperature=0.8, top_p=0.9, top_k=50, stop_token_ids=(eos,)),
+    ):
+        graph, dec = _run(model, prompts, sampling, True, slots=3)
+        assert dec.sample_kernel and sampling.mode in dec._graphs
+        eager, _ = _run(
+            model, prompts, sampling, False, slots=5, configure=lambda d: setattr(d, "sample_kernel", False)
+        )
+        assert graph == eager, sampling.mode
 
 
 def test_rotary_and_cache_write_kernels_change_no_token(setup):

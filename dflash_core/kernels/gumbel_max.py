@@ -25,11 +25,12 @@ M32 = 0xFFFFFFFF
 
 @triton.jit
 def _mix32(x):
-    """lowbias32 on int64 values below 2**32, as regenerate/decode.py's _mix32."""
+    """lowbias32 on uint32, whose products wrap as regenerate/decode.py's int64 ones masked to 32
+    bits (a quarter of the integer work of 64-bit products)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
     return x ^ (x >> 16)
 
 
@@ -37,8 +38,9 @@ def _mix32(x):
 def _gumbel_argmax_kernel(logits, row_stride, vocab, temperature, seeds, steps, out, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(temperature)
-    seed = tl.load(seeds + row) & 0xFFFFFFFF
-    base = _mix32((_mix32(seed) + tl.load(steps + row)) & 0xFFFFFFFF)
+    seed = (tl.load(seeds + row) & 0xFFFFFFFF).to(tl.uint32)
+    step = (tl.load(steps + row) & 0xFFFFFFFF).to(tl.uint32)
+    base = _mix32(_mix32(seed) + step)  # the sum wraps as the int64 one masked to 32 bits
     start = tl.arange(0, BLOCK)
     best = tl.full([], float("-inf"), tl.float32)
     best_at = tl.full([], 0, tl.int64)
@@ -47,7 +49,7 @@ def _gumbel_argmax_kernel(logits, row_stride, vocab, temperature, seeds, steps, 
         idx = first + start
         inside = idx < vocab
         x = tl.load(src + idx, mask=inside, other=float("-inf")).to(tl.float32)
-        h = _mix32(base ^ _mix32((idx.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF))
+        h = _mix32(base ^ _mix32(idx.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32)))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
         y = tl.div_rn(x, t) + -tl.log(-tl.log(u))
         y = tl.where(inside, y, float("-inf"))

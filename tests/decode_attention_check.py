@@ -365,6 +365,8 @@ def decoder_sampler_case(device: str = "cpu") -> dict:
                 outputs.append({c.key: c.tokens for c in dec.generate(requests, sampling)})
             calls.append(len(seen))
         result[sampling.mode] = {"equal": outputs[0] == outputs[1], "kernel_calls": calls[0], "eager_calls": calls[1]}
+    # the decoder's default where its kernels run: the kernel, once its probe drew the torch ops' tokens
+    result["default_on"] = SlotDecoder(model, slots=2, length=8, use_graph=False, fused_kernels=True).sample_kernel
     return result
 
 

@@ -146,6 +146,7 @@ def test_sampling_kernel_draws_the_tokens_of_the_torch_ops(checked):
     nothing left; and the decoder's sampled tokens unchanged by it, whole and filtered."""
     for name, got in checked["sampler"].items():
         assert got["equal"], (name, got)
+    assert checked["decoder_sampler"]["default_on"]
     for mode in ("sample", "filtered"):
         got = checked["decoder_sampler"][mode]
         assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)

@@ -27,6 +27,7 @@ step, and on CUDA the noise, the sum and the argmax are one kernel (kernels/gumb
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -146,6 +147,32 @@ def choose_tokens(
     return (logits.float() / temperature + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(dim=-1)
 
 
+@functools.cache
+def sample_kernel_matches(device: str) -> bool:
+    """Whether the sampling kernel (kernels/gumbel_max.py) runs on `device` and draws there the
+    tokens of the torch ops it replaces, probed once per device: where it fails to build or
+    differs, sampling stays with the torch ops."""
+    dev = torch.device(device)
+    if not runs_on(dev):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    vocab = 9001  # several of the kernel's blocks, the last one partial
+    logits = (torch.randn(4, vocab, generator=gen) * 3).to(dev, torch.bfloat16)
+    seeds, steps = torch.arange(4, device=dev) * 7919 + 1, torch.arange(4, device=dev) + 3
+    temperature = torch.tensor([0.7], device=dev)
+    try:
+        from ..kernels.gumbel_max import gumbel_argmax
+
+        got = gumbel_argmax(logits, temperature, seeds, steps)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the torch ops
+        log.warning("the sampling kernel failed its probe on %s (%s); sampling runs as torch ops", device, e)
+        return False
+    same = torch.equal(got, (logits.float() / temperature + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1))
+    if not same:
+        log.warning("the sampling kernel's tokens differ from the torch ops' on %s; sampling runs as torch ops", device)
+    return same
+
+
 def keep_top(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """scaled [N, V] with -inf outside each row's top_k largest (0: all) and then outside the
     smallest set of those whose probability reaches top_p."""
@@ -236,7 +263,7 @@ class SlotDecoder:
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
-        self.sample_kernel = fuse and runs_on(dev)
+        self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)

@@ -114,7 +114,9 @@ def test_sampling_kernel_on_cuda():
 
     for name, got in sampler_cases("cuda").items():
         assert got["equal"], (name, got)
-    for mode, got in decoder_sampler_case("cuda").items():
+    decoder = decoder_sampler_case("cuda")
+    assert decoder.pop("default_on")  # its probe passed
+    for mode, got in decoder.items():
         assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)
 
 

@@ -24,6 +24,8 @@ A row per precision, attention and slot count:
   decode_ms      the same with the slots at the run's mean position (prompt + half the new
                  tokens): what a wave's steps take on average
   sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8: every row sorted)
+  sampled_topk_ms  decode_ms with sampling (temperature 0.7, top-p 0.8, top-k 20, Qwen3's suggested
+                 non-thinking setting: each row's 20 largest picked, no sort)
   sampled_all_ms decode_ms with sampling from the whole distribution (temperature 1, no top-k
                  or top-p: the on-policy setting)
   decode_tok_s   slots / decode_ms
@@ -200,6 +202,7 @@ def run_slots(
     sampled = {}
     for name, sampling in (
         ("sampled_ms", Sampling(temperature=0.7, top_p=0.8, ignore_stop=True)),
+        ("sampled_topk_ms", Sampling(temperature=0.7, top_p=0.8, top_k=20, ignore_stop=True)),
         ("sampled_all_ms", Sampling(temperature=1.0, ignore_stop=True)),
     ):
         dec.warm(sampling)

@@ -345,7 +345,8 @@ def sampler_cases(device: str = "cpu") -> dict:
 
 def decoder_sampler_case(device: str = "cpu") -> dict:
     """The slot decoder's sampled tokens with the sampling kernel and with the torch ops, from the
-    whole distribution and filtered by top-k and top-p (the kernel seen to run in both)."""
+    whole distribution, cut to the top k (picked) and then top-p, and to top-p alone (sorted): the
+    kernel seen to run in each."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
     model = tiny_llama().to(device)
@@ -355,6 +356,7 @@ def decoder_sampler_case(device: str = "cpu") -> dict:
     for sampling in (
         Sampling(temperature=1.0, ignore_stop=True),
         Sampling(temperature=0.8, top_p=0.9, top_k=20, ignore_stop=True),
+        Sampling(temperature=0.8, top_p=0.9, ignore_stop=True),
     ):
         outputs, calls = [], []
         for kernel in (True, False):

@@ -143,10 +143,10 @@ def test_split_count():
 def test_sampling_kernel_draws_the_tokens_of_the_torch_ops(checked):
     """The sampling kernel through Triton's interpreter: the tokens of the noise, sum and argmax
     as torch ops, for fp32 and bf16 logits, one block and several, -inf entries and a row with
-    nothing left; and the decoder's sampled tokens unchanged by it, whole and filtered."""
+    nothing left; and the decoder's sampled tokens unchanged by it, whole, top-k and top-p."""
     for name, got in checked["sampler"].items():
         assert got["equal"], (name, got)
     assert checked["decoder_sampler"]["default_on"]
-    for mode in ("sample", "filtered"):
+    for mode in ("sample", "top-20", "filtered"):
         got = checked["decoder_sampler"][mode]
         assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)

@@ -123,6 +123,24 @@ def test_sampler_follows_the_distribution():
     assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.015, freq
 
 
+def test_top_k_picked_equals_top_k_sorted():
+    """The top-<k> mode's filter (each row's k largest, picked) keeps what the sorted filter keeps,
+    with top_p after it as transformers applies them; a k past the vocabulary keeps it all."""
+    from dflash_core.regenerate.decode import STATIC_TOP_K, keep_top, keep_top_k
+
+    g = torch.Generator().manual_seed(5)
+    scaled = torch.randn(16, 3000, generator=g) * torch.linspace(0.5, 6, 16).unsqueeze(-1)  # flat to peaked rows
+    for k in (1, 7, 40, STATIC_TOP_K, 5000):
+        for p in (0.3, 0.9, 1.0):
+            want = keep_top(scaled, torch.tensor([k]), torch.tensor([p]))
+            got = keep_top_k(scaled, k, torch.tensor([p]))
+            assert torch.equal(got, want), (k, p)
+    assert Sampling(temperature=0.7, top_k=20, top_p=0.8).mode == "top-20"
+    assert Sampling(temperature=0.7, top_k=STATIC_TOP_K + 1).mode == "filtered"
+    assert Sampling(temperature=0.7, top_p=0.8).mode == "filtered"
+    assert Sampling(temperature=0.7).mode == "sample" and Sampling(top_k=20).mode == "greedy"
+
+
 def test_slots_refilled_in_batches(target, prompts, reference):
     """More requests than slots, with slots refilled a few at a time (slots // 16 of them)."""
     from dflash_core.regenerate.decode import Request, SlotDecoder

@@ -20,8 +20,9 @@ Sampling is counter based: the noise of a token is a hash of the sequence's own 
 position among the generated tokens and the vocabulary index (Gumbel-max over the temperature-
 scaled, top-k / top-p filtered logits), so a sequence's output depends on its seed alone, never
 on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `generate`). Sampling
-from the whole distribution (no top-k, no top-p) needs no sort; each mode is its own recorded
-step, and on CUDA the noise, the sum and the argmax are one kernel (kernels/gumbel_max.py).
+from the whole distribution (no top-k, no top-p) needs no sort, nor does a top-k up to
+STATIC_TOP_K (each row's k largest are picked); each mode is its own recorded step, and on CUDA
+the noise, the sum and the argmax are one kernel (kernels/gumbel_max.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ _M32 = 0xFFFFFFFF
 # chunks are sized so that a chunk's transient memory stays small next to the cache
 _PREFILL_TOKENS_CUDA = 16384
 _PREFILL_TOKENS_CPU = 2048
+# up to this top_k a sampled step picks each row's k largest logits (torch.topk, its k a shape of
+# the recorded step) in place of sorting the whole row, which costs several passes over
+# [slots, vocabulary]; past it the sort
+STATIC_TOP_K = 1024
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,13 @@ class Sampling:
 
     @property
     def mode(self) -> str:
-        """greedy; sample (from the whole temperature-scaled distribution); or filtered (top_k or
-        top_p cut it first, which takes a sort of every row): each mode its own recorded step."""
+        """Each mode its own recorded step: greedy; sample (from the whole temperature-scaled
+        distribution); top-<k> (top_k up to STATIC_TOP_K, then top_p: the k largest of each row
+        picked, not the row sorted); filtered (top_p alone, or a larger top_k: every row sorted)."""
         if self.greedy:
             return "greedy"
+        if 0 < self.top_k <= STATIC_TOP_K:
+            return f"top-{self.top_k}"
         return "filtered" if self.top_k > 0 or self.top_p < 1 else "sample"
 
 
@@ -130,16 +138,19 @@ def choose_tokens(
     top_p: torch.Tensor,
     kernel: bool = False,
 ) -> torch.Tensor:
-    """The next token of each row of logits [N, V]: argmax when greedy, else Gumbel-max over the
-    logits scaled by 1/temperature (fp32), in the filtered mode cut to the top_k largest (0: all)
-    and then to the smallest set whose probability reaches top_p (the order transformers applies
-    them in). kernel: the noise, the sum and the argmax in one Triton kernel
-    (kernels/gumbel_max.py), the same tokens."""
+    """The next token of each row of logits [N, V] in a Sampling.mode: argmax when greedy, else
+    Gumbel-max over the logits scaled by 1/temperature (fp32), in the top-<k> and filtered modes
+    cut to the top_k largest (0: all) and then to the smallest set whose probability reaches top_p
+    (the order transformers applies them in). kernel: the noise, the sum and the argmax in one
+    Triton kernel (kernels/gumbel_max.py), the same tokens."""
     if mode == "greedy":
         return logits.argmax(dim=-1)
     if mode == "filtered":
         logits = keep_top(logits.float() / temperature, top_k, top_p)
         temperature = torch.ones_like(temperature)  # already scaled: x / 1 is x
+    elif mode.startswith("top-"):
+        logits = keep_top_k(logits.float() / temperature, int(mode.removeprefix("top-")), top_p)
+        temperature = torch.ones_like(temperature)
     if kernel:
         from ..kernels.gumbel_max import gumbel_argmax
 
@@ -171,6 +182,17 @@ def sample_kernel_matches(device: str) -> bool:
     if not same:
         log.warning("the sampling kernel's tokens differ from the torch ops' on %s; sampling runs as torch ops", device)
     return same
+
+
+def keep_top_k(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:
+    """keep_top for a top_k of k, from each row's k largest (torch.topk: no sort of the row)."""
+    k = min(k, scaled.shape[-1])  # a top_k past the vocabulary keeps all of it
+    values, order = scaled.topk(k, dim=-1)  # largest first, as the sort's first k
+    probs = values.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    keep = (before < top_p) | (torch.arange(k, device=scaled.device) == 0)
+    kept = values.masked_fill(~keep, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, kept)
 
 
 def keep_top(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

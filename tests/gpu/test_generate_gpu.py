@@ -122,7 +122,8 @@ def test_sampling_kernel_on_cuda():
 
 def test_sampled_recorded_step_with_the_kernel_equals_the_torch_ops(setup):
     """The recorded decode step samples through the kernel by default on CUDA, from the whole
-    distribution and filtered: the tokens of the eager step with the sampling as torch ops."""
+    distribution, top-k then top-p, and top-p alone: the tokens of the eager step with the
+    sampling as torch ops."""
     from dflash_core.regenerate.decode import Sampling
 
     model, prompts = setup
@@ -130,6 +131,7 @@ def test_sampled_recorded_step_with_the_kernel_equals_the_torch_ops(setup):
     for sampling in (
         Sampling(temperature=1.0, stop_token_ids=(eos,)),
         Sampling(temperature=0.8, top_p=0.9, top_k=50, stop_token_ids=(eos,)),
+        Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,)),
     ):
         graph, dec = _run(model, prompts, sampling, True, slots=3)
         assert dec.sample_kernel and sampling.mode in dec._graphs

@@ -322,7 +322,7 @@ def sampler_cases(device: str = "cpu") -> dict:
     the kernel's blocks and one over several with the last partial, entries at -inf (what top-k
     and top-p leave out) and a row with none left (index 0, as torch.argmax), three temperatures."""
     from dflash_core.kernels.gumbel_max import gumbel_argmax
-    from dflash_core.regenerate.decode import gumbel_noise
+    from dflash_core.regenerate.sampling import gumbel_noise
 
     g = torch.Generator().manual_seed(3)
     out = {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, choose_tokens
+from dflash_core.regenerate.decode import Request, SlotDecoder
+from dflash_core.regenerate.sampling import Sampling, choose_tokens
 from tests.helpers import heldout_prompt_ids
 from tests.tiny_decoders import tiny_llama, tiny_sliding_qwen3
 
@@ -126,7 +127,7 @@ def test_sampler_follows_the_distribution():
 def test_top_k_picked_equals_top_k_sorted():
     """The top-<k> mode's filter (each row's k largest, picked) keeps what the sorted filter keeps,
     with top_p after it as transformers applies them; a k past the vocabulary keeps it all."""
-    from dflash_core.regenerate.decode import STATIC_TOP_K, keep_top, keep_top_k
+    from dflash_core.regenerate.sampling import STATIC_TOP_K, keep_top, keep_top_k
 
     g = torch.Generator().manual_seed(5)
     scaled = torch.randn(16, 3000, generator=g) * torch.linspace(0.5, 6, 16).unsqueeze(-1)  # flat to peaked rows

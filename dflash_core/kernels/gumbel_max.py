@@ -1,6 +1,6 @@
 """A sampled decode step's next tokens, Gumbel-max, in one Triton kernel.
 
-The decoder samples with counter-based noise (regenerate/decode.py: a hash of each sequence's
+The decoder samples with counter-based noise (regenerate/sampling.py: a hash of each sequence's
 seed, its step and the vocabulary index, then -log(-log(u))) added to the temperature-scaled
 logits, and takes each row's argmax. Eagerly that noise is a dozen int64 passes over a
 [slots, vocabulary] tensor (gigabytes moved at 512 slots and a 150K vocabulary), then the sum and
@@ -24,7 +24,7 @@ BLOCK = 4096  # vocabulary entries a program holds per pass over its row
 
 @triton.jit
 def _mix32(x):
-    """lowbias32 on uint32, whose products wrap as regenerate/decode.py's int64 ones masked to 32
+    """lowbias32 on uint32, whose products wrap as regenerate/sampling.py's int64 ones masked to 32
     bits (a quarter of the integer work of 64-bit products)."""
     x = x ^ (x >> 16)
     x = x * tl.full([], 0x7FEB352D, tl.uint32)

@@ -16,19 +16,13 @@ method that writes each slot's keys and values at that slot's position, the posi
 place of `attention_mask` (what `generate` passes it). So any decoder whose attention layers
 call `past_key_values.update` and whose layers are full or sliding attention runs unchanged.
 
-Sampling is counter based: the noise of a token is a hash of the sequence's own seed, its
-position among the generated tokens and the vocabulary index (Gumbel-max over the temperature-
-scaled, top-k / top-p filtered logits), so a sequence's output depends on its seed alone, never
-on the slot, the batch or a restart. Temperature 0 is greedy (argmax, as `generate`). Sampling
-from the whole distribution (no top-k, no top-p) needs no sort, nor does a top-k up to
-STATIC_TOP_K (each row's k largest are picked); each mode is its own recorded step, and on CUDA
-the noise, the sum and the argmax are one kernel (kernels/gumbel_max.py).
+Tokens are chosen as sampling.py says (greedy, or seeded Gumbel-max sampling that depends on a
+sequence's seed alone); each sampling mode is its own recorded step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections import deque
@@ -39,52 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels import runs_on
 from ..target_norms import NormKernels
 from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
+from .sampling import M32, Sampling, choose_tokens, sample_kernel_matches
 
 log = logging.getLogger("dflash.generate")
 
-_M32 = 0xFFFFFFFF
 # bytes of scratch per prefilled token (activations of one layer, the gathered rows): prefill
 # chunks are sized so that a chunk's transient memory stays small next to the cache
 _PREFILL_TOKENS_CUDA = 16384
 _PREFILL_TOKENS_CPU = 2048
-# up to this top_k a sampled step picks each row's k largest logits (torch.topk, its k a shape of
-# the recorded step) in place of sorting the whole row, which costs several passes over
-# [slots, vocabulary]; past it the sort
-STATIC_TOP_K = 1024
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: temperature 0 is greedy; top_k 0 and top_p 1 disable those
-    filters. Stop tokens end a sequence (kept in its output); ignore_stop decodes through them
-    (benchmarks)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_stop: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-    @property
-    def mode(self) -> str:
-        """Each mode its own recorded step: greedy; sample (from the whole temperature-scaled
-        distribution); top-<k> (top_k up to STATIC_TOP_K, then top_p: the k largest of each row
-        picked, not the row sorted); filtered (top_p alone, or a larger top_k: every row sorted)."""
-        if self.greedy:
-            return "greedy"
-        if 0 < self.top_k <= STATIC_TOP_K:
-            return f"top-{self.top_k}"
-        return "filtered" if self.top_k > 0 or self.top_p < 1 else "sample"
 
 
 @dataclass
@@ -108,107 +69,6 @@ class _Slot:
     request: Request
     limit: int  # tokens it may generate (max_new_tokens, or what the cache has room for)
     tokens: list[int] = field(default_factory=list)
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) on int64 tensors holding values below 2**32."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [N, vocab] that depends only on each row's (seed, step) and the index."""
-    base = _mix32((_mix32(seeds & _M32) + steps) & _M32).unsqueeze(-1)
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64).unsqueeze(0)
-    h = _mix32((base ^ _mix32((idx * 0x9E3779B9) & _M32)) & _M32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
-
-
-def choose_tokens(
-    logits: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    mode: str,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    kernel: bool = False,
-) -> torch.Tensor:
-    """The next token of each row of logits [N, V] in a Sampling.mode: argmax when greedy, else
-    Gumbel-max over the logits scaled by 1/temperature (fp32), in the top-<k> and filtered modes
-    cut to the top_k largest (0: all) and then to the smallest set whose probability reaches top_p
-    (the order transformers applies them in). kernel: the noise, the sum and the argmax in one
-    Triton kernel (kernels/gumbel_max.py), the same tokens."""
-    if mode == "greedy":
-        return logits.argmax(dim=-1)
-    if mode == "filtered":
-        logits = keep_top(logits.float() / temperature, top_k, top_p)
-        temperature = torch.ones_like(temperature)  # already scaled: x / 1 is x
-    elif mode.startswith("top-"):
-        logits = keep_top_k(logits.float() / temperature, int(mode.removeprefix("top-")), top_p)
-        temperature = torch.ones_like(temperature)
-    if kernel:
-        from ..kernels.gumbel_max import gumbel_argmax
-
-        return gumbel_argmax(logits, temperature, seeds, steps)
-    return (logits.float() / temperature + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(dim=-1)
-
-
-@functools.cache
-def sample_kernel_matches(device: str) -> bool:
-    """Whether the sampling kernel (kernels/gumbel_max.py) runs on `device` and draws there the
-    tokens of the torch ops it replaces, probed once per device: where it fails to build or
-    differs, sampling stays with the torch ops."""
-    dev = torch.device(device)
-    if not runs_on(dev):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    vocab = 9001  # several of the kernel's blocks, the last one partial
-    logits = (torch.randn(4, vocab, generator=gen) * 3).to(dev, torch.bfloat16)
-    seeds, steps = torch.arange(4, device=dev) * 7919 + 1, torch.arange(4, device=dev) + 3
-    temperature = torch.tensor([0.7], device=dev)
-    try:
-        from ..kernels.gumbel_max import gumbel_argmax
-
-        got = gumbel_argmax(logits, temperature, seeds, steps)
-    except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the torch ops
-        log.warning("the sampling kernel failed its probe on %s (%s); sampling runs as torch ops", device, e)
-        return False
-    same = torch.equal(got, (logits.float() / temperature + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1))
-    if not same:
-        log.warning("the sampling kernel's tokens differ from the torch ops' on %s; sampling runs as torch ops", device)
-    return same
-
-
-def keep_top_k(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:
-    """keep_top for a top_k of k, from each row's k largest (torch.topk: no sort of the row)."""
-    k = min(k, scaled.shape[-1])  # a top_k past the vocabulary keeps all of it
-    values, order = scaled.topk(k, dim=-1)  # largest first, as the sort's first k
-    probs = values.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs
-    keep = (before < top_p) | (torch.arange(k, device=scaled.device) == 0)
-    kept = values.masked_fill(~keep, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(-1, order, kept)
-
-
-def keep_top(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """scaled [N, V] with -inf outside each row's top_k largest (0: all) and then outside the
-    smallest set of those whose probability reaches top_p."""
-    vocab = scaled.shape[-1]
-    values, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=scaled.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab)
-    values = values.masked_fill(rank >= k, float("-inf"))
-    probs = values.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    keep_sorted = (before < top_p) | (rank == 0)
-    keep_sorted &= rank < k
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def layer_kinds(config) -> list[str]:
@@ -485,7 +345,7 @@ class SlotDecoder:
             self.tokens[slots] = torch.tensor(firsts, dtype=torch.long, device=dev)
             self.positions[slots] = torch.tensor([len(r.prompt) for _, r in chunk], dtype=torch.long, device=dev)
             self.steps[slots] = torch.ones(n, dtype=torch.long, device=dev)
-            self.seeds[slots] = torch.tensor([r.seed & _M32 for _, r in chunk], dtype=torch.long, device=dev)
+            self.seeds[slots] = torch.tensor([r.seed & M32 for _, r in chunk], dtype=torch.long, device=dev)
             self.tokens_generated += n
             for (slot, request), token in zip(chunk, firsts, strict=True):
                 limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))

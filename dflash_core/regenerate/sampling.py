@@ -134,10 +134,7 @@ def keep_top_k(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tenso
     """keep_top for a top_k of k, from each row's k largest (torch.topk: no sort of the row)."""
     k = min(k, scaled.shape[-1])  # a top_k past the vocabulary keeps all of it
     values, order = scaled.topk(k, dim=-1)  # largest first, as the sort's first k
-    probs = values.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs
-    keep = (before < top_p) | (torch.arange(k, device=scaled.device) == 0)
-    kept = values.masked_fill(~keep, float("-inf"))
+    kept = values.masked_fill(~nucleus(values, top_p), float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(-1, order, kept)
 
 
@@ -149,9 +146,14 @@ def keep_top(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     rank = torch.arange(vocab, device=scaled.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab)
     values = values.masked_fill(rank >= k, float("-inf"))
-    probs = values.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    keep_sorted = (before < top_p) | (rank == 0)
-    keep_sorted &= rank < k
+    keep_sorted = nucleus(values, top_p) & (rank < k)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, float("-inf"))
+
+
+def nucleus(values: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Of values [N, K] sorted largest first, the smallest prefix of each row whose probability
+    (softmax over the row) reaches top_p; the first always."""
+    probs = values.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    return (before < top_p) | (torch.arange(values.shape[-1], device=values.device) == 0)

@@ -86,19 +86,22 @@ def by_class(prof, steps: int) -> list[dict]:
     """Device time of the profiled kernels per class, per step; the top kernels printed."""
     per_class: dict[str, float] = {}
     per_kernel: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
         per_class[kernel_class(evt.name)] = per_class.get(kernel_class(evt.name), 0.0) + us
         per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + us
+        calls[evt.name] = calls.get(evt.name, 0) + 1
     total = sum(per_class.values())
     rows = [
         {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
         for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
     ]
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {us / steps / 1e3:8.3f} ms/step  {kernel_class(name):9s} {name[:110]}", flush=True)
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]:
+        n = calls[name] // steps
+        print(f"  {us / steps / 1e3:8.3f} ms/step {n:5d} calls  {kernel_class(name):9s} {name[:100]}", flush=True)
     return rows
 
 

@@ -93,8 +93,9 @@ def _match(module: nn.Module) -> bool | None:
     width = _width(module)
     if param is None or width is None or not runs_on(param.device):
         return None
-    # the activations' dtype: the parameters', except where they are stored narrower (FP8)
-    dtype = param.dtype if param.dtype in DTYPES else torch.bfloat16
+    # the activations' dtype: the parameters', bf16 where they are stored in one byte (FP8); a
+    # dtype the kernel does not take gives an output the check below refuses
+    dtype = torch.bfloat16 if param.dtype.itemsize == 1 else param.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
     probe = (torch.randn(8, width, generator=gen) * 2).to(device=param.device, dtype=dtype)
     try:

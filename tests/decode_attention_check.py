@@ -400,10 +400,43 @@ def sampler_cases(device: str = "cpu") -> dict:
     return out
 
 
+def top_p_cases(device: str = "cpu") -> dict:
+    """The top-p floor (dflash_core/kernels/top_p.py) against the sorted cut (sampling.keep_top),
+    fp32 and bf16 logits (bf16: many ties, kept or cut whole by both), flat and peaked rows, -inf
+    entries, one block and several: the tokens each keeps, and the probability of those where
+    they differ (a sum's rounding near top_p moves the cut by a few tail tokens at most)."""
+    from dflash_core.kernels.top_p import key_shift, top_p_floor
+    from dflash_core.regenerate.sampling import keep_top
+
+    g = torch.Generator().manual_seed(6)
+    out = {}
+    no_k = torch.zeros(1, dtype=torch.long, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (300, 9001):
+            scale = torch.linspace(0.5, 8, 6).unsqueeze(-1)  # flat to peaked rows
+            logits = (torch.randn(6, vocab, generator=g) * scale).to(dtype)
+            logits[1, ::3] = float("-inf")
+            logits = logits.to(device)
+            bits = logits.float().view(torch.int32)
+            keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> key_shift(dtype)
+            for t, p in ((0.7, 0.5), (1.0, 0.9), (1.3, 0.99)):
+                temp, top_p = torch.tensor([t], device=device), torch.tensor([p], device=device)
+                kept = keys >= top_p_floor(logits, temp, top_p)[:, None]
+                scaled = logits.float() / temp
+                want = keep_top(scaled, no_k, top_p) > float("-inf")
+                probs = scaled.softmax(-1)
+                out[f"{str(dtype).removeprefix('torch.')}_{vocab}_p{p}"] = {
+                    "differ": int((kept != want).sum()),
+                    "differ_mass": float((probs * (kept != want)).sum(-1).max()),
+                    "kept": int(kept.sum()),
+                }
+    return out
+
+
 def decoder_sampler_case(device: str = "cpu") -> dict:
-    """The slot decoder's sampled tokens with the sampling kernel and with the torch ops, from the
-    whole distribution, cut to the top k (picked) and then top-p, and to top-p alone (sorted): the
-    kernel seen to run in each."""
+    """The slot decoder's sampled tokens with the sampling kernels and with the torch ops, from the
+    whole distribution, cut to the top k (picked) and then top-p, to top-p alone (the floor, or
+    sorted) and to a top-k past the picked ones (sorted): the kernel seen to run in each."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
     model = tiny_llama().to(device)
@@ -414,6 +447,7 @@ def decoder_sampler_case(device: str = "cpu") -> dict:
         Sampling(temperature=1.0, ignore_stop=True),
         Sampling(temperature=0.8, top_p=0.9, top_k=20, ignore_stop=True),
         Sampling(temperature=0.8, top_p=0.9, ignore_stop=True),
+        Sampling(temperature=0.8, top_k=2000, ignore_stop=True),
     ):
         outputs, calls = [], []
         for kernel in (True, False):
@@ -514,6 +548,7 @@ if __name__ == "__main__":
     result["mlp"] = mlp_cases()
     result["decoder_kernels"] = decoder_kernels_case()
     result["sampler"], result["decoder_sampler"] = sampler_cases(), decoder_sampler_case()
+    result["top_p"] = top_p_cases()
     if "--decoder" in sys.argv:
         result["decoder"] = decoder_compare()
         result["decoder_one_kind"] = decoder_compare(build=tiny_llama)

@@ -98,6 +98,15 @@ def test_decoder_runs_the_rotary_and_cache_write_kernels_and_keeps_its_tokens(ch
     assert got["calls"]["eager"] == {"rope": 0, "writes": 0, "mlp": 0}, got
 
 
+def test_top_p_floor_keeps_what_the_sorted_cut_keeps(checked):
+    """The top-p floor against the sorted cut: the same tokens (bf16's ties kept or cut whole by
+    both), but where the sums' rounding near top_p moves the cut by a few tail tokens, whose
+    probability is within a float's rounding of the whole."""
+    for name, got in checked["top_p"].items():
+        assert got["differ"] <= 8 and got["differ_mass"] < 1e-5, (name, got)
+    assert sum(got["differ"] for got in checked["top_p"].values()) <= 16, checked["top_p"]
+
+
 @pytest.mark.parametrize("name", ["one_block", "blocks", "large"])
 def test_mlp_kernel_equals_silu_times_up(checked, name):
     """kernels/swiglu.py against `silu(gate) * up` in bf16, bit for bit (it rounds where the two
@@ -168,10 +177,11 @@ def test_split_count():
 def test_sampling_kernel_draws_the_tokens_of_the_torch_ops(checked):
     """The sampling kernel through Triton's interpreter: the tokens of the noise, sum and argmax
     as torch ops, for fp32 and bf16 logits, one block and several, -inf entries and a row with
-    nothing left; and the decoder's sampled tokens unchanged by it, whole, top-k and top-p."""
+    nothing left; and the decoder's sampled tokens unchanged by it, whole, top-k then top-p,
+    top-p alone (the floor against the sorted cut) and a top-k past the picked ones."""
     for name, got in checked["sampler"].items():
         assert got["equal"], (name, got)
     assert checked["decoder_sampler"]["default_on"]
-    for mode in ("sample", "top-20", "filtered"):
+    for mode in ("sample", "top-20", "top-p", "filtered"):
         got = checked["decoder_sampler"][mode]
         assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)

@@ -114,14 +114,15 @@ def test_sampler_follows_the_distribution():
     steps = torch.zeros(n, dtype=torch.long)
     one = torch.ones(1)
     no_k = torch.zeros(1, dtype=torch.long)
-    for mode in ("sample", "filtered"):  # top_p 1 filters nothing: both modes draw the same tokens
+    for mode in ("sample", "filtered", "top-p"):  # top_p 1 filters nothing: the modes draw the same tokens
         picks = choose_tokens(logits, seeds, steps, mode, one, no_k, one)
         freq = torch.bincount(picks, minlength=4).float() / n
         assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015), freq
     assert torch.equal(picks, choose_tokens(logits, seeds, steps, "sample", one, no_k, one))
-    picks = choose_tokens(logits, seeds, steps, "filtered", one, no_k, torch.tensor([0.7]))
-    freq = torch.bincount(picks, minlength=4).float() / n
-    assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.015, freq
+    for mode in ("filtered", "top-p"):
+        picks = choose_tokens(logits, seeds, steps, mode, one, no_k, torch.tensor([0.7]))
+        freq = torch.bincount(picks, minlength=4).float() / n
+        assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.015, freq
 
 
 def test_top_k_picked_equals_top_k_sorted():
@@ -138,8 +139,22 @@ def test_top_k_picked_equals_top_k_sorted():
             assert torch.equal(got, want), (k, p)
     assert Sampling(temperature=0.7, top_k=20, top_p=0.8).mode == "top-20"
     assert Sampling(temperature=0.7, top_k=STATIC_TOP_K + 1).mode == "filtered"
-    assert Sampling(temperature=0.7, top_p=0.8).mode == "filtered"
+    assert Sampling(temperature=0.7, top_p=0.8).mode == "top-p"
     assert Sampling(temperature=0.7).mode == "sample" and Sampling(top_k=20).mode == "greedy"
+
+
+def test_top_p_cuts_ties_whole():
+    """Tied values at top_p's cut are kept or cut together, whichever order the sort left them in:
+    the cut counts the probability of the strictly more probable tokens."""
+    from dflash_core.regenerate.sampling import keep_top
+
+    # 0.4, then four tokens of 0.15, the probability above each of them 0.4: with top_p 0.39 the
+    # tie is cut whole; with 0.5, where a cut by rank would keep one of them (0.4 + 0.15 reaches
+    # it), kept whole
+    probs = torch.tensor([[0.4, 0.15, 0.15, 0.15, 0.15]])
+    no_k = torch.zeros(1, dtype=torch.long)
+    assert (keep_top(probs.log(), no_k, torch.tensor([0.39])) > float("-inf")).tolist() == [[True] + [False] * 4]
+    assert (keep_top(probs.log(), no_k, torch.tensor([0.5])) > float("-inf")).tolist() == [[True] * 5]
 
 
 def test_slots_refilled_in_batches(target, prompts, reference):

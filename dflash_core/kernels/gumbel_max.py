@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..devices import triton_launch_device
 from . import runs_on  # noqa: F401 - where callers ask it
+from .top_p import key_shift, ordered_key
 
 BLOCK = 4096  # vocabulary entries a program holds per pass over its row
 
@@ -34,7 +35,10 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits, row_stride, vocab, temperature, seeds, steps, out, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(
+    logits, row_stride, vocab, temperature, seeds, steps, floor, out,
+    BLOCK: tl.constexpr, FLOOR: tl.constexpr, SHIFT: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     t = tl.load(temperature)
     seed = (tl.load(seeds + row) & 0xFFFFFFFF).to(tl.uint32)
@@ -44,6 +48,8 @@ def _gumbel_argmax_kernel(logits, row_stride, vocab, temperature, seeds, steps, 
     best = tl.full([], float("-inf"), tl.float32)
     best_at = tl.full([], 0, tl.int64)
     src = logits + row.to(tl.int64) * row_stride
+    if FLOOR:
+        least = tl.load(floor + row)
     for first in range(0, vocab, BLOCK):
         idx = first + start
         inside = idx < vocab
@@ -52,6 +58,8 @@ def _gumbel_argmax_kernel(logits, row_stride, vocab, temperature, seeds, steps, 
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
         y = tl.div_rn(x, t) + -tl.log(-tl.log(u))
         y = tl.where(inside, y, float("-inf"))
+        if FLOOR:  # top-p's cut (top_p.py): the tokens below the row's floor are out
+            y = tl.where(ordered_key(x, SHIFT) >= least, y, float("-inf"))
         top = tl.max(y, axis=0)
         at = tl.argmax(y, axis=0, tie_break_left=True)
         better = top > best  # strictly: an equal maximum further on keeps the first index
@@ -61,12 +69,17 @@ def _gumbel_argmax_kernel(logits, row_stride, vocab, temperature, seeds, steps, 
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """argmax over v of logits[r, v] / temperature + gumbel_noise(seeds, steps)[r, v] for every
     row r: logits [N, V] in any float dtype (read as fp32), temperature a one-element fp32
     tensor (read on the device: a recorded graph replays with what it holds then), seeds and
-    steps [N] int64. [N] int64 tokens."""
+    steps [N] int64. floor: [N] int32 keys from top_p.top_p_floor on the same logits, the
+    tokens below a row's floor left out. [N] int64 tokens."""
     n, vocab = logits.shape
     if logits.stride(-1) != 1 or seeds.shape != (n,) or steps.shape != (n,) or temperature.numel() != 1:
         raise ValueError(
@@ -79,7 +92,9 @@ def gumbel_argmax(
         return out
     with triton_launch_device(logits.device):
         _gumbel_argmax_kernel[(n,)](
-            logits, logits.stride(0), vocab, temperature.float(), seeds.contiguous(), steps.contiguous(), out,
-            BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), num_warps=8,
+            logits, logits.stride(0), vocab, temperature.float(), seeds.contiguous(), steps.contiguous(),
+            floor if floor is not None else out, out,
+            BLOCK=min(BLOCK, triton.next_power_of_2(vocab)), FLOOR=floor is not None,
+            SHIFT=key_shift(logits.dtype), num_warps=8,
         )  # fmt: skip
     return out

@@ -5,8 +5,9 @@ tokens and the vocabulary index (Gumbel-max over the temperature-scaled, top-k /
 logits), so a sequence's output depends on its seed alone, never on the slot, the batch or a
 restart. Temperature 0 is greedy (argmax, as `generate`). Sampling from the whole distribution
 (no top-k, no top-p) needs no sort, nor does a top-k up to STATIC_TOP_K (each row's k largest are
-picked); each mode (Sampling.mode) is its own recorded step of the decoder (decode.py), and on
-CUDA the noise, the sum and the argmax are one kernel (kernels/gumbel_max.py).
+picked), nor on CUDA top-p alone (each row's floor found by bisection, kernels/top_p.py); each
+mode (Sampling.mode) is its own recorded step of the decoder (decode.py), and on CUDA the noise,
+the sum and the argmax are one kernel (kernels/gumbel_max.py).
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ class Sampling:
     def mode(self) -> str:
         """Each mode its own recorded step: greedy; sample (from the whole temperature-scaled
         distribution); top-<k> (top_k up to STATIC_TOP_K, then top_p: the k largest of each row
-        picked, not the row sorted); filtered (top_p alone, or a larger top_k: every row sorted)."""
+        picked, not the row sorted); top-p (top_p alone: each row's floor, or the row sorted
+        where the kernels do not run); filtered (a larger top_k: every row sorted)."""
         if self.greedy:
             return "greedy"
         if 0 < self.top_k <= STATIC_TOP_K:
             return f"top-{self.top_k}"
-        return "filtered" if self.top_k > 0 or self.top_p < 1 else "sample"
+        if self.top_k > 0:
+            return "filtered"
+        return "top-p" if self.top_p < 1 else "sample"
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +92,17 @@ def choose_tokens(
     Gumbel-max over the logits scaled by 1/temperature (fp32), in the top-<k> and filtered modes
     cut to the top_k largest (0: all) and then to the smallest set whose probability reaches top_p
     (the order transformers applies them in). kernel: the noise, the sum and the argmax in one
-    Triton kernel (kernels/gumbel_max.py), the same tokens."""
+    Triton kernel (kernels/gumbel_max.py), the same tokens; in the top-p mode each row's cut as a
+    floor found without a sort (kernels/top_p.py), the same tokens but where a sum's rounding
+    puts a token on the other side of top_p."""
     if mode == "greedy":
         return logits.argmax(dim=-1)
-    if mode == "filtered":
+    if mode == "top-p" and kernel:
+        from ..kernels.gumbel_max import gumbel_argmax
+        from ..kernels.top_p import top_p_floor
+
+        return gumbel_argmax(logits, temperature, seeds, steps, top_p_floor(logits, temperature, top_p))
+    if mode in ("filtered", "top-p"):
         logits = keep_top(logits.float() / temperature, top_k, top_p)
         temperature = torch.ones_like(temperature)  # already scaled: x / 1 is x
     elif mode.startswith("top-"):
@@ -125,9 +136,21 @@ def sample_kernel_matches(device: str) -> bool:
         log.warning("the sampling kernel failed its probe on %s (%s); sampling runs as torch ops", device, e)
         return False
     same = torch.equal(got, (logits.float() / temperature + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1))
+    same = same and _top_p_kernel_matches(logits, temperature, seeds, steps)
     if not same:
         log.warning("the sampling kernel's tokens differ from the torch ops' on %s; sampling runs as torch ops", device)
     return same
+
+
+def _top_p_kernel_matches(logits, temperature, seeds, steps) -> bool:
+    """Whether the top-p floor (kernels/top_p.py) keeps what the sorted cut keeps, here."""
+    top_k, top_p = torch.zeros(1, dtype=torch.long, device=logits.device), torch.tensor([0.9], device=logits.device)
+    try:
+        got = choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p, kernel=True)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the torch ops
+        log.warning("the top-p kernel failed its probe on %s (%s); sampling runs as torch ops", logits.device, e)
+        return False
+    return torch.equal(got, choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p))
 
 
 def keep_top_k(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:
@@ -153,7 +176,13 @@ def keep_top(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
 
 def nucleus(values: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Of values [N, K] sorted largest first, the smallest prefix of each row whose probability
-    (softmax over the row) reaches top_p; the first always."""
+    (softmax over the row) reaches top_p, equal values kept or cut together; the first always."""
     probs = values.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    return (before < top_p) | (torch.arange(values.shape[-1], device=values.device) == 0)
+    rank = torch.arange(values.shape[-1], device=values.device)
+    # a tie takes the probability above the first of its values: strictly more probable tokens
+    # only, as the top-p kernel's floor counts it, whichever order the sort left the tie in
+    starts = torch.ones_like(values, dtype=torch.bool)
+    starts[:, 1:] = values[:, 1:] != values[:, :-1]
+    first = torch.where(starts, rank, 0).cummax(dim=-1).values
+    return (before.gather(-1, first) < top_p) | (rank == 0)

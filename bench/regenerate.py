@@ -11,9 +11,8 @@ continuous batching, the decode step recorded as a CUDA graph), its attention as
 defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
 batched GEMMs over the whole static cache. `--fused` says how the layers' elementwise work runs:
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
-as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; its gated MLPs'
-activation, target_mlp.py; and a sampled step's noise and argmax, kernels/gumbel_max.py);
-eager-mlp, all of that but the MLPs' activation; eager-sampler, all but the sampling, which runs
+as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; and a sampled step's
+noise and argmax, kernels/gumbel_max.py); eager-sampler, all of that but the sampling, which runs
 as torch ops; norms, the RMSNorm kernel alone (the rotary embedding, the cache writes and the
 sampling eager); off, transformers' eager code and the sampling as torch ops; on,norms,off: a
 row of each.
@@ -24,7 +23,8 @@ A row per precision, attention and slot count:
                  median after warm-up: the step that reads the whole cache with either attention
   decode_ms      the same with the slots at the run's mean position (prompt + half the new
                  tokens): what a wave's steps take on average
-  sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8: every row sorted)
+  sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8: each row cut at its floor,
+                 kernels/top_p.py; every row sorted where the sampling runs as torch ops)
   sampled_topk_ms  decode_ms with sampling (temperature 0.7, top-p 0.8, top-k 20, Qwen3's suggested
                  non-thinking setting: each row's 20 largest picked, no sort)
   sampled_all_ms decode_ms with sampling from the whole distribution (temperature 1, no top-k
@@ -62,7 +62,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--fused on,eager-mlp,eager-sampler,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
+        [--fused on,eager-sampler,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
 """
 
 from __future__ import annotations
@@ -177,8 +177,6 @@ def run_slots(
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
-    if fused in ("norms", "eager-mlp"):  # the gated MLPs' activation as torch ops, as before its kernel
-        dec.mlp = None
     if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernel
         dec.sample_kernel = False
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
@@ -331,19 +329,18 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
 
 
 def parse_fused(spec: str) -> list[str]:
-    """--fused's rows: on, eager-mlp, eager-sampler, norms, off."""
+    """--fused's rows: on, eager-sampler, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= {"on", "eager-mlp", "eager-sampler", "norms", "off"}:
-        raise ValueError(f"--fused takes on, eager-mlp, eager-sampler, norms and off, not {spec!r}")
+    if not names or not set(names) <= {"on", "eager-sampler", "norms", "off"}:
+        raise ValueError(f"--fused takes on, eager-sampler, norms and off, not {spec!r}")
     return list(dict.fromkeys(names))
 
 
 def fused_label(dec) -> str:
-    """Which of its kernels a decoder runs: norms, rope, mlp, writes, sampler joined by '+', or eager."""
+    """Which of its kernels a decoder runs: norms, rope, writes, sampler joined by '+', or eager."""
     kernels = (
         ("norms", dec.norms),
         ("rope", dec.rope),
-        ("mlp", dec.mlp),
         ("writes", dec.cache.write_kernel),
         ("sampler", dec.sample_kernel),
     )
@@ -409,8 +406,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--fused",
         default="on",
-        help="the elementwise rows, comma-separated: on (norms, rotary, MLP activation, cache writes, sampling "
-        "as kernels), eager-mlp (all but the MLP activation), eager-sampler (all but the sampling), norms (that kernel alone), off (eager)",
+        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels), "
+        "eager-sampler (all but the sampling), norms (that kernel alone), off (eager)",
     )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)

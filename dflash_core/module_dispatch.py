@@ -1,9 +1,9 @@
 """A target module's class with a dispatching forward: the kernel path for one thread, the class's
 own forward everywhere else.
 
-The regeneration decoder runs some of the target's modules (its RMSNorms, its gated MLPs) through
-Triton kernels, while the engine's other users of the same modules (its capture, compiled at
-warm-up) must see them as they were. Each such module gets a subclass of its class whose
+The regeneration decoder runs some of the target's modules (its RMSNorms, target_norms.py)
+through Triton kernels, while the engine's other users of the same modules (its capture, compiled
+at warm-up) must see them as they were. Each such module gets a subclass of its class whose
 `forward` dispatches (the mixin's); one subclass per (mixin, class) rather than a forward per
 module, since a compiled layer guards on its modules' types and every layer must still share one
 graph. The subclass keeps the class's name (a printed model reads as before) and is an instance
@@ -82,7 +82,7 @@ class ModuleKernels:
 
     mixin: type[Dispatching]
     owner_field: str
-    kind: str  # for the log: "norm", "gated MLP"
+    kind: str  # for the log: "norm"
 
     def __init__(self, model: nn.Module):
         self._switch = ThreadSwitch()

@@ -288,8 +288,8 @@ def _counting(module: str, name: str):
 
 def decoder_kernels_case(device: str = "cpu") -> dict:
     """A bf16 Qwen3 decoder (sliding and full layers) with its layers' kernels against the same
-    decoder with the rotary embeddings, the gated MLPs' activation and the cache writes eager: the
-    same greedy tokens (the three kernels are exact), and the kernels seen to run in its prefills and decode steps. Fewer new
+    decoder with the rotary embeddings and the cache writes eager: the same greedy tokens (both
+    kernels are exact), and the kernels seen to run in its prefills and decode steps. Fewer new
     tokens than the other decoder checks (both passes run every kernel through the interpreter):
     a few decode steps, with a slot refilled, are what it checks."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
@@ -301,11 +301,10 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
     for fused in (True, False):
         dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True)
         if not fused:
-            dec.rope, dec.mlp, dec.cache.write_kernel = None, None, False
+            dec.rope, dec.cache.write_kernel = None, False
         with (
             _counting("dflash_core.kernels.rope", "apply_rope") as rope_calls,
             _counting("dflash_core.kernels.slot_write", "write_slots") as write_calls,
-            _counting("dflash_core.kernels.swiglu", "silu_mul") as mlp_calls,
         ):
             done = list(
                 dec.generate(
@@ -313,64 +312,8 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
                 )
             )
         outputs.append({c.key: c.tokens for c in done})
-        counts["fused" if fused else "eager"] = {
-            "rope": len(rope_calls),
-            "writes": len(write_calls),
-            "mlp": len(mlp_calls),
-        }
+        counts["fused" if fused else "eager"] = {"rope": len(rope_calls), "writes": len(write_calls)}
     return {"equal": outputs[0] == outputs[1], "calls": counts, "tokens": sum(len(t) for t in outputs[0].values())}
-
-
-def mlp_cases(device: str = "cpu") -> dict:
-    """The gated MLP's activation kernel (kernels/swiglu.py) against `silu(gate) * up`, bf16, bit for
-    bit: one block, a partial last block over several, large magnitudes (where exp overflows and
-    the SiLU is 0 or x); and the dispatch (target_mlp.py): the classes a model's MLPs are matched
-    as (Qwen3's and Llama's SiLU; Gemma3's tanh GELU and an fp32 model stay eager), the kernel run
-    only while active, the layer's output unchanged by it."""
-    from transformers.models.gemma3.configuration_gemma3 import Gemma3TextConfig
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
-
-    from dflash_core.kernels.swiglu import silu_mul
-    from dflash_core.target_mlp import MlpKernels
-
-    out: dict = {}
-    g = torch.Generator().manual_seed(5)
-    for name, (rows, width, scale) in {
-        "one_block": (1, 1000, 3.0),
-        "blocks": (7, 2500, 3.0),
-        "large": (3, 700, 60.0),
-    }.items():
-        gate = (torch.randn(rows, width, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
-        up = (torch.randn(rows, width, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
-        want = torch.nn.functional.silu(gate) * up
-        got = silu_mul(gate, up)
-        out[name] = {"equal": torch.equal(want, got), "differ": int((want != got).sum())}
-    qwen3 = tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16)
-    kernels = MlpKernels.of(qwen3)
-    llama = MlpKernels.of(tiny_llama().to(device=device, dtype=torch.bfloat16))
-    gemma_cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=96, hidden_activation="gelu_pytorch_tanh")
-    gemma = MlpKernels.of(torch.nn.Sequential(Gemma3MLP(gemma_cfg)).to(device=device, dtype=torch.bfloat16))
-    fp32 = MlpKernels.of(tiny_llama().to(device=device))
-    mlp = qwen3.model.layers[0].mlp
-    x = (torch.randn(2, 5, 64, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
-    usable = kernels.usable()  # probed here, before the calls are counted
-    with torch.no_grad(), _counting("dflash_core.kernels.swiglu", "silu_mul") as calls:
-        own = mlp(x)
-        inactive = len(calls)
-        with kernels.active():
-            active = mlp(x)
-    out["dispatch"] = {
-        "count": kernels.count,
-        "usable": usable,
-        "qwen3": kernels.match(),
-        "llama": llama.match(),
-        "gemma": gemma.match(),
-        "fp32": fp32.match(),
-        "calls_inactive": inactive,
-        "calls_active": len(calls) - inactive,
-        "active_is_own": torch.equal(own, active),
-    }
-    return out
 
 
 def sampler_cases(device: str = "cpu") -> dict:
@@ -545,7 +488,6 @@ def slot_write_cases(device: str = "cpu") -> dict:
 
 if __name__ == "__main__":
     result = {"kernel": kernel_cases(), "norms": norm_cases(), "rope": rope_cases(), "slot_write": slot_write_cases()}
-    result["mlp"] = mlp_cases()
     result["decoder_kernels"] = decoder_kernels_case()
     result["sampler"], result["decoder_sampler"] = sampler_cases(), decoder_sampler_case()
     result["top_p"] = top_p_cases()

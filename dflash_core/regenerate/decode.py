@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..target_mlp import MlpKernels
 from ..target_norms import NormKernels
 from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
@@ -96,8 +95,8 @@ class SlotDecoder:
     attention_kernel: the decode step attends through the Triton kernel over the slots' valid
     positions (None: where the device and dtype allow it, attention.kernel_available; True on a
     CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks.
-    fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py),
-    gated MLPs' activations (target_mlp.py) and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
+    fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py)
+    and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
     CUDA), each where it matches what it replaces, and so does a sampled step's choice of tokens
     (kernels/gumbel_max.py: the same tokens as its torch ops)."""
 
@@ -142,9 +141,6 @@ class SlotDecoder:
         self.norms = NormKernels.of(model) if fuse else None
         if self.norms is not None and not self.norms.usable():
             self.norms = None
-        self.mlp = MlpKernels.of(model) if fuse else None
-        if self.mlp is not None and not self.mlp.usable():
-            self.mlp = None
         self.rope = RopeKernels(model) if fuse else None
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
@@ -180,9 +176,8 @@ class SlotDecoder:
         attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
         norms = self.norms.active() if self.norms is not None else contextlib.nullcontext()
         rope = self.rope.active() if self.rope is not None else contextlib.nullcontext()
-        mlp = self.mlp.active() if self.mlp is not None else contextlib.nullcontext()
         try:
-            with norms, rope, mlp:
+            with norms, rope:
                 out = self.decoder(
                     input_ids=input_ids,
                     position_ids=position_ids,

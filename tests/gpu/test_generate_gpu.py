@@ -92,24 +92,6 @@ def test_norm_kernel_on_cuda():
         assert got["dtype_kept"] and got["rel"] < (1e-5 if "float32" in name else 2e-2), (name, got)
 
 
-def test_mlp_kernel_on_cuda():
-    """The CPU's interpreted gated-MLP cases, compiled: bit for bit against `silu(gate) * up` (the
-    math library's expf, as torch's CUDA SiLU), and the dispatch's classes and calls; then at a
-    decode step's width (512 rows of Qwen3-8B's 12,288)."""
-    from dflash_core.kernels.swiglu import silu_mul
-    from tests.decode_attention_check import mlp_cases
-
-    got = mlp_cases("cuda")
-    for name in ("one_block", "blocks", "large"):
-        assert got[name]["equal"], (name, got[name])
-    d = got["dispatch"]
-    assert d["usable"] and d["qwen3"] == {"Qwen3MLP": True} and d["llama"] == {"LlamaMLP": True}, d
-    assert d["gemma"] == {"Gemma3MLP": None} and d["calls_active"] == 1 and d["active_is_own"], d
-    gate = torch.randn(512, 12288, device="cuda", dtype=torch.bfloat16) * 4
-    up = torch.randn_like(gate)
-    assert torch.equal(silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
-
-
 def test_rope_and_slot_write_kernels_on_cuda():
     """The CPU's interpreted rotary and cache-write cases, compiled: bit for bit there too."""
     from tests.decode_attention_check import rope_cases, slot_write_cases
@@ -184,7 +166,7 @@ def test_rotary_and_cache_write_kernels_change_no_token(setup):
     from tests.decode_attention_check import decoder_kernels_case
 
     case = decoder_kernels_case("cuda")
-    assert case["equal"] and all(case["calls"]["fused"][k] > 0 for k in ("rope", "writes", "mlp")), case
+    assert case["equal"] and case["calls"]["fused"]["rope"] > 0 and case["calls"]["fused"]["writes"] > 0, case
 
 
 def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):

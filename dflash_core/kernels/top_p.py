@@ -7,8 +7,9 @@ is kept when the probability of the tokens strictly more probable than it is bel
 for every value at or above some floor and for none below it. A program per row finds that floor
 by bisection over the logits' bit patterns read as ordered integers (16 steps for bf16 logits,
 whose fp32 values have 16 bits; 32 for fp32): each step one pass over the row summing the
-probability above the middle key, as L2-resident reads at decode-step row counts. The sampling
-kernel (gumbel_max.py) then takes the row's tokens at or above its floor.
+probability above the middle key, where a sort moves the whole row through several passes and
+writes it and its order back. The sampling kernel (gumbel_max.py) then takes the row's tokens at
+or above its floor.
 
 Tied logits are kept or cut together (the sorted cut keeps whichever of them the sort put first);
 regenerate/sampling.py's `nucleus` treats ties the same way, so the two agree but for the

@@ -177,8 +177,8 @@ def run_slots(
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
-    if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernel
-        dec.sample_kernel = False
+    if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernels
+        dec.sample_kernel = dec.floor_kernel = False
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle

@@ -345,22 +345,24 @@ def sampler_cases(device: str = "cpu") -> dict:
 
 def top_p_cases(device: str = "cpu") -> dict:
     """The top-p floor (dflash_core/kernels/top_p.py) against the sorted cut (sampling.keep_top),
-    fp32 and bf16 logits (bf16: many ties, kept or cut whole by both), flat and peaked rows, -inf
-    entries, one block and several: the tokens each keeps, and the probability of those where
-    they differ (a sum's rounding near top_p moves the cut by a few tail tokens at most)."""
+    fp32, bf16 and fp16 logits (bf16: many ties, kept or cut whole by both), flat and peaked rows,
+    -inf entries (a third of a row, and more than the kernel's first block), one block and several: the tokens each keeps, and the probability of those where they differ (a
+    sum's rounding near top_p moves the cut by a few tail tokens at most); and -0.0 tied with 0.0."""
     from dflash_core.kernels.top_p import key_shift, top_p_floor
     from dflash_core.regenerate.sampling import keep_top
 
     g = torch.Generator().manual_seed(6)
     out = {}
     no_k = torch.zeros(1, dtype=torch.long, device=device)
-    for dtype in (torch.float32, torch.bfloat16):
-        for vocab in (300, 9001):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for vocab in (300, 9001) if dtype != torch.float16 else (300,):  # fp16: its key shift
             scale = torch.linspace(0.5, 8, 6).unsqueeze(-1)  # flat to peaked rows
             logits = (torch.randn(6, vocab, generator=g) * scale).to(dtype)
             logits[1, ::3] = float("-inf")
+            logits[2, : vocab * 3 // 5] = float("-inf")  # more than the kernel's first block, at 9001
             logits = logits.to(device)
             bits = logits.float().view(torch.int32)
+            bits = torch.where(bits == torch.iinfo(torch.int32).min, 0, bits)  # -0.0 keyed as 0.0
             keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> key_shift(dtype)
             for t, p in ((0.7, 0.5), (1.0, 0.9), (1.3, 0.99)):
                 temp, top_p = torch.tensor([t], device=device), torch.tensor([p], device=device)
@@ -373,6 +375,12 @@ def top_p_cases(device: str = "cpu") -> dict:
                     "differ_mass": float((probs * (kept != want)).sum(-1).max()),
                     "kept": int(kept.sum()),
                 }
+    # -0.0 ties with 0.0: at top_p 0.6 the two zeros (0.21 each, after 0.58) are kept together
+    zeros = torch.tensor([[1.0, 0.0, -0.0, -5.0]], device=device)
+    one, top_p = torch.ones(1, device=device), torch.tensor([0.6], device=device)
+    bits = zeros.view(torch.int32)
+    keys = torch.where(bits == torch.iinfo(torch.int32).min, 0, bits)
+    out["signed_zero"] = {"kept": (keys >= top_p_floor(zeros, one, top_p)[:, None]).tolist()}
     return out
 
 
@@ -395,14 +403,23 @@ def decoder_sampler_case(device: str = "cpu") -> dict:
         outputs, calls = [], []
         for kernel in (True, False):
             dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=False, fused_kernels=False)
-            dec.sample_kernel = kernel
+            dec.sample_kernel = dec.floor_kernel = kernel
             requests = [Request(k, p, KERNELS_NEW_TOKENS, seed=k) for k, p in enumerate(prompts)]
-            with _counting("dflash_core.kernels.gumbel_max", "gumbel_argmax") as seen:
+            with (
+                _counting("dflash_core.kernels.gumbel_max", "gumbel_argmax") as seen,
+                _counting("dflash_core.kernels.top_p", "top_p_floor") as floors,
+            ):
                 outputs.append({c.key: c.tokens for c in dec.generate(requests, sampling)})
-            calls.append(len(seen))
-        result[sampling.mode] = {"equal": outputs[0] == outputs[1], "kernel_calls": calls[0], "eager_calls": calls[1]}
+            calls.append((len(seen), len(floors)))
+        result[sampling.mode] = {
+            "equal": outputs[0] == outputs[1],
+            "kernel_calls": calls[0][0],
+            "floor_calls": calls[0][1],
+            "eager_calls": sum(calls[1]),
+        }
     # the decoder's default where its kernels run: the kernel, once its probe drew the torch ops' tokens
-    result["default_on"] = SlotDecoder(model, slots=2, length=8, use_graph=False, fused_kernels=True).sample_kernel
+    default = SlotDecoder(model, slots=2, length=8, use_graph=False, fused_kernels=True)
+    result["default_on"] = default.sample_kernel and default.floor_kernel
     return result
 
 

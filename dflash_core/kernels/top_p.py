@@ -11,10 +11,12 @@ probability above the middle key, where a sort moves the whole row through sever
 writes it and its order back. The sampling kernel (gumbel_max.py) then takes the row's tokens at
 or above its floor.
 
-Tied logits are kept or cut together (the sorted cut keeps whichever of them the sort put first);
+Tied logits are kept or cut together (a cut by rank keeps whichever of them the sort put first);
 regenerate/sampling.py's `nucleus` treats ties the same way, so the two agree but for the
 rounding of the sums (the sort's cumulative sum runs in another order), within a float's step
-of p.
+of p. One more difference, with fp32 logits only: the floor compares the logits, the sorted cut
+the logits divided by the temperature, where two values a float's step apart can become one
+(bf16 and fp16 values are too far apart for that).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def key_shift(dtype: torch.dtype) -> int:
 @triton.jit
 def ordered_key(x, SHIFT: tl.constexpr):
     """fp32 x as an int32 that orders as the values do (negatives' magnitude bits reversed), its
-    SHIFT low bits dropped."""
+    SHIFT low bits dropped; -0.0 has +0.0's key (the values are equal, and a tie is one value)."""
     bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0's pattern, 0x80000000
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> SHIFT
 
 
@@ -62,7 +65,9 @@ def _top_p_floor_kernel(logits, row_stride, vocab, temperature, top_p, floor, SH
         s = tl.div_rn(x, t)
         top = tl.maximum(m, tl.max(s, axis=0))
         # rescaled where the maximum moved (not while every value so far is -inf: -inf - -inf is NaN)
-        z = z * tl.where(m == top, 1.0, tl.exp(m - top)) + tl.sum(tl.where(inside, tl.exp(s - top), 0.0), axis=0)
+        # and no term from a -inf logit, which is NaN while the maximum so far is -inf too
+        terms = tl.where(inside & (s > float("-inf")), tl.exp(s - top), 0.0)
+        z = z * tl.where(m == top, 1.0, tl.exp(m - top)) + tl.sum(terms, axis=0)
         m = top
         k = ordered_key(x, SHIFT).to(tl.int64)
         lo = tl.minimum(lo, tl.min(tl.where(inside, k, 2147483647), axis=0))

@@ -38,7 +38,7 @@ from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
-from .sampling import M32, Sampling, choose_tokens, sample_kernel_matches
+from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
 
 log = logging.getLogger("dflash.generate")
 
@@ -98,7 +98,8 @@ class SlotDecoder:
     fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py)
     and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
     CUDA), each where it matches what it replaces, and so does a sampled step's choice of tokens
-    (kernels/gumbel_max.py: the same tokens as its torch ops)."""
+    (kernels/gumbel_max.py: the same tokens as its torch ops) and top-p's cut (kernels/top_p.py,
+    probed on its own: the sorted cut's tokens but where a sum rounds across top_p)."""
 
     def __init__(
         self,
@@ -146,6 +147,7 @@ class SlotDecoder:
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
+        self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
@@ -207,7 +209,15 @@ class SlotDecoder:
         hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
         logits = self.head(hidden[:, -1])
         chosen = choose_tokens(
-            logits, self.seeds, self.steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel
+            logits,
+            self.seeds,
+            self.steps,
+            mode,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.sample_kernel,
+            self.floor_kernel,
         )
         self.next_tokens.copy_(chosen)
         self.tokens.copy_(chosen)
@@ -273,7 +283,9 @@ class SlotDecoder:
         logits = self.head(last)
         seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
         steps = torch.zeros(len(admitted), dtype=torch.long, device=dev)
-        chosen = choose_tokens(logits, seeds, steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel)
+        chosen = choose_tokens(
+            logits, seeds, steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel, self.floor_kernel
+        )
         return chosen.tolist()
 
     # ------------------------------------------------------------------ the loop

@@ -87,17 +87,18 @@ def choose_tokens(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     kernel: bool = False,
+    floor_kernel: bool = False,
 ) -> torch.Tensor:
     """The next token of each row of logits [N, V] in a Sampling.mode: argmax when greedy, else
     Gumbel-max over the logits scaled by 1/temperature (fp32), in the top-<k> and filtered modes
     cut to the top_k largest (0: all) and then to the smallest set whose probability reaches top_p
     (the order transformers applies them in). kernel: the noise, the sum and the argmax in one
-    Triton kernel (kernels/gumbel_max.py), the same tokens; in the top-p mode each row's cut as a
-    floor found without a sort (kernels/top_p.py), the same tokens but where a sum's rounding
-    puts a token on the other side of top_p."""
+    Triton kernel (kernels/gumbel_max.py), the same tokens. floor_kernel (with kernel): in the
+    top-p mode each row's cut as a floor found without a sort (kernels/top_p.py), the same tokens
+    but where a sum's rounding puts a token on the other side of top_p."""
     if mode == "greedy":
         return logits.argmax(dim=-1)
-    if mode == "top-p" and kernel:
+    if mode == "top-p" and kernel and floor_kernel:
         from ..kernels.gumbel_max import gumbel_argmax
         from ..kernels.top_p import top_p_floor
 
@@ -136,21 +137,33 @@ def sample_kernel_matches(device: str) -> bool:
         log.warning("the sampling kernel failed its probe on %s (%s); sampling runs as torch ops", device, e)
         return False
     same = torch.equal(got, (logits.float() / temperature + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1))
-    same = same and _top_p_kernel_matches(logits, temperature, seeds, steps)
     if not same:
         log.warning("the sampling kernel's tokens differ from the torch ops' on %s; sampling runs as torch ops", device)
     return same
 
 
-def _top_p_kernel_matches(logits, temperature, seeds, steps) -> bool:
-    """Whether the top-p floor (kernels/top_p.py) keeps what the sorted cut keeps, here."""
-    top_k, top_p = torch.zeros(1, dtype=torch.long, device=logits.device), torch.tensor([0.9], device=logits.device)
-    try:
-        got = choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p, kernel=True)
-    except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the torch ops
-        log.warning("the top-p kernel failed its probe on %s (%s); sampling runs as torch ops", logits.device, e)
+@functools.cache
+def floor_kernel_matches(device: str) -> bool:
+    """Whether the top-p floor (kernels/top_p.py) runs on `device` and draws there, with the
+    sampling kernel, the tokens of the sorted cut, probed once per device: where it fails to
+    build or differs, top-p alone sorts (the sampling kernel stays, probed on its own)."""
+    dev = torch.device(device)
+    if not sample_kernel_matches(device):
         return False
-    return torch.equal(got, choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p))
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 9001, generator=gen) * 3).to(dev, torch.bfloat16)
+    seeds, steps = torch.arange(4, device=dev) * 104729 + 5, torch.arange(4, device=dev) + 1
+    temperature, top_p = torch.tensor([0.7], device=dev), torch.tensor([0.9], device=dev)
+    top_k = torch.zeros(1, dtype=torch.long, device=dev)
+    try:
+        got = choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p, kernel=True, floor_kernel=True)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the sort
+        log.warning("the top-p kernel failed its probe on %s (%s); top-p sorts", device, e)
+        return False
+    same = torch.equal(got, choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p, kernel=True))
+    if not same:
+        log.warning("the top-p kernel's tokens differ from the sorted cut's on %s; top-p sorts", device)
+    return same
 
 
 def keep_top_k(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:

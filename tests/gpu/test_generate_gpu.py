@@ -118,6 +118,7 @@ def test_sampling_kernel_on_cuda():
     assert decoder.pop("default_on")  # its probe passed
     for mode, got in decoder.items():
         assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)
+        assert (got["floor_calls"] > 0) == (mode == "top-p"), (mode, got)
 
 
 def test_sampled_recorded_step_with_the_kernel_equals_the_torch_ops(setup):

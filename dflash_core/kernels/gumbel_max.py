@@ -87,6 +87,8 @@ def gumbel_argmax(
             f"temperature, not {tuple(logits.shape)} (strides {logits.stride()}), {tuple(seeds.shape)}, "
             f"{tuple(steps.shape)}, {temperature.numel()} temperatures"
         )
+    if floor is not None and (floor.shape != (n,) or floor.dtype != torch.int32):
+        raise ValueError(f"gumbel_argmax takes a floor of [N] int32 keys, not {tuple(floor.shape)} {floor.dtype}")
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     if n == 0:
         return out

@@ -346,8 +346,9 @@ def sampler_cases(device: str = "cpu") -> dict:
 def top_p_cases(device: str = "cpu") -> dict:
     """The top-p floor (dflash_core/kernels/top_p.py) against the sorted cut (sampling.keep_top),
     fp32, bf16 and fp16 logits (bf16: many ties, kept or cut whole by both), flat and peaked rows,
-    -inf entries (a third of a row, and more than the kernel's first block), one block and several: the tokens each keeps, and the probability of those where they differ (a
-    sum's rounding near top_p moves the cut by a few tail tokens at most); and -0.0 tied with 0.0."""
+    -inf entries (a third of a row, and more than the kernel's first block), one block and
+    several: the tokens each keeps, and the probability of those where they differ (a sum's
+    rounding near top_p moves the cut by a few tail tokens at most); and -0.0 tied with 0.0."""
     from dflash_core.kernels.top_p import key_shift, top_p_floor
     from dflash_core.regenerate.sampling import keep_top
 

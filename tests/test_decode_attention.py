@@ -99,8 +99,9 @@ def test_decoder_runs_the_rotary_and_cache_write_kernels_and_keeps_its_tokens(ch
 
 def test_top_p_floor_keeps_what_the_sorted_cut_keeps(checked):
     """The top-p floor against the sorted cut: the same tokens (bf16's ties kept or cut whole by
-    both; a row -inf past the kernel's first block), but where the sums' rounding near top_p moves the cut by a few tail tokens, whose
-    probability is within a float's rounding of the whole."""
+    both; a row -inf past the kernel's first block), but where the sums' rounding near top_p
+    moves the cut by a few tail tokens, whose probability is within a float's rounding of the
+    whole; and -0.0 tied with 0.0."""
     cases = dict(checked["top_p"])
     assert cases.pop("signed_zero")["kept"] == [[True, True, True, False]]  # -0.0 and 0.0: one value
     for name, got in cases.items():

@@ -4,7 +4,7 @@ The regeneration decoder runs the target's own decoder eagerly (its decode step 
 CUDA graph, its prefill as it comes), where every RMSNorm is a chain of small kernels: four norms
 a layer (input, post-attention, the per-head query and key norms of Qwen3 and Gemma), each some
 seven launches over the whole activation. `NormKernels` puts a dispatcher in place of each norm's
-`forward` (by giving the module a subclass of its class, module_dispatch.py): while it is active in the calling
+`forward` (by giving the module a subclass of its class): while it is active in the calling
 thread it runs the kernel, else the norm's own forward, so the engine's other users of the target
 (its recorded capture, compiled at warm-up, whose trace takes the module's own forward) see the
 module as it was.
@@ -17,15 +17,16 @@ rounding); a class that matches neither stays eager.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 
-from .module_dispatch import Dispatching, ModuleKernels, base_class
-
-__all__ = ["NormKernels", "base_class", "norm_epsilon"]
+from .thread_switch import ThreadSwitch
 
 log = logging.getLogger("dflash.target")
 
@@ -50,15 +51,19 @@ def norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
-class _NormDispatching(Dispatching):
-    """The kernel while the module's NormKernels are active in this thread and its class was
-    matched, else the class's own forward (always so under a compiler's trace)."""
+class _Dispatching:
+    """Mixed into a norm class (`dispatching_class`): the kernel while the module's NormKernels
+    are active in this thread and its class was matched, else the class's own forward (always so
+    under a compiler's trace). One class per norm class rather than a forward per module: a
+    compiled layer guards on its norms' types, so every layer still shares one graph."""
+
+    _dflash_base: type[nn.Module]
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         base = self._dflash_base
         if not torch.compiler.is_compiling() and not args and not kwargs:
             owner: NormKernels | None = self.__dict__.get("_dflash_norms")
-            weighting = owner.matched_now(base) if owner is not None else None
+            weighting = owner.weighting_now(base) if owner is not None else None
             if weighting is not None:
                 from .kernels.rms_norm import rms_norm, supports
 
@@ -67,20 +72,113 @@ class _NormDispatching(Dispatching):
                     return rms_norm(hidden_states, weight, self.__dict__["_dflash_eps"], weighting)
         return base.forward(self, hidden_states, *args, **kwargs)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Dispatching:
+        # a copy in this process keeps the dispatching class, with the copied model's NormKernels
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[attr-defined]
+        return twin
 
-class NormKernels(ModuleKernels):
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # pickled as the norm's own class, without the dispatcher's fields: the dispatching class
+        # exists only in the process that made it
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_dflash_")}
+        return (_rebuilt_norm, (self._dflash_base, state))
+
+
+def _rebuilt_norm(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    return module
+
+
+_DISPATCHING: dict[type, type] = {}
+_DISPATCHING_LOCK = threading.Lock()
+
+
+def dispatching_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The norm class with the dispatching forward, made once per class; it keeps the class's name
+    (a printed model reads as before) and is an instance of it (isinstance checks hold)."""
+    with _DISPATCHING_LOCK:
+        found = _DISPATCHING.get(cls)
+        if found is None:
+            found = type(cls.__name__, (_Dispatching, cls), {"_dflash_base": cls, "__module__": cls.__module__})
+            _DISPATCHING[cls] = found
+        return found
+
+
+def base_class(module: nn.Module) -> type[nn.Module]:
+    """The module's own class, under the dispatching one where it was installed."""
+    return getattr(type(module), "_dflash_base", type(module))
+
+
+class NormKernels:
     """The dispatchers of one model's norms, and the weighting matched per norm class."""
 
-    mixin = _NormDispatching
-    owner_field = "_dflash_norms"
-    kind = "norm"
+    def __init__(self, model: nn.Module):
+        self._switch = ThreadSwitch()
+        self._lock = threading.Lock()
+        self._modules: list[nn.Module] = []
+        self._weighting: dict[type, str | None] = {}  # per class: matched (None: stays eager)
+        for module in model.modules():
+            eps = norm_epsilon(module)
+            # a module whose forward someone else replaced, or already dispatching, is left as it is
+            if eps is None or "forward" in module.__dict__ or isinstance(module, _Dispatching):
+                continue
+            module.__class__ = dispatching_class(type(module))
+            module.__dict__["_dflash_norms"] = self
+            module.__dict__["_dflash_eps"] = eps
+            self._modules.append(module)
 
-    def fields(self, module: nn.Module) -> dict[str, Any] | None:
-        eps = norm_epsilon(module)
-        return None if eps is None else {"_dflash_eps": eps}
+    def __getstate__(self) -> dict[str, Any]:
+        # a copied model (copy.deepcopy) carries its registry along, an unpickled one too (`of`
+        # then installs anew); the lock is per object, not copied
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
 
-    def probe(self, module: nn.Module) -> str | None:
-        return _match(module)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> NormKernels:
+        """The model's dispatchers, installed on the first call."""
+        found = model.__dict__.get("_dflash_norm_kernels")
+        # an unpickled model brings its registry but not the dispatching classes: install anew
+        if found is None or not all(isinstance(m, _Dispatching) for m in found._modules):
+            found = cls(model)
+            model.__dict__["_dflash_norm_kernels"] = found
+        return found
+
+    @property
+    def count(self) -> int:
+        return len(self._modules)
+
+    def weighting_now(self, cls: type) -> str | None:
+        return self._weighting.get(cls) if self._switch.is_on else None
+
+    def match(self) -> dict[str, str | None]:
+        """The weighting of each norm class (probed once per class on its first module's device
+        and dtype): class name -> weighting, or None where the class stays eager."""
+        with self._lock:
+            first: dict[type, nn.Module] = {}  # the first module of each class is the probe's
+            for module in self._modules:
+                first.setdefault(base_class(module), module)
+            for cls, module in first.items():
+                if cls not in self._weighting:
+                    self._weighting[cls] = _match(module)
+                    log.info("norm class %s runs as %s", cls.__name__, self._weighting[cls] or "its own forward")
+        return {cls.__name__: w for cls, w in self._weighting.items()}
+
+    def usable(self) -> bool:
+        """Whether any norm runs through the kernel when active."""
+        return any(w is not None for w in self.match().values())
+
+    def active(self) -> contextlib.AbstractContextManager[None]:
+        """The kernel for the matched norms in the calling thread for the block."""
+        self.match()
+        return self._switch.on()
 
 
 @torch.no_grad()

@@ -121,14 +121,9 @@ def sample_kernel_matches(device: str) -> bool:
     """Whether the sampling kernel (kernels/gumbel_max.py) runs on `device` and draws there the
     tokens of the torch ops it replaces, probed once per device: where it fails to build or
     differs, sampling stays with the torch ops."""
-    dev = torch.device(device)
-    if not runs_on(dev):
+    if not runs_on(torch.device(device)):
         return False
-    gen = torch.Generator().manual_seed(0)
-    vocab = 9001  # several of the kernel's blocks, the last one partial
-    logits = (torch.randn(4, vocab, generator=gen) * 3).to(dev, torch.bfloat16)
-    seeds, steps = torch.arange(4, device=dev) * 7919 + 1, torch.arange(4, device=dev) + 3
-    temperature = torch.tensor([0.7], device=dev)
+    logits, seeds, steps, temperature = _probe_rows(device)
     try:
         from ..kernels.gumbel_max import gumbel_argmax
 
@@ -136,7 +131,8 @@ def sample_kernel_matches(device: str) -> bool:
     except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the torch ops
         log.warning("the sampling kernel failed its probe on %s (%s); sampling runs as torch ops", device, e)
         return False
-    same = torch.equal(got, (logits.float() / temperature + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1))
+    want = (logits.float() / temperature + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(dim=-1)
+    same = torch.equal(got, want)
     if not same:
         log.warning("the sampling kernel's tokens differ from the torch ops' on %s; sampling runs as torch ops", device)
     return same
@@ -147,14 +143,10 @@ def floor_kernel_matches(device: str) -> bool:
     """Whether the top-p floor (kernels/top_p.py) runs on `device` and draws there, with the
     sampling kernel, the tokens of the sorted cut, probed once per device: where it fails to
     build or differs, top-p alone sorts (the sampling kernel stays, probed on its own)."""
-    dev = torch.device(device)
     if not sample_kernel_matches(device):
         return False
-    gen = torch.Generator().manual_seed(1)
-    logits = (torch.randn(4, 9001, generator=gen) * 3).to(dev, torch.bfloat16)
-    seeds, steps = torch.arange(4, device=dev) * 104729 + 5, torch.arange(4, device=dev) + 1
-    temperature, top_p = torch.tensor([0.7], device=dev), torch.tensor([0.9], device=dev)
-    top_k = torch.zeros(1, dtype=torch.long, device=dev)
+    logits, seeds, steps, temperature = _probe_rows(device)
+    top_k, top_p = torch.zeros_like(seeds[:1]), torch.full_like(temperature, 0.9)
     try:
         got = choose_tokens(logits, seeds, steps, "top-p", temperature, top_k, top_p, kernel=True, floor_kernel=True)
     except Exception as e:  # noqa: BLE001 - a kernel that fails here leaves the sort
@@ -164,6 +156,15 @@ def floor_kernel_matches(device: str) -> bool:
     if not same:
         log.warning("the top-p kernel's tokens differ from the sorted cut's on %s; top-p sorts", device)
     return same
+
+
+def _probe_rows(device: str) -> tuple[torch.Tensor, ...]:
+    """What the kernels' probes sample from: bf16 logits over several of their blocks (the last
+    one partial), seeds, steps and a temperature."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 9001, generator=gen) * 3).to(device, torch.bfloat16)
+    seeds, steps = torch.arange(4, device=device) * 7919 + 1, torch.arange(4, device=device) + 3
+    return logits, seeds, steps, torch.tensor([0.7], device=device)
 
 
 def keep_top_k(scaled: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,13 @@ continuous batching, the decode step recorded as a CUDA graph), its attention as
 defaults (block_n, num_warps, num_stages: a same-run comparison of settings); off, the masked
 batched GEMMs over the whole static cache. `--fused` says how the layers' elementwise work runs:
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
-as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; and a sampled step's
-noise and argmax, kernels/gumbel_max.py); eager-sampler, all of that but the sampling, which runs
-as torch ops; norms, the RMSNorm kernel alone (the rotary embedding, the cache writes and the
-sampling eager); off, transformers' eager code and the sampling as torch ops; on,norms,off: a
-row of each.
+as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; a sampled step's
+noise and argmax, kernels/gumbel_max.py; the query, key and value projections as one GEMM,
+target_qkv.py); eager-sampler, all of that but the sampling, which runs as torch ops; three-gemms,
+all of it but the q/k/v projections, three GEMMs as transformers runs them; norms, the RMSNorm
+kernel alone (the rotary embedding, the cache writes, the projections and the sampling as
+transformers runs them); off, transformers' eager code and the sampling as torch ops;
+on,norms,off: a row of each.
 
 A row per precision, attention and slot count:
 
@@ -93,6 +95,7 @@ from dflash_core.regenerate.decode import (
     Request,
     Sampling,
     SlotDecoder,
+    decoder_bytes,
     kv_bytes_per_token,
     slots_for_memory,
     weight_bytes,
@@ -177,6 +180,8 @@ def run_slots(
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
+    if fused in ("norms", "three-gemms"):  # the projections as three GEMMs, as before their stacking
+        dec.qkv = None
     if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernels
         dec.sample_kernel = dec.floor_kernel = False
     requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
@@ -329,19 +334,21 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
 
 
 def parse_fused(spec: str) -> list[str]:
-    """--fused's rows: on, eager-sampler, norms, off."""
+    """--fused's rows: on, eager-sampler, three-gemms, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= {"on", "eager-sampler", "norms", "off"}:
-        raise ValueError(f"--fused takes on, eager-sampler, norms and off, not {spec!r}")
+    if not names or not set(names) <= {"on", "eager-sampler", "three-gemms", "norms", "off"}:
+        raise ValueError(f"--fused takes on, eager-sampler, three-gemms, norms and off, not {spec!r}")
     return list(dict.fromkeys(names))
 
 
 def fused_label(dec) -> str:
-    """Which of its kernels a decoder runs: norms, rope, writes, sampler joined by '+', or eager."""
+    """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler joined by '+', or
+    eager."""
     kernels = (
         ("norms", dec.norms),
         ("rope", dec.rope),
         ("writes", dec.cache.write_kernel),
+        ("qkv", dec.qkv),
         ("sampler", dec.sample_kernel),
     )
     parts = [name for name, on in kernels if on]
@@ -356,7 +363,7 @@ def bench_precision(
     matmul_flops = bf16_flops * (2 if precision == "fp8" else 1)
     free, _ = torch.cuda.mem_get_info()
     per_token = kv_bytes_per_token(target.config, target.dtype)
-    derived = slots_for_memory(free, per_token, args.prompt_len + args.new_tokens)
+    derived = slots_for_memory(free - decoder_bytes(target.model), per_token, args.prompt_len + args.new_tokens)
     print(f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True)
     slot_counts = [int(s) for s in args.slots.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -406,8 +413,9 @@ def main(argv=None) -> None:
     p.add_argument(
         "--fused",
         default="on",
-        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels), "
-        "eager-sampler (all but the sampling), norms (that kernel alone), off (eager)",
+        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels, "
+        "q/k/v as one GEMM), eager-sampler (all but the sampling), three-gemms (all but the q/k/v GEMM), "
+        "norms (that kernel alone), off (eager)",
     )
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)

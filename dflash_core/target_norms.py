@@ -18,7 +18,6 @@ rounding); a class that matches neither stays eager.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .module_dispatch import Dispatching, base_class, dispatching_class
 from .thread_switch import ThreadSwitch
 
 log = logging.getLogger("dflash.target")
@@ -51,13 +51,10 @@ def norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
-class _Dispatching:
-    """Mixed into a norm class (`dispatching_class`): the kernel while the module's NormKernels
-    are active in this thread and its class was matched, else the class's own forward (always so
-    under a compiler's trace). One class per norm class rather than a forward per module: a
-    compiled layer guards on its norms' types, so every layer still shares one graph."""
-
-    _dflash_base: type[nn.Module]
+class _Dispatching(Dispatching):
+    """Mixed into a norm class: the kernel while the module's NormKernels are active in this
+    thread and its class was matched, else the class's own forward (always so under a compiler's
+    trace)."""
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         base = self._dflash_base
@@ -72,45 +69,6 @@ class _Dispatching:
                     return rms_norm(hidden_states, weight, self.__dict__["_dflash_eps"], weighting)
         return base.forward(self, hidden_states, *args, **kwargs)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Dispatching:
-        # a copy in this process keeps the dispatching class, with the copied model's NormKernels
-        twin = type(self).__new__(type(self))
-        memo[id(self)] = twin
-        twin.__setstate__(copy.deepcopy(self.__dict__, memo))  # type: ignore[attr-defined]
-        return twin
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # pickled as the norm's own class, without the dispatcher's fields: the dispatching class
-        # exists only in the process that made it
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_dflash_")}
-        return (_rebuilt_norm, (self._dflash_base, state))
-
-
-def _rebuilt_norm(cls: type[nn.Module], state: dict[str, Any]) -> nn.Module:
-    module = cls.__new__(cls)
-    module.__setstate__(state)
-    return module
-
-
-_DISPATCHING: dict[type, type] = {}
-_DISPATCHING_LOCK = threading.Lock()
-
-
-def dispatching_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """The norm class with the dispatching forward, made once per class; it keeps the class's name
-    (a printed model reads as before) and is an instance of it (isinstance checks hold)."""
-    with _DISPATCHING_LOCK:
-        found = _DISPATCHING.get(cls)
-        if found is None:
-            found = type(cls.__name__, (_Dispatching, cls), {"_dflash_base": cls, "__module__": cls.__module__})
-            _DISPATCHING[cls] = found
-        return found
-
-
-def base_class(module: nn.Module) -> type[nn.Module]:
-    """The module's own class, under the dispatching one where it was installed."""
-    return getattr(type(module), "_dflash_base", type(module))
-
 
 class NormKernels:
     """The dispatchers of one model's norms, and the weighting matched per norm class."""
@@ -123,9 +81,9 @@ class NormKernels:
         for module in model.modules():
             eps = norm_epsilon(module)
             # a module whose forward someone else replaced, or already dispatching, is left as it is
-            if eps is None or "forward" in module.__dict__ or isinstance(module, _Dispatching):
+            if eps is None or "forward" in module.__dict__ or isinstance(module, Dispatching):
                 continue
-            module.__class__ = dispatching_class(type(module))
+            module.__class__ = dispatching_class(type(module), _Dispatching)
             module.__dict__["_dflash_norms"] = self
             module.__dict__["_dflash_eps"] = eps
             self._modules.append(module)

@@ -145,6 +145,27 @@ def norm_cases(device: str = "cpu") -> dict:
                     "dtype_kept": fused.dtype == eager.dtype and fused.shape == eager.shape,
                     "rel": float((fused.float() - eager.float()).abs().max() / scale),
                 }
+    out.update(_sliced_norm_cases(device))
+    return out
+
+
+def _sliced_norm_cases(device: str) -> dict:
+    """Per-head rows read in place from a slice of a wider projection's output (the query and key
+    columns of the stacked q/k/v GEMM, target_qkv.py), two heads of 64 and of 80 per token among
+    wider rows: the same output as the kernel's over a contiguous copy, bit for bit."""
+    from dflash_core.kernels.rms_norm import rms_norm
+
+    out = {}
+    for width in (64, 80):
+        g = torch.Generator().manual_seed(width)
+        wide = (torch.randn(6, 1, 5 * width, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
+        heads = wide[..., width : 3 * width].view(6, 1, 2, width)  # strides: a token apart, a head apart
+        weight = (torch.randn(width, generator=g) + 1).to(device=device, dtype=torch.bfloat16)
+        sliced, copied = rms_norm(heads, weight, 1e-6), rms_norm(heads.contiguous(), weight, 1e-6)
+        out[f"slice_{width}"] = {
+            "strided": not heads.is_contiguous(),
+            "equal": torch.equal(sliced, copied) and sliced.shape == heads.shape,
+        }
     return out
 
 
@@ -286,10 +307,28 @@ def _counting(module: str, name: str):
         setattr(home, name, inner)
 
 
+def _count_stacked(dec) -> list:
+    """The stacked q/k/v GEMMs a decoder runs (its FusedQkv's query calls), recorded."""
+    calls: list = []
+    if dec.qkv is None:
+        return calls
+    project = dec.qkv.project
+
+    def counted(group, role, x):
+        out = project(group, role, x)
+        if role == 0:
+            calls.append(group)
+        return out
+
+    dec.qkv.project = counted
+    return calls
+
+
 def decoder_kernels_case(device: str = "cpu") -> dict:
     """A bf16 Qwen3 decoder (sliding and full layers) with its layers' kernels against the same
-    decoder with the rotary embeddings and the cache writes eager: the same greedy tokens (both
-    kernels are exact), and the kernels seen to run in its prefills and decode steps. Fewer new
+    decoder with the rotary embeddings and the cache writes eager and its q/k/v projections as
+    three GEMMs: the same greedy tokens (both kernels are exact; the norms read the stacked GEMM's
+    columns in place), and the kernels seen to run in its prefills and decode steps. Fewer new
     tokens than the other decoder checks (both passes run every kernel through the interpreter):
     a few decode steps, with a slot refilled, are what it checks."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
@@ -301,7 +340,8 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
     for fused in (True, False):
         dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True)
         if not fused:
-            dec.rope, dec.cache.write_kernel = None, False
+            dec.rope, dec.cache.write_kernel, dec.qkv = None, False, None
+        stacked = _count_stacked(dec)
         with (
             _counting("dflash_core.kernels.rope", "apply_rope") as rope_calls,
             _counting("dflash_core.kernels.slot_write", "write_slots") as write_calls,
@@ -312,7 +352,11 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
                 )
             )
         outputs.append({c.key: c.tokens for c in done})
-        counts["fused" if fused else "eager"] = {"rope": len(rope_calls), "writes": len(write_calls)}
+        counts["fused" if fused else "eager"] = {
+            "rope": len(rope_calls),
+            "writes": len(write_calls),
+            "stacked": len(stacked),
+        }
     return {"equal": outputs[0] == outputs[1], "calls": counts, "tokens": sum(len(t) for t in outputs[0].values())}
 
 

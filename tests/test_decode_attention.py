@@ -59,6 +59,13 @@ def test_norm_kernel_equals_the_norm_classes(checked, cls, dtype, width):
     assert got["rel"] < (1e-5 if dtype == "float32" else 2e-2), got
 
 
+@pytest.mark.parametrize("width", [64, 80])
+def test_norm_kernel_reads_heads_in_place_from_a_wider_row(checked, width):
+    """The query and key heads as columns of the stacked q/k/v output: no copy, the same bits."""
+    got = checked["norms"][f"slice_{width}"]
+    assert got["strided"] and got["equal"], got
+
+
 @pytest.mark.parametrize("name", ["decode", "prefill_shared_cos", "gqa1"])
 def test_rope_kernel_equals_the_families_function(checked, name):
     """transformers' Qwen3 apply_rotary_pos_emb against the kernel, bf16, bit for bit (the kernel
@@ -88,13 +95,14 @@ def test_rope_dispatch_runs_the_kernel_only_while_active(checked):
 
 
 def test_decoder_runs_the_rotary_and_cache_write_kernels_and_keeps_its_tokens(checked):
-    """A bf16 Qwen3 decoder with its layers' kernels: the rotary kernel and the cache writes run
-    in its prefills and decode steps, and its greedy tokens are those of the same decoder with
-    the two eager (both kernels are exact)."""
+    """A bf16 Qwen3 decoder with its layers' kernels: the rotary kernel, the cache writes and the
+    stacked q/k/v GEMM run in its prefills and decode steps, and its greedy tokens are those of
+    the same decoder with the three as transformers runs them (both kernels are exact)."""
     got = checked["decoder_kernels"]
     assert got["equal"] and got["tokens"] == 4 * 4, got  # 4 prompts, 4 new tokens each
     assert got["calls"]["fused"]["rope"] > 0 and got["calls"]["fused"]["writes"] > 0, got
-    assert got["calls"]["eager"] == {"rope": 0, "writes": 0}, got
+    assert got["calls"]["fused"]["stacked"] > 0, got  # the q/k/v projections as one GEMM
+    assert got["calls"]["eager"] == {"rope": 0, "writes": 0, "stacked": 0}, got
 
 
 def test_top_p_floor_keeps_what_the_sorted_cut_keeps(checked):

@@ -14,6 +14,8 @@ The rounding steps are those of the eager code; only the order of the row's sum 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,8 @@ def _rms_norm_kernel(
     out_ptr,
     n_rows,
     n_cols,
+    inner,
+    stride_outer,
     stride_x,
     stride_out,
     eps,
@@ -47,7 +51,10 @@ def _rms_norm_kernel(
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # row r of the input is (r // inner, r % inner) of a 3-D view: the heads of a token's
+    # projection, read in place where they are a slice of a wider one (target_qkv.py)
+    at = (rows // inner) * stride_outer + (rows % inner) * stride_x
+    x = tl.load(x_ptr + at[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     normed = x * rstd[:, None]
@@ -68,6 +75,20 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return 0 < width <= MAX_WIDTH and weight.dim() == 1 and weight.shape[0] == width and x.numel() > 0
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [outer, inner, D] without a copy where its strides allow (the last dimension
+    contiguous): [rows, 1, D] where its rows are evenly spaced, else its last two dimensions
+    apart (the heads of each token in a wider projection's output); else a contiguous copy."""
+    width = x.shape[-1]
+    if x.stride(-1) == 1:
+        with contextlib.suppress(RuntimeError):
+            return x.view(-1, 1, width)
+        if x.dim() >= 3:
+            with contextlib.suppress(RuntimeError):
+                return x.view(-1, x.shape[-2], width)
+    return x.contiguous().view(-1, 1, width)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weighting: str = "scaled") -> torch.Tensor:
     """RMSNorm of x [..., D] over its last dimension with weight [D] (see the module's docstring
     for the weightings); a new tensor of x's shape."""
@@ -76,21 +97,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weighting: str =
     if not supports(x, weight):
         raise ValueError(f"rms_norm takes rows of 1..{MAX_WIDTH} elements and a weight as wide, not {tuple(x.shape)}")
     width = x.shape[-1]
-    rows = x.reshape(-1, width)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=output_dtype(x, weight, weighting), device=x.device)
+    rows = _rows(x)
+    n_rows = rows.shape[0] * rows.shape[1]
+    out = torch.empty((n_rows, width), dtype=output_dtype(x, weight, weighting), device=x.device)
     block_c = triton.next_power_of_2(width)
     block_r = max(1, _TILE // block_c)
-    grid = (triton.cdiv(rows.shape[0], block_r),)
+    grid = (triton.cdiv(n_rows, block_r),)
     with triton_launch_device(x.device):
         _rms_norm_kernel[grid](
             rows,
             weight.contiguous(),
             out,
-            rows.shape[0],
+            n_rows,
             width,
+            rows.shape[1],
             rows.stride(0),
+            rows.stride(1),
             out.stride(0),
             float(eps),
             BLOCK_R=block_r,

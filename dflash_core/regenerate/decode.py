@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..target_norms import NormKernels
+from ..target_qkv import FusedQkv, QkvDispatch
 from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
@@ -99,7 +100,9 @@ class SlotDecoder:
     and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
     CUDA), each where it matches what it replaces, and so does a sampled step's choice of tokens
     (kernels/gumbel_max.py: the same tokens as its torch ops) and top-p's cut (kernels/top_p.py,
-    probed on its own: the sorted cut's tokens but where a sum rounds across top_p)."""
+    probed on its own: the sorted cut's tokens but where a sum rounds across top_p); and each
+    attention layer's query, key and value projections run as one GEMM over a copy of their
+    weights stacked (target_qkv.py; copied in again before every `generate`)."""
 
     def __init__(
         self,
@@ -146,6 +149,7 @@ class SlotDecoder:
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
+        self.qkv = fused_qkv(model) if fuse else None
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
@@ -178,8 +182,9 @@ class SlotDecoder:
         attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
         norms = self.norms.active() if self.norms is not None else contextlib.nullcontext()
         rope = self.rope.active() if self.rope is not None else contextlib.nullcontext()
+        qkv = self.qkv.active() if self.qkv is not None else contextlib.nullcontext()
         try:
-            with norms, rope:
+            with norms, rope, qkv:
                 out = self.decoder(
                     input_ids=input_ids,
                     position_ids=position_ids,
@@ -299,6 +304,8 @@ class SlotDecoder:
         free up (sort them by prompt length for even prefills). should_stop() is read between
         steps: the sequences in flight are dropped."""
         with torch.no_grad():
+            if self.qkv is not None:  # the target's weights as they are now (a swap writes them in place)
+                self.qkv.refresh()
             self.warm(sampling)
             yield from self._generate(iter(requests), sampling, should_stop)
 
@@ -371,6 +378,18 @@ class SlotDecoder:
     @staticmethod
     def _done(state: _Slot, stopped: bool) -> Completion:
         return Completion(state.request.key, state.tokens, "stop" if stopped else "length", len(state.request.prompt))
+
+
+def fused_qkv(model: nn.Module) -> FusedQkv | None:
+    """The stacked q/k/v weights of the model's attention layers, where any layer has them."""
+    dispatch = QkvDispatch.of(model)
+    return FusedQkv(dispatch) if dispatch.groups else None
+
+
+def decoder_bytes(model: nn.Module) -> int:
+    """Device bytes a decoder of the model holds beside its cache with its kernels on (CUDA's
+    default): the stacked q/k/v weights."""
+    return QkvDispatch.of(model).stacked_bytes()
 
 
 def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 512, share: float = 0.85) -> int:

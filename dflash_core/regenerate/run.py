@@ -40,7 +40,7 @@ from ..engine.config import job_template
 from ..engine.context import RunContext
 from ..engine.failures import readable_failures
 from ..target_identity import config_sha256, target_identity
-from .decode import Request, Sampling, SlotDecoder, kv_bytes_per_token, slots_for_memory
+from .decode import Request, Sampling, SlotDecoder, decoder_bytes, kv_bytes_per_token, slots_for_memory
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
 
@@ -67,6 +67,7 @@ def generation_slots(context: RunContext, length: int) -> int:
         return CPU_SLOTS
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(target.device)
+    free -= decoder_bytes(target.model)
     return slots_for_memory(free, kv_bytes_per_token(target.config, target.dtype), length)
 
 

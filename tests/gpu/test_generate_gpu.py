@@ -5,7 +5,8 @@ reserved memory flat over a second run; the decode-attention kernel against a fl
 and the recorded step with it equal to the step without it; the RMSNorm kernel against the norm
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
 cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
-the sampling kernel's tokens those of the torch ops it replaces, alone and in the recorded step."""
+the stacked q/k/v GEMM against the three, and the tokens with it; the sampling kernel's tokens
+those of the torch ops it replaces, alone and in the recorded step."""
 
 import pytest
 import torch
@@ -168,6 +169,36 @@ def test_rotary_and_cache_write_kernels_change_no_token(setup):
 
     case = decoder_kernels_case("cuda")
     assert case["equal"] and case["calls"]["fused"]["rope"] > 0 and case["calls"]["fused"]["writes"] > 0, case
+
+
+def test_stacked_qkv_gemm_keeps_each_projection_and_the_tokens(setup):
+    """A bf16 target: each layer's stacked q/k/v GEMM (target_qkv.py) at a decode step's rows
+    against the three GEMMs (within a bf16 rounding: cuBLAS may pick another kernel for the wider
+    GEMM), and the recorded decoder's greedy tokens with it against the three GEMMs'."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from dflash_core.regenerate.decode import Sampling, fused_qkv
+
+    model, prompts = setup
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    fused = fused_qkv(bf16)
+    assert fused is not None and len(fused.weights) == bf16.config.num_hidden_layers
+    x = torch.randn(256, 1, bf16.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    worst = 0.0
+    with torch.no_grad(), fused.active():
+        for layer in bf16.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                got, want = proj(x), F.linear(x, proj.weight)
+                worst = max(worst, float((got.float() - want.float()).abs().max() / want.float().abs().max()))
+    assert worst < 1e-2, worst
+    greedy = Sampling(ignore_stop=True)
+    stacked, dec = _run(bf16, prompts, greedy, True)
+    assert dec.qkv is not None and dec._graphs
+    three, _ = _run(bf16, prompts, greedy, True, configure=lambda d: setattr(d, "qkv", None))
+    assert stacked == three
 
 
 def test_graph_records_the_kernel_and_equals_the_masked_step(setup, monkeypatch):

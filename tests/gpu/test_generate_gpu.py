@@ -89,6 +89,9 @@ def test_norm_kernel_on_cuda():
     from tests.decode_attention_check import norm_cases
 
     for name, got in norm_cases("cuda").items():
+        if name.startswith("slice_"):  # heads read in place from a wider row: the copy's bits
+            assert got["strided"] and got["equal"], (name, got)
+            continue
         assert got["weighting"] == ("offset" if name.startswith("Gemma3") else "scaled"), (name, got)
         assert got["dtype_kept"] and got["rel"] < (1e-5 if "float32" in name else 2e-2), (name, got)
 

@@ -8,7 +8,7 @@ warm-up) must see them as they were. Each such module gets a subclass of its cla
 `forward` dispatches (a mixin's); one subclass per (mixin, class) rather than a forward per
 module, since a compiled layer guards on its modules' types and every layer must still share one
 graph. The subclass keeps the class's name (a printed model reads as before) and is an instance
-of it (isinstance checks hold); a copy keeps it, a pickle drops it.
+of it (isinstance checks hold); a deep copy keeps it, a pickle or a shallow copy drops it.
 """
 
 from __future__ import annotations

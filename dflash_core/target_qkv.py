@@ -15,8 +15,7 @@ the modules as they were, and what a projection returns is always its own produc
 
 The stacked weights are a copy (the modules keep their parameters, which a continual job's
 target swap writes in place): `FusedQkv.refresh()` copies them in again, and the decoder calls it
-before every batch of requests it decodes, so a swapped target is never decoded with stale
-weights. Taken where the three are plain `nn.Linear` of one input width, dtype and device, with
+at the start of every `generate`, so a swapped target is never decoded with stale weights. Taken where the three are plain `nn.Linear` of one input width, dtype and device, with
 biases on all three or none (an FP8 target's linears are its own class and keep their GEMMs).
 """
 
@@ -73,7 +72,10 @@ class QkvDispatch:
     def __init__(self, model: nn.Module):
         self.switch = ThreadSwitch()
         self.groups: list[list[nn.Linear]] = []
-        for module in model.modules():
+        # the language model's layers only: a multimodal target's vision tower never decodes
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if callable(get_decoder) else model
+        for module in decoder.modules():
             trio = _trio(module)
             if trio is None:
                 continue
@@ -117,7 +119,12 @@ class FusedQkv:
             torch.cat([m.bias.detach() for m in g]) if g[0].bias is not None else None for g in dispatch.groups
         ]
         self.bounds = [self._bounds(g) for g in dispatch.groups]
-        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        # (group, input, its version then, stacked output) of the last query call
+        self._pending: tuple[int, torch.Tensor, int, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights) + sum(b.nbytes for b in self.biases if b is not None)
 
     @staticmethod
     def _bounds(group: list[nn.Linear]) -> list[tuple[int, int]]:
@@ -144,11 +151,12 @@ class FusedQkv:
         lo, hi = self.bounds[group][role]
         if role == 0:
             out = F.linear(x, self.weights[group], self.biases[group])
-            self._pending = (group, x, out)
+            self._pending = (group, x, x._version, out)
             return out[..., lo:hi]
         pending = self._pending
-        if pending is None or pending[0] != group or pending[1] is not x:
+        # the same tensor, unchanged since (an in-place write between the calls bumps its version)
+        if pending is None or pending[0] != group or pending[1] is not x or pending[2] != x._version:
             return None
         if role == len(ROLES) - 1:
             self._pending = None  # the last of the three: the input and output go
-        return pending[2][..., lo:hi]
+        return pending[3][..., lo:hi]

@@ -151,21 +151,23 @@ def norm_cases(device: str = "cpu") -> dict:
 
 def _sliced_norm_cases(device: str) -> dict:
     """Per-head rows read in place from a slice of a wider projection's output (the query and key
-    columns of the stacked q/k/v GEMM, target_qkv.py), two heads of 64 and of 80 per token among
-    wider rows: the same output as the kernel's over a contiguous copy, bit for bit."""
-    from dflash_core.kernels.rms_norm import rms_norm
+    columns of the stacked q/k/v GEMM, target_qkv.py), heads of 64 and of 80 among wider rows: 6
+    tokens of two heads (one program) and 300 tokens of three (programs whose rows cross tokens):
+    read without a copy, and the same output as the kernel's over a contiguous copy, bit for bit."""
+    from dflash_core.kernels.rms_norm import _rows, rms_norm
 
     out = {}
     for width in (64, 80):
-        g = torch.Generator().manual_seed(width)
-        wide = (torch.randn(6, 1, 5 * width, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
-        heads = wide[..., width : 3 * width].view(6, 1, 2, width)  # strides: a token apart, a head apart
-        weight = (torch.randn(width, generator=g) + 1).to(device=device, dtype=torch.bfloat16)
-        sliced, copied = rms_norm(heads, weight, 1e-6), rms_norm(heads.contiguous(), weight, 1e-6)
-        out[f"slice_{width}"] = {
-            "strided": not heads.is_contiguous(),
-            "equal": torch.equal(sliced, copied) and sliced.shape == heads.shape,
-        }
+        for tokens, heads_n in ((6, 2), (300, 3)):
+            g = torch.Generator().manual_seed(width + tokens)
+            wide = (torch.randn(tokens, 1, 5 * width, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
+            heads = wide[..., width : (1 + heads_n) * width].view(tokens, 1, heads_n, width)
+            weight = (torch.randn(width, generator=g) + 1).to(device=device, dtype=torch.bfloat16)
+            sliced, copied = rms_norm(heads, weight, 1e-6), rms_norm(heads.contiguous(), weight, 1e-6)
+            out[f"slice_{width}_{tokens}"] = {
+                "strided": not heads.is_contiguous() and _rows(heads).data_ptr() == heads.data_ptr(),
+                "equal": torch.equal(sliced, copied) and sliced.shape == heads.shape,
+            }
     return out
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from dflash_core.module_dispatch import base_class
 from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, decoder_bytes, fused_qkv
 from dflash_core.target_qkv import FusedQkv, QkvDispatch
-from tests.tiny_decoders import tiny_llama, tiny_sliding_qwen3
+from tests.tiny_decoders import tiny_llama, tiny_qwen2, tiny_sliding_qwen3
 
 
 class _Counted(nn.Linear):
@@ -50,6 +50,7 @@ def test_every_layer_of_plain_linears_takes_it_and_others_keep_their_gemms():
     assert isinstance(attn.q_proj, nn.Linear) and base_class(attn.q_proj) is nn.Linear
     per_layer = sum(m.weight.numel() * 4 for m in dispatch.groups[0])
     assert dispatch.stacked_bytes() == decoder_bytes(model) == per_layer * len(model.model.layers)
+    assert FusedQkv(dispatch).nbytes == dispatch.stacked_bytes()  # what a decoder then holds
 
     other = tiny_llama()
     layers = other.model.layers
@@ -72,6 +73,10 @@ def test_a_projection_returns_its_own_product_whatever_the_order_of_the_calls():
         assert torch.allclose(attn.k_proj(y), nn.functional.linear(y, attn.k_proj.weight))  # another input
         assert torch.allclose(attn.k_proj(x), own["k_proj"]) and torch.allclose(attn.v_proj(x), own["v_proj"])
         assert fused._pending is None  # the value's call let the stacked output go
+        z = x.clone()
+        attn.q_proj(z)
+        z.add_(1)  # written in place between the query's call and the key's: the key's own GEMM
+        assert torch.allclose(attn.k_proj(z), nn.functional.linear(z, attn.k_proj.weight))
     # off, and in another thread while on here: the module's own forward
     assert torch.equal(attn.q_proj(x), own["q_proj"])
     seen = {}
@@ -82,7 +87,7 @@ def test_a_projection_returns_its_own_product_whatever_the_order_of_the_calls():
     assert torch.equal(seen["q"], own["q_proj"]) and seen["pending"] is None
 
 
-@pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama])
+@pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama, tiny_qwen2])
 def test_the_decoder_with_one_gemm_keeps_the_tokens_and_runs_no_key_or_value_gemm(build, monkeypatch):
     model = build()
     prompts = _prompts(1)
@@ -147,3 +152,40 @@ def test_copies_and_pickles_of_the_target_carry_their_own_dispatch():
     x = torch.randint(2, 128, (1, 7))
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_biases_are_stacked_with_their_weights():
+    model = tiny_qwen2()
+    fused = FusedQkv(QkvDispatch.of(model))
+    attn = model.model.layers[0].self_attn
+    assert fused.biases[0] is not None and fused.nbytes == QkvDispatch.of(model).stacked_bytes()
+    x = torch.randn(3, 1, 64)
+    with torch.no_grad(), fused.active():
+        got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    for proj, out in zip((attn.q_proj, attn.k_proj, attn.v_proj), got):
+        assert torch.allclose(out, nn.functional.linear(x, proj.weight, proj.bias), atol=1e-6)
+
+
+def test_only_the_language_models_layers_are_stacked():
+    """A multimodal target's vision tower never runs in the decoder: its projections keep their
+    class and take no stacked memory."""
+
+    class TwoTowers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.language, self.vision = tiny_llama().model, tiny_sliding_qwen3().model
+
+        def get_decoder(self):
+            return self.language
+
+    model = TwoTowers()
+    dispatch = QkvDispatch.of(model)
+    assert len(dispatch.groups) == len(model.language.layers)
+    assert type(model.vision.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_the_decoder_stacks_with_its_kernels_unless_told_not_to():
+    model = tiny_llama()
+    assert SlotDecoder(model, slots=2, length=16, use_graph=False, fused_kernels=False).qkv is None
+    stacked = SlotDecoder(model, slots=2, length=16, use_graph=False, fused_kernels=False, stacked_qkv=True)
+    assert stacked.qkv is not None and stacked.qkv.nbytes == decoder_bytes(model)

@@ -1,5 +1,5 @@
 """Tiny fp32 decoders with random weights for the slot decoder's tests: one with full and sliding
-layers, one with one layer kind."""
+layers, one with one layer kind, one with biases on its query, key and value projections."""
 
 from __future__ import annotations
 
@@ -30,3 +30,21 @@ def tiny_llama():
         num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
     )  # fmt: skip
     return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2():
+    """A 2-layer fp32 Qwen2 with random weights, GQA 2: biases on its q/k/v projections (random,
+    so a dropped or misplaced bias shows)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model

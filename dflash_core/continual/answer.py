@@ -57,7 +57,9 @@ class Answerer:
         self, target: Any, tokenizer: Any, template: ChatTemplate, settings: AnswerSettings, length: int, stops: tuple
     ):
         self.tokenizer, self.template, self.settings, self.length = tokenizer, template, settings, length
-        self.decoder = SlotDecoder(target.model, max(1, settings.slots), length)
+        # no stacked q/k/v copy: beside a training job its memory (a copy of those weights) buys
+        # little at a few slots, where a step's GEMMs are bound by the weights' bytes, not launches
+        self.decoder = SlotDecoder(target.model, max(1, settings.slots), length, stacked_qkv=False)
         self.sampling = Sampling(settings.temperature, settings.top_p, settings.top_k, tuple(stops))
         self.waiting: collections.deque[Prompt] = collections.deque()
         self.lock = threading.Lock()  # the ingest thread adds, the job's thread answers

@@ -102,7 +102,8 @@ class SlotDecoder:
     (kernels/gumbel_max.py: the same tokens as its torch ops) and top-p's cut (kernels/top_p.py,
     probed on its own: the sorted cut's tokens but where a sum rounds across top_p); and each
     attention layer's query, key and value projections run as one GEMM over a copy of their
-    weights stacked (target_qkv.py; copied in again before every `generate`)."""
+    weights stacked (target_qkv.py; copied in again at every `generate`; stacked_qkv: whether,
+    None: with the fused kernels)."""
 
     def __init__(
         self,
@@ -112,6 +113,7 @@ class SlotDecoder:
         use_graph: bool | None = None,
         attention_kernel: bool | None = None,
         fused_kernels: bool | None = None,
+        stacked_qkv: bool | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -149,7 +151,7 @@ class SlotDecoder:
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
-        self.qkv = fused_qkv(model) if fuse else None
+        self.qkv = fused_qkv(model) if (fuse if stacked_qkv is None else stacked_qkv) else None
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode

@@ -202,6 +202,7 @@ class RegenerationRun:
             "slots": slots,
             "length": work.length,
             "kv_cache_bytes": decoder.cache.nbytes,
+            "stacked_qkv_bytes": decoder.qkv.nbytes if decoder.qkv is not None else 0,
             "cuda_graph": decoder.use_graph,
         }
         log.info("regeneration decoder", extra={"fields": {**fields, "device": str(target.device)}})

@@ -193,8 +193,10 @@ def test_stacked_qkv_gemm_keeps_each_projection_and_the_tokens(setup):
     with torch.no_grad(), fused.active():
         for layer in bf16.model.layers:
             attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            for role, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
                 got, want = proj(x), F.linear(x, proj.weight)
+                # the stacked GEMM ran: the query's call kept it for the key's and the value's
+                assert (fused._pending is not None) == (role < 2), role
                 worst = max(worst, float((got.float() - want.float()).abs().max() / want.float().abs().max()))
     assert worst < 1e-2, worst
     greedy = Sampling(ignore_stop=True)

@@ -15,13 +15,15 @@ the modules as they were, and what a projection returns is always its own produc
 
 The stacked weights are a copy (the modules keep their parameters, which a continual job's
 target swap writes in place): `FusedQkv.refresh()` copies them in again, and the decoder calls it
-at the start of every `generate`, so a swapped target is never decoded with stale weights. Taken where the three are plain `nn.Linear` of one input width, dtype and device, with
-biases on all three or none (an FP8 target's linears are its own class and keep their GEMMs).
+at the start of every `generate`, so a swapped target is never decoded with stale weights. Taken
+where the three are plain `nn.Linear` of one input width, dtype and device, with biases on all
+three or none (an FP8 target's linears are its own class and keep their GEMMs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any
 
@@ -101,12 +103,6 @@ class QkvDispatch:
             m.bias.numel() * m.bias.element_size() for g in self.groups for m in g if m.bias is not None
         )
 
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
 
 class FusedQkv:
     """The stacked weights of a model's q/k/v projections (a copy), and the one GEMM per layer
@@ -128,7 +124,8 @@ class FusedQkv:
 
     @staticmethod
     def _bounds(group: list[nn.Linear]) -> list[tuple[int, int]]:
-        ends = torch.tensor([m.out_features for m in group]).cumsum(0).tolist()
+        """Each projection's columns of the stacked output, (first, past the last)."""
+        ends = list(itertools.accumulate(m.out_features for m in group))
         return [(end - m.out_features, end) for m, end in zip(group, ends)]
 
     @torch.no_grad()

@@ -19,7 +19,7 @@ from dflash_core.target_qkv import FusedQkv, QkvDispatch
 from tests.tiny_decoders import tiny_llama, tiny_qwen2, tiny_sliding_qwen3
 
 
-class _Counted(nn.Linear):
+class _OtherLinear(nn.Linear):
     """A projection of another class than nn.Linear (as an FP8 linear is): keeps its own GEMM."""
 
 
@@ -54,7 +54,7 @@ def test_every_layer_of_plain_linears_takes_it_and_others_keep_their_gemms():
 
     other = tiny_llama()
     layers = other.model.layers
-    layers[0].self_attn.k_proj.__class__ = _Counted  # not a plain linear
+    layers[0].self_attn.k_proj.__class__ = _OtherLinear  # not a plain linear
     layers[1].self_attn.v_proj.bias = nn.Parameter(torch.zeros(layers[1].self_attn.v_proj.out_features))  # one bias
     assert QkvDispatch.of(other).groups == []
     assert type(layers[0].self_attn.q_proj) is nn.Linear  # nothing of a skipped layer changed

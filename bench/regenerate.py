@@ -225,6 +225,7 @@ def run_slots(
         "slots": slots,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
+        "stacked_qkv_gib": round(dec.qkv.nbytes / 2**30, 2) if dec.qkv is not None else 0.0,
         "weights_gb": round(weights / 1e9, 2),
         "full_ms": round(full_ms, 3),
         "decode_ms": round(decode_ms, 3),

@@ -151,7 +151,8 @@ class SlotDecoder:
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
-        self.qkv = fused_qkv(model) if (fuse if stacked_qkv is None else stacked_qkv) else None
+        stack = fuse if stacked_qkv is None else stacked_qkv
+        self.qkv = fused_qkv(model) if stack else None
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode

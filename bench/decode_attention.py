@@ -122,12 +122,12 @@ def profile_step(slots: int, prompt_len: int, new_tokens: int) -> tuple[list[dic
     list(dec.generate([Request(-1, list(range(10, 10 + prompt_len)), 4)], greedy))
     dec.positions.fill_(length - 8)
     for _ in range(3):
-        dec._step("greedy")
+        dec._replay("greedy")
     torch.cuda.synchronize()
     steps = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            dec._step("greedy")
+            dec._replay("greedy")
         torch.cuda.synchronize()
     decode = by_class(prof, steps)
     chunk = [(i, Request(i, list(range(10, 10 + prompt_len)), 1)) for i in range(dec.prefill_tokens // prompt_len)]

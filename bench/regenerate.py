@@ -13,16 +13,23 @@ batched GEMMs over the whole static cache. `--fused` says how the layers' elemen
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
 as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; a sampled step's
 noise and argmax, kernels/gumbel_max.py; the query, key and value projections as one GEMM,
-target_qkv.py); eager-sampler, all of that but the sampling, which runs as torch ops; three-gemms,
-all of it but the q/k/v projections, three GEMMs as transformers runs them; norms, the RMSNorm
+target_qkv.py; and the prefills beside the decode steps, on a stream of their own, lanes.py);
+eager-sampler, all of that but the sampling, which runs as torch ops; three-gemms, all of it but
+the q/k/v projections, three GEMMs as transformers runs them; serial-prefill, all of it but the
+prefills, which stop the decode steps while they run, as before; norms, the RMSNorm
 kernel alone (the rotary embedding, the cache writes, the projections and the sampling as
 transformers runs them); off, transformers' eager code and the sampling as torch ops;
 on,norms,off: a row of each.
 
+`--waves N` decodes N times as many requests as there are slots (the prompts repeated), so that
+slots free and fill again at different steps: from the second wave on, a prefill runs while the
+other slots decode, which a single wave, where every slot starts and ends together, never has.
+
 A row per precision, attention and slot count:
 
-  full_ms        one decode step (graph replay) with every slot at the cache's last position,
-                 median after warm-up: the step that reads the whole cache with either attention
+  full_ms        one decode step (graph replay) with every slot at the last position a sequence
+                 feeds (the cache's last but one: the last is where idle slots park), median after
+                 warm-up: the step that reads the whole cache with either attention
   decode_ms      the same with the slots at the run's mean position (prompt + half the new
                  tokens): what a wave's steps take on average
   sampled_ms     decode_ms with sampling (temperature 0.7, top-p 0.8: each row cut at its floor,
@@ -48,9 +55,11 @@ A row per precision, attention and slot count:
                  bound this, not bound_tok_s, is the step's physical floor without overlapping
                  slots across streams
   of_floor       floor_ms / full_ms
-  e2e_tok_s      generated tokens / wall time of the whole wave (prefills, host work included)
-  prefill_s      the wave's time in prefills (SlotDecoder.prefill_seconds: every slot's prompt,
-                 in chunks, host work included)
+  e2e_tok_s      generated tokens / wall time of the whole run of `--waves` waves (prefills, host
+                 work included)
+  prefill_s      the run's time in prefills while no step ran (SlotDecoder.prefill_seconds: in
+                 order, every prompt's prefill, host work included; beside the steps, issuing
+                 them and waiting for one with no slot decoding)
   prefill_ideal_s  the prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
                  for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
                  prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
@@ -64,7 +73,8 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--fused on,eager-sampler,norms,off] [--hf-batch 128] [--prompt-len 512] [--new-tokens 512]
+        [--fused on,eager-sampler,three-gemms,serial-prefill,norms,off] [--hf-batch 128]
+        [--prompt-len 512] [--new-tokens 512] [--waves 1]
 """
 
 from __future__ import annotations
@@ -153,10 +163,16 @@ def serial_floor_ms(
 
 def time_step(dec: SlotDecoder, mode: str, position: int) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
-    enough to centre on it (each step moves the slots on by one; the cache's end holds them)."""
-    last = dec.length - 1
-    dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
-    return median(cuda_time_ms(lambda: dec._step(mode), warmup=WARMUP, iters=ITERS))
+    enough to centre on it (each step moves the slots on by one; the last position a sequence
+    feeds holds them). Timed on the decoder's decode lane, where its steps run."""
+    last = dec.length - 2
+    dec.lanes.begin()
+    try:
+        with dec.lanes.decode():
+            dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
+            return median(cuda_time_ms(lambda: dec._replay(mode), warmup=WARMUP, iters=ITERS))
+    finally:
+        dec.lanes.end()
 
 
 @torch.no_grad()
@@ -171,12 +187,21 @@ def run_slots(
     fused: str = "on",
     use_graph=True,
     head_flops: float | None = None,
+    waves: int = 1,
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
     head_flops the LM head's, FLOP/s; the same unless given)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
-    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off")
+    dec = SlotDecoder(
+        model,
+        slots,
+        length,
+        use_graph=use_graph,
+        attention_kernel=kernel,
+        fused_kernels=fused != "off",
+        overlap_prefill=None if fused not in ("off", "norms", "serial-prefill") else False,
+    )
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
@@ -184,7 +209,8 @@ def run_slots(
         dec.qkv = None
     if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernels
         dec.sample_kernel = dec.floor_kernel = False
-    requests = [Request(i, p, new_tokens, seed=i) for i, p in enumerate(prompts[:slots])]
+    wave = prompts[:slots]
+    requests = [Request(i, wave[i % len(wave)], new_tokens, seed=i) for i in range(waves * len(wave))]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
     torch.cuda.synchronize()
@@ -197,9 +223,9 @@ def run_slots(
     prefill_s = dec.prefill_seconds
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
-    assert generated == slots * new_tokens, generated
-    # a second wave: the first one's prefills settled the allocator, so this one must not grow it
-    list(dec.generate(requests, greedy))
+    assert generated == len(requests) * new_tokens, generated
+    # another wave: the first run's prefills settled the allocator, so this one must not grow it
+    list(dec.generate(requests[: len(wave)], greedy))
     torch.cuda.synchronize()
     creep = torch.cuda.memory_reserved() - reserved_after
     mean_valid = prompt_len + new_tokens // 2  # positions a step reads per slot, over the run
@@ -223,6 +249,7 @@ def run_slots(
         "attention": "kernel" if dec.attention_kernel else "masked",
         "fused": fused_label(dec),
         "slots": slots,
+        "waves": waves,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
         "stacked_qkv_gib": round(dec.qkv.nbytes / 2**30, 2) if dec.qkv is not None else 0.0,
@@ -334,23 +361,27 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
     return out
 
 
+FUSED_ROWS = ("on", "eager-sampler", "three-gemms", "serial-prefill", "norms", "off")
+
+
 def parse_fused(spec: str) -> list[str]:
-    """--fused's rows: on, eager-sampler, three-gemms, norms, off."""
+    """--fused's rows: on, eager-sampler, three-gemms, serial-prefill, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= {"on", "eager-sampler", "three-gemms", "norms", "off"}:
-        raise ValueError(f"--fused takes on, eager-sampler, three-gemms, norms and off, not {spec!r}")
+    if not names or not set(names) <= set(FUSED_ROWS):
+        raise ValueError(f"--fused takes {', '.join(FUSED_ROWS)}, not {spec!r}")
     return list(dict.fromkeys(names))
 
 
 def fused_label(dec) -> str:
-    """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler joined by '+', or
-    eager."""
+    """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler, and overlap where
+    its prefills run beside its steps, joined by '+', or eager."""
     kernels = (
         ("norms", dec.norms),
         ("rope", dec.rope),
         ("writes", dec.cache.write_kernel),
         ("qkv", dec.qkv),
         ("sampler", dec.sample_kernel),
+        ("overlap", dec.lanes.streams),
     )
     parts = [name for name, on in kernels if on]
     return "+".join(parts) or "eager"
@@ -375,13 +406,13 @@ def bench_precision(
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
             with kernel_settings(settings):
-                row = run_slots(*run, head_flops=bf16_flops)
+                row = run_slots(*run, head_flops=bf16_flops, waves=args.waves)
         except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
             traceback.print_exc()
             torch.cuda.empty_cache()
             try:
                 with kernel_settings(settings):
-                    row = run_slots(*run, use_graph=False, head_flops=bf16_flops)
+                    row = run_slots(*run, use_graph=False, head_flops=bf16_flops, waves=args.waves)
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
                 row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)"}
@@ -415,9 +446,11 @@ def main(argv=None) -> None:
         "--fused",
         default="on",
         help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels, "
-        "q/k/v as one GEMM), eager-sampler (all but the sampling), three-gemms (all but the q/k/v GEMM), "
-        "norms (that kernel alone), off (eager)",
+        "q/k/v as one GEMM, prefills beside the steps), eager-sampler (all but the sampling), three-gemms "
+        "(all but the q/k/v GEMM), serial-prefill (all but the prefills beside the steps), norms (that kernel "
+        "alone), off (eager)",
     )
+    p.add_argument("--waves", type=int, default=1, help="requests per slot: slots free and fill at different steps")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
@@ -425,6 +458,8 @@ def main(argv=None) -> None:
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
     if not precisions or not set(precisions) <= {"bf16", "fp8"}:
         p.error("--precisions takes bf16 and fp8")
+    if args.waves < 1:
+        p.error("--waves takes a positive count")
     try:
         kernels = parse_kernels(args.kernel)
         fused_rows = parse_fused(args.fused)

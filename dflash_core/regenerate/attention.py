@@ -29,12 +29,16 @@ SLOT_ATTENTION = "dflash_slots"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def decode_ranges(positions: torch.Tensor, window: int | None) -> torch.Tensor:
+def decode_ranges(positions: torch.Tensor, window: int | None, parked: int | None = None) -> torch.Tensor:
     """The cache positions [lo, hi) each slot's query sees, as int32 [slots, 1, 1, 2]: hi is the
     slot's position plus one (the key written this step is seen); lo is 0, or hi - window for a
-    sliding layer (the keys at positions > position - window, the rule of the masks)."""
+    sliding layer (the keys at positions > position - window, the rule of the masks). A slot at
+    position `parked` holds no sequence (decode.SlotDecoder parks them there): it sees the one key
+    it writes, so an idle slot reads one position, not its whole cache."""
     hi = positions + 1
     lo = (hi - int(window)).clamp(min=0) if window else torch.zeros_like(hi)
+    if parked is not None:
+        lo = torch.where(positions == parked, positions, lo)
     return torch.stack((lo, hi), dim=-1).to(torch.int32).view(-1, 1, 1, 2)
 
 

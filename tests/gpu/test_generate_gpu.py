@@ -6,7 +6,8 @@ and the recorded step with it equal to the step without it; the RMSNorm kernel a
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
 cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
 the stacked q/k/v GEMM against the three, and the tokens with it; the sampling kernel's tokens
-those of the torch ops it replaces, alone and in the recorded step."""
+those of the torch ops it replaces, alone and in the recorded step; prefills beside the steps
+with the tokens of prefills in order."""
 
 import pytest
 import torch
@@ -28,14 +29,19 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, overlap=None, waves=1):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
-    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
+    dec = SlotDecoder(
+        model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel, overlap_prefill=overlap
+    )
     if configure is not None:
         configure(dec)
     assert dec.use_graph == use_graph
-    done = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], sampling)}
+    requests = [Request((k, w), p, 32, seed=k + 100 * w) for w in range(waves) for k, p in enumerate(prompts)]
+    done = {c.key: c.tokens for c in dec.generate(requests, sampling)}
+    if waves == 1:
+        done = {k: v for (k, _), v in done.items()}
     return done, dec
 
 
@@ -61,6 +67,32 @@ def test_graph_equals_eager_and_generate(setup):
     again = {c.key: c.tokens for c in dec.generate(requests, greedy)}
     torch.cuda.synchronize()
     assert again == graph
+    assert torch.cuda.memory_reserved() == reserved
+
+
+def test_prefills_beside_the_steps_keep_the_tokens(setup):
+    """The recorded decoder's default on CUDA: each prefill on a stream of its own beside the
+    decode steps (of higher priority), its slots parked until it is done. Its tokens equal those
+    of the decoder that stops the steps for every prefill, greedy and sampled, over waves of
+    requests that free and fill slots at different steps; memory flat over another run."""
+    from dflash_core.regenerate.decode import Sampling
+
+    model, prompts = setup
+    eos = model.generation_config.eos_token_id
+    for sampling in (Sampling(stop_token_ids=(eos,)), Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))):
+        beside, dec = _run(model, prompts, sampling, True, slots=5, waves=3)
+        assert dec.lanes.streams and dec.overlap
+        serial, other = _run(model, prompts, sampling, True, slots=5, overlap=False, waves=3)
+        assert not other.lanes.streams
+        assert beside == serial and len(beside) == 3 * len(prompts)
+    from dflash_core.regenerate.decode import Request
+
+    requests = [Request((k, w), p, 32, seed=k + 100 * w) for w in range(3) for k, p in enumerate(prompts)]
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    again = {c.key: c.tokens for c in dec.generate(requests, sampling)}
+    torch.cuda.synchronize()
+    assert again == beside
     assert torch.cuda.memory_reserved() == reserved
 
 

@@ -210,7 +210,9 @@ def test_a_stopped_generate_leaves_no_slot_in_flight(target, prompts, reference)
     greedy = Sampling(stop_token_ids=(eos,))
     decoder = SlotDecoder(model, slots=3, length=160, overlap_prefill=True)
     steps = iter(range(10**6))
-    stopped = list(decoder.generate([Request(k, p, MAX_NEW) for k, p in enumerate(prompts)], greedy, lambda: next(steps) >= 4))
+    stopped = list(
+        decoder.generate([Request(k, p, MAX_NEW) for k, p in enumerate(prompts)], greedy, lambda: next(steps) >= 4)
+    )
     assert len(stopped) < len(prompts)
     assert decoder.positions.tolist() == [decoder.parked] * 3
     done = {c.key: c.tokens for c in decoder.generate([Request(k, p, MAX_NEW) for k, p in enumerate(prompts)], greedy)}

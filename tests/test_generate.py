@@ -190,11 +190,18 @@ def test_prefill_joining_a_step_later_equals_generate(target, prompts, reference
     done = {c.key: c for c in decoder.generate(requests, greedy)}
     assert done[short].tokens == reference[short][:2]
     assert all(done[k].tokens == reference[k] for k in order[1:])
-    # seeded sampling: the same tokens in order and a step later, with slots refilled in batches
+    # the longest prompt went into the short answer's slot (0): its prompt's keys and values are
+    # those the decoder in order leaves there, where no step runs between a slot's end and its prefill
+    serial = SlotDecoder(model, slots=2, length=160, overlap_prefill=False)
+    assert {c.key: c.tokens for c in serial.generate(requests, greedy)} == {k: c.tokens for k, c in done.items()}
+    width = len(prompts[longest])
+    for ours, theirs in zip(decoder.cache.keys + decoder.cache.values, serial.cache.keys + serial.cache.values):
+        assert torch.equal(ours[0, :, :width], theirs[0, :, :width])
+    # seeded sampling: the same tokens in order and a step later, over many refills
     sampling = Sampling(temperature=1.3, top_p=0.95, stop_token_ids=(eos,))
     many = [Request((k, c), prompts[k], MAX_NEW, seed=7 * k + c) for c in range(3) for k in range(len(prompts))]
-    later = SlotDecoder(model, slots=5, length=160, overlap_prefill=True)
-    serial = SlotDecoder(model, slots=5, length=160, overlap_prefill=False)
+    later = SlotDecoder(model, slots=2, length=160, overlap_prefill=True)
+    serial = SlotDecoder(model, slots=2, length=160, overlap_prefill=False)
     a = {c.key: c.tokens for c in later.generate(many, sampling)}
     b = {c.key: c.tokens for c in serial.generate(many, sampling)}
     assert a == b and len(a) == len(many)

@@ -383,8 +383,11 @@ class SlotDecoder:
                 chunks.extend(self._admit(free, pending))
             while flight is None and chunks:
                 flight = self._launch(chunks.popleft(), mode)
-                if self.overlap and active:
-                    break  # it runs beside the steps of the slots decoding
+                if self.overlap and 2 * len(active) >= self.slots:
+                    # it runs beside the steps of the slots decoding; a step costs its GEMMs over
+                    # every slot whatever the slots in flight, so with fewer than half decoding
+                    # the prefills go first (a wave's start), as they would in order
+                    break
                 yield from self._land(flight, active, free, stops)
                 flight = None
             if not active:

@@ -319,8 +319,12 @@ class SlotDecoder:
     def _prefill(self, admitted: list[tuple[int, Request]], mode: str) -> torch.Tensor:
         """Prompts into their slots' caches; their first generated tokens (on the device)."""
         dev = self.device
+        # every tensor from the host first: a copy from the host waits for the stream's work queued
+        # before it, which would hold the host for the whole forward and the steps beside it
         ids, pos, lens = padded_prompts([r.prompt for _, r in admitted], dev)
         self.cache.rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
+        seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
+        steps = torch.zeros(len(admitted), dtype=torch.long, device=dev)
         self.cache.positions = None
         try:
             hidden = self._hidden(ids, pos, prefill_attention(self.kinds, self.window, ids.shape[1], dev))
@@ -328,8 +332,6 @@ class SlotDecoder:
             self.cache.rows = None
         last = hidden[torch.arange(len(admitted), device=dev), lens - 1]
         logits = self.head(last)
-        seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
-        steps = torch.zeros(len(admitted), dtype=torch.long, device=dev)
         return choose_tokens(
             logits, seeds, steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel, self.floor_kernel
         )

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-# a decode step is what every slot in flight waits for: ahead of a prefill (lower is higher)
+# stream priorities (lower is higher)
 _DECODE_PRIORITY = -1
+_PREFILL_PRIORITY = 0
 
 
 class Lanes:
@@ -31,7 +32,7 @@ class Lanes:
         self.device = device
         streams = side_by_side and device.type == "cuda"
         self._decode = torch.cuda.Stream(device, priority=_DECODE_PRIORITY) if streams else None
-        self._prefill = torch.cuda.Stream(device) if streams else None
+        self._prefill = torch.cuda.Stream(device, priority=_PREFILL_PRIORITY) if streams else None
 
     @property
     def streams(self) -> bool:

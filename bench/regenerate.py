@@ -13,17 +13,14 @@ batched GEMMs over the whole static cache. `--fused` says how the layers' elemen
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
 as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; a sampled step's
 noise and argmax, kernels/gumbel_max.py; the query, key and value projections as one GEMM,
-target_qkv.py; and the prefills beside the decode steps, on a stream of their own, lanes.py);
-eager-sampler, all of that but the sampling, which runs as torch ops; three-gemms, all of it but
-the q/k/v projections, three GEMMs as transformers runs them; serial-prefill, all of it but the
-prefills, which stop the decode steps while they run, as before; norms, the RMSNorm
+target_qkv.py); eager-sampler, all of that but the sampling, which runs as torch ops; three-gemms,
+all of it but the q/k/v projections, three GEMMs as transformers runs them; norms, the RMSNorm
 kernel alone (the rotary embedding, the cache writes, the projections and the sampling as
 transformers runs them); off, transformers' eager code and the sampling as torch ops;
 on,norms,off: a row of each.
 
-`--waves N` decodes N times as many requests as there are slots (the prompts repeated), so that
-slots free and fill again at different steps: from the second wave on, a prefill runs while the
-other slots decode, which a single wave, where every slot starts and ends together, never has.
+`--waves N` decodes N times as many requests as there are slots (the prompts repeated), the
+slots refilled as they free: end to end and the prefills' time over the N waves.
 
 A row per precision, attention and slot count:
 
@@ -57,9 +54,8 @@ A row per precision, attention and slot count:
   of_floor       floor_ms / full_ms
   e2e_tok_s      generated tokens / wall time of the whole run of `--waves` waves (prefills, host
                  work included)
-  prefill_s      the run's time in prefills while no step ran (SlotDecoder.prefill_seconds: in
-                 order, every prompt's prefill, host work included; beside the steps, issuing
-                 them and waiting for one with no slot decoding)
+  prefill_s      the run's time in prefills (SlotDecoder.prefill_seconds: every prompt, in
+                 chunks, host work included)
   prefill_ideal_s  the prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
                  for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
                  prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
@@ -73,7 +69,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--fused on,eager-sampler,three-gemms,serial-prefill,norms,off] [--hf-batch 128]
+        [--fused on,eager-sampler,three-gemms,norms,off] [--hf-batch 128]
         [--prompt-len 512] [--new-tokens 512] [--waves 1]
 """
 
@@ -164,15 +160,10 @@ def serial_floor_ms(
 def time_step(dec: SlotDecoder, mode: str, position: int) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
     enough to centre on it (each step moves the slots on by one; the last position a sequence
-    feeds holds them). Timed on the decoder's decode lane, where its steps run."""
+    feeds holds them)."""
     last = dec.length - 2
-    dec.lanes.begin()
-    try:
-        with dec.lanes.decode():
-            dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
-            return median(cuda_time_ms(lambda: dec._replay(mode), warmup=WARMUP, iters=ITERS))
-    finally:
-        dec.lanes.end()
+    dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
+    return median(cuda_time_ms(lambda: dec._replay(mode), warmup=WARMUP, iters=ITERS))
 
 
 @torch.no_grad()
@@ -193,15 +184,7 @@ def run_slots(
     head_flops the LM head's, FLOP/s; the same unless given)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens
-    dec = SlotDecoder(
-        model,
-        slots,
-        length,
-        use_graph=use_graph,
-        attention_kernel=kernel,
-        fused_kernels=fused != "off",
-        overlap_prefill=None if fused not in ("off", "norms", "serial-prefill") else False,
-    )
+    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off")
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
@@ -361,11 +344,11 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
     return out
 
 
-FUSED_ROWS = ("on", "eager-sampler", "three-gemms", "serial-prefill", "norms", "off")
+FUSED_ROWS = ("on", "eager-sampler", "three-gemms", "norms", "off")
 
 
 def parse_fused(spec: str) -> list[str]:
-    """--fused's rows: on, eager-sampler, three-gemms, serial-prefill, norms, off."""
+    """--fused's rows: on, eager-sampler, three-gemms, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names or not set(names) <= set(FUSED_ROWS):
         raise ValueError(f"--fused takes {', '.join(FUSED_ROWS)}, not {spec!r}")
@@ -373,15 +356,14 @@ def parse_fused(spec: str) -> list[str]:
 
 
 def fused_label(dec) -> str:
-    """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler, and overlap where
-    its prefills run beside its steps, joined by '+', or eager."""
+    """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler joined by '+', or
+    eager."""
     kernels = (
         ("norms", dec.norms),
         ("rope", dec.rope),
         ("writes", dec.cache.write_kernel),
         ("qkv", dec.qkv),
         ("sampler", dec.sample_kernel),
-        ("overlap", dec.lanes.streams),
     )
     parts = [name for name, on in kernels if on]
     return "+".join(parts) or "eager"
@@ -446,11 +428,10 @@ def main(argv=None) -> None:
         "--fused",
         default="on",
         help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels, "
-        "q/k/v as one GEMM, prefills beside the steps), eager-sampler (all but the sampling), three-gemms "
-        "(all but the q/k/v GEMM), serial-prefill (all but the prefills beside the steps), norms (that kernel "
-        "alone), off (eager)",
+        "q/k/v as one GEMM), eager-sampler (all but the sampling), three-gemms (all but the q/k/v GEMM), "
+        "norms (that kernel alone), off (eager)",
     )
-    p.add_argument("--waves", type=int, default=1, help="requests per slot: slots free and fill at different steps")
+    p.add_argument("--waves", type=int, default=1, help="requests per slot (the prompts repeated)")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)

@@ -141,6 +141,9 @@ def test_ranges_follow_the_masks_rule():
     assert full.view(4, 2).tolist() == [[0, 1], [0, 4], [0, 10], [0, 11]]
     # a window of 4: the keys at positions > position - 4, the position's own included
     assert decode_ranges(positions, 4).view(4, 2).tolist() == [[0, 1], [0, 4], [6, 10], [7, 11]]
+    # a slot parked at 10 (no sequence) sees the one key it writes, in either kind of layer
+    assert decode_ranges(positions, None, 10).view(4, 2).tolist() == [[0, 1], [0, 4], [0, 10], [10, 11]]
+    assert decode_ranges(positions, 4, 10).view(4, 2).tolist() == [[0, 1], [0, 4], [6, 10], [10, 11]]
     assert not is_ranges(torch.zeros(4, 1, 1, 11, dtype=torch.bfloat16))
     assert not is_ranges(torch.ones(4, 1, 1, 11, dtype=torch.bool))
 

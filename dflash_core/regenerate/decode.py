@@ -8,11 +8,11 @@ attention.py), so on CUDA the step is recorded once as a CUDA graph and replayed
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
 slot, and the next prompts go into the free slots while the others keep decoding (continuous
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
-position's logits computed (prefill.py). On CUDA a prefill runs beside the decode steps, on a
-stream of its own (lanes.py): the slots it fills are parked meanwhile (their position is the
-cache's last, which no sequence ever writes: a sequence of P prompt tokens feeds at most
-positions up to length - 2), so the steps write nothing where it writes, and its first tokens
-join the step's inputs once it is done.
+position's logits computed (prefill.py). A slot without a sequence (never filled, or finished)
+is parked at the cache's last position, which no sequence feeds (a prompt of P tokens leaves room
+for at most length - P tokens, the last of them never fed: positions up to length - 2), and
+attends to that one position: an idle slot's step reads one key per layer, not the range its
+last sequence had reached.
 
 The model is driven through its own decoder: the cache is an object with transformers' `update`
 method that writes each slot's keys and values at that slot's position, the positions go in as
@@ -42,7 +42,6 @@ from ..target_qkv import FusedQkv, QkvDispatch
 from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
-from .lanes import Lanes
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
 from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
 
@@ -68,16 +67,6 @@ class Completion:
     tokens: list[int]
     finish_reason: str  # stop | length
     prompt_tokens: int
-
-
-@dataclass
-class _Prefill:
-    """A chunk of prompts whose prefill has been issued: its first tokens (on the device) are
-    read once `done` says so."""
-
-    admitted: list[tuple[int, Request]]
-    firsts: torch.Tensor
-    done: Any  # lanes.Lanes.mark
 
 
 @dataclass
@@ -118,9 +107,7 @@ class SlotDecoder:
     probed on its own: the sorted cut's tokens but where a sum rounds across top_p); and each
     attention layer's query, key and value projections run as one GEMM over a copy of their
     weights stacked (target_qkv.py; copied in again at every `generate`; stacked_qkv: whether,
-    None: with the fused kernels). overlap_prefill: prefills run beside the decode steps (lanes.py;
-    None: where the step is recorded); True on a CPU runs the same schedule in order, each prefill's
-    slots joining a step later, for tests."""
+    None: with the fused kernels)."""
 
     def __init__(
         self,
@@ -131,7 +118,6 @@ class SlotDecoder:
         attention_kernel: bool | None = None,
         fused_kernels: bool | None = None,
         stacked_qkv: bool | None = None,
-        overlap_prefill: bool | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -177,11 +163,8 @@ class SlotDecoder:
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
-        self.overlap = self.use_graph if overlap_prefill is None else overlap_prefill
-        self.lanes = Lanes(dev, self.overlap)
         self.tokens_generated = 0
-        # wall time the loop spent on prefills instead of decoding: issuing them, and waiting for
-        # one with no slot decoding (in order, a prefill's whole time: it ends reading its tokens)
+        # wall time of the prefills: each ends reading its tokens on the host, so its device work is in it
         self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ the model
@@ -296,31 +279,28 @@ class SlotDecoder:
         self.top_p.fill_(sampling.top_p)
 
     def _replay(self, mode: str) -> None:
-        """One decode step, queued on the decode lane."""
+        """One decode step, queued."""
         graph = self._graphs.get(mode) if self.use_graph else None
-        with self.lanes.decode():
-            if graph is not None:
-                graph.replay()
-            else:
-                self._decode_step(mode)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode_step(mode)
 
     def _step(self, mode: str) -> list[int]:
         """One decode step; every slot's token."""
         self._replay(mode)
-        with self.lanes.decode():
-            return self.next_tokens.tolist()
+        return self.next_tokens.tolist()
 
     def _park(self, slots: list[int]) -> None:
-        """The slots hold no sequence from the next step on (their writes go where no prefill writes)."""
+        """The slots hold no sequence from the next step on."""
         if slots:
-            with self.lanes.decode():
-                self.positions[torch.tensor(slots, dtype=torch.long, device=self.device)] = self.parked
+            self.positions[torch.tensor(slots, dtype=torch.long, device=self.device)] = self.parked
 
     def _prefill(self, admitted: list[tuple[int, Request]], mode: str) -> torch.Tensor:
         """Prompts into their slots' caches; their first generated tokens (on the device)."""
         dev = self.device
-        # every tensor from the host first: a copy from the host waits for the stream's work queued
-        # before it, which would hold the host for the whole forward and the steps beside it
+        # every tensor from the host first: a copy from the host waits for the work queued before
+        # it, so one made after the forward would hold back the launches of the head and sampling
         ids, pos, lens = padded_prompts([r.prompt for _, r in admitted], dev)
         self.cache.rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
         seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
@@ -350,12 +330,10 @@ class SlotDecoder:
             if self.qkv is not None:  # the target's weights as they are now (a swap writes them in place)
                 self.qkv.refresh()
             self.warm(sampling)
-            self.lanes.begin()
             try:
                 yield from self._generate(iter(requests), sampling, should_stop)
             finally:
                 self._park(list(range(self.slots)))  # what a stop left in flight is dropped
-                self.lanes.end()
 
     def _generate(self, pending_iter: Iterator[Request], sampling: Sampling, should_stop) -> Iterator[Completion]:
         mode = sampling.mode
@@ -363,8 +341,6 @@ class SlotDecoder:
         active: dict[int, _Slot] = {}
         free = deque(range(self.slots))
         pending: deque[Request] = deque()
-        chunks: deque[list[tuple[int, Request]]] = deque()  # admitted, not yet prefilled
-        flight: _Prefill | None = None  # issued, its slots not yet decoding
         exhausted = False
         while True:
             if should_stop():
@@ -375,25 +351,12 @@ class SlotDecoder:
                     exhausted = True
                 else:
                     pending.append(nxt)
-            # a prefill's slots join the step once it is done (or at once, with nothing else to run)
-            if flight is not None and (not active or self.lanes.ready(flight.done)):
-                yield from self._land(flight, active, free, stops)
-                flight = None
             # prompts go in once a few slots are free (each prefill is an eager forward: one per
             # freed slot would cost more host time than the idle slots cost steps), or when none runs
-            if not chunks and flight is None and free and pending and (len(free) >= self.admit_batch or not active):
-                chunks.extend(self._admit(free, pending))
-            while flight is None and chunks:
-                flight = self._launch(chunks.popleft(), mode)
-                if self.overlap and 2 * len(active) >= self.slots:
-                    # it runs beside the steps of the slots decoding; a step costs its GEMMs over
-                    # every slot whatever the slots in flight, so with fewer than half decoding
-                    # the prefills go first (a wave's start), as they would in order
-                    break
-                yield from self._land(flight, active, free, stops)
-                flight = None
+            if free and pending and (len(free) >= self.admit_batch or not active):
+                yield from self._admit(active, free, pending, mode, stops)
             if not active:
-                if flight is None and not chunks and exhausted and not pending:
+                if exhausted and not pending:
                     return
                 continue
             chosen = self._step(mode)
@@ -410,51 +373,39 @@ class SlotDecoder:
             self._park(finished)
             free.extend(finished)
 
-    def _admit(self, free: deque[int], pending: deque[Request]) -> Iterator[list[tuple[int, Request]]]:
-        """As many pending prompts as there are free slots, in chunks of similar width."""
+    def _admit(self, active, free, pending, mode, stops) -> Iterator[Completion]:
+        """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
         batch: list[tuple[int, Request]] = []
         while free and pending:
             request = pending.popleft()
             if not request.prompt or len(request.prompt) >= self.length:
                 raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a cache of {self.length}")
             batch.append((free.popleft(), request))
+        dev = self.device
         for start, end in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens):
-            yield batch[start:end]
-
-    def _launch(self, chunk: list[tuple[int, Request]], mode: str) -> _Prefill:
-        """Issue a chunk's prefill on the prefill lane."""
-        began = time.perf_counter()
-        with self.lanes.prefill():
+            chunk = batch[start:end]
+            began = time.perf_counter()
             firsts = self._prefill(chunk, mode)
-            done = self.lanes.mark()
-        self.prefill_seconds += time.perf_counter() - began
-        return _Prefill(chunk, firsts, done)
-
-    def _land(self, flight: _Prefill, active, free, stops) -> Iterator[Completion]:
-        """A finished prefill's slots into the decode step's inputs, from its first tokens on."""
-        began = time.perf_counter()
-        chunk, dev = flight.admitted, self.device
-        self.lanes.join(flight.done, flight.firsts)
-        with self.lanes.decode():
+            tokens = firsts.tolist()
+            self.prefill_seconds += time.perf_counter() - began
             slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
-            self.tokens[slots] = flight.firsts.to(torch.long)
+            n = len(chunk)
+            self.tokens[slots] = firsts.to(torch.long)
             self.positions[slots] = torch.tensor([len(r.prompt) for _, r in chunk], dtype=torch.long, device=dev)
-            self.steps[slots] = 1
+            self.steps[slots] = torch.ones(n, dtype=torch.long, device=dev)
             self.seeds[slots] = torch.tensor([r.seed & M32 for _, r in chunk], dtype=torch.long, device=dev)
-            firsts = flight.firsts.tolist()
-        self.prefill_seconds += time.perf_counter() - began
-        self.tokens_generated += len(chunk)
-        parked = []
-        for (slot, request), token in zip(chunk, firsts, strict=True):
-            limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
-            state = _Slot(request, limit, [token])
-            if token in stops or limit <= 1:
-                parked.append(slot)
-                yield self._done(state, token in stops)
-            else:
-                active[slot] = state
-        self._park(parked)
-        free.extend(parked)
+            self.tokens_generated += n
+            ended = []
+            for (slot, request), token in zip(chunk, tokens, strict=True):
+                limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
+                state = _Slot(request, limit, [token])
+                if token in stops or limit <= 1:
+                    ended.append(slot)
+                    yield self._done(state, token in stops)
+                else:
+                    active[slot] = state
+            self._park(ended)
+            free.extend(ended)
 
     @staticmethod
     def _done(state: _Slot, stopped: bool) -> Completion:

@@ -6,8 +6,7 @@ and the recorded step with it equal to the step without it; the RMSNorm kernel a
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
 cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
 the stacked q/k/v GEMM against the three, and the tokens with it; the sampling kernel's tokens
-those of the torch ops it replaces, alone and in the recorded step; prefills beside the steps
-with the tokens of prefills in order."""
+those of the torch ops it replaces, alone and in the recorded step."""
 
 import pytest
 import torch
@@ -29,19 +28,14 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, overlap=None, waves=1):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
-    dec = SlotDecoder(
-        model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel, overlap_prefill=overlap
-    )
+    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
     if configure is not None:
         configure(dec)
     assert dec.use_graph == use_graph
-    requests = [Request((k, w), p, 32, seed=k + 100 * w) for w in range(waves) for k, p in enumerate(prompts)]
-    done = {c.key: c.tokens for c in dec.generate(requests, sampling)}
-    if waves == 1:
-        done = {k: v for (k, _), v in done.items()}
+    done = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], sampling)}
     return done, dec
 
 
@@ -68,28 +62,6 @@ def test_graph_equals_eager_and_generate(setup):
     torch.cuda.synchronize()
     assert again == graph
     assert torch.cuda.memory_reserved() == reserved
-
-
-def test_prefills_beside_the_steps_keep_the_tokens(setup):
-    """The recorded decoder's default on CUDA: each prefill on a stream of its own beside the
-    decode steps (of higher priority), its slots parked until it is done. Its tokens equal those
-    of the decoder that stops the steps for every prefill, greedy and sampled, over waves of
-    requests that free and fill slots at different steps, and again in another run."""
-    from dflash_core.regenerate.decode import Sampling
-
-    model, prompts = setup
-    eos = model.generation_config.eos_token_id
-    for sampling in (Sampling(stop_token_ids=(eos,)), Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))):
-        beside, dec = _run(model, prompts, sampling, True, slots=5, waves=3)
-        assert dec.lanes.streams and dec.overlap
-        serial, other = _run(model, prompts, sampling, True, slots=5, overlap=False, waves=3)
-        assert not other.lanes.streams
-        assert beside == serial and len(beside) == 3 * len(prompts)
-    from dflash_core.regenerate.decode import Request
-
-    requests = [Request((k, w), p, 32, seed=k + 100 * w) for w in range(3) for k, p in enumerate(prompts)]
-    again = {c.key: c.tokens for c in dec.generate(requests, sampling)}
-    assert again == beside
 
 
 def test_sampled_graph_equals_eager(setup):

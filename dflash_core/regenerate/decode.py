@@ -10,9 +10,9 @@ slot, and the next prompts go into the free slots while the others keep decoding
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
 position's logits computed (prefill.py). A slot without a sequence (never filled, or finished)
 is parked at the cache's last position, which no sequence feeds (a prompt of P tokens leaves room
-for at most length - P tokens, the last of them never fed: positions up to length - 2), and
-attends to that one position: an idle slot's step reads one key per layer, not the range its
-last sequence had reached.
+for at most length - P tokens, the last of them never fed: positions up to length - 2); its
+range is that one position (decode_ranges), so with the kernel an idle slot's step reads one key
+per layer, not the range its last sequence had reached (a mask reads the whole cache anyway).
 
 The model is driven through its own decoder: the cache is an object with transformers' `update`
 method that writes each slot's keys and values at that slot's position, the positions go in as

@@ -56,7 +56,7 @@ A row per precision, attention and slot count:
                  work included)
   prefill_s      the run's time in prefills (SlotDecoder.prefill_seconds: every prompt, in
                  chunks, host work included)
-  prefill_ideal_s  the prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
+  prefill_ideal_s  the run's prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
                  for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
                  prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
                  last token only; the attention's own FLOPs are left out: about 1 % more at
@@ -207,7 +207,8 @@ def run_slots(
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
     assert generated == len(requests) * new_tokens, generated
-    # another wave: the first run's prefills settled the allocator, so this one must not grow it
+    # another wave: the timed run's prefills settled the allocator, so this one must not grow it
+    # (reserved_first_wave_mib: what the timed run, all its waves, grew it by)
     list(dec.generate(requests[: len(wave)], greedy))
     torch.cuda.synchronize()
     creep = torch.cuda.memory_reserved() - reserved_after
@@ -250,7 +251,7 @@ def run_slots(
         "e2e_tok_s": round(generated / wall),
         "e2e_s": round(wall, 2),
         "prefill_s": round(prefill_s, 2),
-        "prefill_ideal_s": round(2 * prefill_weights(model) * slots * prompt_len / matmul_flops, 2),
+        "prefill_ideal_s": round(2 * prefill_weights(model) * len(requests) * prompt_len / matmul_flops, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
     }

@@ -309,6 +309,23 @@ def _counting(module: str, name: str):
         setattr(home, name, inner)
 
 
+@contextlib.contextmanager
+def _recording_ranges():
+    """The slots' ranges [lo, hi) of every decode-attention call, recorded (the kernel still runs)."""
+    home = importlib.import_module("dflash_core.kernels.decode_attention")
+    inner, seen = home.decode_attention, []
+
+    def recorded(query, key, value, ranges, *args, **kwargs):
+        seen.append(ranges.view(-1, 2).tolist())
+        return inner(query, key, value, ranges, *args, **kwargs)
+
+    home.decode_attention = recorded
+    try:
+        yield seen
+    finally:
+        home.decode_attention = inner
+
+
 def _count_stacked(dec) -> list:
     """The stacked q/k/v GEMMs a decoder runs (its FusedQkv's query calls), recorded."""
     calls: list = []
@@ -347,6 +364,7 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
         with (
             _counting("dflash_core.kernels.rope", "apply_rope") as rope_calls,
             _counting("dflash_core.kernels.slot_write", "write_slots") as write_calls,
+            _recording_ranges() as ranges,
         ):
             done = list(
                 dec.generate(
@@ -354,10 +372,15 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
                 )
             )
         outputs.append({c.key: c.tokens for c in done})
+        entries = [r for call in ranges for r in call]
         counts["fused" if fused else "eager"] = {
             "rope": len(rope_calls),
             "writes": len(write_calls),
             "stacked": len(stacked),
+            # slots parked (no sequence) read the one position they write; no other range ends there
+            "parked_reads": sum(lo == dec.parked for lo, _ in entries),
+            "parked_wider": sum(lo == dec.parked and hi != lo + 1 for lo, hi in entries),
+            "whole_cache_idle": sum(hi == dec.length and lo != dec.parked for lo, hi in entries),
         }
     return {"equal": outputs[0] == outputs[1], "calls": counts, "tokens": sum(len(t) for t in outputs[0].values())}
 

@@ -97,12 +97,16 @@ def test_rope_dispatch_runs_the_kernel_only_while_active(checked):
 def test_decoder_runs_the_rotary_and_cache_write_kernels_and_keeps_its_tokens(checked):
     """A bf16 Qwen3 decoder with its layers' kernels: the rotary kernel, the cache writes and the
     stacked q/k/v GEMM run in its prefills and decode steps, and its greedy tokens are those of
-    the same decoder with the three as transformers runs them (both kernels are exact)."""
+    the same decoder with the three as transformers runs them (both kernels are exact); a slot
+    without a sequence attends to the one position it is parked at."""
     got = checked["decoder_kernels"]
     assert got["equal"] and got["tokens"] == 4 * 4, got  # 4 prompts, 4 new tokens each
     assert got["calls"]["fused"]["rope"] > 0 and got["calls"]["fused"]["writes"] > 0, got
     assert got["calls"]["fused"]["stacked"] > 0, got  # the q/k/v projections as one GEMM
-    assert got["calls"]["eager"] == {"rope": 0, "writes": 0, "stacked": 0}, got
+    eager = got["calls"]["eager"]
+    assert {k: eager[k] for k in ("rope", "writes", "stacked")} == {"rope": 0, "writes": 0, "stacked": 0}, got
+    for calls in got["calls"].values():  # a slot left idle once the prompts ran out reads one position
+        assert calls["parked_reads"] > 0 and calls["parked_wider"] == 0 and calls["whole_cache_idle"] == 0, got
 
 
 def test_top_p_floor_keeps_what_the_sorted_cut_keeps(checked):

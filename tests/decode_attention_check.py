@@ -293,13 +293,14 @@ def _dispatch_case(device: str, g) -> dict:
 
 
 @contextlib.contextmanager
-def _counting(module: str, name: str):
-    """The calls of module.name recorded (the function itself still runs)."""
+def _counting(module: str, name: str, keep=lambda *args, **kwargs: 1):
+    """The calls of module.name recorded, each as keep(its arguments) (the function itself still
+    runs)."""
     home = importlib.import_module(module)
     inner, calls = getattr(home, name), []
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(keep(*args, **kwargs))
         return inner(*args, **kwargs)
 
     setattr(home, name, counted)
@@ -307,23 +308,6 @@ def _counting(module: str, name: str):
         yield calls
     finally:
         setattr(home, name, inner)
-
-
-@contextlib.contextmanager
-def _recording_ranges():
-    """The slots' ranges [lo, hi) of every decode-attention call, recorded (the kernel still runs)."""
-    home = importlib.import_module("dflash_core.kernels.decode_attention")
-    inner, seen = home.decode_attention, []
-
-    def recorded(query, key, value, ranges, *args, **kwargs):
-        seen.append(ranges.view(-1, 2).tolist())
-        return inner(query, key, value, ranges, *args, **kwargs)
-
-    home.decode_attention = recorded
-    try:
-        yield seen
-    finally:
-        home.decode_attention = inner
 
 
 def _count_stacked(dec) -> list:
@@ -364,7 +348,11 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
         with (
             _counting("dflash_core.kernels.rope", "apply_rope") as rope_calls,
             _counting("dflash_core.kernels.slot_write", "write_slots") as write_calls,
-            _recording_ranges() as ranges,
+            _counting(
+                "dflash_core.kernels.decode_attention",
+                "decode_attention",
+                lambda query, key, value, ranges, *args, **kwargs: ranges.view(-1, 2).tolist(),
+            ) as ranges,
         ):
             done = list(
                 dec.generate(

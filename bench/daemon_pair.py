@@ -105,7 +105,8 @@ def pair_row(record: dict, tree: str, precision: str, place: int) -> dict:
     ]
     warm = warm_rows[0] if warm_rows else {}
     anchors = int(record["args"]["anchors"])
-    step_ms = cold.get("step_ms")
+    ran = cold.get("state") == "SUCCEEDED"
+    step_ms = cold.get("step_ms") if ran else None  # a failed job's steps are not its rate
     runtime = max(float(r.get('compiles_total{phase="runtime"}', 0.0)) for r in rows)
     swing = _swing(cold)
     row = {
@@ -118,14 +119,12 @@ def pair_row(record: dict, tree: str, precision: str, place: int) -> dict:
         "job start to first step (first step)": (
             f"{cold['to_first_step_s']} s ({cold['first_step_s']} s)" if "to_first_step_s" in cold else "-"
         ),
-        "step": f"{step_ms} ms" if step_ms else "-",
+        "step": f"{step_ms} ms" if step_ms else f"job {cold.get('state', 'not run')}",
         "steps/s": f"{1000 / step_ms:.2f}" if step_ms else "-",
         "anchor updates/s": f"{anchors * 1000 / step_ms:,.0f}" if step_ms else "-",
         "runtime compiles": f"{runtime:g}",
         "reserved swing": f"{swing:g} %" if swing is not None else "-",
     }
-    if cold.get("state") != "SUCCEEDED":
-        row["step"] = f"job {cold.get('state', 'not run')}"
     return row
 
 

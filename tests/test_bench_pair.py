@@ -66,6 +66,7 @@ def test_trees_are_named_directories_with_the_bench(tmp_path):
             parse_trees(specs)
 
 
+@pytest.mark.slow  # two fresh interpreters that import torch
 def test_a_whole_run_writes_its_table_where_no_daemon_starts(tmp_path, monkeypatch, capsys):
     """Each tree's own bench runs in its directory (`--help` here: it writes no record, so each row
     says where to look), and a deadline too close for a run skips it."""

@@ -22,8 +22,10 @@ $OUT/daemon_pair.json and the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -136,20 +138,27 @@ def run_one(tree: Path, name: str, precision: str, args: list[str], out: Path, t
     """One tree's bench.daemon_gpu in its own directory, its output under out/<name>_<precision>;
     its record, or None where it wrote none (the log says why)."""
     label = f"{name}_{precision}"
+    record = out / label / "daemon_gpu.json"
+    record.unlink(missing_ok=True)  # an earlier run's record in the same $OUT is not this run's
     env = dict(os.environ, OUT=str(out / label), DAEMON_WORK=f"/tmp/dflash-daemon-pair-{label}")
     with open(out / f"{label}.log", "w") as log:
+        # a session of its own: cut off, the bench goes with the daemon it started, which would
+        # otherwise hold the GPU through the next run
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.daemon_gpu", *args],
+            cwd=tree,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            subprocess.run(
-                [sys.executable, "-m", "bench.daemon_gpu", *args],
-                cwd=tree,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-            )
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # it ended between the timeout and the kill
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             print(f"{label}: cut off at {timeout:.0f} s", file=log)
-    record = out / label / "daemon_gpu.json"
     return json.loads(record.read_text()) if record.is_file() else None
 
 

@@ -4,11 +4,12 @@ trees it refuses, and a whole run on the CPU where the daemons cannot start."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.daemon_pair import main, pair_row, parse_trees, run_order
+from bench.daemon_pair import main, pair_row, parse_trees, run_one, run_order
 from tests.helpers import REPO_ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "daemon_pair"
@@ -85,3 +86,15 @@ def test_a_whole_run_writes_its_table_where_no_daemon_starts(tmp_path, monkeypat
     ]
     assert all(r["cold ready"].startswith("skipped: ") for r in rows)
     assert "the guarded figures, after and before on one host" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch, cut off
+def test_a_run_cut_off_is_killed_and_no_earlier_record_stands_for_it(tmp_path):
+    label = tmp_path / "after_bf16"
+    label.mkdir()
+    (label / "daemon_gpu.json").write_text(json.dumps({"rows": []}))  # an earlier run's
+    started = time.monotonic()
+    assert run_one(REPO_ROOT, "after", "bf16", ["--colocated"], tmp_path, timeout=0.5) is None
+    assert time.monotonic() - started < 30
+    assert "after_bf16: cut off at 0 s" in (tmp_path / "after_bf16.log").read_text()
+    assert not (label / "daemon_gpu.json").exists()

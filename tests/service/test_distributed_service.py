@@ -25,6 +25,11 @@ from tests.service.harness import REPO_ROOT, write_config
 pytestmark = pytest.mark.slow
 
 
+# the job of the rank-loss test: long enough that it is still training when rank 1 is killed (soon
+# after the first checkpoint, at step 4), short enough that the resumed run is brief
+STEPS = 32
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -184,7 +189,7 @@ def test_two_hosts_train_lose_a_rank_and_resume(nodes):
     spec = {
         "datasets": ["builtin://train"],
         "output_dir": str(lead.config.parent / "host0" / "out"),
-        "steps": 60,
+        "steps": STEPS,
         "checkpoint_interval": 4,
         "learning_rate": 3e-3,
     }
@@ -221,7 +226,7 @@ def test_two_hosts_train_lose_a_rank_and_resume(nodes):
     events = [json.loads(line) for line in lead.http.get(f"/jobs/{job_id}/events").text.splitlines() if line]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert resumed and resumed[-1]["step"] == failed_at, resumed
-    assert max(c["step"] for c in job["checkpoints"]) == 60
+    assert max(c["step"] for c in job["checkpoints"]) == STEPS
 
 
 def test_a_rank_that_shuts_down_stops_the_job_at_a_checkpoint(nodes):

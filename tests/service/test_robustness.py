@@ -106,8 +106,10 @@ def test_a_full_data_dir_is_survived(daemon_on_small_disk):
 
 # --------------------------------------------------------------------------- shared daemon
 # the shared daemon's max_crash_resumes, below the default (MAX_CRASH_RESUMES): the crash-loop
-# test shows the rule with fewer daemon starts; no other test here crashes a daemon
-CRASH_RESUMES = 2
+# test shows the rule with fewer daemon starts (one crash resumed, the second in a row failing the
+# job); no other test here crashes a daemon
+CRASH_RESUMES = 1
+CRASHER_STEPS = 40  # the crash-loop test's job
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +223,16 @@ def test_crash_loop_fails_the_job_and_the_api_resumes_it(daemon):
     assert limit < MAX_CRASH_RESUMES
     d = daemon
     d.wait_ready()
-    job = d.submit({"datasets": ["builtin://train"], "steps": 80, "checkpoint_interval": 80, "name": "crasher"})
+    # its only checkpoint by cadence is its last step; each kill lands right after a resume, dozens
+    # of steps before that
+    job = d.submit(
+        {
+            "datasets": ["builtin://train"],
+            "steps": CRASHER_STEPS,
+            "checkpoint_interval": CRASHER_STEPS,
+            "name": "crasher",
+        }
+    )
     d.wait_job(job["id"], lambda j: j["progress"]["step"] >= 3)
     assert d.stop() in (0, -15)  # checkpoints the current step: the resume point; no crash
     for crashes_in_a_row in range(limit + 2):  # as counted when the daemon starts again
@@ -247,7 +258,7 @@ def test_crash_loop_fails_the_job_and_the_api_resumes_it(daemon):
     final = d.wait_terminal(job["id"])
     assert final["state"] == "SUCCEEDED", final
     events = d.events(job["id"])
-    assert step_numbers(events) == list(range(1, 81))
+    assert step_numbers(events) == list(range(1, CRASHER_STEPS + 1))
     last = [e for e in events if e["kind"] == "resumed"][-1]
     assert last["reason"] == "resume requested" and last["step"] == at
     assert step_numbers(events[events.index(last) :])[0] == at + 1

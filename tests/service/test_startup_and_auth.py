@@ -13,8 +13,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def warming_daemon(make_daemon):
-    # a 1.5 s pause after each warm-up phase (the daemon's test hook; the build is real) makes warming observable
-    return make_daemon(auth_token=TOKEN, warmup_pause=1.5)
+    # a 1 s pause after each warm-up phase (the daemon's test hook; the build is real) makes warming
+    # observable: each phase outlasts many rounds of the test's 0.1 s polls
+    return make_daemon(auth_token=TOKEN, warmup_pause=1.0)
 
 
 @pytest.mark.slow  # a daemon held in each warm-up phase for a while

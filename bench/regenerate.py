@@ -13,10 +13,8 @@ batched GEMMs over the whole static cache. `--fused` says how the layers' elemen
 on, the decoder's default on CUDA (its RMSNorms, rotary embeddings and decode-step cache writes
 as Triton kernels: target_norms.py, target_rope.py, kernels/slot_write.py; a sampled step's
 noise and argmax, kernels/gumbel_max.py; the query, key and value projections as one GEMM,
-target_qkv.py; the gated MLPs' SiLU and product, target_mlp.py); eager-sampler, all of that but the
-sampling, which runs as torch ops; three-gemms, all of it but the q/k/v projections, three GEMMs as
-transformers runs them; eager-mlp, all of it but the MLPs' SiLU and product, two kernels as
-transformers runs them; norms, the RMSNorm
+target_qkv.py); eager-sampler, all of that but the sampling, which runs as torch ops; three-gemms,
+all of it but the q/k/v projections, three GEMMs as transformers runs them; norms, the RMSNorm
 kernel alone (the rotary embedding, the cache writes, the projections and the sampling as
 transformers runs them); off, transformers' eager code and the sampling as torch ops;
 on,norms,off: a row of each.
@@ -71,7 +69,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 - wall of a call for one token) / (new tokens - 1)), against the bound of its cache.
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
-        [--fused on,eager-sampler,three-gemms,eager-mlp,norms,off] [--hf-batch 128]
+        [--fused on,eager-sampler,three-gemms,norms,off] [--hf-batch 128]
         [--prompt-len 512] [--new-tokens 512] [--waves 1]
 """
 
@@ -192,8 +190,6 @@ def run_slots(
         dec.cache.write_kernel = False
     if fused in ("norms", "three-gemms"):  # the projections as three GEMMs, as before their stacking
         dec.qkv = None
-    if fused in ("norms", "eager-mlp"):  # the MLPs' SiLU and product eager, as before their kernel
-        dec.mlp = None
     if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernels
         dec.sample_kernel = dec.floor_kernel = False
     wave = prompts[:slots]
@@ -349,11 +345,11 @@ def parse_kernels(spec: str) -> list[tuple[bool, tuple[int, int, int] | None]]:
     return out
 
 
-FUSED_ROWS = ("on", "eager-sampler", "three-gemms", "eager-mlp", "norms", "off")
+FUSED_ROWS = ("on", "eager-sampler", "three-gemms", "norms", "off")
 
 
 def parse_fused(spec: str) -> list[str]:
-    """--fused's rows: on, eager-sampler, three-gemms, eager-mlp, norms, off."""
+    """--fused's rows: on, eager-sampler, three-gemms, norms, off."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names or not set(names) <= set(FUSED_ROWS):
         raise ValueError(f"--fused takes {', '.join(FUSED_ROWS)}, not {spec!r}")
@@ -361,14 +357,13 @@ def parse_fused(spec: str) -> list[str]:
 
 
 def fused_label(dec) -> str:
-    """Which of its kernels a decoder runs: norms, rope, writes, qkv, mlp, sampler joined by '+',
-    or eager."""
+    """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler joined by '+', or
+    eager."""
     kernels = (
         ("norms", dec.norms),
         ("rope", dec.rope),
         ("writes", dec.cache.write_kernel),
         ("qkv", dec.qkv),
-        ("mlp", dec.mlp),
         ("sampler", dec.sample_kernel),
     )
     parts = [name for name, on in kernels if on]
@@ -433,9 +428,9 @@ def main(argv=None) -> None:
     p.add_argument(
         "--fused",
         default="on",
-        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling, MLP products as "
-        "kernels, q/k/v as one GEMM), eager-sampler (all but the sampling), three-gemms (all but the q/k/v GEMM), "
-        "eager-mlp (all but the MLP products), norms (that kernel alone), off (eager)",
+        help="the elementwise rows, comma-separated: on (norms, rotary, cache writes, sampling as kernels, "
+        "q/k/v as one GEMM), eager-sampler (all but the sampling), three-gemms (all but the q/k/v GEMM), "
+        "norms (that kernel alone), off (eager)",
     )
     p.add_argument("--waves", type=int, default=1, help="requests per slot (the prompts repeated)")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")

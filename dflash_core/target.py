@@ -18,7 +18,6 @@ from .drafter import FrozenHead
 from .parity import input_embedding_scale, scaled_table
 from .target_attention import use_packed_attention
 from .target_fusion import LayerFusion, fused_tolerance
-from .target_mlp import MlpKernels
 from .target_norms import NormKernels
 from .target_qkv import QkvDispatch
 from .target_rope import install as install_rope_dispatch
@@ -212,14 +211,12 @@ class TargetModel:
                 raise ValueError(
                     'target_precision = "fp8": the target\'s decoder layers have no linear layer FP8 takes'
                 )
-        # the norms', the rotary embedding's, the q/k/v projections' and the gated MLPs'
-        # dispatchers go in before anything compiles the layers (record_graph's fusion), so every
-        # trace sees them; only the regeneration decoder turns them on (target_norms.py,
-        # target_rope.py, target_qkv.py, target_mlp.py)
+        # the norms', the rotary embedding's and the q/k/v projections' dispatchers go in before
+        # anything compiles the layers (record_graph's fusion), so every trace sees them; only the
+        # regeneration decoder turns them on (target_norms.py, target_rope.py, target_qkv.py)
         NormKernels.of(self.model)
         install_rope_dispatch(self.model)
         QkvDispatch.of(self.model)
-        MlpKernels.of(self.model)
         self._local = threading.local()
         self._embedding_scale: float | None = None
         self._graph: Any = None  # record_graph(): the capture at the production length as a CUDA graph

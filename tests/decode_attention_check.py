@@ -149,54 +149,6 @@ def norm_cases(device: str = "cpu") -> dict:
     return out
 
 
-def mlp_cases(device: str = "cpu") -> dict:
-    """The SwiGLU kernel through the MLP dispatchers against transformers' gated MLP classes:
-    Llama's and Qwen3's (SiLU) taken in bf16 and equal to their own forward bit for bit (the
-    kernel rounds where the eager ops round), Gemma3's (GELU) refused by the probe, fp32 refused;
-    and the kernel against `silu(gate) * up` on its own, overflowing and non-finite inputs too."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
-    from transformers.models.llama.modeling_llama import LlamaMLP
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
-
-    from dflash_core.kernels.swiglu import silu_mul
-    from dflash_core.target_mlp import MlpKernels
-
-    heads = {"num_attention_heads": 2, "num_key_value_heads": 2}
-    classes = (
-        (LlamaMLP, LlamaConfig(hidden_size=48, intermediate_size=136, **heads)),
-        (Qwen3MLP, Qwen3Config(hidden_size=48, intermediate_size=136, **heads)),
-        (Gemma3MLP, Gemma3TextConfig(hidden_size=48, intermediate_size=136, **heads)),
-    )
-    out: dict = {}
-    for cls, config in classes:
-        for dtype in (torch.bfloat16, torch.float32):
-            torch.manual_seed(7)
-            holder = torch.nn.Sequential(cls(config)).to(device=device, dtype=dtype)
-            kernels = MlpKernels.of(holder)
-            x = (torch.randn(9, 3, 48) * 3).to(device=device, dtype=dtype)
-            with torch.no_grad():
-                eager = holder(x)
-                with kernels.active():
-                    fused = holder(x)
-            out[f"{cls.__name__}_{str(dtype)[6:]}"] = {
-                "taken": kernels.match()[cls.__name__],
-                "equal": torch.equal(fused, eager),
-            }
-    g = torch.Generator().manual_seed(3)
-    gate = (torch.randn(7, 301, generator=g) * 20).to(device=device, dtype=torch.bfloat16)
-    up = (torch.randn(7, 301, generator=g) * 20).to(device=device, dtype=torch.bfloat16)
-    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, -100.0, 100.0])
-    gate[0, : len(special)] = special.to(device=device, dtype=torch.bfloat16)
-    want = torch.nn.functional.silu(gate) * up
-    got = silu_mul(gate, up)
-    out["kernel"] = {
-        "equal": torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()),
-        "dtype_kept": got.dtype == want.dtype and got.shape == want.shape,
-    }
-    return out
-
-
 def _sliced_norm_cases(device: str) -> dict:
     """Per-head rows read in place from a slice of a wider projection's output (the query and key
     columns of the stacked q/k/v GEMM, target_qkv.py), heads of 64 and of 80 among wider rows: 6
@@ -377,8 +329,8 @@ def _count_stacked(dec) -> list:
 
 def decoder_kernels_case(device: str = "cpu") -> dict:
     """A bf16 Qwen3 decoder (sliding and full layers) with its layers' kernels against the same
-    decoder with the rotary embeddings, the cache writes and the MLPs' products eager and its q/k/v
-    projections as three GEMMs: the same greedy tokens (the kernels are exact; the norms read the stacked GEMM's
+    decoder with the rotary embeddings and the cache writes eager and its q/k/v projections as
+    three GEMMs: the same greedy tokens (both kernels are exact; the norms read the stacked GEMM's
     columns in place), and the kernels seen to run in its prefills and decode steps. Fewer new
     tokens than the other decoder checks (both passes run every kernel through the interpreter):
     a few decode steps, with a slot refilled, are what it checks."""
@@ -391,12 +343,11 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
     for fused in (True, False):
         dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True)
         if not fused:
-            dec.rope, dec.cache.write_kernel, dec.qkv, dec.mlp = None, False, None, None
+            dec.rope, dec.cache.write_kernel, dec.qkv = None, False, None
         stacked = _count_stacked(dec)
         with (
             _counting("dflash_core.kernels.rope", "apply_rope") as rope_calls,
             _counting("dflash_core.kernels.slot_write", "write_slots") as write_calls,
-            _counting("dflash_core.kernels.swiglu", "silu_mul") as mlp_calls,
             _counting(
                 "dflash_core.kernels.decode_attention",
                 "decode_attention",
@@ -413,7 +364,6 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
         counts["fused" if fused else "eager"] = {
             "rope": len(rope_calls),
             "writes": len(write_calls),
-            "mlp": len(mlp_calls),
             "stacked": len(stacked),
             # slots parked (no sequence) read the one position they write; no other range ends there
             "parked_reads": sum(lo == dec.parked for lo, _ in entries),
@@ -613,7 +563,6 @@ def slot_write_cases(device: str = "cpu") -> dict:
 
 if __name__ == "__main__":
     result = {"kernel": kernel_cases(), "norms": norm_cases(), "rope": rope_cases(), "slot_write": slot_write_cases()}
-    result["mlp"] = mlp_cases()
     result["decoder_kernels"] = decoder_kernels_case()
     result["sampler"], result["decoder_sampler"] = sampler_cases(), decoder_sampler_case()
     result["top_p"] = top_p_cases()

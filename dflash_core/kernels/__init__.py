@@ -2,8 +2,8 @@
 (`ce`), the AdamW update over fp32 masters with bf16 working copies (`adamw`), and for the
 regeneration decoder the attention of one query per slot over its valid cache positions
 (`decode_attention`), the target's RMSNorms (`rms_norm`) and rotary embeddings (`rope`), the
-decode step's cache writes (`slot_write`), the gated MLPs' SiLU and product (`swiglu`), a
-sampled step's tokens (`gumbel_max`) and its top-p cut (`top_p`). They import Triton at module import; callers import them lazily so CPU-only
+decode step's cache writes (`slot_write`), a sampled step's tokens (`gumbel_max`) and its top-p
+cut (`top_p`). They import Triton at module import; callers import them lazily so CPU-only
 installs without Triton work."""
 
 import os

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..target_mlp import MlpKernels
 from ..target_norms import NormKernels
 from ..target_qkv import FusedQkv, QkvDispatch
 from ..target_rope import RopeKernels
@@ -103,8 +102,7 @@ class SlotDecoder:
     CPU runs it through Triton's interpreter, for tests), else over the whole cache under masks.
     fused_kernels: the layers' RMSNorms (target_norms.py), rotary embeddings (target_rope.py)
     and the decode step's cache writes (kernels/slot_write.py) run as Triton kernels (None: on
-    CUDA), and so do the gated MLPs' SiLU and product (target_mlp.py), each where it matches what
-    it replaces, and so does a sampled step's choice of tokens
+    CUDA), each where it matches what it replaces, and so does a sampled step's choice of tokens
     (kernels/gumbel_max.py: the same tokens as its torch ops) and top-p's cut (kernels/top_p.py,
     probed on its own: the sorted cut's tokens but where a sum rounds across top_p); and each
     attention layer's query, key and value projections run as one GEMM over a copy of their
@@ -157,9 +155,6 @@ class SlotDecoder:
         self.rope = RopeKernels(model) if fuse else None
         if self.rope is not None and not self.rope.usable(self.dtype):
             self.rope = None
-        self.mlp = MlpKernels.of(model) if fuse else None
-        if self.mlp is not None and not self.mlp.usable():
-            self.mlp = None
         self.cache.write_kernel = fuse and self.cache.kernel_takes(self.dtype)
         stack = fuse if stacked_qkv is None else stacked_qkv
         self.qkv = fused_qkv(model) if stack else None
@@ -193,11 +188,11 @@ class SlotDecoder:
         # a mask per layer kind where the model has several (Qwen3, Gemma read the dict); the one
         # mask where it has one, since some decoders (Llama) take only a tensor, used as given
         attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        norms = self.norms.active() if self.norms is not None else contextlib.nullcontext()
+        rope = self.rope.active() if self.rope is not None else contextlib.nullcontext()
+        qkv = self.qkv.active() if self.qkv is not None else contextlib.nullcontext()
         try:
-            with contextlib.ExitStack() as kernels:
-                for fused in (self.norms, self.rope, self.qkv, self.mlp):
-                    if fused is not None:
-                        kernels.enter_context(fused.active())
+            with norms, rope, qkv:
                 out = self.decoder(
                     input_ids=input_ids,
                     position_ids=position_ids,

@@ -4,8 +4,7 @@ prompts of different lengths with slots refilled; seeded sampling equal with and
 reserved memory flat over a second run; the decode-attention kernel against a float64 reference,
 and the recorded step with it equal to the step without it; the RMSNorm kernel against the norm
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
-cache-write kernels and the gated MLPs' SiLU-and-product kernel bit for bit against the eager code,
-and a bf16 decoder's tokens unchanged by them;
+cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
 the stacked q/k/v GEMM against the three, and the tokens with it; the sampling kernel's tokens
 those of the torch ops it replaces, alone and in the recorded step."""
 
@@ -112,20 +111,6 @@ def test_rope_and_slot_write_kernels_on_cuda():
         assert case["written"] and case["outside_untouched"], (dtype, case)
 
 
-def test_mlp_kernel_on_cuda():
-    """The CPU's interpreted gated-MLP cases, compiled: SiLU classes taken in bf16 and equal to
-    their own forward bit for bit (the kernel's exp and division are libdevice's and IEEE, as
-    torch's CUDA SiLU), GELU and fp32 refused."""
-    from tests.decode_attention_check import mlp_cases
-
-    got = mlp_cases("cuda")
-    kernel = got.pop("kernel")
-    assert kernel["equal"] and kernel["dtype_kept"], kernel
-    for name, case in got.items():
-        assert case["taken"] == (not name.startswith("Gemma3") and name.endswith("bfloat16")), (name, case)
-        assert case["equal"], (name, case)
-
-
 def test_sampling_kernel_on_cuda():
     """The CPU's interpreted sampling cases, compiled, against the torch ops on CUDA: the same
     tokens (the kernel's logarithm and division round as torch's CUDA ones)."""
@@ -162,10 +147,9 @@ def test_sampled_recorded_step_with_the_kernel_equals_the_torch_ops(setup):
 
 
 def test_rotary_and_cache_write_kernels_change_no_token(setup):
-    """A bf16 target: the decoder's default on CUDA (norms, rotary embeddings, cache writes and the
-    MLPs' SiLU and product through kernels), recorded, against the same decoder with the rotary
-    embeddings, cache writes and MLP products eager: the same greedy tokens, since those kernels
-    are exact."""
+    """A bf16 target: the decoder's default on CUDA (norms, rotary embeddings and cache writes
+    through kernels), recorded, against the same decoder with the rotary embeddings and cache
+    writes eager: the same greedy tokens, since those two kernels are exact."""
     import copy
 
     from dflash_core.regenerate.decode import Sampling
@@ -179,17 +163,15 @@ def test_rotary_and_cache_write_kernels_change_no_token(setup):
     def norms_only(d):
         d.rope = None
         d.cache.write_kernel = False
-        d.mlp = None
 
     plain, other = _run(bf16, prompts, greedy, True, configure=norms_only)
-    assert other.norms is not None and other.rope is None and dec.mlp is not None
+    assert other.norms is not None and other.rope is None
     assert fused == plain and all(len(t) == 32 for t in fused.values())
     # and the kernels did run: the CPU check counts their calls in a bf16 decoder's steps
     from tests.decode_attention_check import decoder_kernels_case
 
     case = decoder_kernels_case("cuda")
     assert case["equal"] and case["calls"]["fused"]["rope"] > 0 and case["calls"]["fused"]["writes"] > 0, case
-    assert case["calls"]["fused"]["mlp"] > 0, case
 
 
 def test_stacked_qkv_gemm_keeps_each_projection_and_the_tokens(setup):

@@ -389,12 +389,11 @@ class SlotDecoder:
             tokens = firsts.tolist()
             self.prefill_seconds += time.perf_counter() - began
             slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
-            n = len(chunk)
             self.tokens[slots] = firsts.to(torch.long)
             self.positions[slots] = torch.tensor([len(r.prompt) for _, r in chunk], dtype=torch.long, device=dev)
-            self.steps[slots] = torch.ones(n, dtype=torch.long, device=dev)
+            self.steps[slots] = 1
             self.seeds[slots] = torch.tensor([r.seed & M32 for _, r in chunk], dtype=torch.long, device=dev)
-            self.tokens_generated += n
+            self.tokens_generated += len(chunk)
             ended = []
             for (slot, request), token in zip(chunk, tokens, strict=True):
                 limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))

@@ -13,7 +13,9 @@ valid (the step at the cache's end, what `of_bound` in bench.regenerate times):
 
 Then the decode step itself (the regeneration decoder, eager, the attention as the kernel with
 the default settings) under torch.profiler at the same slot count: device time per kernel class
-(GEMM, attention, other), the share of each, so that what is left over the bound has a name.
+(GEMM, attention, other), the share of each, and each class's floor (`floor_ms`: the GEMMs' FLOPs
+at the bf16 matmul rate measured in the run, the attention's key and value bytes at the copy
+bandwidth, nothing for the rest), so that what is left over the bound has a name.
 
     python -m bench.decode_attention [--slots 512] [--length 1024] [--profile-step]
 """
@@ -31,8 +33,8 @@ import triton
 import triton.testing
 
 import dflash_core.kernels.decode_attention as dak
-from bench.common import QWEN3_8B, env_record, report, write_target_dir
-from bench.regenerate import copy_bandwidth
+from bench.common import QWEN3_8B, env_record, measured_bf16_peak_tflops, report, write_target_dir
+from bench.regenerate import copy_bandwidth, prefill_weights
 from dflash_core.kernels.decode_attention import decode_attention, split_count
 
 
@@ -82,8 +84,9 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def by_class(prof, steps: int) -> list[dict]:
-    """Device time of the profiled kernels per class, per step; the top kernels printed."""
+def by_class(prof, steps: int, floors: dict[str, float]) -> list[dict]:
+    """Device time of the profiled kernels per class, per step, beside each class's floor (ms);
+    the top kernels printed."""
     per_class: dict[str, float] = {}
     per_kernel: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -96,7 +99,12 @@ def by_class(prof, steps: int) -> list[dict]:
         calls[evt.name] = calls.get(evt.name, 0) + 1
     total = sum(per_class.values())
     rows = [
-        {"class": c, "ms_per_step": round(us / steps / 1e3, 3), "share": round(us / total, 3)}
+        {
+            "class": c,
+            "ms_per_step": round(us / steps / 1e3, 3),
+            "share": round(us / total, 3),
+            "floor_ms": round(floors.get(c, 0.0), 3),
+        }
         for c, us in sorted(per_class.items(), key=lambda kv: -kv[1])
     ]
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]:
@@ -106,12 +114,12 @@ def by_class(prof, steps: int) -> list[dict]:
 
 
 @torch.no_grad()
-def profile_step(slots: int, prompt_len: int, new_tokens: int) -> tuple[list[dict], list[dict]]:
+def profile_step(slots: int, prompt_len: int, new_tokens: int, bandwidth: float) -> tuple[list[dict], list[dict]]:
     """The decode step (eager, near the cache's end) and one prefill chunk (as the decoder cuts
     them: its token budget of prompts of prompt_len), each by kernel class."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
+    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, kv_bytes_per_token
     from dflash_core.target import TargetModel
 
     target_dir = write_target_dir(Path(tempfile.mkdtemp()) / "target", QWEN3_8B)
@@ -129,7 +137,13 @@ def profile_step(slots: int, prompt_len: int, new_tokens: int) -> tuple[list[dic
         for _ in range(steps):
             dec._replay("greedy")
         torch.cuda.synchronize()
-    decode = by_class(prof, steps)
+    peak = measured_bf16_peak_tflops() * 1e12
+    head = target.model.get_output_embeddings().weight.numel()
+    layers = prefill_weights(target.model)
+    kv = kv_bytes_per_token(target.model.config, dec.dtype) * (length - 8)
+    decode = by_class(
+        prof, steps, {"gemm": 2 * slots * (layers + head) / peak * 1e3, "attention": slots * kv / bandwidth * 1e3}
+    )
     chunk = [(i, Request(i, list(range(10, 10 + prompt_len)), 1)) for i in range(dec.prefill_tokens // prompt_len)]
     dec._prefill(chunk, "greedy")
     torch.cuda.synchronize()
@@ -138,7 +152,8 @@ def profile_step(slots: int, prompt_len: int, new_tokens: int) -> tuple[list[dic
         dec._prefill(chunk, "greedy")
         torch.cuda.synchronize()
     print(f"prefill of {len(chunk)} x {prompt_len} tokens: {time.perf_counter() - t:.3f} s wall (profiled)", flush=True)
-    return decode, by_class(prof, 1)
+    tokens = len(chunk) * prompt_len
+    return decode, by_class(prof, 1, {"gemm": 2 * tokens * layers / peak * 1e3})
 
 
 def main(argv=None) -> None:
@@ -162,7 +177,7 @@ def main(argv=None) -> None:
     report("decode_attention", {**record, "rows": rows}, "decode attention kernel sweep", rows, cols)
     if args.profile_step:
         torch.cuda.empty_cache()
-        step, prefill = profile_step(args.slots, args.length // 2, args.length // 2)
+        step, prefill = profile_step(args.slots, args.length // 2, args.length // 2, bandwidth)
         report("decode_step_profile", {**record, "rows": step}, "decode step by kernel class", step, list(step[0]))
         report(
             "prefill_profile",

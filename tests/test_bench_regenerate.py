@@ -83,3 +83,32 @@ def test_serial_floor_is_the_cache_read_then_the_slower_of_bytes_and_flops():
     slow = serial_floor_ms(model, 4, cache, bandwidth, 1.0, 2.0)
     expected = (4 * cache / bandwidth + 2 * 4 * prefill_weights(model) + 2 * 4 * head.numel() / 2.0) * 1e3
     assert abs(slow - expected) < 1e-6 * expected
+
+
+def test_decode_gemm_shapes_are_the_models_linears():
+    """bench/decode_gemms.py's shapes, times their calls, hold every linear weight of a Qwen3 of
+    the preset's widths and the LM head, with q, k and v stacked as the decoder stacks them."""
+    from collections import Counter
+
+    from torch import nn
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from bench.common import QWEN3_8B
+    from bench.decode_gemms import step_shapes
+
+    preset = {**QWEN3_8B, "num_hidden_layers": 2, "vocab_size": 512}
+    cfg = Qwen3Config(**{k: v for k, v in preset.items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    found: Counter = Counter()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not name.endswith(("k_proj", "v_proj")):
+            out = m.out_features
+            if name.endswith("q_proj"):
+                attn = model.get_submodule(name.rsplit(".", 1)[0])
+                out += attn.k_proj.out_features + attn.v_proj.out_features
+            found[(out, m.in_features)] += 1
+    expected: Counter = Counter()
+    for n, k, calls in step_shapes(preset).values():
+        expected[(n, k)] += calls
+    assert found == expected

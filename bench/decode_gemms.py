@@ -63,6 +63,9 @@ def shape_row(rows: int, name: str, n: int, k: int, rate: float, bandwidth: floa
         "weights_us": round(n * k * 2 / bandwidth * 1e6, 1),
     }
     if autotune:
+        # one compiled function per shape: without the reset dynamo's recompile limit would send the
+        # later shapes to eager without a word
+        torch._dynamo.reset()
         compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
         compiled(x, w)
         torch.cuda.synchronize()

@@ -109,7 +109,7 @@ def kernel_cases(device: str = "cpu") -> dict:
 
 # tokens the decoder check generates for prompt k: NEW_TOKENS + k (each sequence longer than the
 # sliding window, and ending at a different step)
-NEW_TOKENS = 8
+NEW_TOKENS = 6
 KERNELS_NEW_TOKENS = 4  # decoder_kernels_case's, per prompt
 
 
@@ -338,7 +338,8 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
 
     model = tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (5, 11, 2, 7)]
+    # short prompts: every prompt token is a program of each layer's interpreted kernels
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 6, 2, 4)]
     outputs, counts = [], {}
     for fused in (True, False):
         dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True)
@@ -406,18 +407,22 @@ def top_p_cases(device: str = "cpu") -> dict:
     -inf entries (a third of a row, and more than the kernel's first block), one block and
     several: the tokens each keeps, and the probability of those where they differ (a sum's
     rounding near top_p moves the cut by a few tail tokens at most); and -0.0 tied with 0.0."""
-    from dflash_core.kernels.top_p import key_shift, top_p_floor
+    from dflash_core.kernels.top_p import BLOCK, key_shift, top_p_floor
     from dflash_core.regenerate.sampling import keep_top
 
     g = torch.Generator().manual_seed(6)
     out = {}
     no_k = torch.zeros(1, dtype=torch.long, device=device)
+    # one block, and two with the last partial (each program bisects over its whole row: the
+    # interpreter's cost grows with the rows and the blocks)
+    several = BLOCK + 404
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for vocab in (300, 9001) if dtype != torch.float16 else (300,):  # fp16: its key shift
-            scale = torch.linspace(0.5, 8, 6).unsqueeze(-1)  # flat to peaked rows
-            logits = (torch.randn(6, vocab, generator=g) * scale).to(dtype)
+        for vocab in (300, several) if dtype != torch.float16 else (300,):  # fp16: its key shift
+            scale = torch.linspace(0.5, 8, 4).unsqueeze(-1)  # flat to peaked rows
+            logits = (torch.randn(4, vocab, generator=g) * scale).to(dtype)
             logits[1, ::3] = float("-inf")
-            logits[2, : vocab * 3 // 5] = float("-inf")  # more than the kernel's first block, at 9001
+            # more than the kernel's first block at `several` (3/5 of the row at 300)
+            logits[2, : max(vocab * 3 // 5, vocab - 300)] = float("-inf")
             logits = logits.to(device)
             bits = logits.float().view(torch.int32)
             bits = torch.where(bits == torch.iinfo(torch.int32).min, 0, bits)  # -0.0 keyed as 0.0

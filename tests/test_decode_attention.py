@@ -135,7 +135,7 @@ def test_decoder_with_the_kernel_equals_without_and_generate(checked, model):
     models: the checks above)."""
     got = checked[model]
     assert got["equal"] and got["equals_generate"], got
-    assert got["tokens"] == sum(8 + k for k in range(5))  # NEW_TOKENS + k for each of the 5 prompts
+    assert got["tokens"] == sum(6 + k for k in range(5))  # NEW_TOKENS + k for each of the 5 prompts
 
 
 def test_ranges_follow_the_masks_rule():

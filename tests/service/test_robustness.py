@@ -114,7 +114,7 @@ CRASHER_STEPS = 40  # the crash-loop test's job
 
 @pytest.fixture(scope="module")
 def daemon(make_daemon):
-    """The module's daemon, for the tests below in this order: the last two restart it."""
+    """The module's daemon, for the tests below in this order: the last restarts it."""
     d = make_daemon(settings={"max_crash_resumes": CRASH_RESUMES})
     d.wait_ready()
     return d
@@ -194,35 +194,24 @@ def test_resume_is_refused_without_a_checkpoint(daemon):
 
 # --------------------------------------------------------------------------- restarts
 @pytest.mark.slow  # restarts a real daemon (an engine warm-up each start)
-def test_partial_checkpoint_writes_are_removed_at_start(daemon):
-    """At start the daemon removes the temporary directories of interrupted checkpoint writes from
-    the output directory of every job it knows, and nothing else. (The module's daemon,
-    restarted.)"""
-    d = daemon
-    job = d.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 1})
-    assert d.wait_terminal(job["id"])["state"] == "SUCCEEDED"
-    checkpoints = Path(job["output_dir"]) / "checkpoints"
-    assert d.stop() in (0, -15)
-    partial = _plant_partial_write(checkpoints)
-    not_ours = _plant_partial_write(d.data_dir / "jobs" / "not-a-job" / "checkpoints")
-    d.start()
-    _wait(lambda: not partial.exists(), 30, f"{partial} was not removed at start")
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000001", "step-00000002"]
-    assert not_ours.exists()
-
-
-@pytest.mark.slow
 def test_crash_loop_fails_the_job_and_the_api_resumes_it(daemon):
     """Crashes count toward the guard only in a row without a new checkpoint: killed each time
     soon after it resumed (its only checkpoint by cadence is its last step), the job fails when
     the daemon starts for the (max_crash_resumes + 1)th time after such a crash, with the reason.
     POST /jobs/{id}/resume continues it from its checkpoint to the end. With max_crash_resumes
     CRASH_RESUMES (the module daemon's; the default is MAX_CRASH_RESUMES): the rule is the same,
-    with fewer daemon starts."""
+    with fewer daemon starts.
+
+    The first of these starts also shows the sweep of interrupted checkpoint writes: at start the
+    daemon removes the temporary directories of such writes from the output directory of every
+    job it knows (a finished job's here), and nothing else."""
     limit = CRASH_RESUMES
     assert limit < MAX_CRASH_RESUMES
     d = daemon
     d.wait_ready()
+    finished = d.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 1})
+    assert d.wait_terminal(finished["id"])["state"] == "SUCCEEDED"
+    finished_checkpoints = Path(finished["output_dir"]) / "checkpoints"
     # its only checkpoint by cadence is its last step; each kill lands right after a resume, dozens
     # of steps before that
     job = d.submit(
@@ -235,8 +224,14 @@ def test_crash_loop_fails_the_job_and_the_api_resumes_it(daemon):
     )
     d.wait_job(job["id"], lambda j: j["progress"]["step"] >= 3)
     assert d.stop() in (0, -15)  # checkpoints the current step: the resume point; no crash
+    partial = _plant_partial_write(finished_checkpoints)
+    not_ours = _plant_partial_write(d.data_dir / "jobs" / "not-a-job" / "checkpoints")
     for crashes_in_a_row in range(limit + 2):  # as counted when the daemon starts again
         d.start()
+        if crashes_in_a_row == 0:  # the sweep at start
+            _wait(lambda: not partial.exists(), 30, f"{partial} was not removed at start")
+            assert sorted(p.name for p in finished_checkpoints.iterdir()) == ["step-00000001", "step-00000002"]
+            assert not_ours.exists()
         d.wait_ready()
         if crashes_in_a_row > limit:
             break

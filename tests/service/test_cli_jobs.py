@@ -12,6 +12,15 @@ from service.progress import WINDOW, StepRate, progress_line
 from tests.service.test_cli import cli
 
 
+@pytest.fixture(scope="module")
+def daemon(make_daemon):
+    """A daemon of the module's own: its status listings are compared whole, with no job of
+    another module among them."""
+    d = make_daemon()
+    d.wait_ready()
+    return d
+
+
 def test_an_unknown_field_gets_a_did_you_mean(daemon, tmp_path):
     r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 3, "lr": 0.1, "max_step": 4})
     assert r.status_code == 422

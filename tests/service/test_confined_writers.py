@@ -42,10 +42,9 @@ def test_tracker_writes_through_the_directory_it_opened(tmp_path):
     assert list((root / "moved" / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.slow  # a daemon of its own and a job writing TensorBoard events
-def test_daemon_tensorboard_never_escapes(make_daemon, tmp_path):
-    d = make_daemon()
-    d.wait_ready()
+@pytest.mark.slow  # a daemon and a job writing TensorBoard events
+def test_daemon_tensorboard_never_escapes(daemon, tmp_path):
+    d = daemon
     outside = tmp_path / "outside"
     outside.mkdir()
     # 1. a tensorboard symlink inside the output directory

@@ -54,6 +54,14 @@ def errors(r: httpx.Response) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def daemon(make_daemon):
+    """A daemon of the module's own: a continual job swaps the target it serves in place."""
+    d = make_daemon()
+    d.wait_ready()
+    return d
+
+
+@pytest.fixture(scope="module")
 def reload_hook(tmp_path_factory):
     root = tmp_path_factory.mktemp("hook")
     (root / "hook.py").write_text(RELOAD_SERVER)

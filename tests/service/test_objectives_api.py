@@ -14,10 +14,8 @@ BASE = {"datasets": ["builtin://train"], "steps": 3}
 
 
 @pytest.fixture(scope="module")
-def plain(make_daemon):
-    d = make_daemon()
-    d.wait_ready()
-    return d
+def plain(daemon):
+    return daemon  # the default configuration: the dflash recipe, no teacher
 
 
 @pytest.mark.parametrize(

@@ -56,13 +56,12 @@ def test_tensorboard_events_hold_every_step(tmp_path):
 
 
 @pytest.mark.slow  # jobs with TensorBoard event files
-def test_a_jobs_tensorboard_events_and_unknown_trackers(make_daemon):
+def test_a_jobs_tensorboard_events_and_unknown_trackers(daemon):
     """By default (the daemon's report_to) a job writes TensorBoard events under its output
     directory with one loss per step; a tracker whose package is missing is a 422 naming report_to."""
     import importlib.util
 
-    d = make_daemon()
-    d.wait_ready()
+    d = daemon
     job = d.submit({"datasets": ["builtin://train"], "steps": 4, "checkpoint_interval": 2})
     assert d.wait_terminal(job["id"])["state"] == "SUCCEEDED"
     scalars = read_scalars(Path(job["output_dir"]) / "tensorboard")

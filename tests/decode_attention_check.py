@@ -23,6 +23,12 @@ from dflash_core.regenerate.attention import slot_attention
 from tests.tiny_decoders import tiny_llama, tiny_sliding_qwen3
 
 
+def sliding_qwen3():
+    """The decoder checks' Qwen3: one full and one sliding layer (each layer's kernels run through
+    the interpreter, so no third layer of a kind already there)."""
+    return tiny_sliding_qwen3(layers=2)
+
+
 def reference(query, key, value, ranges, scale) -> torch.Tensor:
     """softmax(q k^T * scale) v over positions [lo, hi) of each sequence, in float64."""
     b, hq, d = query.shape
@@ -171,7 +177,7 @@ def _sliced_norm_cases(device: str) -> dict:
     return out
 
 
-def decoder_compare(device: str = "cpu", build=tiny_sliding_qwen3) -> dict:
+def decoder_compare(device: str = "cpu", build=sliding_qwen3) -> dict:
     """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
     generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
     too), sequences longer than the sliding window."""
@@ -336,7 +342,7 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
     a few decode steps, with a slot refilled, are what it checks."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
-    model = tiny_sliding_qwen3().to(device=device, dtype=torch.bfloat16)
+    model = sliding_qwen3().to(device=device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     # short prompts: every prompt token is a program of each layer's interpreted kernels
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 6, 2, 4)]

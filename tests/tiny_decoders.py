@@ -6,15 +6,17 @@ from __future__ import annotations
 import torch
 
 
-def tiny_sliding_qwen3():
-    """A 3-layer fp32 Qwen3 with random weights: full, sliding (window 6) and full layers, GQA 2."""
+def tiny_sliding_qwen3(layers: int = 3):
+    """A 3-layer fp32 Qwen3 with random weights: full, sliding (window 6) and full layers, GQA 2
+    (layers=2: the first two, one of each kind)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
+    layer_types = ["full_attention", "sliding_attention", "full_attention"][:layers]
     cfg = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, use_sliding_window=True,
-        sliding_window=6, layer_types=["full_attention", "sliding_attention", "full_attention"],
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        use_sliding_window=True, sliding_window=6, layer_types=layer_types,
     )  # fmt: skip
     return Qwen3ForCausalLM(cfg).eval()
 

@@ -10,6 +10,11 @@ from dflash_core.step.attention import training_attention
 from dflash_core.step.micro_step import drafter_forward
 from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
+# one xdist worker for the module: its compiled tests share what inductor built in the process
+# (the drafter layer's graphs, the loss chunk's), each a CPU compile of many seconds when it is not
+# there yet
+pytestmark = pytest.mark.xdist_group("test_attention_paths")
+
 
 def _forward_setup(seed: int, shape: ShapeConfig, n_docs: int):
     """A packed micro-batch, an fp32 tiny drafter, a frozen head and target features."""

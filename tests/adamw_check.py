@@ -127,6 +127,11 @@ def working_copies_compare(device: str = "cpu", steps: int = 3) -> dict:
     }
 
 
+def main(args: list[str]) -> dict:
+    """The check's result on the device args[0] names (default: the CPU)."""
+    device = args[0] if args else "cpu"
+    return {**compare(device), "working_copies": working_copies_compare(device)}
+
+
 if __name__ == "__main__":
-    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    print(json.dumps({**compare(device), "working_copies": working_copies_compare(device)}))
+    print(json.dumps(main(sys.argv[1:])))

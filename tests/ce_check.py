@@ -132,18 +132,18 @@ def fp8_compare(rows: int = 32, hidden: int = 64, vocab: int = 5003, seed: int =
     }
 
 
+def main(flags: list[str]) -> dict:
+    """The CPU check's result (`--fp8`: the FP8 chunk's)."""
+    if "--fp8" in flags:
+        return fp8_compare()
+    return {
+        "one_block": compare(vocab=1500),
+        "several_blocks": compare(vocab=9000),
+        "exact_blocks": compare(vocab=2 * BLOCK_V, seed=1),
+        "bad_label_nan": out_of_range_label_gives_nan(),
+        "micro_step": micro_step_compare(),
+    }
+
+
 if __name__ == "__main__":
-    if "--fp8" in sys.argv:
-        print(json.dumps(fp8_compare()))
-        sys.exit(0)
-    print(
-        json.dumps(
-            {
-                "one_block": compare(vocab=1500),
-                "several_blocks": compare(vocab=9000),
-                "exact_blocks": compare(vocab=2 * BLOCK_V, seed=1),
-                "bad_label_nan": out_of_range_label_gives_nan(),
-                "micro_step": micro_step_compare(),
-            }
-        )
-    )
+    print(json.dumps(main(sys.argv[1:])))

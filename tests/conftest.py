@@ -36,12 +36,34 @@ def pytest_collection_modifyitems(config, items):
         # to one worker: split over two, each worker would build the fixture
         if _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+        # so do the tests of the interpreted checks, which share one run (`interpreted`)
+        elif item.get_closest_marker("interpreted_check") is not None:
+            item.add_marker(pytest.mark.xdist_group("interpreted-checks"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def interpreted(request):
+    """interpreted(module, *flags) -> that check's result (tests/interpreted_checks.py): the
+    checks named by the `interpreted_check` marks of the tests selected, all run once, in one
+    fresh interpreter with Triton's interpreter."""
+    pytest.importorskip("triton")
+    from tests.helpers import run_interpreted_check
+
+    checks = {" ".join(m.args) for item in request.session.items for m in item.iter_markers("interpreted_check")}
+    results = run_interpreted_check("tests.interpreted_checks", *sorted(checks))
+
+    def result(*check: str) -> dict:
+        got = results[" ".join(check)]
+        assert "error" not in got, got["error"]
+        return got["result"]
+
+    return result
 
 
 @pytest.fixture(scope="session")

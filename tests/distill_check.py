@@ -262,11 +262,14 @@ def micro_step_fp8_compare(
     }
 
 
+def main(flags: list[str]) -> dict:
+    """The CPU check's result (`--fp8`, `--fp8-dspark`: the module docstring's)."""
+    if "--fp8" in flags:
+        return {"chunk": fp8_compare(), "micro_step": micro_step_fp8_compare()}
+    if "--fp8-dspark" in flags:
+        return dspark_fp8_compare()
+    return {"one_block": compare(vocab=1500), "several_blocks": compare(vocab=9000, seed=1)}
+
+
 if __name__ == "__main__":
-    if "--fp8" in sys.argv:
-        print(json.dumps({"chunk": fp8_compare(), "micro_step": micro_step_fp8_compare()}))
-        sys.exit(0)
-    if "--fp8-dspark" in sys.argv:
-        print(json.dumps(dspark_fp8_compare()))
-        sys.exit(0)
-    print(json.dumps({"one_block": compare(vocab=1500), "several_blocks": compare(vocab=9000, seed=1)}))
+    print(json.dumps(main(sys.argv[1:])))

@@ -108,7 +108,8 @@ def test_dspark_loss_matches_the_dense_reference(kind):
 
 
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
-def test_dspark_loss_with_the_fp8_lm_head_interpreted():
+@pytest.mark.interpreted_check("tests.distill_check", "--fp8-dspark")
+def test_dspark_loss_with_the_fp8_lm_head_interpreted(interpreted):
     """The Markov objective with the FP8 lm_head ("triton_fp8": the lm_head's logits and grad_h
     by FP8 GEMMs, the Markov bias and its gradients in bf16; Triton's interpreter, chunks of 16
     rows, a vocabulary FP8 pads) and with the bf16 one, each against the dense float64
@@ -117,10 +118,7 @@ def test_dspark_loss_with_the_fp8_lm_head_interpreted():
     of p_d - p_t that any rounding flips where the two nearly agree (the bf16 path is several
     percent off already), and kl's p_d - p_t shrinks as they agree while FP8's rounding does not.
     A gradient that lost the row weights or the lm_head's part would be off by far more."""
-    pytest.importorskip("triton")
-    from tests.helpers import run_interpreted_check
-
-    result = run_interpreted_check("tests.distill_check", "--fp8-dspark")
+    result = interpreted("tests.distill_check", "--fp8-dspark")
     fp8, bf16 = result["fp8"], result["bf16"]
     assert fp8["loss_rel"] < 5e-3 and bf16["loss_rel"] < 1e-3, result
     assert set(fp8["grad_rel"]) == {"rows", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}

@@ -27,7 +27,7 @@ from dflash_core.fp8 import (
     use_fp8_linears,
 )
 from service.config import ConfigError, load_config
-from tests.helpers import run_interpreted_check, tiny_drafter_config, write_fp8_checkpoint, write_tiny_qwen3
+from tests.helpers import tiny_drafter_config, write_fp8_checkpoint, write_tiny_qwen3
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -231,12 +231,12 @@ def test_fp8_head_pads_the_vocabulary_with_zero_rows():
 
 
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
-def test_fp8_loss_chunk_matches_the_exact_chunk_interpreted():
+@pytest.mark.interpreted_check("tests.ce_check", "--fp8")
+def test_fp8_loss_chunk_matches_the_exact_chunk_interpreted(interpreted):
     """The FP8 lm_head loss chunk (kernels/ce.py, Triton's interpreter) against the fp32 eager
     chunk: loss within 0.5 %, the hidden-state gradient within FP8's error, hits the same but
     where FP8's rounding reorders near-tied top logits (at most 1 in 6 of these random rows)."""
-    pytest.importorskip("triton")
-    result = run_interpreted_check("tests.ce_check", "--fp8")
+    result = interpreted("tests.ce_check", "--fp8")
     assert result["loss_rel"] < 5e-3 and result["grad_rel"] < 0.06, result
     assert result["hit_mismatches"] <= result["rows"] // 6, result
     assert result["padded_vocab"] > result["vocab"]
@@ -322,13 +322,13 @@ def test_linears_fed_the_same_tensor_share_one_cast():
     assert shared._local.entry is None
 
 
-def test_fp8_cast_kernel_interpreted():
+@pytest.mark.interpreted_check("tests.fp8_cast_check")
+def test_fp8_cast_kernel_interpreted(interpreted):
     """kernels/fp8_cast.py through Triton's interpreter: the inverse scale equal to
     fp8.quantize's, the appended rows zero, every value within the format's range; a NaN or an
     infinity makes the inverse scale infinite. (The interpreter's own FP8 rounding is not the
     GPU's; tests/gpu compares the values bit for bit.)"""
-    pytest.importorskip("triton")
-    result = run_interpreted_check("tests.fp8_cast_check")
+    result = interpreted("tests.fp8_cast_check")
     assert result["inv_equal"] and result["pad_zero"] and result["in_range"] and result["shape_ok"], result
     nonfinite = result["nonfinite"]
     assert nonfinite["nan_inv_inf"] and nonfinite["inf_inv_inf"], nonfinite  # the GEMM's output: NaN

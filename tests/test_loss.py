@@ -18,7 +18,7 @@ from dflash_core.step.loss import (
     reference_lm_head_loss,
 )
 from dflash_core.step.micro_step import StepSettings, drafter_forward, micro_step
-from tests.helpers import random_drafter, random_micro_batch, run_interpreted_check, tiny_drafter_config
+from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 
 def hand_batch():
@@ -158,13 +158,13 @@ def test_micro_step_skips_position_zero_without_changing_loss_or_gradients():
 
 
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
-def test_triton_chunk_matches_eager_chunk_interpreted():
+@pytest.mark.interpreted_check("tests.ce_check")
+def test_triton_chunk_matches_eager_chunk_interpreted(interpreted):
     """The Triton CE kernel of kernels/ce.py (Triton's interpreter on CPU; tests/gpu runs it on
     CUDA in bf16): same loss, gradient and argmax hits as the eager chunk, ties broken to the
     first index, one and several vocabulary blocks; and a whole micro-step with it equals the
     eager one."""
-    pytest.importorskip("triton")
-    result = run_interpreted_check("tests.ce_check")
+    result = interpreted("tests.ce_check")
     assert result.pop("bad_label_nan")
     step = result.pop("micro_step")  # the whole micro-step, chunks of 5 rows, through the autograd Function
     assert step["loss_rel"] < 1e-6 and step["grad_rel_max"] < 1e-5 and step["hits_equal"], step

@@ -25,7 +25,7 @@ from dflash_core.step.objectives import (
     reference_objective,
     weighted_objective_loss,
 )
-from tests.helpers import random_drafter, random_micro_batch, run_interpreted_check, tiny_drafter_config
+from tests.helpers import random_drafter, random_micro_batch, tiny_drafter_config
 
 MIXES = {
     "ce": (1.0, 0.0, 0.0),
@@ -161,13 +161,13 @@ def test_loss_field_parsing_and_engine_checks():
     assert check_objective(TrainJob(datasets=["x"], output_dir="y", steps=1), teacher=False).is_plain_ce
 
 
-def test_triton_objective_chunk_matches_eager_interpreted():
+@pytest.mark.interpreted_check("tests.distill_check")
+def test_triton_objective_chunk_matches_eager_interpreted(interpreted):
     """kernels/distill.py through Triton's interpreter (tests/gpu runs it on CUDA): ce, kl, tv
     per row, argmax hits and the mixed gradient as the eager chunk, one and several vocabulary
     blocks; so too without TV in the mix (the fused path that skips the pass for sigma) and with
     the teacher as a table indexed per row with its logsumexp formed once (TeacherRows)."""
-    pytest.importorskip("triton")
-    result = run_interpreted_check("tests.distill_check")
+    result = interpreted("tests.distill_check")
     for case, diff in result.items():
         assert max(diff["terms_rel"]) < 1e-5 and diff["grad_rel"] < 1e-5, (case, diff)
         assert diff["hit_mismatches"] == 0 and diff["hits"] > 0 and diff["forward_only_same"], (case, diff)
@@ -244,7 +244,8 @@ def test_teacher_logits_per_context_position_equal_the_per_row_ones():
 
 
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
-def test_fp8_objective_chunk_matches_the_exact_chunk_interpreted():
+@pytest.mark.interpreted_check("tests.distill_check", "--fp8")
+def test_fp8_objective_chunk_matches_the_exact_chunk_interpreted(interpreted):
     """The FP8 lm_head distillation chunk (kernels/distill.py chunk_terms_fp8, Triton's
     interpreter; tests/gpu runs the FP8 objective step on CUDA) against the fp32 eager chunk of
     the exact logits, a mix of ce, kl and tv over a vocabulary FP8 pads (2003 -> 2016).
@@ -264,8 +265,7 @@ def test_fp8_objective_chunk_matches_the_exact_chunk_interpreted():
     position, chunks that are not a multiple of the rows) within the CE chunk's 0.5 % of the
     "triton" step's loss, not equal to it (its GEMMs ran in FP8), gradients at cosine 0.98 (as
     the FP8 CE step's on CUDA, tests/gpu/test_fp8_gpu.py)."""
-    pytest.importorskip("triton")
-    result = run_interpreted_check("tests.distill_check", "--fp8")
+    result = interpreted("tests.distill_check", "--fp8")
     step = result["micro_step"]
     assert 0 < step["loss_rel"] < 5e-3 and step["grad_cosine_min"] > 0.98, step
     r = result["chunk"]

@@ -6,15 +6,14 @@ import pytest
 import torch
 
 from dflash_core.engine.optim import build_optimizer, clipped_step, load_optimizer_state
-from tests.helpers import run_interpreted_check
 
 AGREEMENT = ("params", "exp_avg", "exp_avg_sq", "from_torch", "from_fused", "to_torch")
 
 
 @pytest.mark.slow  # the Triton kernel in the (slow) interpreter
-def test_triton_adamw_matches_torch_adamw_interpreted():
-    pytest.importorskip("triton")
-    diff = run_interpreted_check("tests.adamw_check")
+@pytest.mark.interpreted_check("tests.adamw_check")
+def test_triton_adamw_matches_torch_adamw_interpreted(interpreted):
+    diff = interpreted("tests.adamw_check")
     assert diff["step_on_host"] and diff["loaded_step_on_host"] and diff["to_torch_keeps_its_implementation"]
     for key in AGREEMENT:  # fp32 rounding: ~1e-7; decay applied after the update instead: ~1e-3
         assert diff[key] < 1e-6, (key, diff)

@@ -6,8 +6,13 @@ shape), down and the lm_head. Per shape and row count:
 
   cublas_us     F.linear (cuBLAS), median of triton.testing.do_bench (launches back to back)
   of_rate       its FLOPs per second against the 8192^3 bf16 matmul rate measured in the run
+  cublaslt_us   the same F.linear with torch's preferred BLAS set to cuBLASLt (its own heuristic
+                and workspace, where cuBLAS's may pick another kernel at a narrow shape)
   autotuned_us  the same product compiled with inductor's max-autotune (its Triton templates and
                 cuBLAS; --no-autotune skips it), compile and autotuning outside the timing
+  tma_us        the same with inductor's persistent TMA templates added to the candidates (off by
+                default in inductor): a persistent GEMM keeps every multiprocessor busy past the
+                last whole wave of tiles, where a narrow output leaves them idle
   weights_us    the weight's bytes at the copy bandwidth measured in the run: the GEMM's floor
                 where it is bound by the bandwidth rather than by its FLOPs
 
@@ -15,7 +20,7 @@ A last row per row count sums a decode step's GEMMs (36 layers, gate and up apar
 against the same GEMMs at the measured rate: what the step's GEMMs add over its serial floor
 (bench.regenerate `floor_ms`).
 
-    python -m bench.decode_gemms [--rows 512,256] [--no-autotune]
+    python -m bench.decode_gemms [--rows 512,256] [--no-autotune] [--gemms o,qkv]
 """
 
 from __future__ import annotations
@@ -53,44 +58,78 @@ def shape_row(rows: int, name: str, n: int, k: int, rate: float, bandwidth: floa
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     flops = 2 * rows * n * k
     us = bench_us(lambda: F.linear(x, w))
+    lt_us = cublaslt_us(x, w)
     row = {
         "rows": rows,
         "gemm": name,
         "n x k": f"{n} x {k}",
         "cublas_us": round(us, 1),
+        "cublaslt_us": None if lt_us is None else round(lt_us, 1),
         "of_rate": round(flops / (us * 1e-6) / rate, 3),
         "at_rate_us": round(flops / rate * 1e6, 1),
         "weights_us": round(n * k * 2 / bandwidth * 1e6, 1),
     }
     if autotune:
-        # one compiled function per shape: without the reset dynamo's recompile limit would send the
-        # later shapes to eager without a word
-        torch._dynamo.reset()
+        row["autotuned_us"] = round(autotuned_us(x, w, persistent_tma=False), 1)
+        row["tma_us"] = round(autotuned_us(x, w, persistent_tma=True), 1)
+    return row
+
+
+def cublaslt_us(x: torch.Tensor, w: torch.Tensor) -> float | None:
+    """F.linear's median with cuBLASLt as torch's preferred BLAS (None where this torch cannot
+    switch); the preference is put back after."""
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    except (RuntimeError, ValueError):
+        return None
+    try:
+        return bench_us(lambda: F.linear(x, w))
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def autotuned_us(x: torch.Tensor, w: torch.Tensor, persistent_tma: bool) -> float:
+    """The product compiled with max-autotune, with or without the persistent TMA templates."""
+    import torch._inductor.config as inductor_config
+
+    # one compiled function per shape and setting: without the reset dynamo's recompile limit
+    # would send the later ones to eager without a word
+    torch._dynamo.reset()
+    with inductor_config.patch({"triton.enable_persistent_tma_matmul": persistent_tma}):
         compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
         compiled(x, w)
-        torch.cuda.synchronize()
-        row["autotuned_us"] = round(bench_us(lambda: compiled(x, w)), 1)
-    return row
+    torch.cuda.synchronize()
+    return bench_us(lambda: compiled(x, w))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="512,256", help="comma-separated row counts (slots)")
-    p.add_argument("--no-autotune", action="store_true", help="cuBLAS only")
+    p.add_argument("--no-autotune", action="store_true", help="cuBLAS and cuBLASLt only")
+    p.add_argument("--gemms", default="", help="comma-separated GEMM names to time (default: every one)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     rate = measured_bf16_peak_tflops() * 1e12
     bandwidth = copy_bandwidth()
     print(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     table = []
+    wanted = {g.strip() for g in args.gemms.split(",") if g.strip()}
+    unknown = wanted - set(step_shapes())
+    if unknown:
+        p.error(f"--gemms: unknown {sorted(unknown)}; known: {sorted(step_shapes())}")
     for rows in (int(r) for r in args.rows.split(",")):
         step_us = step_at_rate_us = 0.0
         for name, (n, k, calls) in step_shapes().items():
+            if wanted and name not in wanted:
+                continue
             row = shape_row(rows, name, n, k, rate, bandwidth, not args.no_autotune)
             print(row, flush=True)
             table.append(row)
             step_us += calls * row["cublas_us"]
             step_at_rate_us += calls * row["at_rate_us"]
+        if wanted:
+            continue  # the step's sum needs every GEMM
         table.append(
             {
                 "rows": rows,
@@ -100,9 +139,9 @@ def main(argv=None) -> None:
                 "at_rate_us": round(step_at_rate_us, 1),
             }
         )
-    cols = ["rows", "gemm", "n x k", "cublas_us", "of_rate", "at_rate_us", "weights_us"]
+    cols = ["rows", "gemm", "n x k", "cublas_us", "cublaslt_us", "of_rate", "at_rate_us", "weights_us"]
     if not args.no_autotune:
-        cols.insert(4, "autotuned_us")
+        cols[5:5] = ["autotuned_us", "tma_us"]
     record = {
         "env": env_record(),
         "matmul_tflops": round(rate / 1e12),

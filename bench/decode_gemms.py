@@ -43,7 +43,7 @@ def step_shapes(preset: dict = QWEN3_8B) -> dict[str, tuple[int, int, int]]:
     return {
         "qkv": ((heads + 2 * kv) * head_dim, hidden, layers),
         "o": (hidden, heads * head_dim, layers),
-        "gate, up": (inter, hidden, 2 * layers),
+        "gate_up": (inter, hidden, 2 * layers),  # gate and up: one shape, two GEMMs
         "down": (hidden, inter, layers),
         "lm_head": (preset["vocab_size"], hidden, 1),
     }

@@ -83,10 +83,12 @@ def unmount(path) -> None:
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 120, drop: tuple[str, ...] = ("DFLASH_",)
 ) -> subprocess.CompletedProcess:
-    """`python -m service.cli ARGS` in a fresh interpreter, as a user runs it: this checkout on the
-    path, and none of the environment variables whose names start with `drop`."""
+    """`python -m service.cli ARGS` in a fresh interpreter, as a user runs it: this checkout first
+    on the path, and none of the environment variables whose names start with `drop`. A path the
+    caller already has stays after the checkout: where the packages were installed with `pip
+    --target` (bench/gpu_session.sh does so), the interpreter finds them only there."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [sys.executable, "-m", "service.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -37,12 +37,10 @@ smollm2: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m service.demo
 
-# pytest-xdist workers: many tests wait on real daemons and processes, so workers share the
-# cores well; each worker builds its own session fixtures. The full suite runs three on two
-# cores: a third worker computes while the others wait on daemons, ranks and fresh interpreters
-# (each worker computes on one thread: tests/conftest.py)
+# two workers (pytest-xdist): many tests wait on real daemons and processes, so two share two
+# cores well; each worker builds its own session fixtures
 test: $(STAMP) $(SPEC_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n 3 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow and not gpu" tests

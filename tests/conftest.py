@@ -12,8 +12,8 @@ import torch
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs at least one worker per core: each worker, and the daemons and ranks it
-    # starts (they inherit the variable), computes on one thread instead of contending for all cores
+    # `make test` runs one worker per core: each worker, and the daemons and ranks it starts
+    # (they inherit the variable), computes on one thread instead of contending for both cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 else:

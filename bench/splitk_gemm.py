@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import triton.testing
 
 from bench.common import env_record, report
-from bench.decode_gemms import step_shapes
+from bench.decode_gemms import bench_us, step_shapes
 
 
 @triton.jit
@@ -103,10 +102,6 @@ class SplitK:
             SPLIT=self.split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=self.warps, num_stages=3,
         )  # fmt: skip
         return out
-
-
-def bench_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median") * 1e3
 
 
 SETTINGS = [

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from bench.tables import out_dir, print_table
 from dflash_core.config import DrafterConfig, ShapeConfig
 
 
@@ -151,20 +152,6 @@ def env_record() -> dict:
         "cuda": torch.version.cuda,
         "gpus": torch.cuda.device_count(),
     }
-
-
-def out_dir() -> Path:
-    p = Path(os.environ.get("OUT", "out"))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
-    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
 
 
 def report(name: str, record: dict, title: str, rows: list[dict], cols: list[str]) -> None:

@@ -44,6 +44,7 @@ def test_worker_time_is_not_given_to_a_module():
     ]
 
 
+@pytest.mark.slow  # a pytest run in a fresh interpreter, and a child that burns half a second
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 def test_a_child_of_a_test_is_found_with_its_test(tmp_path):
     suite = tmp_path / "suite"

@@ -21,6 +21,11 @@ on,norms,off: a row of each.
 
 `--waves N` decodes N times as many requests as there are slots (the prompts repeated), the
 slots refilled as they free: end to end and the prefills' time over the N waves.
+`--new-tokens-spread F` gives each request its own count of new tokens, drawn evenly from
+new-tokens x (1 - F) to new-tokens x (1 + F) (the same mean), so that sequences end apart, as
+stop tokens and differing lengths make them in a real job, and prompts are prefilled while other
+slots decode; the cache then holds the longest, and the step timings and bounds stay at
+prompt + new-tokens.
 
 A row per precision, attention and slot count:
 
@@ -157,6 +162,18 @@ def serial_floor_ms(
     return (slots * cache_bytes / bandwidth + layers + lm_head) * 1e3
 
 
+def new_token_counts(requests: int, new_tokens: int, spread: float, seed: int = 0) -> list[int]:
+    """Each request's count of new tokens: new_tokens for every one (spread 0), else drawn evenly
+    from the integers within new_tokens x (1 +- spread) (their mean new_tokens), at least 1."""
+    if not 0 <= spread < 1:
+        raise ValueError(f"a spread of new tokens is in [0, 1), not {spread}")
+    if spread == 0:
+        return [new_tokens] * requests
+    lo, hi = max(1, round(new_tokens * (1 - spread))), round(new_tokens * (1 + spread))
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (requests,), generator=gen).tolist()
+
+
 def time_step(dec: SlotDecoder, mode: str, position: int) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
     enough to centre on it (each step moves the slots on by one; the last position a sequence
@@ -179,12 +196,18 @@ def run_slots(
     use_graph=True,
     head_flops: float | None = None,
     waves: int = 1,
+    spread: float = 0.0,
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
-    head_flops the LM head's, FLOP/s; the same unless given)."""
+    head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts')."""
     prompt_len = len(prompts[0])
-    length = prompt_len + new_tokens
-    dec = SlotDecoder(model, slots, length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off")
+    length = prompt_len + new_tokens  # what the step timings and the bounds count
+    wave = prompts[:slots]
+    counts = new_token_counts(waves * len(wave), new_tokens, spread)
+    cache_length = prompt_len + max(counts)
+    dec = SlotDecoder(
+        model, slots, cache_length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off"
+    )
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
         dec.cache.write_kernel = False
@@ -192,8 +215,7 @@ def run_slots(
         dec.qkv = None
     if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernels
         dec.sample_kernel = dec.floor_kernel = False
-    wave = prompts[:slots]
-    requests = [Request(i, wave[i % len(wave)], new_tokens, seed=i) for i in range(waves * len(wave))]
+    requests = [Request(i, wave[i % len(wave)], n, seed=i) for i, n in enumerate(counts)]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
     torch.cuda.synchronize()
@@ -206,7 +228,7 @@ def run_slots(
     prefill_s = dec.prefill_seconds
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
-    assert generated == len(requests) * new_tokens, generated
+    assert generated == sum(counts), generated
     # another wave: the timed run's prefills settled the allocator, so this one must not grow it
     # (reserved_first_wave_mib: what the timed run, all its waves, grew it by)
     list(dec.generate(requests[: len(wave)], greedy))
@@ -234,6 +256,7 @@ def run_slots(
         "fused": fused_label(dec),
         "slots": slots,
         "waves": waves,
+        "new_tokens_spread": spread,
         "graph": dec.use_graph,
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
         "stacked_qkv_gib": round(dec.qkv.nbytes / 2**30, 2) if dec.qkv is not None else 0.0,
@@ -389,13 +412,15 @@ def bench_precision(
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
             with kernel_settings(settings):
-                row = run_slots(*run, head_flops=bf16_flops, waves=args.waves)
+                row = run_slots(*run, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread)
         except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
             traceback.print_exc()
             torch.cuda.empty_cache()
             try:
                 with kernel_settings(settings):
-                    row = run_slots(*run, use_graph=False, head_flops=bf16_flops, waves=args.waves)
+                    row = run_slots(
+                        *run, use_graph=False, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread
+                    )
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
                 row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)"}
@@ -436,12 +461,20 @@ def main(argv=None) -> None:
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument(
+        "--new-tokens-spread",
+        type=float,
+        default=0.0,
+        help="each request's new tokens drawn evenly within new-tokens x (1 +- this), in [0, 1): sequences end apart",
+    )
     args = p.parse_args(argv)
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
     if not precisions or not set(precisions) <= {"bf16", "fp8"}:
         p.error("--precisions takes bf16 and fp8")
     if args.waves < 1:
         p.error("--waves takes a positive count")
+    if not 0 <= args.new_tokens_spread < 1:
+        p.error("--new-tokens-spread takes a fraction in [0, 1)")
     try:
         kernels = parse_kernels(args.kernel)
         fused_rows = parse_fused(args.fused)

@@ -3,9 +3,10 @@ but the input embedding, an FP8 linear at one byte per weight (plus its scale), 
 counted once and read as the LM head; the weights its prefill's ideal time multiplies each prompt
 token by."""
 
+import pytest
 import torch
 
-from bench.regenerate import bound, prefill_weights, serial_floor_ms, step_weight_bytes
+from bench.regenerate import bound, main, new_token_counts, prefill_weights, serial_floor_ms, step_weight_bytes
 
 
 def _tiny_qwen3(tied: bool):
@@ -112,3 +113,22 @@ def test_decode_gemm_shapes_are_the_models_linears():
     for n, k, calls in step_shapes(preset).values():
         expected[(n, k)] += calls
     assert found == expected
+
+
+def test_new_token_counts_spread_around_the_same_mean():
+    assert new_token_counts(5, 512, 0.0) == [512] * 5
+    counts = new_token_counts(4096, 512, 0.5, seed=3)
+    assert counts == new_token_counts(4096, 512, 0.5, seed=3)  # the same requests in every row
+    assert min(counts) >= 256 and max(counts) <= 768
+    assert len(set(counts)) > 400  # sequences end at many different steps
+    assert abs(sum(counts) / len(counts) - 512) < 8
+    assert min(new_token_counts(200, 3, 0.9)) >= 1
+    with pytest.raises(ValueError, match="spread"):
+        new_token_counts(4, 512, 1.0)
+
+
+def test_a_spread_outside_zero_to_one_is_refused_before_the_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--new-tokens-spread", "1.5"])
+    assert e.value.code == 2
+    assert "--new-tokens-spread" in capsys.readouterr().err

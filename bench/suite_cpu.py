@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.3, help="seconds between two reads of /proc")
     p.add_argument("--top", type=int, default=15, help="test modules listed")
     args = p.parse_args(argv)
+    if args.interval <= 0 or args.top < 1:
+        p.error("--interval takes a positive number of seconds and --top a positive count")
     if not Path("/proc/self/stat").exists():
         p.error("reads /proc: Linux only")
     seen: dict[tuple[int, int], dict] = {}

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from bench.suite_cpu import kind_of, summarize
+from bench.suite_cpu import kind_of, main, summarize
 from tests.helpers import REPO_ROOT
 
 # half a second of CPU, then a second idle: the poller reads the whole of it before the process ends
@@ -42,6 +42,12 @@ def test_worker_time_is_not_given_to_a_module():
         {"test module": "tests/a.py", "processes": 1, "CPU s": "3.0"},
         {"test module": "tests/b.py", "processes": 1, "CPU s": "1.0"},
     ]
+
+
+def test_a_bad_interval_is_refused_before_the_suite(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--interval", "0"])
+    assert e.value.code == 2 and "--interval" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a pytest run in a fresh interpreter, and a child that burns half a second

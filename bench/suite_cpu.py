@@ -114,15 +114,13 @@ def summarize(procs: list[dict], top: int) -> tuple[list[dict], list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pytest_args: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, pytest_args = argv[:at], argv[at + 1 :]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--interval", type=float, default=0.3, help="seconds between two reads of /proc")
     p.add_argument("--top", type=int, default=15, help="test modules listed")
+    # after `--`, argparse takes every argument as one of these, options included
+    p.add_argument("pytest_args", nargs="*", help="pytest's arguments, after -- (default: make test's)")
     args = p.parse_args(argv)
+    pytest_args = args.pytest_args
     if args.interval <= 0 or args.top < 1:
         p.error("--interval takes a positive number of seconds and --top a positive count")
     if not Path("/proc/self/stat").exists():

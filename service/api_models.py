@@ -13,6 +13,8 @@ from typing import Any, Literal, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from dflash_core.kinds import DEFAULT_KIND, KINDS
+
 from .jobs.store import REPORTED_PROGRESS, STATES, JobRecord
 
 JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"]
@@ -65,7 +67,8 @@ class Job(_Open):
     id: str
     name: str | None
     submission_id: str | None
-    kind: Literal["train", "regenerate"] = "train"
+    # every kind of the kinds table, so that a kind added there is documented without an edit here
+    kind: str = Field(DEFAULT_KIND, json_schema_extra={"enum": [k.name for k in KINDS]})
     state: JobState
     created_at: datetime
     started_at: datetime | None

@@ -1,4 +1,4 @@
-"""The HTTP control plane (docs/design.md, "HTTP API"): health, jobs, events, metrics.
+"""The HTTP control plane (docs/design.md, "HTTP contract"): health, jobs, events, metrics.
 
 `create_app(config)` returns the FastAPI app; its lifespan starts the daemon (service.daemon: the
 store, the job worker, and the engine build in a background thread, not awaited), so uvicorn

@@ -1,4 +1,4 @@
-"""Prometheus metrics (docs/design.md, "Metrics"), on a registry of the daemon's own.
+"""Prometheus metrics (docs/design.md, "Metric contract"), on a registry of the daemon's own.
 
 Per-step values (step time histogram, loss, accuracy per block position, acceptance lengths) are
 set by the job runner; everything the engine or the store already knows (readiness, warmup times,
@@ -6,10 +6,10 @@ compile counts, tokens, queue depths, job counts, CUDA allocator gauges) is read
 a custom collector, so a scrape never waits on a training step and never syncs a device.
 
 The gauges that describe one job (loss, accuracy, learning rate, gradient norm, acceptance lengths,
-data preparation) carry a `job` label, the job's id: a dashboard or an alert can tell which job a
-value belongs to, and a series never joins two jobs' values. They hold the series of one job at a
-time, from its start until the next job starts, so a finished job's last values stay scrapeable;
-before the first job they have no series.
+data preparation) carry a `job_id` label, the job's id (not `job`, Prometheus's own target label):
+a dashboard or an alert can tell which job a value belongs to, and a series never joins two jobs'
+values. They hold the series of one job at a time, from its start until the next job starts, so a
+finished job's last values stay scrapeable; before the first job they have no series.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from fastapi.routing import APIRoute
 from pydantic import AfterValidator, PlainValidator
 from starlette.concurrency import run_in_threadpool
 
+from dflash_core.kinds import DEFAULT_KIND, KINDS
+
 from .. import api_models as models
 from ..event_feed import EVENT_PAGE
 from ..jobs.by_kind import parse_spec
@@ -79,6 +81,8 @@ class SpecRoute(APIRoute):
         return decode_first
 
 
+OTHER_KINDS = [k for k in KINDS if k.name != DEFAULT_KIND]  # each a schema component of its own (service.openapi)
+
 # The spec of any kind (parse_spec returns its kind's model); typed and documented as JobSpec, the
 # default kind (each other kind's spec is a component of its own, service.openapi)
 SubmittedSpec = Annotated[
@@ -118,7 +122,8 @@ router = APIRouter(
     openapi_extra={
         "requestBody": {
             "description": 'the job spec (README, HTTP API), e.g. {"datasets": ["builtin://train"], "steps": 20}; '
-            'a body with "kind": "regenerate" is a RegenerateSpec (README, Regeneration)'
+            + "; ".join(f'a body with "kind": "{k.name}" is a {k.spec.rpartition(":")[2]}' for k in OTHER_KINDS)
+            + " (README, Regeneration and Continual jobs)"
         }
     },
 )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_core.kinds import DEFAULT_KIND, KINDS
 from service.jobs.schemas import JobSpec
 from tests.service.harness import Daemon
 
@@ -73,6 +74,11 @@ def test_submit_documents_its_body_and_every_answer(schema):
     spec = schema["components"]["schemas"]["JobSpec"]
     assert set(spec["properties"]) == set(JobSpec.model_fields)
     assert spec["required"] == ["datasets"] and spec["additionalProperties"] is False
+    for entry in KINDS:  # every other kind's spec: a component, named in the body's description
+        name = entry.spec.rpartition(":")[2]
+        if entry.name != DEFAULT_KIND:
+            assert f'"kind": "{entry.name}" is a {name}' in body["description"]
+            assert schema["components"]["schemas"][name]["properties"]["kind"]["const"] == entry.name
     assert set(submit["responses"]) == {
         "200",
         "202",
@@ -146,6 +152,10 @@ def test_answers_match_their_documented_bodies(daemon, schema):
     _check(schema, "SubmissionConflict", conflict.json())
     job = daemon.wait_terminal(r.json()["id"])
     _check(schema, "Job", job)
+    for entry in KINDS:  # a job of every kind, as GET /jobs/{id} answers for it
+        _check(schema, "Job", {**job, "kind": entry.name})
+    with pytest.raises(ValueError):
+        _check(schema, "Job", {**job, "kind": "bogus"})
     _check(schema, "JobList", daemon.http.get("/jobs").json())
     for event in daemon.events(job["id"]):
         _check(schema, "Event", event)

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from dflash_core.data_home import default_data_dir
 from dflash_core.engine.config import EngineConfig
 
 ENV_PREFIX = "DFLASH_"
@@ -32,15 +33,6 @@ ENV_PREFIX = "DFLASH_"
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message names the file, variable or field."""
-
-
-def default_data_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """$DFLASH_DATA_DIR, else the per-user data directory; never the current directory."""
-    if env.get("DFLASH_DATA_DIR"):
-        return Path(env["DFLASH_DATA_DIR"]).expanduser()
-    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
-    base = env.get("XDG_DATA_HOME") or str(home / ".local" / "share")
-    return Path(base).expanduser() / "dflash-trainer"
 
 
 def is_loopback_host(host: str) -> bool:

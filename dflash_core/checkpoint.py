@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import DrafterConfig
@@ -319,18 +320,56 @@ def export_checkpoint(src: str | Path, out: str | Path, dtype: str = "auto") -> 
     return write_checkpoint(out, cfg, weights, metadata=metadata, export_dtype=dtype)
 
 
+# config.json's sizes: whole numbers, at least 1 (a string or a float there is a damaged file)
+_SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "block_size",
+    "num_target_layers",
+)
+
+
 def read_config(path: str | Path) -> DrafterConfig:
+    """The drafter config.json describes; a ValueError naming the file where it is not one."""
     p = Path(path) / CONFIG_FILE
     if not p.is_file():
         raise FileNotFoundError(f"{p}: not a drafter checkpoint (no {CONFIG_FILE})")
-    return config_from_hf(json.loads(p.read_text()))
+    try:
+        d = json.loads(p.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{p}: not a drafter config (a JSON object)")
+    try:
+        cfg = config_from_hf(d)
+    except KeyError as e:
+        raise ValueError(f"{p}: not a drafter config: no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{p}: not a drafter config: {e}") from None
+    for name in _SIZE_FIELDS:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{p}: {name} is {value!r}, not a whole number of at least 1")
+    bad_ids = [i for i in (cfg.mask_token_id, *cfg.target_layer_ids) if isinstance(i, bool) or not isinstance(i, int)]
+    if bad_ids:
+        raise ValueError(f"{p}: mask_token_id and target_layer_ids must be whole numbers, got {bad_ids[0]!r}")
+    return cfg
 
 
 def load_weights(path: str | Path, num_layers: int, *, masters: bool = False) -> dict[str, torch.Tensor]:
     """The drafter weights of a checkpoint; masters: the fp32 weights of record (what resume
     continues from) where the exported model.safetensors holds another dtype."""
     master_file = Path(path) / TRAINING_DIR / MASTER_WEIGHTS_FILE
-    state = load_file(str(master_file if masters and master_file.is_file() else Path(path) / WEIGHTS_FILE))
+    weights = master_file if masters and master_file.is_file() else Path(path) / WEIGHTS_FILE
+    try:
+        state = load_file(str(weights))
+    except SafetensorError as e:  # a truncated or overwritten file
+        raise ValueError(f"{weights}: not a readable safetensors file ({e})") from None
     cfg = read_config(path) if (Path(path) / CONFIG_FILE).is_file() else None
     diff = expected_keys(num_layers, *((cfg.recipe, cfg.markov_head_type) if cfg else ())) ^ set(state)
     if diff:
@@ -343,7 +382,10 @@ def load_drafter(
 ) -> DFlashDrafter:
     cfg = read_config(path)
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(load_weights(path, cfg.num_hidden_layers))
+    try:
+        drafter.load_state_dict(load_weights(path, cfg.num_hidden_layers))
+    except RuntimeError as e:  # weights of other shapes than config.json says
+        raise ValueError(f"{path}: the weights do not fit its {CONFIG_FILE}: {str(e)[:300]}") from None
     return drafter.to(device=device, dtype=dtype) if dtype else drafter.to(device)
 
 
@@ -378,5 +420,15 @@ def load_training_state(path: str | Path) -> dict[str, Any] | None:
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's dflash_metadata.json ({} where it has none); a ValueError naming the file
+    where it is damaged."""
     p = Path(path) / METADATA_FILE
-    return json.loads(p.read_text()) if p.is_file() else {}
+    if not p.is_file():
+        return {}
+    try:
+        metadata = json.loads(p.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{p}: not checkpoint metadata (a JSON object)")
+    return metadata

@@ -13,6 +13,25 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def usable_device(name: str) -> torch.device:
+    """`name` as a device this process can run on (cpu, cuda, cuda:N); a ValueError naming it
+    where it is no device name, or names a device this host does not have."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {name!r}: not a device name (cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device {name!r}: only cpu and cuda devices are supported")
+    count = cuda_device_count()
+    if count == 0:
+        raise ValueError(f"device {name!r}: this host has no CUDA device")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device {name!r}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def default_devices() -> tuple[list[str], list[str]]:
     """(target_devices, drafter_devices) for the embedded default on this host: everything on
     cuda:0 with one GPU, the drafter on cuda:1 with two or more, else the CPU."""

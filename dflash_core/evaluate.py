@@ -223,14 +223,23 @@ def evaluate_checkpoint(
 
     from .checkpoint import load_drafter, read_metadata
     from .data.conversations import read_conversations
+    from .data_home import default_data_dir
+    from .devices import usable_device
     from .target_identity import target_identity
 
+    usable_device(device)
+    for name, value in (("max_prompts", max_prompts), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     if target_path is not None and not (Path(target_path) / "config.json").is_file():
         raise ValueError(f"target {target_path}: not a model directory (no config.json)")
     if target_path is None:
         from .defaults import ensure_default_assets
 
-        target_path = str(ensure_default_assets(data_dir or Path.home() / ".local/share/dflash-trainer").target)
+        target_path = str(ensure_default_assets(data_dir or default_data_dir()).target)
+    convs = list(read_conversations(prompts))[:max_prompts]
+    if not convs:
+        raise ValueError(f"{prompts}: no conversations to evaluate on")
     drafter = load_drafter(checkpoint, device)
     target = TargetModel(target_path, drafter.config.target_layer_ids, device)
     cfg = drafter.config
@@ -241,7 +250,6 @@ def evaluate_checkpoint(
             f"the drafter was trained for {(cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers)}"
         )
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    convs = list(read_conversations(prompts))[:max_prompts]
     result = evaluate_acceptance(
         target, drafter, tokenizer, convs, max_new_tokens=max_new_tokens, check_lossless=check_lossless
     )

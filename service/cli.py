@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .client import DaemonError, default_token, default_url
+from .client import BadArgument, DaemonError, default_token, default_url
 from .jobs.store import STATES
 
 if TYPE_CHECKING:
@@ -210,8 +210,8 @@ def _add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     )
     ev.add_argument("--config", help="the daemon's config file: evaluate with its engine.target_path")
     ev.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
-    ev.add_argument("--max-prompts", type=int, default=32)
-    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--max-prompts", type=_positive_int, default=32)
+    ev.add_argument("--max-new-tokens", type=_positive_int, default=64)
     ev.add_argument(
         "--check-lossless", action="store_true", help="also compare every output with target-only greedy decoding"
     )
@@ -256,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     except DaemonError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_REQUEST if 400 <= e.status < 500 else EXIT_DAEMON_ERROR
+    except BadArgument as e:  # an argument or file no request can carry: the message names it
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    except httpx.InvalidURL as e:  # --url, or a path built from the arguments, is no URL httpx can send
+        print(f"error: --url {getattr(args, 'url', '?')!r}: {e}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
     except httpx.TransportError as e:
         print(f"error: cannot reach the daemon at {getattr(args, 'url', '?')}: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE

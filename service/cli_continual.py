@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .cli_jobs import EXIT_BAD_REQUEST, EXIT_CODES, EXIT_JOB_FAILED, EXIT_OK, _client, _print_outcome, follow_job
+from .cli_files import read_bytes, read_json_object
+from .cli_jobs import (
+    EXIT_BAD_REQUEST,
+    EXIT_CODES,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    _client,
+    _positive_int,
+    _print_outcome,
+    follow_job,
+)
+from .client import BadArgument
 from .http_guard import MAX_BODY_BYTES
 
 FEED_BATCH_LINES = 1000
@@ -25,13 +37,7 @@ FEED_RETRIES = 600  # waits on a full buffer (429) before `feed` gives up
 def cmd_continual(args: argparse.Namespace) -> int:
     """Submit a continual job: the sources, the settings given as options, and any other field
     from --job-file."""
-    spec: dict[str, Any] = {}
-    if args.job_file:
-        try:
-            spec = json.loads(Path(args.job_file).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: {args.job_file}: {e}", file=sys.stderr)
-            return EXIT_BAD_REQUEST
+    spec: dict[str, Any] = read_json_object(Path(args.job_file)) if args.job_file else {}
     spec["kind"] = "continual"
     if args.sources:
         spec["sources"] = list(args.sources)
@@ -89,40 +95,71 @@ def _tau(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def batches(lines: Iterator[bytes], max_lines: int, max_bytes: int) -> Iterator[bytes]:
-    """Non-empty lines grouped into bodies of at most max_lines lines and about max_bytes bytes."""
+def _finite_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
+    return number
+
+
+def batches(lines: Iterator[bytes], max_lines: int, max_bytes: int) -> Iterator[tuple[bytes, list[int]]]:
+    """Non-empty lines grouped into bodies of at most max_lines lines and about max_bytes bytes,
+    each with the file line number (from 1) of each of its lines."""
     batch: list[bytes] = []
+    numbers: list[int] = []
     size = 0
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         line = line.rstrip(b"\r\n")
         if not line.strip():
             continue
         if batch and (len(batch) >= max_lines or size + len(line) + 1 > max_bytes):
-            yield b"\n".join(batch) + b"\n"
-            batch, size = [], 0
+            yield b"\n".join(batch) + b"\n", numbers
+            batch, numbers, size = [], [], 0
         batch.append(line)
+        numbers.append(number)
         size += len(line) + 1
     if batch:
-        yield b"\n".join(batch) + b"\n"
+        yield b"\n".join(batch) + b"\n", numbers
+
+
+def _refusal(path: Path, answer: dict[str, Any], numbers: list[int]) -> str:
+    """The daemon's refusal of a batch, its `line N` (the body's) given as the file's line."""
+    errors = answer.get("errors")
+    if not isinstance(errors, list) or not errors:
+        return str(answer.get("detail", answer))
+    out = []
+    for e in errors:
+        field, message = str(e.get("field", "")), str(e.get("message", ""))
+        n = field.removeprefix("line ")
+        if n.isdigit() and 1 <= int(n) <= len(numbers):
+            out.append(f"{path}:{numbers[int(n) - 1]}: {message}")
+        else:
+            out.append(f"{path}: {field}: {message}")
+    return "\n".join(out)
 
 
 def cmd_feed(args: argparse.Namespace, sleep: Callable[[float], None] = time.sleep) -> int:
     """Send a JSONL file's records to a running continual job, in batches; a full buffer (429) is
     waited out as the daemon's Retry-After says."""
     path = Path(args.file)
-    if not path.is_file():
-        print(f"error: {path}: no such file", file=sys.stderr)
-        return EXIT_BAD_REQUEST
+    lines = read_bytes(path).splitlines(keepends=True)
+    if not any(line.strip() for line in lines):
+        raise BadArgument(f"{path}: no records (one JSON object per line)")
     accepted = 0
-    with _client(args) as client, path.open("rb") as f:
-        for body in batches(iter(f), args.batch, FEED_BATCH_BYTES):
+    with _client(args) as client:
+        for body, numbers in batches(iter(lines), args.batch, FEED_BATCH_BYTES):
             for _ in range(FEED_RETRIES):
                 status, answer, retry_after = client.post_records(args.job_id, body)
                 if status != 429:
                     break
                 sleep(retry_after)
             if status != 202:
-                print(f"error: {answer.get('detail', answer)} ({accepted} records accepted before)", file=sys.stderr)
+                print(
+                    f"error: {_refusal(path, answer, numbers)}\n({accepted} records accepted before)", file=sys.stderr
+                )
                 return EXIT_BAD_REQUEST if status < 500 else EXIT_JOB_FAILED
             accepted += int(answer["accepted"])
     print(f"{accepted} records accepted by {args.job_id}")
@@ -138,9 +175,9 @@ def register(sub, register_client_command) -> None:
     cont.add_argument("--datasets", nargs="+", help="initial data, trained first")
     cont.add_argument("--publish-dir", help="default <output_dir>/published")
     cont.add_argument("--publish-every", type=int, metavar="STEPS", help="steps between publish evaluations")
-    cont.add_argument("--margin", type=float, help="relative τ gain needed to publish (default 0)")
+    cont.add_argument("--margin", type=_finite_float, help="relative τ gain needed to publish (default 0)")
     cont.add_argument("--keep", type=int, help="published versions kept")
-    cont.add_argument("--replay-ratio", type=float, help="share of each step drawn from older records")
+    cont.add_argument("--replay-ratio", type=_finite_float, help="share of each step drawn from older records")
     cont.add_argument("--reload-url", help="POSTed after each publish (a serving engine's reload hook)")
     cont.add_argument("--no-yield", action="store_true", help="keep the devices when other jobs are queued")
     cont.add_argument("--name")
@@ -153,4 +190,6 @@ def register(sub, register_client_command) -> None:
     feed = register_client_command(sub, "feed", cmd_feed, "send a JSONL file's records to a running continual job")
     feed.add_argument("job_id", metavar="JOB_ID")
     feed.add_argument("file", metavar="RECORDS.jsonl")
-    feed.add_argument("--batch", type=int, default=FEED_BATCH_LINES, help="records per request (default %(default)s)")
+    feed.add_argument(
+        "--batch", type=_positive_int, default=FEED_BATCH_LINES, help="records per request (default %(default)s)"
+    )

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .cli_files import read_json_object
 from .client import DaemonClient, DaemonError
 from .jobs.store import STATES, TERMINAL
 from .progress import StepRate, duration, progress_line
@@ -167,15 +168,7 @@ def _client(args: argparse.Namespace) -> DaemonClient:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    path = Path(args.job_file)
-    try:
-        spec = json.loads(path.read_text())
-    except FileNotFoundError:
-        print(f"error: {path}: no such file", file=sys.stderr)
-        return 2
-    except json.JSONDecodeError as e:
-        print(f"error: {path}: not valid JSON: {e}", file=sys.stderr)
-        return 2
+    spec = read_json_object(Path(args.job_file))
     if args.name:
         spec["name"] = args.name
     if args.submission_id:
@@ -204,7 +197,7 @@ def _print_outcome(job: dict[str, Any]) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        if args.job_id:
+        if args.job_id is not None:
             job = client.job(args.job_id)
             if args.json:
                 print(json.dumps(job, indent=2))
@@ -282,6 +275,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     daemon restarts. The exit code is the job's when it was followed to its end."""
     with _client(args) as client:
         if args.follow:
+            # the job as the daemon has it first: a follower reconnects to a daemon that went away
+            # (a restart), not to one that never answered, and an unknown id ends here
+            client.job(args.job_id)
             job = follow_job(client, args.job_id)
             _print_outcome(job)
             return EXIT_CODES.get(job["state"], EXIT_JOB_FAILED)

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -22,6 +23,25 @@ class DaemonError(RuntimeError):
         super().__init__(f"HTTP {status}: {detail}")
 
 
+class BadArgument(ValueError):
+    """An argument no request can carry (a job id, a token); the message names it."""
+
+
+MAX_JOB_ID_CHARS = 256  # far above any id the daemon gives; a longer one is a mistake, not a lookup
+
+
+def job_path(job_id: str, tail: str = "") -> str:
+    """/jobs/{job_id}{tail} with the id as one path segment: percent-encoded, so that no id reaches
+    another route (a slash, '?', '#'), and refused where no segment can carry it."""
+    if not job_id or job_id in (".", "..") or len(job_id) > MAX_JOB_ID_CHARS:
+        raise BadArgument(f"job id {job_id[:40]!r}{'...' if len(job_id) > 40 else ''}: not a job id")
+    return f"/jobs/{quote(job_id, safe='')}{tail}"
+
+
+def _printable(value: str) -> bool:
+    return not any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
+
+
 def default_url() -> str:
     return os.environ.get("DFLASH_URL", DEFAULT_URL)
 
@@ -35,6 +55,8 @@ class DaemonClient:
         self.url = (url or default_url()).rstrip("/")
         # as UTF-8 bytes: httpx encodes str header values as ASCII, and the daemon compares the token's
         # UTF-8 bytes, so a non-ASCII token works end to end; surrounding whitespace is no part of it
+        if token and not _printable(token.strip()):
+            raise BadArgument("--token: contains a control character (a newline?); a token is one line")
         headers = {b"Authorization": f"Bearer {token.strip()}".encode()} if token and token.strip() else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -55,11 +77,18 @@ class DaemonClient:
             except (json.JSONDecodeError, AttributeError):
                 detail = response.text
             raise DaemonError(response.status_code, str(detail))
-        return response.json()
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            # something answers at the URL, but not as the daemon does (another server, a proxy's page)
+            raise DaemonError(
+                response.status_code,
+                f"the answer is not the daemon's JSON (is the URL a dflash-trainer daemon?): {response.text[:200]!r}",
+            ) from None
 
     def health(self) -> tuple[int, dict[str, Any]]:
         r = self._http.get("/healthz")
-        return r.status_code, r.json()
+        return r.status_code, self._check(r, ok=(r.status_code,))
 
     def wait_ready(self, timeout: float, on_progress=None, interval: float = 0.5) -> dict[str, Any]:
         """Poll /healthz until 200; raises DaemonError if the engine failed, TimeoutError on timeout."""
@@ -84,7 +113,7 @@ class DaemonClient:
         return r.status_code, self._check(r, ok=(200, 202))
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self._check(self._http.get(f"/jobs/{job_id}"))
+        return self._check(self._http.get(job_path(job_id)))
 
     def jobs(self, *, state: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """The jobs, oldest first: only those in `state`, the newest `limit` of them."""
@@ -92,27 +121,35 @@ class DaemonClient:
         return self._check(self._http.get("/jobs", params=params))["jobs"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._check(self._http.post(f"/jobs/{job_id}/cancel"), ok=(200, 202))
+        return self._check(self._http.post(job_path(job_id, "/cancel")), ok=(200, 202))
 
     def resume(self, job_id: str) -> dict[str, Any]:
         """A FAILED or STOPPED job back in the queue; it resumes from its newest checkpoint."""
-        return self._check(self._http.post(f"/jobs/{job_id}/resume"), ok=(202,))
+        return self._check(self._http.post(job_path(job_id, "/resume")), ok=(202,))
 
     def events(self, job_id: str, *, follow: bool = False, after: int = 0) -> Iterator[dict[str, Any]]:
         params = {"follow": "true" if follow else "false", "after": after}
         with self._http.stream(
-            "GET", f"/jobs/{job_id}/events", params=params, timeout=httpx.Timeout(30.0, read=None)
+            "GET", job_path(job_id, "/events"), params=params, timeout=httpx.Timeout(30.0, read=None)
         ) as r:
             if r.status_code != 200:
                 r.read()
                 self._check(r)
             for line in r.iter_lines():
                 if line.strip():
-                    yield json.loads(line)
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        raise DaemonError(
+                            r.status_code,
+                            f"the answer is not the daemon's JSON (is the URL a dflash-trainer daemon?): {line[:200]!r}",
+                        ) from None
 
     def post_records(self, job_id: str, body: bytes) -> tuple[int, dict[str, Any], float]:
         """NDJSON records to a running continual job: (status, answer, Retry-After seconds)."""
-        r = self._http.post(f"/jobs/{job_id}/records", content=body, headers={"Content-Type": "application/x-ndjson"})
+        r = self._http.post(
+            job_path(job_id, "/records"), content=body, headers={"Content-Type": "application/x-ndjson"}
+        )
         try:
             answer = r.json()
         except json.JSONDecodeError:

@@ -171,10 +171,21 @@ class ServiceConfig(BaseModel):
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _no_empty_data_dir(cls, v: Any) -> Any:
+        # an empty path would be the current directory, which the daemon never writes to
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("an empty path; give the data directory")
+        return v
+
     @field_validator("data_dir")
     @classmethod
     def _expand_data_dir(cls, v: Path) -> Path:
-        return v.expanduser().absolute()
+        v = v.expanduser().absolute()
+        if v.exists() and not v.is_dir():
+            raise ValueError(f"{v} is a file, not a directory")
+        return v
 
     @field_validator("dataset_roots", "output_roots")
     @classmethod
@@ -245,19 +256,44 @@ _FILE_RELATIVE = ("data_dir", "dataset_roots", "output_roots")
 _ENGINE_FILE_RELATIVE = ("target_path", "inductor_cache_dir")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (as TOML does): the last one
+    would win silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):  # the safe loader's own check refuses it
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         else:
             raise ConfigError(f"{path}: use a .toml, .yaml or .yml config file")
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a table/mapping")
     # paths in a file are relative to the file, so a config works from any working directory

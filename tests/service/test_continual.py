@@ -230,6 +230,12 @@ def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
     write_lines(records, [conversation(300 + i) for i in range(40)], mode="w")
     fed = cli("feed", job_id, str(records), "--batch", "16", url=daemon.url)
     assert fed.returncode == 0 and "40 records accepted" in fed.stdout, fed.stderr
+    # a bad record is named by the file's line, blank lines and earlier batches counted
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([json.dumps(conversation(400)), "", "", json.dumps(conversation(401)), '{"x": 1}']) + "\n")
+    refused = cli("feed", job_id, str(bad), "--batch", "1", url=daemon.url)
+    assert refused.returncode == 2 and f"{bad}:5: " in refused.stderr, refused.stderr
+    assert "2 records accepted before" in refused.stderr
     daemon.wait_job(job_id, lambda j: "published" in j, timeout=120)
     shown = cli("published", job_id, url=daemon.url)
     assert shown.returncode == 0 and "published v000001" in shown.stdout, shown.stdout

@@ -51,7 +51,8 @@ def resolved_under(path: str | Path, roots: list[str] | list[Path], what: str, n
     real = Path(os.path.realpath(path))
     if not under(real, [Path(os.path.realpath(r)) for r in roots]):
         label = str(path) if name is None else name
-        raise OutsideRoots(f"{what} {label!r} now resolves outside the allowed roots; it changed after submission")
+        # at a job's run, a path checked at submission that leads out now was changed since
+        raise OutsideRoots(f"{what} {label!r} resolves outside the allowed roots (symlinks followed)")
     return real
 
 

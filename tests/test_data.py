@@ -1,6 +1,7 @@
 """Conversation parsing, loss masks, fixed-shape packing and anchor coverage."""
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -61,6 +62,19 @@ def test_malformed_lines_name_file_and_line(tmp_path):
     # the role is named as unknown, its value not echoed (errors are shown to whoever may list the jobs)
     assert any(":3:" in m and "unknown 'role'" in m and "wizard" not in m for m in report.first_errors)
     assert any(":4:" in m and "no assistant" in m for m in report.first_errors)
+
+
+def test_no_trainable_document_after_packing_says_why(tmp_path, tokenizer):
+    """A conversation whose assistant turn lies past seq_len is cut to a document with nothing to
+    train on: the error says so, with the seq_len that cut it."""
+    long_question = {"messages": [{"role": "user", "content": "hi " * 400}, {"role": "assistant", "content": "ok"}]}
+    p = write_lines(tmp_path / "long.jsonl", [json.dumps(long_question)])
+    docs = [encode_conversation(tokenizer, c) for c in read_conversations(p)]
+    assert len(docs[0].input_ids) > 64 and docs[0].loss_mask.any()
+    cut = [dataclasses.replace(d, input_ids=d.input_ids[:64], loss_mask=d.loss_mask[:64]) for d in docs]  # as prepared
+    shape = ShapeConfig(seq_len=64, num_anchors=4, block_size=4)
+    with pytest.raises(ValueError, match=r"none of the 1 documents has an assistant token within its first 64 tokens"):
+        MicroBatchStream(cut, shape, tokenizer.pad_token_id, seed=0)
 
 
 def load_default_docs(default_assets, tokenizer, limit=None):

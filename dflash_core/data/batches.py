@@ -142,7 +142,13 @@ class MicroBatchStream:
         order = np.random.default_rng([seed, 0]).permutation(len(self.docs))
         self.plan = plan_packing(order, self.docs.lengths, trainable, shape.seq_len, self.report)
         if not len(self.plan):
-            raise ValueError("no document has a trainable (assistant) token after packing")
+            # documents come here cut to seq_len (the corpus is prepared so): an assistant turn
+            # past it is gone, which is what a long prompt does
+            raise ValueError(
+                f"no document has a trainable (assistant) token after packing: none of the {self.report.documents} "
+                f"documents has an assistant token within its first {shape.seq_len} tokens (seq_len; longer "
+                "documents are cut to it); a longer seq_len or shorter conversations would train"
+            )
         self.per_epoch = len(self.plan)
         self._orders: dict[int, np.ndarray] = {}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..confine import OutsideRoots, resolved_under
 from .conversations import DatasetError, parse_conversation
 from .sources import MAX_RECORD_BYTES, conversation_column, dataset_files, iter_records
 
@@ -15,13 +16,22 @@ FIRST_RECORDS = 20  # records read per file
 INSPECT_BYTES = 4 * MAX_RECORD_BYTES
 
 
-def check_dataset(entry: str | Path, *, skip_bad_lines: bool = False, name: str | None = None) -> int:
+def check_dataset(
+    entry: str | Path, *, skip_bad_lines: bool = False, name: str | None = None, roots: list[Path] | None = None
+) -> int:
     """Raise DatasetError (file and line or row) for a dataset entry that cannot be trained on;
     the number of files it has. With skip_bad_lines a bad record among the first ones is
     tolerated, as the job would skip it; a file none of whose first records is usable is not.
-    name: how errors name the entry, e.g. as the user gave it (default: the entry)."""
+    name: how errors name the entry, e.g. as the user gave it (default: the entry). roots: where
+    each file must lie, symlinks followed (a file of a directory may be a link leading out), checked
+    before it is opened."""
     files = dataset_files(entry, name)
     for src in files:
+        if roots:
+            try:
+                resolved_under(src.path, roots, "the dataset file", src.name)
+            except OutsideRoots:
+                raise DatasetError(src.name, 0, "resolves outside the allowed roots (a symlink leading out?)") from None
         if src.kind in ("parquet", "arrow"):
             conversation_column(src)
         first_error: DatasetError | None = None

@@ -66,7 +66,8 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
                 raise DatasetError(label, 0, "the directory holds no .jsonl, .jsonl.gz, .json or .parquet files")
             return [file_source(p, child_name(label, p.name)) for p in shards]
         if not path.is_file():
-            raise DatasetError(label, 0, "does not exist")
+            there = os.path.lexists(path) and path.exists()  # a FIFO, a socket, a device: nothing to read
+            raise DatasetError(label, 0, "is not a regular file or a directory" if there else "does not exist")
         return [file_source(path, label)]
     except OSError as e:
         raise unreadable(label, e) from None
@@ -75,7 +76,12 @@ def dataset_files(entry: str | Path, name: str | None = None) -> list[SourceFile
 def unreadable(name: str, error: OSError) -> DatasetError:
     """A dataset file the system refused to read, named as the user named it (an OSError's own
     text names the path that was opened)."""
-    reason = str(error) if isinstance(error, UnsafeFile) else error.strerror or type(error).__name__
+    if isinstance(error, UnsafeFile):
+        reason = str(error)
+    elif error.strerror:  # the system's reason; its str() would name the resolved path
+        reason = error.strerror
+    else:  # a reader's own (pyarrow's on a damaged page): its message says what is wrong
+        reason = f"{type(error).__name__}: {str(error)[:300]}" if str(error) else type(error).__name__
     return DatasetError(name, 0, f"cannot be read ({reason})")
 
 

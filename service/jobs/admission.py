@@ -47,7 +47,9 @@ def train_values(spec: JobSpec, job_id: str, roots: Roots, job_outputs: JobOutpu
     resolved = [jobs_read.get(i) or roots.dataset(d, f"datasets[{i}]") for i, d in enumerate(spec.datasets)]
     unique_datasets(resolved)
     for i, path in enumerate(resolved):
-        check_dataset_readable(path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i])
+        check_dataset_readable(
+            path, f"datasets[{i}]", skip_bad_lines=spec.skip_bad_lines, given=spec.datasets[i], roots=roots
+        )
     values = spec.model_dump(exclude={"name", "submission_id", "report_to"})
     values.update(
         datasets=[str(p) for p in resolved],
@@ -67,7 +69,9 @@ def _eval_prompts(spec: JobSpec, roots: Roots) -> str | None:
     if spec.eval_prompts is None:
         return None
     prompts = roots.dataset(spec.eval_prompts, "eval_prompts")
-    check_dataset_readable(prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines, given=spec.eval_prompts)
+    check_dataset_readable(
+        prompts, "eval_prompts", skip_bad_lines=spec.skip_bad_lines, given=spec.eval_prompts, roots=roots
+    )
     return str(prompts)
 
 

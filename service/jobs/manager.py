@@ -81,7 +81,7 @@ class JobManager(JobWorker):
         out = engine_job.output_dir
         # messages name the output_dir as the client gave it, not where it resolves
         given = _given_output_dir(spec.model_dump())
-        self._check_output_dir_free(out, given)
+        self._check_output_dir_free(out, given, fresh=kind_of_spec(spec.model_dump()).resumes_from_output)
         try:  # the store decides: a submission for the same output_dir may have been accepted since the check
             job, created = self.store.create_job(
                 job_id=job_id,
@@ -105,9 +105,13 @@ class JobManager(JobWorker):
         job = self.store.get_job(job_id, with_checkpoints=False)
         return None if job is None else (job.spec.get("kind", "train"), job.state, job.output_dir)
 
-    def _check_output_dir_free(self, output_dir: str, given: str) -> None:
+    def _check_output_dir_free(self, output_dir: str, given: str, *, fresh: bool = False) -> None:
         """No other job owns it (the store decides again, atomically, when it records the job) and
-        no earlier run left checkpoints in it."""
+        no earlier run left checkpoints in it. fresh: the job's kind continues from whatever its
+        output directory holds (a regeneration's shards and manifest) and sweeps its leftovers, so
+        it starts in a new or empty directory, or in one an earlier job of this daemon had (and gave
+        up, or the check above refused it): files of the user's there would be overwritten, deleted
+        or read as its own."""
         other = self.store.any_job_using(output_dir)
         # one that ended before it wrote a checkpoint (or a shard) gives the directory up
         if other is not None and not (other.state in (FAILED, STOPPED) and not self.store.checkpoints(other.id)):
@@ -120,6 +124,14 @@ class JobManager(JobWorker):
         checkpoints = Path(output_dir) / "checkpoints"
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")
+        if fresh and Path(output_dir).is_dir() and not self.store.was_output_dir(output_dir):
+            held = sorted(entry.name for entry in Path(output_dir).iterdir())
+            if held:
+                shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+                raise JobConflict(
+                    f"output_dir {given} already holds files ({shown}); this kind of job writes into a new or "
+                    "empty directory, where none of them would be overwritten or read as its own"
+                )
 
     def cancel(self, job_id: str) -> JobRecord:
         """Raises JobNotFound (404), JobConflict (409), Unavailable (503)."""

@@ -156,14 +156,19 @@ def resolve_builtin(raw: str, field_name: str, data_dir: Path) -> Path:
     return getattr(ensure_default_assets(data_dir), name).resolve()
 
 
-def check_dataset_readable(path: Path, field_name: str, *, skip_bad_lines: bool, given: str) -> None:
+def check_dataset_readable(
+    path: Path, field_name: str, *, skip_bad_lines: bool, given: str, roots: Roots | None = None
+) -> None:
     """The dataset's layout, schema and first records, read now: what cannot be read is refused
-    at submission rather than failing the job later, naming the dataset as `given` by the client."""
+    at submission rather than failing the job later, naming the dataset as `given` by the client.
+    roots: where each of its files must lie (those the engine reads under), checked before any
+    is opened."""
     from dflash_core.data.conversations import DatasetError
     from dflash_core.data.inspect import check_dataset
 
     try:
-        check_dataset(path, skip_bad_lines=skip_bad_lines, name=given)
+        within = [Path(r) for r in roots.for_engine()["dataset_roots"]] if roots is not None else None
+        check_dataset(path, skip_bad_lines=skip_bad_lines, name=given, roots=within)
     except DatasetError as e:
         raise SpecError(field_name, str(e)) from None
     except OSError as e:

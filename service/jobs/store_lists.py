@@ -69,6 +69,11 @@ class JobListing:
         with self._read() as db:
             return [d for (d,) in db.execute("SELECT DISTINCT output_dir FROM jobs ORDER BY output_dir")]
 
+    def was_output_dir(self, output_dir: str) -> bool:
+        """Whether a job of this store had this output directory, owning it now or not."""
+        with self._read() as db:
+            return db.execute("SELECT 1 FROM jobs WHERE output_dir = ? LIMIT 1", (output_dir,)).fetchone() is not None
+
     def any_job_using(self, output_dir: str) -> JobRecord | None:
         """The job, in any state, that owns this output directory (its checkpoints live there)."""
         with self._read() as db:

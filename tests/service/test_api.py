@@ -157,6 +157,25 @@ def test_symlink_escape_is_422(daemon):
     assert daemon.wait_terminal(r.json()["id"])["state"] == "SUCCEEDED"
 
 
+def test_a_file_of_a_dataset_directory_that_leads_out_is_422_unread(daemon, tmp_path):
+    """A dataset directory inside the roots whose file is a symlink out of them: refused before
+    that file is opened, whatever it holds (its content would otherwise show in the error)."""
+    secret = tmp_path / "secret.jsonl"  # outside the daemon's roots
+    secret.write_text("the secret's first line\n")
+    folder = daemon.data_dir / "leads-out"
+    folder.mkdir()
+    (folder / "a.jsonl").symlink_to(secret)
+    r = daemon.http.post("/jobs", json={"datasets": ["leads-out"], "steps": 2})
+    assert r.status_code == 422, r.text
+    message = r.json()["errors"][0]["message"]
+    assert "leads-out/a.jsonl" in message and "outside the allowed roots" in message, message
+    assert "JSON" not in message and "secret" not in message  # not read
+    fifo = daemon.data_dir / "a-fifo.jsonl"
+    os.mkfifo(fifo)
+    r = daemon.http.post("/jobs", json={"datasets": ["a-fifo.jsonl"], "steps": 2})
+    assert r.status_code == 422 and "not a regular file" in r.json()["errors"][0]["message"], r.text
+
+
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
 def test_malformed_body_is_422(daemon, body):
     r = daemon.http.post("/jobs", content=body, headers={"content-type": "application/json"})

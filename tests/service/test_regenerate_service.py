@@ -60,6 +60,25 @@ def test_bad_specs_name_the_field(daemon, tmp_path):
     assert "no job" in unknown["datasets[0]"]
 
 
+def test_a_regeneration_starts_in_a_new_or_empty_output_dir(daemon):
+    """It continues from what its output directory holds and sweeps its own leftovers there, so a
+    directory holding anything else is refused: nothing of the user's is overwritten or deleted."""
+    held = daemon.data_dir / "holds-files"
+    (held / ".tmp-mine").mkdir(parents=True)
+    (held / "shard-00000.parquet").write_bytes(b"precious")
+    prompts = daemon.data_dir / "prompt-dir"
+    prompts.mkdir()
+    (prompts / "p.jsonl").write_text(json.dumps({"prompt": "apple pear"}) + "\n")
+    for output_dir in (held, prompts):  # the second: its own dataset's directory
+        r = daemon.http.post("/jobs", json=_spec(datasets=[str(prompts)], output_dir=str(output_dir)))
+        assert r.status_code == 409 and "already holds files" in r.json()["detail"], r.text
+    assert (held / "shard-00000.parquet").read_bytes() == b"precious" and (held / ".tmp-mine").is_dir()
+    empty = daemon.data_dir / "empty-out"
+    empty.mkdir()
+    job = daemon.submit(_spec(datasets=[str(prompts)], output_dir=str(empty), max_new_tokens=4))
+    assert daemon.wait_terminal(job["id"], timeout=120)["state"] == "SUCCEEDED"
+
+
 def _rows(output_dir):
     manifest = json.loads((output_dir / "regeneration.json").read_text())
     rows = []

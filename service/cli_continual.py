@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .cli_files import read_bytes, read_json_object
+from .cli_files import open_file, read_json_object
 from .cli_jobs import (
     EXIT_BAD_REQUEST,
     EXIT_CODES,
@@ -145,12 +145,10 @@ def cmd_feed(args: argparse.Namespace, sleep: Callable[[float], None] = time.sle
     """Send a JSONL file's records to a running continual job, in batches; a full buffer (429) is
     waited out as the daemon's Retry-After says."""
     path = Path(args.file)
-    lines = read_bytes(path).splitlines(keepends=True)
-    if not any(line.strip() for line in lines):
-        raise BadArgument(f"{path}: no records (one JSON object per line)")
-    accepted = 0
-    with _client(args) as client:
-        for body, numbers in batches(iter(lines), args.batch, FEED_BATCH_BYTES):
+    accepted = sent = 0
+    with open_file(path) as f, _client(args) as client:  # read as sent: a records file may be large
+        for body, numbers in batches(iter(f), args.batch, FEED_BATCH_BYTES):
+            sent += 1
             for _ in range(FEED_RETRIES):
                 status, answer, retry_after = client.post_records(args.job_id, body)
                 if status != 429:
@@ -162,6 +160,8 @@ def cmd_feed(args: argparse.Namespace, sleep: Callable[[float], None] = time.sle
                 )
                 return EXIT_BAD_REQUEST if status < 500 else EXIT_JOB_FAILED
             accepted += int(answer["accepted"])
+    if not sent:
+        raise BadArgument(f"{path}: no records (one JSON object per line)")
     print(f"{accepted} records accepted by {args.job_id}")
     return EXIT_OK
 

@@ -7,20 +7,31 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .client import BadArgument
 
 
-def read_bytes(path: Path) -> bytes:
+def open_file(path: Path) -> BinaryIO:
+    """`path` opened for reading, which must be a regular file (a FIFO would wait for a writer)."""
     try:
-        return path.read_bytes()
+        if path.is_dir():
+            raise BadArgument(f"{path}: a directory, not a file")
+        if path.exists() and not path.is_file():
+            raise BadArgument(f"{path}: not a regular file")
+        return path.open("rb")
     except FileNotFoundError:
         raise BadArgument(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise BadArgument(f"{path}: a directory, not a file") from None
     except OSError as e:
         raise BadArgument(f"{path}: cannot read it: {e.strerror or e}") from None
+
+
+def read_bytes(path: Path) -> bytes:
+    with open_file(path) as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise BadArgument(f"{path}: cannot read it: {e.strerror or e}") from None
 
 
 def _json_name(value: Any) -> str:

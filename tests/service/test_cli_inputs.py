@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import shutil
 import threading
 import time
@@ -92,6 +93,10 @@ def test_a_records_file_without_records_is_refused_before_any_request(capsys, tm
     assert code == 2 and "empty.jsonl: no records" in err  # not "0 records accepted"
     code, err = run(capsys, "feed", "job-x", str(tmp_path), "--url", CLOSED)
     assert code == 2 and "a directory" in err
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    code, err = run(capsys, "feed", "job-x", str(fifo), "--url", CLOSED)  # not opened: no writer would come
+    assert code == 2 and "not a regular file" in err
 
 
 def test_urls_tokens_and_ids_no_request_can_carry(capsys):

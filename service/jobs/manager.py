@@ -125,12 +125,14 @@ class JobManager(JobWorker):
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise JobConflict(f"output_dir {given} already holds checkpoints; choose another output_dir")
         if fresh and Path(output_dir).is_dir() and not self.store.was_output_dir(output_dir):
-            held = sorted(entry.name for entry in Path(output_dir).iterdir())
-            if held:
-                shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            try:
+                held = sum(1 for _ in Path(output_dir).iterdir())
+            except OSError as e:
+                raise JobConflict(f"output_dir {given} cannot be listed ({e.strerror or e})") from None
+            if held:  # counted, not named: the names are not the client's to read
                 raise JobConflict(
-                    f"output_dir {given} already holds files ({shown}); this kind of job writes into a new or "
-                    "empty directory, where none of them would be overwritten or read as its own"
+                    f"output_dir {given} already holds files ({held} entries); this kind of job writes into a new "
+                    "or empty directory, where nothing of yours would be overwritten or read as its own"
                 )
 
     def cancel(self, job_id: str) -> JobRecord:

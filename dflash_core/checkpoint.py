@@ -334,17 +334,24 @@ _SIZE_FIELDS = (
 )
 
 
+def _json_object(p: Path, what: str) -> dict[str, Any]:
+    """The JSON object file `p` holds; a ValueError naming it where it holds none (`what`: what
+    it should be)."""
+    try:
+        value = json.loads(p.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{p}: not {what} (a JSON object)")
+    return value
+
+
 def read_config(path: str | Path) -> DrafterConfig:
     """The drafter config.json describes; a ValueError naming the file where it is not one."""
     p = Path(path) / CONFIG_FILE
     if not p.is_file():
         raise FileNotFoundError(f"{p}: not a drafter checkpoint (no {CONFIG_FILE})")
-    try:
-        d = json.loads(p.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{p}: not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{p}: not a drafter config (a JSON object)")
+    d = _json_object(p, "a drafter config")
     try:
         cfg = config_from_hf(d)
     except KeyError as e:
@@ -423,12 +430,4 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """The checkpoint's dflash_metadata.json ({} where it has none); a ValueError naming the file
     where it is damaged."""
     p = Path(path) / METADATA_FILE
-    if not p.is_file():
-        return {}
-    try:
-        metadata = json.loads(p.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{p}: not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(metadata, dict):
-        raise ValueError(f"{p}: not checkpoint metadata (a JSON object)")
-    return metadata
+    return _json_object(p, "checkpoint metadata") if p.is_file() else {}

@@ -260,7 +260,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (as TOML does): the last one
     would win silently."""
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)

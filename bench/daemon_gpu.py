@@ -57,9 +57,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import QWEN3_8B, out_dir, print_table, write_target_dir
+from dflash_core.data_home import BYTECODE_DIR
 from dflash_core.engine.compile import TRITON_KERNELS_DIR
 from dflash_core.engine.pipeline import QUEUE_DEPTH
-from service.bytecode import BYTECODE_DIR
 from service.demo import free_port, stop_daemon
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from dflash_core.trust import tree_problem
 
 log = logging.getLogger("dflash.service")
-BYTECODE_DIR = "python-cache"  # under the data directory
 
 # source files on a warm start's import path, relative to their top-level package's directory
 PROBES: dict[str, tuple[str, ...]] = {

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_core.data_home import BYTECODE_DIR, RANKS_DIR
 from dflash_core.engine.launch import Launch
 
 from .jobs.paths import BUILTIN_SCHEME, resolve_builtin
@@ -75,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
-    from .bytecode import BYTECODE_DIR, use_bytecode_cache
+    from .bytecode import use_bytecode_cache
     from .config import ConfigError, is_loopback_host, is_wildcard_host, load_config
     from .http_guard import MAX_REQUEST_HEAD_BYTES, bounded_h11_protocol
     from .logs import configure_logging
@@ -169,7 +170,7 @@ def for_rank(config: ServiceConfig, launch: Launch) -> ServiceConfig:
     port or a data directory; rank 0 keeps both as configured. Devices are not split by LOCAL_RANK:
     a group runs one process per host, which drives all of the host's GPUs."""
     port = config.port + launch.local_rank if config.port else 0
-    data_dir = config.data_dir / "ranks" / str(launch.rank) if launch.rank > 0 else config.data_dir
+    data_dir = config.data_dir / RANKS_DIR / str(launch.rank) if launch.rank > 0 else config.data_dir
     return config.model_copy(update={"port": port, "data_dir": data_dir})
 
 
@@ -177,7 +178,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     """Build and warm the engine of a config without serving: fills the data directory's compile
     cache (and writes torch's portable compile artifacts there) for an image build stage or an
     init container, so that `serve` on that data directory starts warm."""
-    from .bytecode import BYTECODE_DIR, use_bytecode_cache
+    from .bytecode import use_bytecode_cache
     from .config import ConfigError, load_config
     from .logs import configure_logging
 

@@ -17,8 +17,8 @@ from bench.daemon_gpu import (
     step_figures,
 )
 from bench.daemon_gpu import main as daemon_gpu_main
+from dflash_core.data_home import BYTECODE_DIR
 from dflash_core.engine.pipeline import QUEUE_DEPTH
-from service.bytecode import BYTECODE_DIR
 from service.logs import TextFormatter
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ShapeConfig
+from ..data_home import ASSETS_DIR
 
 ASSETS = Path(__file__).parent / "assets"
 ASSETS_VERSION = "v2"  # bump whenever assets/ changes: data dirs keep a copy per version
@@ -27,7 +28,7 @@ class DefaultAssets:
 
 def ensure_default_assets(data_dir: str | Path) -> DefaultAssets:
     """Copy the bundled assets into `<data_dir>/defaults/<version>` (atomically, once)."""
-    root = Path(data_dir) / "defaults" / ASSETS_VERSION
+    root = Path(data_dir) / ASSETS_DIR / ASSETS_VERSION
     if not (root / "train.jsonl").is_file():
         if not (ASSETS / "train.jsonl").is_file():
             raise FileNotFoundError(

@@ -27,6 +27,7 @@ import torch
 
 from ..data.cache_entry import sweep_partial
 from ..data.prepare import Tokenization, save_tokenizer
+from ..data_home import CACHE_DIR, INDUCTOR_CACHE_DIR
 from ..devices import CudaContexts
 from ..telemetry import RateMeter, allocator_stats
 from .api import EngineStatus, JobCallbacks, JobError, JobResult
@@ -73,7 +74,7 @@ class Engine(PartsView):
         if config.inductor_cache_dir is not None:
             use_cache_dir(str(config.inductor_cache_dir), "engine.inductor_cache_dir")
         else:
-            use_cache_dir(*trusted_cache_dir(self.data_dir / "inductor-cache", self.data_dir))
+            use_cache_dir(*trusted_cache_dir(self.data_dir / INDUCTOR_CACHE_DIR, self.data_dir))
         stable_graph_cache_keys()
         target_devices, self.drafter_devices = resolve_devices(config)
         # created beside the imports that come next (dynamo here, transformers in build())
@@ -108,7 +109,7 @@ class Engine(PartsView):
         ):
             self.timeline.mark("build:compile_artifacts_loaded")
         for partial in ("tokens", "tokens/tokenizers"):  # what a killed daemon's tokenization left
-            sweep_partial(self.data_dir / "cache" / partial)
+            sweep_partial(self.data_dir / CACHE_DIR / partial)
         self.parts = build(self.config, self.data_dir, self.timeline, self._cuda_contexts)
         self.ranks.bind(self.drafters, self.parts.drafter_config.block_size)
         self.guard.end_warmup(enforce=self.parts.plan.compiled)
@@ -239,7 +240,7 @@ class Engine(PartsView):
         """What a job's tokenized cache entries depend on: the engine's tokenizer (saved once per
         engine, with the mask token it may have added), the chat template and the length."""
         if self._saved_tokenizer is None:
-            self._saved_tokenizer = save_tokenizer(self.tokenizer, self.data_dir / "cache" / "tokens")
+            self._saved_tokenizer = save_tokenizer(self.tokenizer, self.data_dir / CACHE_DIR / "tokens")
         directory, digest = self._saved_tokenizer
         return Tokenization(str(directory), digest, job_template(job), self.config.seq_len)
 

@@ -26,6 +26,7 @@ from ..confine import OutsideRoots, resolved_under
 from ..data.batches import BatchSource, MicroBatchStream
 from ..data.job import Datasets, EvalSplit, JobData, load_job_data
 from ..data.prepare import PrepareProgress
+from ..data_home import CACHE_DIR
 from ..engine.admission import admit_training, check_resume
 from ..engine.api import JobCallbacks, JobError, JobResult, StepStats
 from ..engine.checkpointing import Checkpointer, RunPlan, checkpoint_due
@@ -299,7 +300,7 @@ class TrainRun:
         data = load_job_data(
             Datasets(job.datasets, skip_bad_lines=job.skip_bad_lines, roots=job.dataset_roots),
             self.context.tokenization(job),
-            self.context.data_dir / "cache" / "tokens",
+            self.context.data_dir / CACHE_DIR / "tokens",
             EvalSplit(job.eval_prompts, job.eval_fraction, job.eval_max_prompts, job.seed),
             progress=DataProgress(cb),
             should_stop=lambda: cb.should_cancel() or self.ranks.stop_signalled(),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_core.confine import UnsafeFile, read_regular, under
+from dflash_core.data_home import ASSETS_DIR, DAEMON_DIRS
 
 from .schemas import SpecError
 
@@ -51,7 +52,7 @@ class Roots:
         """The roots the engine re-checks at every read and write; the builtin datasets live in the
         data directory."""
         return {
-            "dataset_roots": [str(r) for r in [*self.reads, (self.data_dir / "defaults").resolve()]],
+            "dataset_roots": [str(r) for r in [*self.reads, (self.data_dir / ASSETS_DIR).resolve()]],
             "output_roots": [str(r) for r in self.writes],
         }
 
@@ -127,6 +128,9 @@ class Roots:
             raise SpecError(
                 "output_dir", f"{raw!r} is the daemon's data directory or holds it; choose a directory in it"
             )
+        owned = [self.data_dir.resolve() / name for name in DAEMON_DIRS]
+        if under(path, owned):  # the embedded assets, the caches: a job's files there would corrupt them
+            raise SpecError("output_dir", f"{raw!r} lies in a directory the daemon keeps for itself; choose another")
         try:
             not_a_dir = path.exists() and not path.is_dir()
         except OSError as e:

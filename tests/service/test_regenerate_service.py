@@ -73,6 +73,12 @@ def test_a_regeneration_starts_in_a_new_or_empty_output_dir(daemon):
         r = daemon.http.post("/jobs", json=_spec(datasets=[str(prompts)], output_dir=str(output_dir)))
         assert r.status_code == 409 and "already holds files" in r.json()["detail"], r.text
     assert (held / "shard-00000.parquet").read_bytes() == b"precious" and (held / ".tmp-mine").is_dir()
+    # nor into what the daemon keeps for itself: its embedded assets (a dataset root), its caches
+    for own in ("defaults/v2", "inductor-cache/x", "cache"):
+        r = daemon.http.post("/jobs", json=_spec(datasets=[str(prompts)], output_dir=own))
+        assert r.status_code == 422 and "keeps for itself" in r.json()["errors"][0]["message"], r.text
+        r = daemon.http.post("/jobs", json={"datasets": ["builtin://train"], "steps": 2, "output_dir": own})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "output_dir", r.text
     empty = daemon.data_dir / "empty-out"
     empty.mkdir()
     job = daemon.submit(_spec(datasets=[str(prompts)], output_dir=str(empty), max_new_tokens=4))

@@ -187,7 +187,10 @@ def test_a_damaged_checkpoint_is_named_by_export_and_eval(capsys, tmp_path):
         code, err = run(capsys, "export", str(broken), str(tmp_path / f"out-{broken.name}"))
         assert code == 1 and words in err, (case, err)
         assert not (tmp_path / f"out-{broken.name}").exists()
-    code, err = run(capsys, "eval", "--checkpoint", str(tmp_path / "weights"), "--prompts", str(prompts))
+    code, err = run(
+        capsys, "eval", "--checkpoint", str(tmp_path / "weights"), "--prompts", str(prompts),
+        "--data-dir", str(tmp_path / "data"),
+    )  # fmt: skip
     assert code == 2 and "not a readable safetensors file" in err
 
 

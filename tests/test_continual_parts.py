@@ -63,8 +63,10 @@ def test_watcher_refuses_a_file_that_leads_outside_the_roots(tmp_path):
     outside.mkdir()
     (outside / "secret.jsonl").write_text(json.dumps(conv(0)) + "\n")
     (src / "link.jsonl").symlink_to(outside / "secret.jsonl")
-    got = list(SourceWatcher([(src, "src", [str(src)])], None).poll())
+    watcher = SourceWatcher([(src, "src", [str(src)])], None)
+    got = list(watcher.poll())
     assert len(got) == 1 and isinstance(got[0].value, DatasetError) and "outside" in str(got[0].value)
+    assert list(watcher.poll()) == []  # reported once, not again at every poll
 
 
 def doc(n: int, fill: int = 5) -> Doc:

@@ -55,6 +55,8 @@ class SourceWatcher:
             for path in self._listing(directory):
                 key = str(path)
                 label = f"{name.rstrip('/')}/{path.relative_to(directory)}"
+                if self.files.get(key, {}).get("refused"):  # reported once, not at every poll
+                    continue
                 try:
                     real = resolved_under(path, roots, "a source file", label)
                     src = file_source(real, label)
@@ -63,7 +65,7 @@ class SourceWatcher:
                     else:
                         yield from self._whole(key, src)
                 except OutsideRoots as e:
-                    self.files[key] = {"done": True}
+                    self.files[key] = {"done": True, "refused": True}
                     yield Record(label, DatasetError(label, 0, str(e)))
                 except OSError as e:  # vanished or unreadable now: looked at again next poll
                     yield Record(label, DatasetError(label, 0, f"cannot be read ({e.strerror or type(e).__name__})"))

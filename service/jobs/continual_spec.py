@@ -7,6 +7,7 @@ are optional initial data."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -68,7 +69,11 @@ class ContinualSpec(JobSpec):
     )
     replay_records: int = Field(20_000, ge=1, le=10**7, description="older records kept for replay")
     heldout_every: int = Field(
-        8, ge=1, le=10**6, description="every n-th new record is held out for the publish evaluation"
+        # 1 would hold out every record and train on none
+        8,
+        ge=2,
+        le=10**6,
+        description="every n-th new record is held out for the publish evaluation",
     )
 
     @model_validator(mode="after")
@@ -80,11 +85,36 @@ class ContinualSpec(JobSpec):
             url = urlsplit(self.reload_url)
             if url.scheme not in ("http", "https") or not url.hostname:
                 raise SpecError("reload_url", "an http:// or https:// URL with a host")
+            if "@" in url.netloc:  # stored and shown with the job: a secret here would be readable by every reader
+                raise SpecError(
+                    "reload_url", "a URL without credentials (user:password@): the job's spec is shown to readers"
+                )
         duplicates = sorted({s for s in self.sources if self.sources.count(s) > 1})
         if duplicates:
             raise SpecError("sources", f"listed more than once: {', '.join(duplicates)}")
         check_training_fields(self)
         return self
+
+
+def _sources_apart(spec: ContinualSpec, sources: list[str], roots: Roots, written: list[Path]) -> None:
+    """A source is read whole, every file below it, at every poll: one that is the data directory
+    or holds it would read the daemon's own files (its held-out set, other jobs' outputs), and one
+    that holds the job's output or publish directory, or lies in it, would read what the job
+    writes (its checkpoints, its ingested records) as new records."""
+    data_dir = roots.data_dir.resolve()
+    for i, (raw, source) in enumerate(zip(spec.sources, sources, strict=True)):
+        path = Path(source)
+        if data_dir == path or data_dir.is_relative_to(path):
+            raise SpecError(
+                f"sources[{i}]", f"{raw!r} is the daemon's data directory or holds it; give a directory in it"
+            )
+        for out in written:
+            if out == path or out.is_relative_to(path) or path.is_relative_to(out):
+                raise SpecError(
+                    f"sources[{i}]",
+                    f"{raw!r} and the job's output or publish directory lie one inside the other: the job would "
+                    "read what it writes",
+                )
 
 
 def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
@@ -114,6 +144,7 @@ def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: J
         if not watch.is_dir():
             raise SpecError("target_watch", f"{spec.target_watch!r} is not a directory (target versions appear in it)")
         target_watch = str(watch)
+    _sources_apart(spec, sources, roots, [Path(values["output_dir"]), Path(publish_dir)])
     values.update(
         sources=sources,
         publish_dir=publish_dir,

@@ -113,6 +113,13 @@ def test_bad_continual_specs_name_the_field(daemon, tmp_path):
     assert "regenerate.top_q" in errors(post(spec(source, regenerate={"top_q": 0.5})))
     assert "regenerate.max_new_tokens" in errors(post(spec(source, regenerate={"max_new_tokens": 10**5})))
     assert "publish_every_steps" in errors(post(spec(source, publish_every_steps=0)))
+    assert "heldout_every" in errors(post(spec(source, heldout_every=1)))  # every record held out: no training
+    secret = errors(post(spec(source, reload_url="http://user:secret@host/reload")))["reload_url"]
+    assert "without credentials" in secret and "secret" not in secret
+    # a source that would read the daemon's own files, or what the job itself writes
+    assert "data directory" in errors(post(spec(daemon.data_dir)))["sources[0]"]
+    for writes in ({"output_dir": str(source)}, {"publish_dir": str(source / "pub")}):
+        assert "read what it writes" in errors(post(spec(source, **writes)))["sources[0]"], writes
 
 
 def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reload_hook):

@@ -13,11 +13,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dflash_core.kinds import kind_of_spec
+from dflash_core.kinds import kind, kind_of_spec
 
 from ..config import MAX_CRASH_RESUMES
 from .admission import job_to_json
-from .by_kind import to_engine_job
+from .by_kind import spec_kind, to_engine_job
 from .errors import JobConflict, JobNotFound, Unavailable
 from .records import Ingest
 from .schemas import SpecError, SpecModel
@@ -81,7 +81,7 @@ class JobManager(JobWorker):
         out = engine_job.output_dir
         # messages name the output_dir as the client gave it, not where it resolves
         given = _given_output_dir(spec.model_dump())
-        self._check_output_dir_free(out, given, fresh=kind_of_spec(spec.model_dump()).resumes_from_output)
+        self._check_output_dir_free(out, given, fresh=kind(spec_kind(spec)).resumes_from_output)
         try:  # the store decides: a submission for the same output_dir may have been accepted since the check
             job, created = self.store.create_job(
                 job_id=job_id,

@@ -26,6 +26,7 @@ from .store_lists import JobListing
 from .store_schema import (
     FAILED,
     JOB_COLUMNS,
+    QUEUE_ORDER,
     PENDING,
     REPORTED_PROGRESS,
     RUNNING,
@@ -176,7 +177,9 @@ class JobStore(JobListing):
                 job.checkpoints = self.checkpoints(job_id)
             if job.state == PENDING:
                 job.queue_position = db.execute(
-                    "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (PENDING, job.seq)
+                    f"SELECT COUNT(*) FROM jobs WHERE state = ? AND ({QUEUE_ORDER}) < "
+                    f"(SELECT {QUEUE_ORDER} FROM jobs WHERE id = ?)",
+                    (PENDING, job_id),
                 ).fetchone()[0]
             return job
 
@@ -188,11 +191,11 @@ class JobStore(JobListing):
         return counts
 
     def next_runnable(self) -> JobRecord | None:
-        """A job left RUNNING by an earlier process comes first (it was already running), then PENDING in
-        FIFO order, a job that yielded its turn after the others."""
+        """A job left RUNNING by an earlier process comes first (it was already running), then PENDING
+        in the queue's order (QUEUE_ORDER)."""
         with self._read() as db:
             row = db.execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, yielded, seq LIMIT 1",
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE state IN (?, ?) ORDER BY state = ? DESC, {QUEUE_ORDER} LIMIT 1",
                 (RUNNING, PENDING, RUNNING),
             ).fetchone()
             return job_record(row) if row else None
@@ -265,11 +268,13 @@ class JobStore(JobListing):
             return bool(cur.rowcount)
 
     def requeue_yielded(self, job_id: str, step: int) -> bool:
-        """RUNNING -> PENDING behind every other queued job: it gave the devices to one of them and
-        resumes from its checkpoint after them. False if it is no longer RUNNING."""
+        """RUNNING -> PENDING behind every other queued job, those that yielded before it included:
+        it gave the devices to one of them and resumes from its checkpoint after them. False if it
+        is no longer RUNNING."""
         with self._tx() as db:
             cur = db.execute(
-                "UPDATE jobs SET state = ?, yielded = 1 WHERE id = ? AND state = ?", (PENDING, job_id, RUNNING)
+                "UPDATE jobs SET state = ?, yielded = (SELECT MAX(yielded) FROM jobs) + 1 WHERE id = ? AND state = ?",
+                (PENDING, job_id, RUNNING),
             )
             if cur.rowcount:
                 payload = {"state": PENDING, "reason": "yielded to a queued job; resumes after it", "step": step}
@@ -391,7 +396,7 @@ class JobStore(JobListing):
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE jobs SET state = ?, finished_at = NULL, error = NULL, cancel_requested = 0,"
-                " interrupted_by_shutdown = 0, crash_resumes = 0"
+                " interrupted_by_shutdown = 0, crash_resumes = 0, yielded = 0"
                 " WHERE id = ? AND state = ? AND owns_output_dir = 1",
                 (PENDING, job_id, from_state),
             )

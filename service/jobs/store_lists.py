@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .store_schema import JOB_COLUMNS, PENDING, JobRecord, job_record
+from .store_schema import JOB_COLUMNS, PENDING, QUEUE_ORDER, JobRecord, job_record
 
 # what changes in a job's row when anything the list shows of it changes, for a job that ended
 # (a job that has not ended is read whole every time: its progress moves)
@@ -60,7 +60,8 @@ class JobListing:
 
     @staticmethod
     def _queue_positions(db: sqlite3.Connection) -> dict[int, int]:
-        pending = [seq for (seq,) in db.execute("SELECT seq FROM jobs WHERE state = ? ORDER BY seq", (PENDING,))]
+        rows = db.execute(f"SELECT seq FROM jobs WHERE state = ? ORDER BY {QUEUE_ORDER}", (PENDING,))
+        pending = [seq for (seq,) in rows]
         return {seq: i for i, seq in enumerate(pending)}
 
     # ------------------------------------------------------------------ output directories

@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     resume_step INTEGER,                           -- the checkpoint step the current run started from
     owns_output_dir INTEGER NOT NULL DEFAULT 1,    -- 0: gave it up (ended having written nothing), or a duplicate from before output dirs were unique
     resume_with_group INTEGER NOT NULL DEFAULT 0,  -- group losses in a row without a new checkpoint
-    yielded INTEGER NOT NULL DEFAULT 0,            -- 1: gave the devices to a queued job; queued behind the others
+    yielded INTEGER NOT NULL DEFAULT 0,            -- 0, or the turn it yielded the devices in: queued behind the others (QUEUE_ORDER)
     published_json TEXT                            -- a continual job's newest published version
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
@@ -200,6 +200,11 @@ class SubmissionConflict(Exception):
             f"submission_id {existing.submission_id!r} is already used by job {existing.id} with a different spec"
         )
 
+
+# The queue's order, for the job it runs next and the positions it shows: PENDING jobs that never
+# yielded in submission order, then those that did, the one that yielded last behind the others
+# (jobs that yield in turn take turns)
+QUEUE_ORDER = "yielded, seq"
 
 JOB_COLUMNS = (
     "seq, id, name, submission_id, spec_json, spec_fingerprint, train_job_json, output_dir, state, created_at, "

@@ -282,3 +282,28 @@ def test_a_yielded_job_queues_behind_the_others_and_shows_what_it_published(tmp_
     store.set_published("job-continual", {"version": 2, "tau": 3.1, "path": "p/v000002"}, {"step": 40, "version": 2})
     assert store.get_job("job-continual").published == {"version": 2, "tau": 3.1, "path": "p/v000002"}
     assert store.events("job-continual", kinds=["publish"])[0].payload["version"] == 2
+
+
+def test_jobs_that_yield_in_turn_take_turns_and_their_positions_say_so(tmp_path):
+    """Continual jobs that each yield at their checkpoints while the others wait: each turn goes to
+    the job that has waited longest, and the positions shown are the order the queue runs."""
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    ids = ["job-a", "job-b", "job-c"]
+    for job_id in ids:
+        _job(store, job_id, str(tmp_path / job_id))
+    turns = []
+    for _ in range(7):
+        pending = [j for j in store.jobs_by_id(ids) if j.state == "PENDING"]
+        shown = [j.id for j in sorted(pending, key=lambda j: j.queue_position)]
+        assert [store.get_job(j).queue_position for j in shown] == list(range(len(shown)))
+        job = store.next_runnable()
+        assert job is not None and job.id == shown[0]
+        assert store.mark_running(job.id)
+        turns.append(job.id)
+        assert store.requeue_yielded(job.id, step=10 * len(turns))
+    assert turns == ["job-a", "job-b", "job-c", "job-a", "job-b", "job-c", "job-a"]
+    # a job submitted now has not had a turn: it comes before those that yielded
+    _job(store, "job-d", str(tmp_path / "job-d"))
+    assert store.next_runnable().id == "job-d"
+    assert store.get_job("job-d").queue_position == 0
+    assert store.get_job("job-a").queue_position == 3  # yielded last

@@ -26,8 +26,8 @@ from .store_lists import JobListing
 from .store_schema import (
     FAILED,
     JOB_COLUMNS,
-    QUEUE_ORDER,
     PENDING,
+    QUEUE_ORDER,
     REPORTED_PROGRESS,
     RUNNING,
     SCHEMA,

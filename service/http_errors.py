@@ -36,7 +36,7 @@ async def invalid(request: Request, exc: Exception) -> JSONResponse:
     """422 naming every offending field: a SpecError raised anywhere, or FastAPI's validation of a
     route's parameters and body (which carries the SpecErrors our validators raised)."""
     if isinstance(exc, SpecError):
-        errors, what = exc.errors, "job spec"
+        errors, what = exc.errors, exc.subject
     else:
         assert isinstance(exc, RequestValidationError)
         raw = list(exc.errors())

@@ -42,7 +42,8 @@ UNGUARDED_READS = frozenset({"/healthz", "/livez", "/metrics"})
 JSON_MEDIA_TYPE = "application/json"
 # what a body may be declared as: JSON, or newline-delimited JSON (records for a continual job);
 # neither is a type a cross-site page can send without a CORS preflight
-BODY_MEDIA_TYPES = frozenset({JSON_MEDIA_TYPE, "application/x-ndjson"})
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
+BODY_MEDIA_TYPES = frozenset({JSON_MEDIA_TYPE, NDJSON_MEDIA_TYPE})
 
 Scope = Mapping[str, Any]
 Message = dict[str, Any]
@@ -254,7 +255,10 @@ class RequestGuard:
             media = (content_type or b"").split(b";")[0].strip().lower().decode("latin-1")
             if media not in BODY_MEDIA_TYPES:
                 got = f" (got {media[:100]!r})" if media else " (no Content-Type was sent)"
-                return 415, f"the body must be JSON sent with 'Content-Type: {JSON_MEDIA_TYPE}'{got}"
+                return 415, (
+                    f"the body must be JSON sent with 'Content-Type: {JSON_MEDIA_TYPE}' (or {NDJSON_MEDIA_TYPE}, "
+                    f"for a continual job's records){got}"
+                )
         if length is not None:
             try:
                 declared = int(length)

@@ -62,9 +62,9 @@ def parse_records(body: bytes, prompts_allowed: bool) -> list[str]:
             continue
         lines.append(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
     if errors:
-        raise SpecError(errors=errors[:MAX_LINE_ERRORS])
+        raise SpecError(errors=errors[:MAX_LINE_ERRORS], subject="records")
     if not lines:
-        raise SpecError("body", "no records; send one JSON object per line")
+        raise SpecError("body", "no records; send one JSON object per line", subject="records")
     return lines
 
 

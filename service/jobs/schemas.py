@@ -24,10 +24,19 @@ PRINTABLE_PATTERN = f"^[^{UNPRINTABLE}]*$"
 class SpecError(ValueError):
     """An invalid request: every problem as {field, message}, the field named as the client wrote
     it (`datasets[0]`, `body`, a query parameter). Raised inside a pydantic validator it travels in
-    the validation error's context, and comes out whole."""
+    the validation error's context, and comes out whole. `subject` is what the request sent, as the
+    422's detail names it."""
 
-    def __init__(self, field_name: str = "body", message: str = "", *, errors: list[dict[str, str]] | None = None):
+    def __init__(
+        self,
+        field_name: str = "body",
+        message: str = "",
+        *,
+        errors: list[dict[str, str]] | None = None,
+        subject: str = "job spec",
+    ):
         self.errors = errors if errors is not None else [{"field": field_name, "message": message}]
+        self.subject = subject
         super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in self.errors))
 
     @property

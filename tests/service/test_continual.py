@@ -153,7 +153,7 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
     records = "\n".join(json.dumps(conversation(100 + i)) for i in range(12)).encode()
     ndjson = {"Content-Type": "application/x-ndjson"}
     bad = http.post(f"/jobs/{job_id}/records", content=records + b'\n{"messages": 3}\n', headers=ndjson)
-    assert "line 13" in errors(bad)
+    assert "line 13" in errors(bad) and bad.json()["detail"].startswith("invalid records: line 13")
     assert (
         "regenerate"
         in errors(http.post(f"/jobs/{job_id}/records", content=b'{"prompt": "hi"}\n', headers=ndjson))["line 1"]

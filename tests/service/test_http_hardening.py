@@ -156,7 +156,7 @@ def _closed_within(sock: socket.socket, timeout: float) -> float | None:
 def test_post_bodies_must_be_declared_json(guarded, headers, body):
     r = _post(guarded, content=body.encode(), headers=headers)
     assert r.status_code == 415, r.text
-    assert "application/json" in r.json()["detail"]
+    assert "application/json" in r.json()["detail"] and "application/x-ndjson" in r.json()["detail"]
 
 
 def test_json_with_parameters_is_json_and_bodyless_actions_need_no_type(guarded):

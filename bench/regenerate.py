@@ -19,11 +19,6 @@ kernel alone (the rotary embedding, the cache writes, the projections and the sa
 transformers runs them); off, transformers' eager code and the sampling as torch ops;
 on,norms,off: a row of each.
 
-`--prefill` says how the prompts go in: overlap, the decoder's default on CUDA (each refill's
-prompts prefilled on a side stream while the other slots' steps go on); overlap-priority, the
-same with the timed run's steps on a high-priority stream; inline, the steps wait for each
-prefill (the decoder before the overlap); overlap,inline: a row of each.
-
 `--waves N` decodes N times as many requests as there are slots (the prompts repeated), the
 slots refilled as they free: end to end and the prefills' time over the N waves.
 `--new-tokens-spread F` gives each request its own count of new tokens, drawn evenly from
@@ -64,9 +59,8 @@ A row per precision, attention and slot count:
   of_floor       floor_ms / full_ms
   e2e_tok_s      generated tokens / wall time of the whole run of `--waves` waves (prefills, host
                  work included)
-  prefill_s      the run's host time in prefills (SlotDecoder.prefill_seconds: launching every
-                 prompt's chunks, and waiting for their first tokens; an overlapped prefill's
-                 device time is in it only where the loop waited for it)
+  prefill_s      the run's time in prefills (SlotDecoder.prefill_seconds: every prompt, in
+                 chunks, host work included)
   prefill_ideal_s  the run's prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
                  for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
                  prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
@@ -81,7 +75,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
         [--fused on,eager-sampler,three-gemms,norms,off] [--hf-batch 128]
-        [--prefill overlap,inline] [--prompt-len 512] [--new-tokens 512] [--waves 1]
+        [--prompt-len 512] [--new-tokens 512] [--waves 1]
 """
 
 from __future__ import annotations
@@ -108,8 +102,15 @@ from bench.common import (
     report,
     write_target_dir,
 )
-from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
-from dflash_core.regenerate.sizing import decoder_bytes, kv_bytes_per_token, slots_for_memory, weight_bytes
+from dflash_core.regenerate.decode import (
+    Request,
+    Sampling,
+    SlotDecoder,
+    decoder_bytes,
+    kv_bytes_per_token,
+    slots_for_memory,
+    weight_bytes,
+)
 from dflash_core.target import TargetModel
 
 WARMUP, ITERS = 5, 30  # graph replays before and in a timing
@@ -196,7 +197,6 @@ def run_slots(
     head_flops: float | None = None,
     waves: int = 1,
     spread: float = 0.0,
-    prefill: str = "overlap",
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
     head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts')."""
@@ -206,13 +206,7 @@ def run_slots(
     counts = new_token_counts(waves * len(wave), new_tokens, spread)
     cache_length = prompt_len + max(counts)
     dec = SlotDecoder(
-        model,
-        slots,
-        cache_length,
-        use_graph=use_graph,
-        attention_kernel=kernel,
-        fused_kernels=fused != "off",
-        overlap_prefill=prefill != "inline",
+        model, slots, cache_length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off"
     )
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
@@ -227,12 +221,8 @@ def run_slots(
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
     dec.prefill_seconds = 0.0
-    # overlap-priority: the decode steps on a high-priority stream, so that the scheduler gives them
-    # the SMs a prefill's kernels free before it gives them to the prefill
-    stream = torch.cuda.Stream(priority=-1) if prefill == "overlap-priority" else None
     t = time.perf_counter()
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        done = list(dec.generate(requests, greedy))
+    done = list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     prefill_s = dec.prefill_seconds
@@ -264,7 +254,6 @@ def run_slots(
     return {
         "attention": "kernel" if dec.attention_kernel else "masked",
         "fused": fused_label(dec),
-        "prefill": prefill,
         "slots": slots,
         "waves": waves,
         "new_tokens_spread": spread,
@@ -390,17 +379,6 @@ def parse_fused(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-PREFILL_ROWS = ("overlap", "overlap-priority", "inline")
-
-
-def parse_prefill(spec: str) -> list[str]:
-    """--prefill's rows: overlap, overlap-priority, inline."""
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if not names or not set(names) <= set(PREFILL_ROWS):
-        raise ValueError(f"--prefill takes {', '.join(PREFILL_ROWS)}, not {spec!r}")
-    return list(dict.fromkeys(names))
-
-
 def fused_label(dec) -> str:
     """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler joined by '+', or
     eager."""
@@ -430,19 +408,19 @@ def bench_precision(
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    prefill_rows = parse_prefill(args.prefill)
-    for slots, (kernel, settings), fused, prefill in itertools.product(slot_counts, kernels, fused_rows, prefill_rows):
+    for slots, (kernel, settings), fused in itertools.product(slot_counts, kernels, fused_rows):
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
-        waves = {"waves": args.waves, "spread": args.new_tokens_spread, "prefill": prefill}
         try:
             with kernel_settings(settings):
-                row = run_slots(*run, head_flops=bf16_flops, **waves)
+                row = run_slots(*run, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread)
         except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
             traceback.print_exc()
             torch.cuda.empty_cache()
             try:
                 with kernel_settings(settings):
-                    row = run_slots(*run, use_graph=False, head_flops=bf16_flops, **waves)
+                    row = run_slots(
+                        *run, use_graph=False, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread
+                    )
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
                 row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)"}
@@ -479,13 +457,6 @@ def main(argv=None) -> None:
         "q/k/v as one GEMM), eager-sampler (all but the sampling), three-gemms (all but the q/k/v GEMM), "
         "norms (that kernel alone), off (eager)",
     )
-    p.add_argument(
-        "--prefill",
-        default="overlap",
-        help="the prefill rows, comma-separated: overlap (the decoder's default on CUDA: prompts prefilled on a "
-        "side stream while the steps go on), overlap-priority (the same, the steps on a high-priority stream), "
-        "inline (the steps wait for each prefill)",
-    )
     p.add_argument("--waves", type=int, default=1, help="requests per slot (the prompts repeated)")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -507,7 +478,6 @@ def main(argv=None) -> None:
     try:
         kernels = parse_kernels(args.kernel)
         fused_rows = parse_fused(args.fused)
-        parse_prefill(args.prefill)
     except ValueError as e:
         p.error(str(e))
     out_dir()

@@ -132,10 +132,3 @@ def test_a_spread_outside_zero_to_one_is_refused_before_the_gpu(capsys):
         main(["--new-tokens-spread", "1.5"])
     assert e.value.code == 2
     assert "--new-tokens-spread" in capsys.readouterr().err
-
-
-def test_an_unknown_prefill_row_is_refused_before_the_gpu(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--prefill", "overlap,chunked"])
-    assert e.value.code == 2
-    assert "--prefill takes overlap, overlap-priority, inline" in capsys.readouterr().err

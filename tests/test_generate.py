@@ -50,20 +50,17 @@ def reference(target, prompts):
     return out
 
 
-def _run(model, prompts, sampling, slots=3, length=160, max_new=MAX_NEW, seeds=None, order=None, overlap=False):
-    decoder = SlotDecoder(model, slots=slots, length=length, overlap_prefill=overlap)
+def _run(model, prompts, sampling, slots=3, length=160, max_new=MAX_NEW, seeds=None, order=None):
+    decoder = SlotDecoder(model, slots=slots, length=length)
     order = list(range(len(prompts))) if order is None else order
     requests = [Request(k, prompts[k], max_new, seed=(seeds or {}).get(k, k)) for k in order]
     return {c.key: c for c in decoder.generate(requests, sampling)}
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["inline-prefill", "overlapped-prefill"])
-def test_greedy_equals_transformers_generate(target, prompts, reference, overlap):
-    """overlapped-prefill: prompts join after a decode step has run beside their prefill, with
-    their slots parked in it, as a side stream's prefill does on CUDA."""
+def test_greedy_equals_transformers_generate(target, prompts, reference):
     model, _ = target
     eos = model.generation_config.eos_token_id
-    done = _run(model, prompts, Sampling(stop_token_ids=(eos,)), overlap=overlap)
+    done = _run(model, prompts, Sampling(stop_token_ids=(eos,)))
     assert [done[k].tokens for k in range(len(prompts))] == reference
     reasons = sorted(done[k].finish_reason for k in done)
     # some stop at the end-of-turn token before the limit (their slot is refilled), some reach it
@@ -95,7 +92,7 @@ def test_seeded_sampling_depends_on_the_seed_only(target, prompts):
     sampling = Sampling(temperature=1.3, top_p=0.95, top_k=40, stop_token_ids=(eos,))
     seeds = {k: 1000 + k for k in range(len(prompts))}
     a = _run(model, prompts, sampling, slots=2, seeds=seeds)
-    b = _run(model, prompts, sampling, slots=5, seeds=seeds, order=list(reversed(range(len(prompts)))), overlap=True)
+    b = _run(model, prompts, sampling, slots=5, seeds=seeds, order=list(reversed(range(len(prompts)))))
     assert {k: c.tokens for k, c in a.items()} == {k: c.tokens for k, c in b.items()}
     other = _run(model, prompts, sampling, slots=2, seeds={k: 7 + k for k in range(len(prompts))})
     assert {k: c.tokens for k, c in other.items()} != {k: c.tokens for k, c in a.items()}

@@ -8,10 +8,7 @@ attention.py), so on CUDA the step is recorded once as a CUDA graph and replayed
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
 slot, and the next prompts go into the free slots while the others keep decoding (continuous
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
-position's logits computed (prefill.py). On CUDA a refill's prefill runs on a side stream while
-the other slots' steps go on, its slots parked in them until it is done: the decode steps,
-bound by the bytes they read, and the prefill, bound by its matmuls, share the GPU instead of
-taking turns. A slot without a sequence (never filled, or finished)
+position's logits computed (prefill.py). A slot without a sequence (never filled, or finished)
 is parked at the cache's last position, which no sequence feeds (a prompt of P tokens leaves room
 for at most length - P tokens, the last of them never fed: positions up to length - 2); its
 range is that one position (decode_ranges), so with the kernel an idle slot's step reads one key
@@ -72,23 +69,6 @@ class Completion:
     prompt_tokens: int
 
 
-class _Admission:
-    """Prompts being prefilled into their slots, which stay parked until it is done: the chunks,
-    each with its first tokens on the device, and the event recorded after them where the
-    prefill runs on a side stream. Decode steps may run meanwhile: a parked slot's step reads and
-    writes only the cache's last position, which no prompt reaches (see the module's doc)."""
-
-    def __init__(self) -> None:
-        self.chunks: list[tuple[list[tuple[int, Request]], torch.Tensor]] = []
-        self.event: torch.cuda.Event | None = None
-        self.stepped = False  # a decode step ran since it was launched
-
-    def ready(self) -> bool:
-        """Done on the device (a side stream's event); without one, once a step has run beside it,
-        so that the CPU takes the order the device may take."""
-        return self.event.query() if self.event is not None else self.stepped
-
-
 @dataclass
 class _Slot:
     request: Request
@@ -105,6 +85,13 @@ def layer_kinds(config) -> list[str]:
     if bad:
         raise ValueError(f"regeneration decodes full and sliding attention layers only, not {bad}")
     return kinds
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Cache bytes one token takes over every layer (keys and values)."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return 2 * int(config.num_hidden_layers) * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class SlotDecoder:
@@ -131,7 +118,6 @@ class SlotDecoder:
         attention_kernel: bool | None = None,
         fused_kernels: bool | None = None,
         stacked_qkv: bool | None = None,
-        overlap_prefill: bool | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -177,13 +163,8 @@ class SlotDecoder:
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
-        # prompts prefilled on a side stream while the decode steps go on (None: on CUDA); on the
-        # CPU, overlapping means the prompts join after the next step
-        self.overlap_prefill = (dev.type == "cuda") if overlap_prefill is None else overlap_prefill
-        self.prefill_stream = torch.cuda.Stream(dev) if self.overlap_prefill and dev.type == "cuda" else None
         self.tokens_generated = 0
-        # host time the loop spent on prefills: launching them, and waiting for their first tokens
-        # (all of a prefill's device time where it does not overlap the decode steps)
+        # wall time of the prefills: each ends reading its tokens on the host, so its device work is in it
         self.prefill_seconds = 0.0
 
     # ------------------------------------------------------------------ the model
@@ -315,26 +296,21 @@ class SlotDecoder:
         if slots:
             self.positions[torch.tensor(slots, dtype=torch.long, device=self.device)] = self.parked
 
-    def _prefill_inputs(self, admitted: list[tuple[int, Request]]) -> tuple[torch.Tensor, ...]:
-        """A chunk's tensors, on the device: ids, positions, lengths, slots, seeds, steps. Made for
-        every chunk before any forward: a copy from the host waits for the work queued before it
-        on its stream, so one made between forwards would hold the host until the forward ends."""
+    def _prefill(self, admitted: list[tuple[int, Request]], mode: str) -> torch.Tensor:
+        """Prompts into their slots' caches; their first generated tokens (on the device)."""
         dev = self.device
+        # every tensor from the host first: a copy from the host waits for the work queued before
+        # it, so one made after the forward would hold back the launches of the head and sampling
         ids, pos, lens = padded_prompts([r.prompt for _, r in admitted], dev)
-        rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
+        self.cache.rows = torch.tensor([s for s, _ in admitted], dtype=torch.long, device=dev)
         seeds = torch.tensor([r.seed for _, r in admitted], dtype=torch.long, device=dev)
         steps = torch.zeros(len(admitted), dtype=torch.long, device=dev)
-        return ids, pos, lens, rows, seeds, steps
-
-    def _prefill(self, inputs: tuple[torch.Tensor, ...], mode: str) -> torch.Tensor:
-        """Prompts into their slots' caches; their first generated tokens (on the device)."""
-        ids, pos, lens, rows, seeds, steps = inputs
-        self.cache.rows, self.cache.positions = rows, None
+        self.cache.positions = None
         try:
-            hidden = self._hidden(ids, pos, prefill_attention(self.kinds, self.window, ids.shape[1], self.device))
+            hidden = self._hidden(ids, pos, prefill_attention(self.kinds, self.window, ids.shape[1], dev))
         finally:
             self.cache.rows = None
-        last = hidden[torch.arange(ids.shape[0], device=self.device), lens - 1]
+        last = hidden[torch.arange(len(admitted), device=dev), lens - 1]
         logits = self.head(last)
         return choose_tokens(
             logits, seeds, steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel, self.floor_kernel
@@ -358,8 +334,6 @@ class SlotDecoder:
                 yield from self._generate(iter(requests), sampling, should_stop)
             finally:
                 self._park(list(range(self.slots)))  # what a stop left in flight is dropped
-                if self.prefill_stream is not None:  # a dropped prefill ends before the cache is used again
-                    torch.cuda.current_stream(self.device).wait_stream(self.prefill_stream)
 
     def _generate(self, pending_iter: Iterator[Request], sampling: Sampling, should_stop) -> Iterator[Completion]:
         mode = sampling.mode
@@ -367,7 +341,6 @@ class SlotDecoder:
         active: dict[int, _Slot] = {}
         free = deque(range(self.slots))
         pending: deque[Request] = deque()
-        admission: _Admission | None = None  # prompts being prefilled, their slots taken from `free`
         exhausted = False
         while True:
             if should_stop():
@@ -380,20 +353,13 @@ class SlotDecoder:
                     pending.append(nxt)
             # prompts go in once a few slots are free (each prefill is an eager forward: one per
             # freed slot would cost more host time than the idle slots cost steps), or when none runs
-            if admission is None and free and pending and (len(free) >= self.admit_batch or not active):
-                admission = self._launch(free, pending, mode)
-            # their sequences join once the prefill is done (at once where it does not overlap the
-            # steps, or when no sequence is left to step)
-            if admission is not None and (admission.ready() or not active or not self.overlap_prefill):
-                yield from self._join(admission, active, free, stops)
-                admission = None
+            if free and pending and (len(free) >= self.admit_batch or not active):
+                yield from self._admit(active, free, pending, mode, stops)
             if not active:
                 if exhausted and not pending:
                     return
                 continue
             chosen = self._step(mode)
-            if admission is not None:
-                admission.stepped = True
             self.tokens_generated += len(active)
             finished = []
             for slot in list(active):
@@ -407,62 +373,38 @@ class SlotDecoder:
             self._park(finished)
             free.extend(finished)
 
-    def _launch(self, free: deque[int], pending: deque[Request], mode: str) -> _Admission:
-        """Prefill as many pending prompts as there are free slots, in chunks of similar width: queued
-        on the prefill stream where there is one (after the work queued so far), else run here."""
+    def _admit(self, active, free, pending, mode, stops) -> Iterator[Completion]:
+        """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
         batch: list[tuple[int, Request]] = []
         while free and pending:
             request = pending.popleft()
             if not request.prompt or len(request.prompt) >= self.length:
                 raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a cache of {self.length}")
             batch.append((free.popleft(), request))
-        began = time.perf_counter()
-        admission = _Admission()
-        stream = self.prefill_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            chunks = [batch[a:b] for a, b in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens)]
-            inputs = [self._prefill_inputs(chunk) for chunk in chunks]
-            for chunk, tensors in zip(chunks, inputs, strict=True):
-                admission.chunks.append((chunk, self._prefill(tensors, mode)))
-            if stream is not None:
-                admission.event = torch.cuda.Event()
-                admission.event.record(stream)
-        self.prefill_seconds += time.perf_counter() - began
-        return admission
-
-    def _join(self, admission: _Admission, active, free, stops) -> Iterator[Completion]:
-        """The prefilled sequences into the decode step's inputs (their first tokens read, which
-        waits for the prefill), or done already at their first token."""
         dev = self.device
-        began = time.perf_counter()
-        if admission.event is not None:
-            torch.cuda.current_stream(dev).wait_event(admission.event)
-        # the first tokens as host lists; the step's inputs are written from them on this stream,
-        # so no tensor of the prefill stream is used on another
-        firsts = [(chunk, tokens.tolist()) for chunk, tokens in admission.chunks]
-        self.prefill_seconds += time.perf_counter() - began
-        for chunk, tokens in firsts:
+        for start, end in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens):
+            chunk = batch[start:end]
+            began = time.perf_counter()
+            firsts = self._prefill(chunk, mode)
+            tokens = firsts.tolist()
+            self.prefill_seconds += time.perf_counter() - began
+            slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
+            self.tokens[slots] = firsts.to(torch.long)
+            self.positions[slots] = torch.tensor([len(r.prompt) for _, r in chunk], dtype=torch.long, device=dev)
+            self.steps[slots] = 1
+            self.seeds[slots] = torch.tensor([r.seed & M32 for _, r in chunk], dtype=torch.long, device=dev)
             self.tokens_generated += len(chunk)
-            joined: list[tuple[int, Request, int]] = []
+            ended = []
             for (slot, request), token in zip(chunk, tokens, strict=True):
                 limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
                 state = _Slot(request, limit, [token])
                 if token in stops or limit <= 1:
-                    free.append(slot)  # still parked
+                    ended.append(slot)
                     yield self._done(state, token in stops)
                 else:
                     active[slot] = state
-                    joined.append((slot, request, token))
-            if joined:
-                slots = torch.tensor([s for s, _, _ in joined], dtype=torch.long, device=dev)
-                self.tokens[slots] = torch.tensor([t for _, _, t in joined], dtype=torch.long, device=dev)
-                self.positions[slots] = torch.tensor(
-                    [len(r.prompt) for _, r, _ in joined], dtype=torch.long, device=dev
-                )
-                self.steps[slots] = 1
-                self.seeds[slots] = torch.tensor([r.seed & M32 for _, r, _ in joined], dtype=torch.long, device=dev)
+            self._park(ended)
+            free.extend(ended)
 
     @staticmethod
     def _done(state: _Slot, stopped: bool) -> Completion:
@@ -473,3 +415,28 @@ def fused_qkv(model: nn.Module) -> FusedQkv | None:
     """The stacked q/k/v weights of the model's attention layers, where any layer has them."""
     dispatch = QkvDispatch.of(model)
     return FusedQkv(dispatch) if dispatch.groups else None
+
+
+def decoder_bytes(model: nn.Module) -> int:
+    """Device bytes a decoder of the model holds beside its cache with its kernels on (CUDA's
+    default): the stacked q/k/v weights."""
+    return QkvDispatch.of(model).stacked_bytes()
+
+
+def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 512, share: float = 0.85) -> int:
+    """Slots whose cache of `length` positions fits `share` of `free_bytes` (what the device has
+    left: the decode step's activations and the sampler's scratch need the rest), a multiple of
+    8, at most `cap` (the weights are read once per step whatever the slots: past a few hundred
+    slots the cache dominates the bytes a step reads, and more slots add little), at least 1."""
+    n = int(free_bytes * share) // max(1, per_token * length)
+    n = min(cap, n)
+    return max(1, n - n % 8 if n >= 8 else n)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (an FP8 linear keeps its weight and scale as
+    buffers), a tensor shared by several modules (tied embeddings) once."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())

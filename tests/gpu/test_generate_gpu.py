@@ -28,12 +28,10 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, overlap=None):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
-    dec = SlotDecoder(
-        model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel, overlap_prefill=overlap
-    )
+    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
     if configure is not None:
         configure(dec)
     assert dec.use_graph == use_graph
@@ -64,30 +62,6 @@ def test_graph_equals_eager_and_generate(setup):
     torch.cuda.synchronize()
     assert again == graph
     assert torch.cuda.memory_reserved() == reserved
-
-
-def test_prefill_on_its_stream_equals_prefill_in_line(setup):
-    """The default on CUDA prefills refills on a side stream while the other slots step; the
-    tokens are those of the loop that waits for each prefill, greedy and sampled, and a second
-    run reserves nothing more."""
-    from dflash_core.regenerate.decode import Request, Sampling
-
-    model, prompts = setup
-    eos = model.generation_config.eos_token_id
-    for sampling in (Sampling(stop_token_ids=(eos,)), Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))):
-        overlapped, dec = _run(model, prompts * 3, sampling, True, slots=5)
-        assert dec.prefill_stream is not None
-        inline, other = _run(model, prompts * 3, sampling, True, slots=5, overlap=False)
-        assert other.prefill_stream is None
-        assert overlapped == inline
-        torch.cuda.synchronize()
-        reserved = torch.cuda.memory_reserved()
-        again = {
-            c.key: c.tokens
-            for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts * 3)], sampling)
-        }
-        torch.cuda.synchronize()
-        assert again == overlapped and torch.cuda.memory_reserved() == reserved
 
 
 def test_sampled_graph_equals_eager(setup):

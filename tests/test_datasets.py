@@ -321,3 +321,38 @@ def test_a_corrupt_gzip_dataset_names_file_and_line(records, tmp_path):
     (tmp_path / "plain.jsonl.gz").write_text(json.dumps(records[0]) + "\n")
     with pytest.raises(DatasetError, match=r"plain\.jsonl\.gz:1: not a readable gzip stream"):
         check_dataset(tmp_path / "plain.jsonl.gz")
+
+
+def _damaged_parquet(records: list[dict], path: Path, group_rows: int, damaged: int) -> None:
+    """`records` as parquet in row groups of `group_rows`, the pages of row group `damaged` overwritten."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), path, row_group_size=group_rows)
+    meta = pq.ParquetFile(path).metadata
+
+    def first_page(group: int) -> int:
+        chunks = [meta.row_group(group).column(c) for c in range(meta.num_columns)]
+        return min(c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset for c in chunks)
+
+    start, end = first_page(damaged), first_page(damaged + 1)
+    data = bytearray(path.read_bytes())
+    data[start:end] = bytes(b ^ 0x5A for b in data[start:end])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_parquet_row_group_is_named_and_the_others_are_read(records, tokenization, tmp_path, monkeypatch):
+    """Row groups are apart: one that cannot be read is named with its rows, and the groups
+    around it are read, whether the file is read in one pass or as row ranges (the tasks of the
+    tokenization workers, several per row group here)."""
+    path = tmp_path / "three-groups.parquet"
+    _damaged_parquet(records, path, 20, damaged=1)
+    with pytest.raises(DatasetError, match=r"three-groups\.parquet row 21: row group 1 \(rows 21-40\) cannot be read"):
+        list(read_conversations(path))
+    monkeypatch.setattr(prepare, "IN_PROCESS_BYTES", 1 << 40)  # the row ranges read here, in order
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 7)
+    corpus = prepare_corpus([str(path)], tokenization, tmp_path / "cache")
+    assert len(corpus) == len(records) - 20 and corpus.bad_records == 4  # one per task in the group
+    errors = [str(e) for e in corpus.errors()]
+    assert errors[0].startswith(f"{path} row 21: row group 1 (rows 21-40) cannot be read (")
+    assert list(corpus.shards[0].positions) == [*range(1, 21), *range(41, len(records) + 1)]

@@ -81,18 +81,63 @@ def _chunk_records(src: SourceFile, task: tuple) -> Iterator[tuple[int, object]]
 
 def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:
     if src.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        with open_regular(src.path, src.name) as f:
-            table = pq.read_table(f, columns=[_column(src)]).slice(start, stop - start)
-        column = table.column_names[0]
-        values = table.column(0).to_pylist()
-    else:
-        dataset = load_arrow_dataset(src.path, src.name)
-        column = _column(src)
-        values = dataset.select_columns([column]).select(range(start, stop))[column]
+        yield from _parquet_rows(src, start, stop)
+        return
+    dataset = load_arrow_dataset(src.path, src.name)
+    column = _column(src)
+    values = dataset.select_columns([column]).select(range(start, stop))[column]
     for i, value in enumerate(values):
         yield start + i + 1, {column: value}
+
+
+def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:
+    """Rows [start, stop) of a parquet file, read from the row groups they lie in only (a task
+    reading the whole column would make a file's reading grow with the square of its rows); a
+    row group that cannot be read is one DatasetError at its first row of the range."""
+    import pyarrow.parquet as pq
+
+    column = _column(src)
+    with open_regular(src.path, src.name) as f:
+        pf = pq.ParquetFile(f)
+        offset = 0
+        for group in range(pf.metadata.num_row_groups):
+            count = pf.metadata.row_group(group).num_rows
+            lo, hi = max(start, offset), min(stop, offset + count)
+            if lo < hi:
+                try:
+                    values = _group_column(src, pf, group, column, more=hi < offset + count)
+                except DatasetError as err:
+                    yield lo + 1, err
+                else:
+                    for i, value in enumerate(values.slice(lo - offset, hi - lo).to_pylist()):
+                        yield lo + i + 1, {column: value}
+            offset += count
+            if offset >= stop:
+                return
+
+
+def _group_column(src: SourceFile, pf, group: int, column: str, more: bool):
+    """One row group's column (Arrow's, not Python objects). more: a later task reads more of the
+    group, so this process keeps it until then: the tasks of a group larger than a task come in
+    order, and a process decodes such a group once, not once per task. The key holds the file's
+    size and modification time, so a file rewritten since is read anew."""
+    st = src.path.stat()
+    key = (str(src.path), st.st_size, st.st_mtime_ns, group)
+    cached = _STATE.pop("group", None)
+    if cached is not None and cached[0] == key:
+        values = cached[1]
+    else:
+        try:
+            values = pf.read_row_group(group, columns=[column]).column(0)
+        except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page (ArrowIOError, ArrowInvalid)
+            first = sum(pf.metadata.row_group(g).num_rows for g in range(group)) + 1
+            last = first + pf.metadata.row_group(group).num_rows - 1
+            reason = " ".join(str(e).replace(str(src.path), src.name).split())[:300] or type(e).__name__
+            where = f"row group {group} (rows {first}-{last})"
+            raise DatasetError(src.name, first, f"{where} cannot be read ({reason})", "row") from None
+    if more:
+        _STATE["group"] = (key, values)
+    return values
 
 
 def _column(src: SourceFile) -> str:

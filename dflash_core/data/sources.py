@@ -291,11 +291,31 @@ def _parquet(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, o
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
             raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
         column = _conversation_column(pf.schema_arrow.names, src.name, columns)
-        row = 0
-        for batch in pf.iter_batches(batch_size=1024, columns=[column]):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                yield row, {column: value}
+        first = 1  # the group's first row
+        for group in range(pf.metadata.num_row_groups):
+            count = pf.metadata.row_group(group).num_rows
+            yield from _parquet_group(src, pf, group, column, first, count)
+            first += count
+
+
+def _parquet_group(src: SourceFile, pf, group: int, column: str, first: int, count: int):
+    """The rows of one row group, numbered from `first`; a damaged page ends the group with one
+    DatasetError naming it and the row it broke at (the next group is read: groups are apart)."""
+    row = first
+    batches = pf.iter_batches(batch_size=1024, row_groups=[group], columns=[column])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page (ArrowIOError, ArrowInvalid)
+            reason = " ".join(_named(e, src).split())[:300] or type(e).__name__
+            where = f"row group {group} (rows {first}-{first + count - 1}) cannot be read from row {row}"
+            yield row, DatasetError(src.name, row, f"{where} ({reason})", "row")
+            return
+        if batch is None:
+            return
+        for value in batch.column(0).to_pylist():
+            yield row, {column: value}
+            row += 1
 
 
 def _arrow(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:

@@ -19,9 +19,26 @@ DAEMON_DIRS = (ASSETS_DIR, CACHE_DIR, INDUCTOR_CACHE_DIR, BYTECODE_DIR, RANKS_DI
 
 def default_data_dir(env: Mapping[str, str] = os.environ) -> Path:
     """$DFLASH_DATA_DIR, else the per-user data directory ($XDG_DATA_HOME, else
-    ~/.local/share, then dflash-trainer); never the current directory."""
+    ~/.local/share, then dflash-trainer); never the current directory: a relative XDG_DATA_HOME
+    is ignored, as the XDG spec says, and a relative HOME gives way to the user's home directory
+    in the password database."""
     if env.get("DFLASH_DATA_DIR"):
         return Path(env["DFLASH_DATA_DIR"]).expanduser()
-    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
-    base = env.get("XDG_DATA_HOME") or str(home / ".local" / "share")
-    return Path(base).expanduser() / "dflash-trainer"
+    xdg = env.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else _home(env) / ".local" / "share"
+    return base / "dflash-trainer"
+
+
+def _home(env: Mapping[str, str]) -> Path:
+    home = env.get("HOME", "")
+    if os.path.isabs(home):
+        return Path(home)
+    import pwd
+
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:  # a user the system does not list (a container's arbitrary uid)
+        raise ValueError(
+            "no data directory: HOME is not an absolute path and the user has no home directory; "
+            "set DFLASH_DATA_DIR or pass --data-dir"
+        ) from None

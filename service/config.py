@@ -379,7 +379,10 @@ def load_config(
     data = _merge(data, _env_overrides(env))
     data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
     if "data_dir" not in data:
-        data["data_dir"] = default_data_dir(env)
+        try:
+            data["data_dir"] = default_data_dir(env)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     where = f"{path}: " if path else ""
     try:
         config = ServiceConfig.model_validate(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,19 @@ def test_the_data_dir_follows_xdg_for_the_daemon_and_the_smollm2_tool(tmp_path, 
     monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path / "mine"))
     assert load_config(env={"DFLASH_DATA_DIR": str(tmp_path / "mine")}).data_dir == tmp_path / "mine"
     assert smollm2.default_out() == tmp_path / "mine" / "targets" / smollm2.NAME
+
+
+def test_a_relative_xdg_or_home_never_puts_the_data_dir_in_the_current_directory(tmp_path):
+    import pwd
+
+    home = tmp_path / "home"
+    assert load_config(env={"HOME": str(home), "XDG_DATA_HOME": "rel"}).data_dir == (
+        home / ".local" / "share" / "dflash-trainer"
+    )
+    own = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".local" / "share" / "dflash-trainer"
+    assert load_config(env={"HOME": "."}).data_dir == own
+    assert load_config(env={"HOME": ".", "XDG_DATA_HOME": "rel"}).data_dir == own
+    assert all(load_config(env=env).data_dir.is_absolute() for env in ({"HOME": ""}, {"XDG_DATA_HOME": "x"}))
 
 
 def test_toml_file_env_and_flags_override_in_order(tmp_path):

@@ -47,7 +47,7 @@ from .feed import Feed
 from .job import ENDLESS_STEPS, STATE_FILE, ContinualJob
 from .publish import Publisher, notify_reload
 from .replay import ContinualStream, RecordPool
-from .sources import SourceWatcher, drop_read_spool
+from .sources import SourceWatcher, create_missing, drop_read_spool, source_problem
 from .target_swap import (
     SwapRefused,
     TargetSwapper,
@@ -78,10 +78,11 @@ class ContinualRun(TrainRun):
             check_target_watch(context, job)
         for i, source in enumerate(job.sources):
             try:
-                if not resolved_under(source, job.dataset_roots, "source").is_dir():
-                    raise JobError("not a directory (a source is a directory watched for new files)", f"sources[{i}]")
+                problem = source_problem(source, job.dataset_roots, job.output_roots)
             except OutsideRoots as e:
                 raise JobError(str(e), f"sources[{i}]") from None
+            if problem is not None:
+                raise JobError(problem, f"sources[{i}]")
         if context.parts is not None:
             check_init_from(job, context.parts)
             check_template(job, context.parts)
@@ -114,6 +115,9 @@ class ContinualRun(TrainRun):
         no_data = JobData(DocumentList([]), [], np.zeros(0, dtype=np.int64))  # type: ignore[arg-type]
         data = self._load_data() if job.datasets else no_data
         self.pool.set_corpus(data.corpus, data.heldout, data.exclude, fresh=self.resume_from is None)
+        for source in job.sources:
+            if create_missing(source, job.output_roots):  # named before its writer wrote anything
+                self.cb.on_event("source_created", {"source": source})
         directories = [
             (resolved_under(s, job.dataset_roots, "source"), s, list(job.dataset_roots)) for s in job.sources
         ]

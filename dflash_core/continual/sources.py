@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..confine import ConfinedDir, OutsideRoots, resolved_under
+from ..confine import ConfinedDir, OutsideRoots, resolved_under, under
 from ..data.errors import DatasetError
 from ..data.prompts import PROMPT_COLUMNS
 from ..data.sources import MAX_RECORD_BYTES, SHARD_SUFFIXES, SourceFile, file_source, iter_records, jsonl_lines
@@ -30,6 +30,29 @@ from ..data.sources import MAX_RECORD_BYTES, SHARD_SUFFIXES, SourceFile, file_so
 # bytes of one JSONL file read per poll at most: a large backlog is read over several polls, so
 # that one poll never holds a whole file in memory
 READ_BYTES_PER_POLL = 8 << 20
+
+
+def source_problem(source: str, dataset_roots: list[str], output_roots: list[str]) -> str | None:
+    """Why a job cannot watch `source`, or None: it must be a directory under the dataset roots,
+    or not exist yet where the job may create it (under the output roots: a source that a
+    trainer's writer will fill, named before it wrote anything)."""
+    real = resolved_under(source, dataset_roots, "source")
+    if real.is_dir():
+        return None
+    if real.exists():
+        return "not a directory (a source is a directory watched for new files)"
+    if not output_roots or not under(real, [Path(os.path.realpath(r)) for r in output_roots]):
+        return "does not exist (the job creates a missing source only under the output roots)"
+    return None
+
+
+def create_missing(source: str, output_roots: list[str]) -> bool:
+    """Create a source that does not exist yet (source_problem allowed it) as a plain directory
+    under the output roots, no symlink followed below the root; whether it was created."""
+    if os.path.lexists(source):
+        return False
+    ConfinedDir(source, output_roots, "source").close()
+    return True
 
 
 @dataclass

@@ -126,7 +126,14 @@ def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: J
         field_name = f"sources[{i}]"
         path = roots.resolve(raw, field_name, roots.reads)
         try:
-            if not path.is_dir():
+            missing = not path.exists()
+            if missing and not roots.holds_output(path):
+                raise SpecError(
+                    field_name,
+                    f"{raw!r} does not exist (the job creates a missing source only under the output roots; "
+                    "create it first)",
+                )
+            if not missing and not path.is_dir():
                 raise SpecError(field_name, f"{raw!r} is not a directory (a source is a directory watched for files)")
         except OSError as e:
             raise SpecError(field_name, f"{raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})") from None

@@ -192,7 +192,8 @@ def given_paths(spec: Mapping[str, Any], engine_job: Any, job_id: str) -> dict[s
     """Each path of a job as the engine has it (resolved) -> as the client gave it in `spec` (the
     stored spec); the default output_dir as its documented form."""
     pairs = dict(zip(engine_job.datasets, spec.get("datasets") or [], strict=False))
-    for key in ("eval_prompts", "chat_template", "init_from", "publish_dir"):
+    pairs.update(zip(getattr(engine_job, "sources", None) or [], spec.get("sources") or [], strict=False))
+    for key in ("eval_prompts", "chat_template", "init_from", "publish_dir", "target_watch"):
         resolved, given = getattr(engine_job, key, None), spec.get(key)
         if resolved and given:
             pairs[resolved] = given

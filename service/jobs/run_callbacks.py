@@ -88,8 +88,10 @@ class RunCallbacks:
                 self._store(store.set_total_steps, self.job_id, int(payload["total_steps"]))
         if kind in ("data", "skipped_lines") and self._store(store.events, self.job_id, kinds=[kind], limit=1):
             return  # a resumed run reads the same data again: the first record stands
-        if kind == "skipped_lines":  # the records' places, named as the client named the datasets
+        if kind in ("skipped_lines", "skipped_records"):  # the records' places, named as the client named them
             payload = {**payload, "first": [name_as_given(str(m), self.paths) for m in payload.get("first") or []]}
+        if kind == "source_created":
+            payload = {**payload, "source": name_as_given(str(payload.get("source")), self.paths)}
         self._store(store.add_event, self.job_id, kind, payload)
 
     def on_eval(self, step: int, result: dict) -> None:

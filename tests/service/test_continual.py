@@ -105,6 +105,11 @@ def test_bad_continual_specs_name_the_field(daemon, tmp_path):
     assert "replay_ratio" in errors(post(spec(source, replay_ratio=1)))
     assert "reload_url" in errors(post(spec(source, reload_url="ftp://host/x")))
     assert "sources[0]" in errors(post(spec(tmp_path)))  # outside the dataset roots
+    # a missing source outside the output roots is not created: the client makes it
+    from service.config import embedded_assets_dir  # a dataset root, not an output root
+
+    missing = errors(post(spec(embedded_assets_dir() / "not-yet")))["sources[0]"]
+    assert "does not exist" in missing and "create it first" in missing
     (source / "f.jsonl").write_text("")
     assert "sources[0]" in errors(post(spec(source / "f.jsonl")))  # not a directory
     assert "publish_dir" in errors(post(spec(source, publish_dir=str(tmp_path / "pub"))))
@@ -223,16 +228,25 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
 
 
 def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
+    """Also: a source named before its writer made it (relative to the data dir, under the output
+    roots) is created by the job, and what the job says about it names it as given."""
     from tests.service.test_cli import cli
 
     source = daemon.data_dir / "serving-log"
-    source.mkdir()
+    assert not source.exists()
     started = cli(
-        "continual", str(source), "--publish-every", "2", "--replay-ratio", "0.25", "--name", "from-cli",
+        "continual", "serving-log", "--publish-every", "2", "--replay-ratio", "0.25", "--name", "from-cli",
         "--no-yield", url=daemon.url,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.split()[0]
+    daemon.wait_job(job_id, lambda j: daemon.events(job_id, kind="source_created"), timeout=60)
+    assert [e["source"] for e in daemon.events(job_id, kind="source_created")] == ["serving-log"]
+    assert source.is_dir()
+    write_lines(source / "log.jsonl", [conversation(290), {"messages": 3}])  # the second line is no conversation
+    daemon.wait_job(job_id, lambda j: daemon.events(job_id, kind="skipped_records"), timeout=60)
+    first = daemon.events(job_id, kind="skipped_records")[0]["first"]
+    assert first[0].startswith("serving-log/log.jsonl:2") and str(daemon.data_dir) not in json.dumps(first), first
     records = tmp_path / "records.jsonl"
     write_lines(records, [conversation(300 + i) for i in range(40)], mode="w")
     fed = cli("feed", job_id, str(records), "--batch", "16", url=daemon.url)
@@ -254,6 +268,12 @@ def test_the_cli_starts_feeds_and_shows_a_continual_job(daemon, tmp_path):
     assert cli("cancel", job_id, url=daemon.url).returncode == 0
     assert daemon.wait_terminal(job_id)["state"] == "STOPPED"
     assert daemon.wait_terminal(queued["id"])["state"] == "SUCCEEDED"
+    # the example job file works as it is (its source, `rollouts`, under the data dir)
+    example = json.loads((Path(__file__).resolve().parents[2] / "examples" / "continual-job.json").read_text())
+    started = daemon.submit(example)
+    daemon.wait_job(started["id"], lambda j: j["state"] == "RUNNING" and (daemon.data_dir / "rollouts").is_dir())
+    assert cli("cancel", started["id"], url=daemon.url).returncode == 0
+    assert daemon.wait_terminal(started["id"])["state"] == "STOPPED"
 
 
 def _target_version(daemon, watch: Path, name: str, change) -> None:

@@ -122,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log_config = configure_logging(json_lines=config.log_json, level=config.log_level)
     log = logging.getLogger("dflash.service")
     use_bytecode_cache(config.data_dir / BYTECODE_DIR)  # before the engine's thread imports torch
+    raise_open_file_limit(log)
     if not is_loopback_host(config.host) and config.auth_token is None:
         log.warning(
             "listening on %s without auth_token (allow_unauthenticated): anyone who reaches this port can "
@@ -163,6 +164,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server.run()
     return daemon.exit_code if server.started else 1
+
+
+def raise_open_file_limit(log: logging.Logger) -> None:
+    """The soft limit on open files up to the hard one, as long-running servers do: the daemon
+    holds a corpus's memory-mapped cache entries, its connections and its compile workers' pipes
+    at once, and a login shell's or a container's soft limit (often 1024) is far below what the
+    system allows it."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+            if target > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                log.info("open-file limit raised", extra={"fields": {"from": soft, "to": target}})
+    except (ImportError, ValueError, OSError) as e:  # another platform, or a limit the system keeps
+        log.info("open-file limit kept", extra={"fields": {"reason": str(e)}})
 
 
 def for_rank(config: ServiceConfig, launch: Launch) -> ServiceConfig:

@@ -356,3 +356,55 @@ def test_a_damaged_parquet_row_group_is_named_and_the_others_are_read(records, t
     errors = [str(e) for e in corpus.errors()]
     assert errors[0].startswith(f"{path} row 21: row group 1 (rows 21-40) cannot be read (")
     assert list(corpus.shards[0].positions) == [*range(1, 21), *range(41, len(records) + 1)]
+
+
+OPEN_FILES_SCRIPT = """
+import json, resource, sys
+from pathlib import Path
+from dflash_core.data import prepare
+from dflash_core.data.conversations import DatasetError
+from dflash_core.data.tokenize import ChatTemplate
+from dflash_core.data.tokenization import Tokenization
+args = json.loads(sys.argv[1])
+prepare.SMALL_ARRAY_BYTES = 0  # every array mapped: an open file each
+open_now = len(list(Path("/proc/self/fd").iterdir()))
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+tok = Tokenization(args["dir"], args["hash"], ChatTemplate(), args["seq_len"])
+try:
+    prepare.prepare_corpus([args["data"]], tok, Path(args["cache"]), workers=1)
+except DatasetError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_corpus_of_many_small_files_holds_no_file_open_and_running_out_quarantines_nothing(
+    records, tokenization, tmp_path
+):
+    """Small arrays are read into memory, so an open corpus of many small files holds no file
+    descriptor or memory map per file. Where a process does run out of open files (arrays
+    mapped, a low limit), the entries are not taken for corrupt: the error says what ran out and
+    every entry is still there for the next open."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "shards"
+    data.mkdir()
+    for i in range(60):
+        (data / f"part-{i:03d}.jsonl").write_text(json.dumps(records[i % len(records)]) + "\n")
+    cache = tmp_path / "cache"
+    prepare_corpus([str(data)], tokenization, cache, workers=1)
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    corpus = prepare_corpus([str(data)], tokenization, cache, workers=1)
+    assert len(corpus) == 60 and len(list(Path("/proc/self/fd").iterdir())) <= before + 4
+    entries = sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != "quarantine")
+    args = {"dir": tokenization.tokenizer_dir, "hash": tokenization.tokenizer_hash, "seq_len": SEQ_LEN}
+    args.update(data=str(data), cache=str(cache))
+    run = subprocess.run(
+        [sys.executable, "-c", OPEN_FILES_SCRIPT, json.dumps(args)], capture_output=True, text=True, timeout=120
+    )
+    assert "REFUSED" in run.stdout and "ran out of" in run.stdout and "open-file limit" in run.stdout, run
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != "quarantine") == entries
+    assert not any((cache / "quarantine").glob("*"))
+    seen = []
+    prepare_corpus([str(data)], tokenization, cache, workers=1, progress=seen.append)
+    assert seen[-1].files_cached == 60

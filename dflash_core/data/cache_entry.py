@@ -16,6 +16,7 @@ checked against it whenever it is opened, set aside and rebuilt when it does not
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -45,6 +46,15 @@ MAX_META_BYTES = 1 << 20  # meta.json holds counts and at most a few error messa
 
 class BadEntry(Exception):
     """A cache entry that does not match its manifest; the message says how."""
+
+
+# what an OSError says about this process, not about the file it was opening: never a reason to
+# take an entry for corrupt (EMFILE, ENFILE: open files; ENOMEM: memory or memory maps)
+PROCESS_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def process_limit(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in PROCESS_LIMITS
 
 
 def file_digest(path: str | Path) -> str:
@@ -101,6 +111,8 @@ def verified_meta(directory: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise BadEntry("meta.json is missing") from None
     except OSError as e:
+        if process_limit(e):
+            raise
         raise BadEntry(f"meta.json cannot be read ({e.strerror or e})") from None
     if len(raw) > MAX_META_BYTES:
         raise BadEntry("meta.json is larger than an entry's metadata can be")

@@ -38,6 +38,7 @@ import numpy as np
 from ..confine import resolved_under
 from .cache_entry import (
     BadEntry,
+    process_limit,
     prune_quarantine,
     quarantine,
     sweep_partial,
@@ -101,20 +102,40 @@ class Shard:
 
 
 def _open_verified(src: SourceFile, directory: Path) -> Shard:
-    """The entry's shard once it matches its manifest; raises BadEntry."""
-    meta = verified_meta(directory)
+    """The entry's shard once it matches its manifest; raises BadEntry, or DatasetError where
+    this process ran out of open files or memory maps (the entry is not at fault)."""
     try:
+        meta = verified_meta(directory)
         return _open_shard(src, directory, meta)
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        if process_limit(e):
+            raise DatasetError(
+                src.name,
+                0,
+                f"its tokenized cache entry cannot be opened: the daemon ran out of {e.strerror or e} "
+                f"(an open corpus maps each source file larger than {SMALL_ARRAY_BYTES >> 10} KiB of tokens: "
+                "raise the open-file limit, or merge small files)",
+            ) from None
         raise BadEntry(f"its arrays cannot be mapped ({e})") from None
+    except ValueError as e:
+        raise BadEntry(f"its arrays cannot be mapped ({e})") from None
+
+
+# arrays up to this size are read into memory rather than mapped: a mapping holds an open file
+# and a memory map for as long as the corpus is open, and a dataset of many small files would
+# run out of both
+SMALL_ARRAY_BYTES = 1 << 20
 
 
 def _open_shard(src: SourceFile, directory: Path, meta: dict) -> Shard:
 
     def mapped(name: str, dtype) -> np.ndarray:
         path = directory / name
-        if path.stat().st_size == 0:
+        size = path.stat().st_size
+        if size == 0:
             return np.zeros(0, dtype=dtype)
+        if size <= SMALL_ARRAY_BYTES:
+            return np.fromfile(path, dtype=dtype)
         return np.memmap(path, dtype=dtype, mode="r")
 
     lengths = np.fromfile(directory / "lengths.i64", dtype=np.int64)
@@ -257,7 +278,7 @@ def prepare_corpus(
     sizes = [_reading(src, file_size) for src in sources]
     state = PrepareProgress(files_total=len(sources), bytes_total=sum(sizes))
     t0 = time.monotonic()
-    todo: list[tuple[SourceFile, Path]] = []
+    todo: list[tuple[int, SourceFile, Path]] = []
     shards: dict[int, Shard] = {}
     cache_root.mkdir(parents=True, exist_ok=True)
     sweep_partial(cache_root)
@@ -277,18 +298,18 @@ def prepare_corpus(
             state.documents += len(shards[i].lengths)
             state.tokens += int(shards[i].lengths.sum())
         else:
-            todo.append((src, directory))
+            todo.append((i, src, directory))
     progress(state)
-    missing = sum(sizes[sources.index(src)] for src, _ in todo)
+    missing = sum(sizes[i] for i, _, _ in todo)
     workers = workers if workers is not None else (os.cpu_count() or 1)
     pool = None
     if todo and workers > 1 and missing > IN_PROCESS_BYTES:
         pool = worker_pool(workers)
     try:
-        for src, directory in todo:
+        for i, src, directory in todo:
             _write_entry(src, directory, tok, pool, workers, state, progress, should_stop, t0)
             try:
-                shards[sources.index(src)] = _open_verified(src, directory)
+                shards[i] = _open_verified(src, directory)
             except BadEntry as e:  # written and synced a moment ago: the cache's storage is failing
                 raise DatasetError(
                     src.name,

@@ -229,3 +229,24 @@ def test_serve_set_overrides_a_setting(tmp_path):
 
     config = load_config(file, env={}, overrides=settings_from(["engine.generate_slots=4", 'log_level="debug"']))
     assert config.engine.generate_slots == 4 and config.log_level == "debug"
+
+
+def test_serve_raises_the_soft_open_file_limit_to_the_hard_one():
+    """A daemon holds mapped cache entries, connections and worker pipes at once: `serve` lifts a
+    shell's or a container's low soft limit to what the system allows it (in a child: the limit is
+    the process's)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+        "from service.cli_local import raise_open_file_limit\n"
+        "raise_open_file_limit(logging.getLogger('t'))\n"
+        "now, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "print(now == hard or (hard == resource.RLIM_INFINITY and now >= 1 << 20))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=60)
+    assert run.stdout.strip() == "True", run

@@ -4,6 +4,7 @@ a dataset directory, or a regeneration manifest naming a shard elsewhere, is ref
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,7 +68,7 @@ def test_a_planted_manifest_is_read_only_as_a_bounded_regular_file(tmp_path):
     cases = {
         "fifo": lambda p: os.mkfifo(p),
         "link": lambda p: p.symlink_to(tmp_path / "secret.json"),
-        "huge": lambda p: p.write_bytes(b" " * (MANIFEST_LIMIT + 1)),
+        "huge": lambda p: _sparse(p, MANIFEST_LIMIT + 1),
     }
     for case, plant in cases.items():
         out = tmp_path / case
@@ -190,3 +191,32 @@ def test_content_digests_never_wait_on_a_fifo(tmp_path):
             pass
         raise AssertionError("the digest waited on a FIFO")
     assert failure and isinstance(failure[0], UnsafeFile), failure
+
+
+def _sparse(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def test_the_writer_refuses_a_manifest_no_reader_would_take(tmp_path, monkeypatch):
+    """A regeneration whose manifest would outgrow what readers take fails naming it, its
+    complete shards and the manifest that lists them left readable, instead of writing an
+    output that nothing can train on or resume."""
+    from dflash_core.data import regenerated
+    from dflash_core.engine.api import JobError
+    from dflash_core.regenerate import output
+
+    monkeypatch.setattr(output, "MANIFEST_LIMIT", 1200)
+    monkeypatch.setattr(regenerated, "MANIFEST_LIMIT", 1200)
+    row = {"messages": [{"role": "user", "content": "hi"}], "source": "p.jsonl:1", "sample": 0}
+    row.update(prompt_tokens=1, completion_tokens=1, finish_reason="stop")
+    out = output.ShardOutput(str(tmp_path / "out"), [str(tmp_path)])
+    out.start({"plan": 1})
+    written = 0
+    with pytest.raises(JobError, match=r"regeneration\.json would hold \d+ shards, more than a reader takes"):
+        for i in range(100):
+            out.write_shard(i, [row])
+            written += 1
+    out.close()
+    assert 0 < written < 100
+    assert len(regenerated.read_manifest(tmp_path / "out")["shards"]) == written

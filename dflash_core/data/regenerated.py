@@ -15,8 +15,10 @@ from .source_file import SourceFile, child_name
 
 MANIFEST = "regeneration.json"
 FORMAT = "dflash-regeneration"
-MANIFEST_LIMIT = 2 << 20  # tens of thousands of shards; a planted file larger is refused unread, and one
-# within it costs the reader little memory even as pathological JSON
+# about 100 bytes a shard: over 600,000 shards (hundreds of millions of rows at the default
+# shard_rows); a planted file larger is refused unread, and one within it costs the reader
+# little memory even as pathological JSON. The writer refuses to write a manifest past it.
+MANIFEST_LIMIT = 64 << 20
 
 
 def read_manifest(directory: Path, label: str | None = None) -> dict:

@@ -166,7 +166,14 @@ class ShardOutput:
         self.dir.fsync()
 
     def _write_manifest(self) -> None:
+        data = json.dumps(self.manifest, indent=1, sort_keys=True).encode("utf-8")
+        if len(data) > MANIFEST_LIMIT:  # an output no reader would take: refused before it is written
+            raise JobError(
+                f"{MANIFEST} would hold {len(self.manifest['shards'])} shards, more than a reader takes "
+                f"({MANIFEST_LIMIT >> 20} MiB); the complete shards stay: regenerate the rest into another "
+                "output_dir, or with more rows per shard"
+            )
         tmp = f"{TEMP_PREFIX}{MANIFEST}"
         with self._fresh(tmp) as f:
-            f.write(json.dumps(self.manifest, indent=1, sort_keys=True).encode("utf-8"))
+            f.write(data)
         self._publish(tmp, MANIFEST)

@@ -57,6 +57,38 @@ def test_watcher_reads_appended_lines_and_finished_files(tmp_path):
     assert values(again.poll()) == [conv(9)]
 
 
+def test_watcher_lines_are_the_training_readers_lines(tmp_path):
+    """A record with a bare carriage return (JSON whitespace) is one record and the next keeps
+    its line number, and a line longer than one poll's read but within a record's bound is a
+    record, as the JSONL reader of a training job takes them; a longer one is skipped, once."""
+    from dflash_core.continual import sources
+    from dflash_core.data.conversations import read_conversations
+
+    src = tmp_path / "src"
+    src.mkdir()
+    long_answer = "x" * (sources.READ_BYTES_PER_POLL + 1000)
+    with_cr = json.dumps(conv(0)).replace(", ", ",\r ")
+    lines = [
+        with_cr,
+        json.dumps(conv(1)),
+        json.dumps({"messages": [conv(2)["messages"][0], {"role": "assistant", "content": long_answer}]}),
+    ]
+    (src / "log.jsonl").write_bytes(("\n".join(lines) + "\n").encode())
+    watcher = SourceWatcher([(src, "src", [str(tmp_path)])], None)
+    got = list(watcher.poll()) + list(watcher.poll())  # a poll reads on to its last complete line
+    assert [r.source for r in got] == ["src/log.jsonl:1", "src/log.jsonl:2", "src/log.jsonl:3"]
+    assert [r.value for r in got[:2]] == [conv(0), conv(1)] and len(got[2].value["messages"][1]["content"]) == len(
+        long_answer
+    )
+    assert len(list(read_conversations(src / "log.jsonl"))) == 3  # what a training job reads of the same file
+    too_long = "y" * (sources.MAX_RECORD_BYTES + 10)
+    with (src / "log.jsonl").open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": too_long}]}) + "\n" + json.dumps(conv(4)) + "\n")
+    got = list(watcher.poll())
+    assert isinstance(got[0].value, DatasetError) and got[0].source == "src/log.jsonl:4"
+    assert [r.value for r in got[1:]] + [r.value for r in watcher.poll()] == [conv(4)]
+
+
 def test_watcher_refuses_a_file_that_leads_outside_the_roots(tmp_path):
     src, outside = tmp_path / "src", tmp_path / "outside"
     src.mkdir()

@@ -116,16 +116,22 @@ class SourceWatcher:
         with src.path.open("rb") as f:
             f.seek(state["offset"])
             chunk = f.read(min(size - state["offset"], READ_BYTES_PER_POLL))
+            if b"\n" not in chunk and len(chunk) == READ_BYTES_PER_POLL:
+                # one line longer than a poll's read: read on to where a record may end at most
+                chunk += f.read(min(size - state["offset"], MAX_RECORD_BYTES + 1) - len(chunk))
         end = chunk.rfind(b"\n") + 1
         if end == 0:
-            if len(chunk) >= READ_BYTES_PER_POLL or size - state["offset"] > MAX_RECORD_BYTES:
+            if len(chunk) > MAX_RECORD_BYTES or size - state["offset"] > MAX_RECORD_BYTES:
                 # one line larger than a record may be: skipped, reported once at its place
                 skip = self._skip_long_line(src.path, state["offset"])
                 yield Record(f"{src.name}:{state['line']}", DatasetError(src.name, state["line"], "line too long"))
                 state["offset"] = skip
                 state["line"] += 1
             return
-        lines = chunk[:end].splitlines(keepends=True)
+        # split on newlines only, as the daemon's JSONL readers do: a bare carriage return is JSON
+        # whitespace inside a record, not the end of a line
+        lines = chunk[:end].split(b"\n")[:-1]
+        lines = [line + b"\n" for line in lines]
         for line_no, value in jsonl_lines(src.name, lines, state["line"]):
             yield Record(f"{src.name}:{line_no}", value)
         state["offset"] += end

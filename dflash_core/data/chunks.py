@@ -7,8 +7,10 @@ prepare.py stitches the results into cache entries.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -97,11 +99,12 @@ def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int,
     import pyarrow.parquet as pq
 
     column = _column(src)
+    metadata, firsts = _parquet_layout(src)
     with open_regular(src.path, src.name) as f:
-        pf = pq.ParquetFile(f)
-        offset = 0
-        for group in range(pf.metadata.num_row_groups):
-            count = pf.metadata.row_group(group).num_rows
+        pf = pq.ParquetFile(f, metadata=metadata)
+        # the first group holding row `start`: a file of many small groups is not walked from its start
+        for group in range(max(0, bisect.bisect_right(firsts, start) - 1), len(firsts) - 1):
+            offset, count = firsts[group], firsts[group + 1] - firsts[group]
             lo, hi = max(start, offset), min(stop, offset + count)
             if lo < hi:
                 try:
@@ -111,9 +114,28 @@ def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int,
                 else:
                     for i, value in enumerate(values.slice(lo - offset, hi - lo).to_pylist()):
                         yield lo + i + 1, {column: value}
-            offset += count
-            if offset >= stop:
+            if offset + count >= stop:
                 return
+
+
+def _parquet_layout(src: SourceFile) -> tuple[Any, list[int]]:
+    """The file's footer and each row group's first row (and the row count last), kept per process
+    for the file as it is now: its tasks do not parse the footer again, which grows with the
+    groups."""
+    import pyarrow.parquet as pq
+
+    st = src.path.stat()
+    key = (str(src.path), st.st_size, st.st_mtime_ns)
+    cached = _STATE.get("layout")
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    with open_regular(src.path, src.name) as f:
+        metadata = pq.ParquetFile(f).metadata
+    firsts = [0]
+    for group in range(metadata.num_row_groups):
+        firsts.append(firsts[-1] + metadata.row_group(group).num_rows)
+    _STATE["layout"] = (key, metadata, firsts)
+    return metadata, firsts
 
 
 def _group_column(src: SourceFile, pf, group: int, column: str, more: bool):

@@ -287,7 +287,9 @@ def _parquet(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, o
 
     with open_regular(src.path, src.name) as f:
         try:
-            pf = pq.ParquetFile(f)
+            # buffered reads: a column chunk is read as its batches need it, not whole (a check of a
+            # file's first records reads what they take of a row group that may hold the file)
+            pf = pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
             raise DatasetError(src.name, 0, f"not a readable parquet file ({_named(e, src)})") from None
         column = _conversation_column(pf.schema_arrow.names, src.name, columns)

@@ -408,3 +408,21 @@ def test_a_corpus_of_many_small_files_holds_no_file_open_and_running_out_quarant
     seen = []
     prepare_corpus([str(data)], tokenization, cache, workers=1, progress=seen.append)
     assert seen[-1].files_cached == 60
+
+
+def test_trainable_documents_over_blocks_equal_their_definition(records, tokenization, tmp_path, monkeypatch):
+    """Corpus.trainable, computed over blocks of documents (here a few dozen tokens each, so that
+    blocks end inside and between documents), is each document's own test: two tokens or more,
+    and a loss-masked token after the first."""
+    path = tmp_path / "mixed.jsonl"
+    lines = [json.dumps(r) for r in records[:40]]
+    lines += [
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}, {"role": "assistant", "content": ""}]})
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    corpus = prepare_corpus([str(path)], tokenization, tmp_path / "cache")
+    want = np.array([len(ids) >= 2 and bool(mask[1:].any()) for ids, mask in map(corpus.document, range(len(corpus)))])
+    assert want.any()
+    for block in (1 << 22, 37, 1):
+        monkeypatch.setattr(prepare, "TRAINABLE_BLOCK_TOKENS", block)
+        assert np.array_equal(corpus.trainable(), want), block

@@ -101,6 +101,27 @@ class Shard:
         return [DatasetError(self.source.name, e["line"], e["reason"], e["unit"]) for e in self.meta["errors"]]
 
 
+TRAINABLE_BLOCK_TOKENS = 1 << 22
+
+
+def _trainable(shard: Shard) -> np.ndarray:
+    """Corpus.trainable for one shard, a block of documents at a time."""
+    n = len(shard.lengths)
+    ok = np.zeros(n, dtype=bool)
+    ends = shard.starts + shard.lengths
+    a = 0
+    while a < n:
+        # the documents that end within the block from document a's start (at least a itself)
+        b = max(a + 1, int(np.searchsorted(ends, shard.starts[a] + TRAINABLE_BLOCK_TOKENS, side="right")))
+        lo, hi = int(shard.starts[a]), int(ends[b - 1])
+        masked = np.concatenate(([0], np.cumsum(shard.mask[lo:hi], dtype=np.int64)))
+        starts, lengths = shard.starts[a:b] - lo, shard.lengths[a:b]
+        after_first = masked[starts + lengths] - masked[np.minimum(starts + 1, hi - lo)]
+        ok[a:b] = (lengths >= 2) & (after_first > 0)
+        a = b
+    return ok
+
+
 def _open_verified(src: SourceFile, directory: Path) -> Shard:
     """The entry's shard once it matches its manifest; raises BadEntry, or DatasetError where
     this process ran out of open files or memory maps (the entry is not at fault)."""
@@ -200,16 +221,12 @@ class Corpus:
 
     def trainable(self) -> np.ndarray:
         """bool [documents]: at least one loss-masked token after the first (a label exists).
-        Computed once per job from the memory-mapped masks, shard by shard."""
+        Computed once per job from the memory-mapped masks, shard by shard and, within a shard,
+        over blocks of documents of about TRAINABLE_BLOCK_TOKENS tokens: a running count of
+        the whole mask would take 8 bytes per token of the largest shard."""
         out = np.zeros(len(self), dtype=bool)
         for k, shard in enumerate(self.shards):
-            if not len(shard.lengths):
-                continue
-            masked = np.concatenate(([0], np.cumsum(shard.mask, dtype=np.int64)))
-            first_masked = masked[shard.starts + 1]
-            total = masked[shard.starts + shard.lengths]
-            ok = (shard.lengths >= 2) & (total - first_masked > 0)
-            out[self._first[k] : self._first[k] + len(ok)] = ok
+            out[self._first[k] : self._first[k] + len(shard.lengths)] = _trainable(shard)
         return out
 
     def conversations(self, indices: list[int]) -> list[Conversation]:

@@ -426,3 +426,23 @@ def test_trainable_documents_over_blocks_equal_their_definition(records, tokeniz
     for block in (1 << 22, 37, 1):
         monkeypatch.setattr(prepare, "TRAINABLE_BLOCK_TOKENS", block)
         assert np.array_equal(corpus.trainable(), want), block
+
+
+def test_compressed_files_count_the_text_they_hold(records, tmp_path):
+    """Whether tokenization starts workers goes by what a file holds decompressed: a small
+    parquet or .jsonl.gz file of repetitive text holds several times its size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_core.data.sources import file_size, file_source, text_bytes
+
+    text = "".join(json.dumps(records[i % 5]) + "\n" for i in range(3000))
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    pq.write_table(pa.Table.from_pylist([records[i % 5] for i in range(3000)]), tmp_path / "t.parquet")
+    (tmp_path / "t.jsonl").write_text(text)
+    for name in ("t.jsonl.gz", "t.parquet"):
+        src = file_source(tmp_path / name, name)
+        assert text_bytes(src) > 3 * file_size(src), name
+    plain = file_source(tmp_path / "t.jsonl", "t.jsonl")
+    assert text_bytes(plain) == file_size(plain) == len(text.encode())
+    assert text_bytes(file_source(tmp_path / "t.jsonl.gz", "t.jsonl.gz")) == len(text.encode())

@@ -22,6 +22,7 @@ from .sources import (
     SourceFile,
     conversation_column,
     file_size,
+    identity,
     iter_records,
     jsonl_lines,
     load_arrow_dataset,
@@ -85,11 +86,24 @@ def _rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]
     if src.kind == "parquet":
         yield from _parquet_rows(src, start, stop)
         return
-    dataset = load_arrow_dataset(src.path, src.name)
     column = _column(src)
-    values = dataset.select_columns([column]).select(range(start, stop))[column]
-    for i, value in enumerate(values):
+    table = _arrow_table(src, column).slice(start, stop - start)
+    for i, value in enumerate(table.column(0).to_pylist()):
         yield start + i + 1, {column: value}
+
+
+def _arrow_table(src: SourceFile, column: str):
+    """A save_to_disk directory's conversation column as a memory-mapped Arrow table, loaded once
+    per process for the directory as it is now (its files' sizes and times): its tasks slice it
+    instead of loading the dataset again, which costs more the more arrow files it has."""
+    key = ("arrow", str(src.path), tuple(identity(src)))
+    cached = _STATE.get("arrow")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    dataset = load_arrow_dataset(src.path, src.name)
+    table = dataset.select_columns([column]).with_format("arrow")[:]
+    _STATE["arrow"] = (key, table)
+    return table
 
 
 def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:

@@ -50,7 +50,7 @@ from .cache_entry import (
 )
 from .chunks import MAX_REPORTED_ERRORS, ChunkResult, PrepareCancelled, chunk_tasks, tokenize_chunk
 from .conversations import Conversation, DatasetError, parse_conversation
-from .sources import SourceFile, dataset_files, file_size, iter_records, unreadable
+from .sources import SourceFile, dataset_files, file_size, iter_records, text_bytes, unreadable
 from .tokenization import Tokenization
 from .workers import result_or_stop, stop_workers, worker_pool
 
@@ -317,7 +317,8 @@ def prepare_corpus(
         else:
             todo.append((i, src, directory))
     progress(state)
-    missing = sum(sizes[i] for i, _, _ in todo)
+    # what the files hold once decompressed decides whether workers are worth starting
+    missing = sum(_reading(src, text_bytes) for _, src, _ in todo)
     workers = workers if workers is not None else (os.cpu_count() or 1)
     pool = None
     if todo and workers > 1 and missing > IN_PROCESS_BYTES:

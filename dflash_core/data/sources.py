@@ -357,6 +357,27 @@ def file_size(src: SourceFile) -> int:
     return src.path.stat().st_size
 
 
+def text_bytes(src: SourceFile) -> int:
+    """About how many bytes the file holds once decompressed: what tokenizing it costs (a small
+    compressed file may hold much text). A parquet file's row groups say it; a gzip stream's
+    trailer gives its (last member's) size modulo 4 GiB, never taken below the file's own size."""
+    size = file_size(src)
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            with open_regular(src.path, src.name) as f:
+                meta = pq.ParquetFile(f).metadata
+        except Exception:  # noqa: BLE001 - a damaged footer: the reading that follows names it
+            return size
+        return max(size, sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)))
+    if src.kind == "jsonl_gz" and size >= 4:
+        with open_regular(src.path, src.name) as f:
+            f.seek(size - 4)
+            return max(size, int.from_bytes(f.read(4), "little"))
+    return size
+
+
 def identity(src: SourceFile) -> list[tuple[str, int, int]]:
     """(path, size, mtime_ns) of every file behind a source: what a cache key needs to notice a
     changed dataset without reading it."""

@@ -366,7 +366,7 @@ from dflash_core.data.conversations import DatasetError
 from dflash_core.data.tokenize import ChatTemplate
 from dflash_core.data.tokenization import Tokenization
 args = json.loads(sys.argv[1])
-prepare.SMALL_ARRAY_BYTES = 0  # every array mapped: an open file each
+prepare.IN_MEMORY_BYTES = 0  # every array mapped: an open file each
 open_now = len(list(Path("/proc/self/fd").iterdir()))
 resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 tok = Tokenization(args["dir"], args["hash"], ChatTemplate(), args["seq_len"])
@@ -378,7 +378,7 @@ except DatasetError as e:
 
 
 def test_a_corpus_of_many_small_files_holds_no_file_open_and_running_out_quarantines_nothing(
-    records, tokenization, tmp_path
+    records, tokenization, tmp_path, monkeypatch
 ):
     """Small arrays are read into memory, so an open corpus of many small files holds no file
     descriptor or memory map per file. Where a process does run out of open files (arrays
@@ -396,6 +396,11 @@ def test_a_corpus_of_many_small_files_holds_no_file_open_and_running_out_quarant
     before = len(list(Path("/proc/self/fd").iterdir()))
     corpus = prepare_corpus([str(data)], tokenization, cache, workers=1)
     assert len(corpus) == 60 and len(list(Path("/proc/self/fd").iterdir())) <= before + 4
+    del corpus
+    monkeypatch.setattr(prepare, "IN_MEMORY_BYTES", 0)  # past the corpus's budget, arrays are mapped
+    mapped = prepare_corpus([str(data)], tokenization, cache, workers=1)
+    assert len(list(Path("/proc/self/fd").iterdir())) >= before + 100
+    del mapped
     entries = sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != "quarantine")
     args = {"dir": tokenization.tokenizer_dir, "hash": tokenization.tokenizer_hash, "seq_len": SEQ_LEN}
     args.update(data=str(data), cache=str(cache))

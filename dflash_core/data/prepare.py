@@ -122,19 +122,19 @@ def _trainable(shard: Shard) -> np.ndarray:
     return ok
 
 
-def _open_verified(src: SourceFile, directory: Path) -> Shard:
+def _open_verified(src: SourceFile, directory: Path, in_memory: list[int]) -> Shard:
     """The entry's shard once it matches its manifest; raises BadEntry, or DatasetError where
     this process ran out of open files or memory maps (the entry is not at fault)."""
     try:
         meta = verified_meta(directory)
-        return _open_shard(src, directory, meta)
+        return _open_shard(src, directory, meta, in_memory)
     except OSError as e:
         if process_limit(e):
             raise DatasetError(
                 src.name,
                 0,
                 f"its tokenized cache entry cannot be opened: the daemon ran out of {e.strerror or e} "
-                f"(an open corpus maps each source file larger than {SMALL_ARRAY_BYTES >> 10} KiB of tokens: "
+                "(an open corpus maps two arrays per source file, past the small ones it reads into memory: "
                 "raise the open-file limit, or merge small files)",
             ) from None
         raise BadEntry(f"its arrays cannot be mapped ({e})") from None
@@ -142,20 +142,24 @@ def _open_verified(src: SourceFile, directory: Path) -> Shard:
         raise BadEntry(f"its arrays cannot be mapped ({e})") from None
 
 
-# arrays up to this size are read into memory rather than mapped: a mapping holds an open file
-# and a memory map for as long as the corpus is open, and a dataset of many small files would
-# run out of both
+# arrays up to SMALL_ARRAY_BYTES are read into memory rather than mapped, up to
+# IN_MEMORY_BYTES per corpus: a mapping holds an open file and a memory map for as long as the
+# corpus is open, and a dataset of many small files would run out of both; past the budget they
+# are mapped, so memory does not grow with the dataset
 SMALL_ARRAY_BYTES = 1 << 20
+IN_MEMORY_BYTES = 256 << 20
 
 
-def _open_shard(src: SourceFile, directory: Path, meta: dict) -> Shard:
+def _open_shard(src: SourceFile, directory: Path, meta: dict, in_memory: list[int]) -> Shard:
+    """in_memory: [bytes the corpus may still read into memory], spent here."""
 
     def mapped(name: str, dtype) -> np.ndarray:
         path = directory / name
         size = path.stat().st_size
         if size == 0:
             return np.zeros(0, dtype=dtype)
-        if size <= SMALL_ARRAY_BYTES:
+        if size <= SMALL_ARRAY_BYTES and size <= in_memory[0]:
+            in_memory[0] -= size
             return np.fromfile(path, dtype=dtype)
         return np.memmap(path, dtype=dtype, mode="r")
 
@@ -296,6 +300,7 @@ def prepare_corpus(
     state = PrepareProgress(files_total=len(sources), bytes_total=sum(sizes))
     t0 = time.monotonic()
     todo: list[tuple[int, SourceFile, Path]] = []
+    in_memory = [IN_MEMORY_BYTES]  # what the corpus's small arrays may take
     shards: dict[int, Shard] = {}
     cache_root.mkdir(parents=True, exist_ok=True)
     sweep_partial(cache_root)
@@ -304,7 +309,7 @@ def prepare_corpus(
         directory = cache_root / _reading(src, tok.key)
         if os.path.lexists(directory):
             try:
-                shards[i] = _open_verified(src, directory)
+                shards[i] = _open_verified(src, directory, in_memory)
             except BadEntry as e:
                 quarantine(directory, str(e), src.name)
                 state.rebuilt.append({"dataset": src.name, "entry": directory.name, "reason": str(e)})
@@ -327,7 +332,7 @@ def prepare_corpus(
         for i, src, directory in todo:
             _write_entry(src, directory, tok, pool, workers, state, progress, should_stop, t0)
             try:
-                shards[i] = _open_verified(src, directory)
+                shards[i] = _open_verified(src, directory, in_memory)
             except BadEntry as e:  # written and synced a moment ago: the cache's storage is failing
                 raise DatasetError(
                     src.name,

@@ -244,3 +244,35 @@ def test_the_spool_rolls_over_and_read_files_go_while_a_cursor_still_needs_none(
         dropped = drop_read_spool(directory, [watcher.cursor()])
     assert dropped == names[:-1] and sorted(p.name for p in spool_dir.iterdir()) == names[-1:]
     assert RecordSpool(str(spool_dir), [str(tmp_path)]).pending(read) == 0  # counted again after a restart
+
+
+def test_a_checkpoint_cursor_covers_only_trained_records(tmp_path, default_assets):
+    """cursor_through(seq): the cursor of the newest poll all of whose records arrived by `seq`
+    (trained), built from what each poll changed; a later poll's files are not in it, and a
+    watcher resumed from it reads again exactly what came after."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.continual.feed import Feed
+    from dflash_core.data.tokenize import ChatTemplate
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
+    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    feed = Feed(SourceWatcher([(src, "src", [str(tmp_path)])], None), pool, tokenizer, ChatTemplate(), 1.0)
+    (src / "a.jsonl").write_text(json.dumps(conv(0)) + "\n" + json.dumps(conv(1)) + "\n")
+    assert feed.poll_once() == 2
+    assert feed.poll_once() == 0  # nothing new: no change recorded
+    (src / "b.jsonl").write_text(json.dumps(conv(2)) + "\n")
+    with (src / "a.jsonl").open("a") as f:
+        f.write(json.dumps(conv(3)) + "\n")
+    assert feed.poll_once() == 2
+    first = feed.cursor_through(2)  # the first poll's two records trained, not the second's
+    assert set(first["files"]) == {str(src / "a.jsonl")} and first["files"][str(src / "a.jsonl")]["line"] == 3
+    saved = json.loads(json.dumps(first))  # as a checkpoint stores it
+    resumed = SourceWatcher([(src, "src", [str(tmp_path)])], saved)
+    assert values(resumed.poll()) == [conv(3), conv(2)]  # a.jsonl read on, then b.jsonl
+    assert feed.cursor_through(1) == first  # an older seq than the last checkpoint's: the same cursor
+    both = feed.cursor_through(4)
+    assert both["files"][str(src / "a.jsonl")]["line"] == 4 and str(src / "b.jsonl") in both["files"]
+    assert values(SourceWatcher([(src, "src", [str(tmp_path)])], both).poll()) == []

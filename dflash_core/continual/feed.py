@@ -62,9 +62,13 @@ class Feed:
         self._lock = threading.Lock()  # the watcher's cursor: polled here, saved by the job's thread
         self._counting = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="continual-ingest", daemon=True)
-        # (records arrived, the watcher's cursor) after each poll that read something: a checkpoint
-        # saves the newest cursor all of whose records are trained (cursor_through)
-        self._snapshots: list[tuple[int, dict[str, Any]]] = [(0, watcher.cursor())]
+        # a checkpoint saves the newest cursor all of whose records are trained (cursor_through):
+        # the cursor at the oldest such point (_base), then what each poll that read something
+        # changed, with the records arrived by then (_deltas). Deltas, not whole cursors: a source
+        # of many files would otherwise copy every file's entry at every poll until a checkpoint
+        self._base: dict[str, dict[str, Any]] = watcher.cursor()["files"]
+        self._last: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self._base.items()}
+        self._deltas: list[tuple[int, dict[str, dict[str, Any]]]] = []
 
     def start(self) -> Feed:
         self._thread.start()
@@ -85,9 +89,12 @@ class Feed:
         """The newest cursor whose records all have arrival numbers up to `seq` (all trained):
         a job resumed from it reads again only what it had not trained."""
         with self._lock:
-            keep = max(i for i, (added, _) in enumerate(self._snapshots) if added <= seq or i == 0)
-            del self._snapshots[:keep]
-            return self._snapshots[0][1]
+            trained = 0
+            while trained < len(self._deltas) and self._deltas[trained][0] <= seq:
+                self._base.update(self._deltas[trained][1])
+                trained += 1
+            del self._deltas[:trained]
+            return {"files": {k: dict(v) for k, v in self._base.items()}}
 
     @property
     def full(self) -> bool:
@@ -101,8 +108,10 @@ class Feed:
             for record in self.watcher.poll():
                 if self._add(record.source, record.value):
                     added += 1
-            if self.watcher.cursor() != self._snapshots[-1][1]:
-                self._snapshots.append((self.pool.added, self.watcher.cursor()))
+            changed = {k: dict(v) for k, v in self.watcher.files.items() if self._last.get(k) != v}
+            if changed:
+                self._last.update(changed)
+                self._deltas.append((self.pool.added, changed))
         return added
 
     def _run(self) -> None:

@@ -210,7 +210,11 @@ def _without(path, key):
     return path
 
 
-def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path):
+def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path, default_assets):
+    """max_pending: the feed is full at that many untrained records, and a poll that fills it
+    ends before the next file, so a backlog of many files stays in them until it is trained."""
+    from transformers import AutoTokenizer
+
     from dflash_core.continual.feed import Feed
     from dflash_core.data.tokenize import ChatTemplate
 
@@ -220,6 +224,16 @@ def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path):
     assert not feed.full
     pool.add(Conversation(conv(1)["messages"], "s:1"), doc(8))
     assert feed.full
+    src = tmp_path / "backlog"
+    src.mkdir()
+    for f in range(5):
+        (src / f"part-{f}.jsonl").write_text("".join(json.dumps(conv(10 * f + i)) + "\n" for i in range(10)))
+    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
+    pool = RecordPool(256, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    watcher = SourceWatcher([(src, "backlog", [str(tmp_path)])], None)
+    feed = Feed(watcher, pool, tokenizer, ChatTemplate(), 1.0, max_pending=3)
+    assert feed.poll_once() == 10  # one file, then full
+    assert feed.poll_once() == 0 and set(watcher.files) == {str(src / "part-0.jsonl")}
 
 
 def test_the_spool_rolls_over_and_read_files_go_while_a_cursor_still_needs_none(tmp_path):

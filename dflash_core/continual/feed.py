@@ -105,7 +105,8 @@ class Feed:
         """Read what the sources hold now into the pool; the records added."""
         added = 0
         with self._lock, self.tokenizer_lock:
-            for record in self.watcher.poll():
+            # a full pool ends the poll between files: a backlog waits in its files, not in memory
+            for record in self.watcher.poll(enough=lambda: self.full):
                 if self._add(record.source, record.value):
                     added += 1
             changed = {k: dict(v) for k, v in self.watcher.files.items() if self._last.get(k) != v}

@@ -42,7 +42,7 @@ def source_problem(source: str, dataset_roots: list[str], output_roots: list[str
     if real.exists():
         return "not a directory (a source is a directory watched for new files)"
     if not output_roots or not under(real, [Path(os.path.realpath(r)) for r in output_roots]):
-        return "does not exist (the job creates a missing source only under the output roots)"
+        return "does not exist (the job creates a missing source only under the output roots; create it first)"
     return None
 
 

@@ -8,6 +8,7 @@ prepare.py stitches the results into cache entries.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from .sources import (
     iter_records,
     jsonl_lines,
     load_arrow_dataset,
+    row_group_error,
 )
 from .tokenization import Tokenization
 from .tokenize import encode_conversation
@@ -96,14 +98,11 @@ def _arrow_table(src: SourceFile, column: str):
     """A save_to_disk directory's conversation column as a memory-mapped Arrow table, loaded once
     per process for the directory as it is now (its files' sizes and times): its tasks slice it
     instead of loading the dataset again, which costs more the more arrow files it has."""
-    key = ("arrow", str(src.path), tuple(identity(src)))
-    cached = _STATE.get("arrow")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    dataset = load_arrow_dataset(src.path, src.name)
-    table = dataset.select_columns([column]).with_format("arrow")[:]
-    _STATE["arrow"] = (key, table)
-    return table
+
+    def load():
+        return load_arrow_dataset(src.path, src.name).select_columns([column]).with_format("arrow")[:]
+
+    return _kept("arrow", (str(src.path), tuple(identity(src))), load)
 
 
 def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int, object]]:
@@ -122,9 +121,14 @@ def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int,
             lo, hi = max(start, offset), min(stop, offset + count)
             if lo < hi:
                 try:
-                    values = _group_column(src, pf, group, column, more=hi < offset + count)
-                except DatasetError as err:
-                    yield lo + 1, err
+                    values = _kept(
+                        "group",
+                        (*_file_key(src), group),
+                        functools.partial(pf.read_row_group, group, columns=[column]),
+                        keep=hi < offset + count,  # a later task reads more of the group
+                    ).column(0)
+                except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page
+                    yield lo + 1, row_group_error(src, group, offset + 1, count, e)
                 else:
                     for i, value in enumerate(values.slice(lo - offset, hi - lo).to_pylist()):
                         yield lo + i + 1, {column: value}
@@ -133,47 +137,36 @@ def _parquet_rows(src: SourceFile, start: int, stop: int) -> Iterator[tuple[int,
 
 
 def _parquet_layout(src: SourceFile) -> tuple[Any, list[int]]:
-    """The file's footer and each row group's first row (and the row count last), kept per process
-    for the file as it is now: its tasks do not parse the footer again, which grows with the
-    groups."""
+    """The file's footer and each row group's first row (and the row count last): its tasks do not
+    parse the footer again, which grows with the groups."""
     import pyarrow.parquet as pq
 
-    st = src.path.stat()
-    key = (str(src.path), st.st_size, st.st_mtime_ns)
-    cached = _STATE.get("layout")
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    with open_regular(src.path, src.name) as f:
-        metadata = pq.ParquetFile(f).metadata
-    firsts = [0]
-    for group in range(metadata.num_row_groups):
-        firsts.append(firsts[-1] + metadata.row_group(group).num_rows)
-    _STATE["layout"] = (key, metadata, firsts)
-    return metadata, firsts
+    def load() -> tuple[Any, list[int]]:
+        with open_regular(src.path, src.name) as f:
+            metadata = pq.ParquetFile(f).metadata
+        firsts = [0]
+        for group in range(metadata.num_row_groups):
+            firsts.append(firsts[-1] + metadata.row_group(group).num_rows)
+        return metadata, firsts
+
+    return _kept("layout", _file_key(src), load)
 
 
-def _group_column(src: SourceFile, pf, group: int, column: str, more: bool):
-    """One row group's column (Arrow's, not Python objects). more: a later task reads more of the
-    group, so this process keeps it until then: the tasks of a group larger than a task come in
-    order, and a process decodes such a group once, not once per task. The key holds the file's
-    size and modification time, so a file rewritten since is read anew."""
+def _file_key(src: SourceFile) -> tuple[str, int, int]:
     st = src.path.stat()
-    key = (str(src.path), st.st_size, st.st_mtime_ns, group)
-    cached = _STATE.pop("group", None)
-    if cached is not None and cached[0] == key:
-        values = cached[1]
-    else:
-        try:
-            values = pf.read_row_group(group, columns=[column]).column(0)
-        except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page (ArrowIOError, ArrowInvalid)
-            first = sum(pf.metadata.row_group(g).num_rows for g in range(group)) + 1
-            last = first + pf.metadata.row_group(group).num_rows - 1
-            reason = " ".join(str(e).replace(str(src.path), src.name).split())[:300] or type(e).__name__
-            where = f"row group {group} (rows {first}-{last})"
-            raise DatasetError(src.name, first, f"{where} cannot be read ({reason})", "row") from None
-    if more:
-        _STATE["group"] = (key, values)
-    return values
+    return str(src.path), st.st_size, st.st_mtime_ns
+
+
+def _kept(slot: str, key: tuple, make: Callable[[], Any], keep: bool = True) -> Any:
+    """make(), or what this process kept in `slot` for the same key: what a file's tasks share
+    (its footer, a row group larger than a task, a dataset's table), one per slot, keyed by the
+    file as it is now so that one rewritten since is read anew. keep=False: the last use, the
+    slot is emptied."""
+    cached = _STATE.pop(slot, None)
+    value = cached[1] if cached is not None and cached[0] == key else make()
+    if keep:
+        _STATE[slot] = (key, value)
+    return value
 
 
 def _column(src: SourceFile) -> str:

@@ -309,15 +309,24 @@ def _parquet_group(src: SourceFile, pf, group: int, column: str, first: int, cou
         try:
             batch = next(batches, None)
         except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page (ArrowIOError, ArrowInvalid)
-            reason = " ".join(_named(e, src).split())[:300] or type(e).__name__
-            where = f"row group {group} (rows {first}-{first + count - 1}) cannot be read from row {row}"
-            yield row, DatasetError(src.name, row, f"{where} ({reason})", "row")
+            yield row, row_group_error(src, group, first, count, e, row)
             return
         if batch is None:
             return
         for value in batch.column(0).to_pylist():
             yield row, {column: value}
             row += 1
+
+
+def row_group_error(
+    src: SourceFile, group: int, first: int, count: int, error: BaseException, row: int | None = None
+) -> DatasetError:
+    """A parquet row group (rows first .. first + count - 1) that could not be read, from `row`
+    on (default: its first), as the bad record at that row; the reader's message kept, on one line."""
+    row = first if row is None else row
+    reason = " ".join(_named(error, src).split())[:300] or type(error).__name__
+    where = f"row group {group} (rows {first}-{first + count - 1}) cannot be read"
+    return DatasetError(src.name, row, where + (f" from row {row}" if row > first else "") + f" ({reason})", "row")
 
 
 def _arrow(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:

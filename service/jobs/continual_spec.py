@@ -119,6 +119,7 @@ def _sources_apart(spec: ContinualSpec, sources: list[str], roots: Roots, writte
 
 def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: JobOutputs | None = None):
     from dflash_core.continual.job import ContinualJob
+    from dflash_core.continual.sources import source_problem
 
     values = train_values(spec, job_id, roots, job_outputs)
     sources = []
@@ -126,15 +127,9 @@ def continual_job(spec: ContinualSpec, job_id: str, roots: Roots, job_outputs: J
         field_name = f"sources[{i}]"
         path = roots.resolve(raw, field_name, roots.reads)
         try:
-            missing = not path.exists()
-            if missing and not roots.holds_output(path):
-                raise SpecError(
-                    field_name,
-                    f"{raw!r} does not exist (the job creates a missing source only under the output roots; "
-                    "create it first)",
-                )
-            if not missing and not path.is_dir():
-                raise SpecError(field_name, f"{raw!r} is not a directory (a source is a directory watched for files)")
+            problem = source_problem(str(path), [str(r) for r in roots.reads], [str(r) for r in roots.writes])
+            if problem is not None:
+                raise SpecError(field_name, f"{raw!r}: {problem}")
         except OSError as e:
             raise SpecError(field_name, f"{raw[:200]!r} cannot be read ({e.strerror or type(e).__name__})") from None
         sources.append(str(path))

@@ -89,6 +89,33 @@ def test_watcher_lines_are_the_training_readers_lines(tmp_path):
     assert [r.value for r in got[1:]] + [r.value for r in watcher.poll()] == [conv(4)]
 
 
+def test_watcher_walks_a_tree_in_name_order_and_leaves_dot_names_and_linked_directories(tmp_path):
+    """Files in subdirectories come in the order of their path's parts ("a/" before "a-b/",
+    though "-" sorts before "/"), labelled by their path below the source; names starting with a
+    dot (files and directories) and other suffixes are left alone, and a symlinked directory is
+    not entered. A file read to its end is passed over at later polls, even once it is gone."""
+    src, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    for d in (src / "a", src / "a-b" / "deep", src / ".tmp", elsewhere):
+        d.mkdir(parents=True)
+    files = {"a-b/deep/z.jsonl": 3, "a/y.jsonl": 2, "a-b/x.jsonl": 4, "top.jsonl": 5, ".tmp/w.jsonl": 6}
+    for name, i in {**files, "a/.part.jsonl": 7, "a/notes.txt": 8}.items():
+        (src / name).write_text(json.dumps(conv(i)) + "\n")
+    (elsewhere / "e.jsonl").write_text(json.dumps(conv(9)) + "\n")
+    (src / "linked").symlink_to(elsewhere, target_is_directory=True)
+    watcher = SourceWatcher([(src, "rollouts/", [str(tmp_path)])], None)
+    got = list(watcher.poll())
+    assert [r.source for r in got] == [
+        "rollouts/a/y.jsonl:1",
+        "rollouts/a-b/deep/z.jsonl:1",
+        "rollouts/a-b/x.jsonl:1",
+        "rollouts/top.jsonl:1",
+    ]
+    assert [r.value for r in got] == [conv(2), conv(3), conv(4), conv(5)]
+    (src / "a" / "y.jsonl").unlink()
+    (src / "top.jsonl").write_text(json.dumps(conv(5)) + "\n" + json.dumps(conv(10)) + "\n")
+    assert [(r.source, r.value) for r in watcher.poll()] == [("rollouts/top.jsonl:2", conv(10))]
+
+
 def test_watcher_refuses_a_file_that_leads_outside_the_roots(tmp_path):
     src, outside = tmp_path / "src", tmp_path / "outside"
     src.mkdir()

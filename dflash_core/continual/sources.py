@@ -77,13 +77,16 @@ class SourceWatcher:
         asked before each file, and True ends the poll there (the files after it are read at a
         later poll), so that a backlog of many files is not read into memory at once."""
         for directory, name, roots in self.directories:
-            for path in self._listing(directory):
+            for parts, key, size in self._listing(directory):
                 if enough():
                     return
-                key = str(path)
-                label = f"{name.rstrip('/')}/{path.relative_to(directory)}"
-                if self.files.get(key, {}).get("refused"):  # reported once, not at every poll
+                state = self.files.get(key, {})
+                # refused (reported once), read whole already, or a JSONL file with nothing appended:
+                # passed over on its listing's stat alone, so that a poll of many files stays cheap
+                if state.get("refused") or state.get("done") or state.get("offset", -1) == size:
                     continue
+                path = Path(key)
+                label = "/".join((name.rstrip("/"), *parts))
                 try:
                     real = resolved_under(path, roots, "a source file", label)
                     src = file_source(real, label)
@@ -97,17 +100,30 @@ class SourceWatcher:
                 except OSError as e:  # vanished or unreadable now: looked at again next poll
                     yield Record(label, DatasetError(label, 0, f"cannot be read ({e.strerror or type(e).__name__})"))
 
-    def _listing(self, directory: Path) -> list[Path]:
-        try:
-            found = [
-                p
-                for p in directory.rglob("*")
-                if p.suffix in SHARD_SUFFIXES
-                and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-                and p.is_file()
-            ]
-        except OSError:
-            return []
+    def _listing(self, directory: Path) -> list[tuple[tuple[str, ...], str, int]]:
+        """The record files under `directory` (symlinked directories not entered, dot names left
+        alone), each as (its path's parts below the directory, its path, its size), in name order:
+        one directory read per directory and one stat per file (a symlinked file's is its
+        target's); strings, not Path objects, which cost more than the stat at many files."""
+        found: list[tuple[tuple[str, ...], str, int]] = []
+        pending: list[tuple[tuple[str, ...], str]] = [((), str(directory))]
+        while pending:
+            below, where = pending.pop()
+            try:
+                with os.scandir(where) as it:
+                    entries = list(it)
+            except OSError:  # vanished or unreadable now: looked at again next poll
+                continue
+            for entry in entries:
+                try:
+                    if entry.name.startswith("."):
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(((*below, entry.name), entry.path))
+                    elif os.path.splitext(entry.name)[1] in SHARD_SUFFIXES and entry.is_file():
+                        found.append(((*below, entry.name), entry.path, entry.stat().st_size))
+                except OSError:
+                    continue
         return sorted(found)
 
     def _appended(self, key: str, src: SourceFile) -> Iterator[Record]:

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import itertools
 import json
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from dflash_core.config import ShapeConfig
 from dflash_core.data.anchors import valid_anchor_positions
 from dflash_core.data.batches import MicroBatchStream
-from dflash_core.data.conversations import DatasetError, ReadReport, read_conversations
+from dflash_core.data.conversations import Conversation, DatasetError, ReadReport, read_conversations
 from dflash_core.data.tokenize import encode_conversation
 
 
@@ -153,3 +154,144 @@ def test_loss_mask_with_a_template_whose_history_is_not_prefix_stable(tokenizer)
     assert reply in masked and toks[reply + 1] == "<|im_end|>" and reply + 1 in masked
     assert len(toks) - 1 - toks[::-1].index("cat") in masked and toks.index("cat") not in masked
     assert not any(toks[i] in ("red", "blue", "user") for i in masked)
+
+
+class _RecordingTokenizer:
+    """A fast tokenizer of transformers over a `tokenizers` model built here, that keeps the
+    length of every text it is asked to tokenize: byte-level BPE trained on a few sentences, or a
+    unigram model over runs of "a", whose first pieces of a run depend on the run's whole length
+    (the Viterbi segmentation), so a prefix cut inside a run changes tokens far before the cut."""
+
+    def __init__(self, kind: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        if kind == "bpe":
+            backend = Tokenizer(models.BPE())
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            backend.decoder = decoders.ByteLevel()
+            words = "the red dog ran far 12345 over blue cats; naïve café ünïcode".split()
+            corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+            trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_end|>"], show_progress=False)
+            backend.train_from_iterator(corpus, trainer)
+        else:
+            pieces = [("<unk>", 0.0), ("a", -1.0), ("aa", -1.5), ("aaa", -2.2), ("b", -1.0), ("<|im_end|>", 0.0)]
+            backend = Tokenizer(models.Unigram(pieces, unk_id=0))
+            backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        self.inner = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+        self.inner.chat_template = (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}"
+        )
+        self.lengths: list[int] = []
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.inner(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _wrapped(backend) -> _RecordingTokenizer:
+    """A _RecordingTokenizer over a `tokenizers` backend built by the caller."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _RecordingTokenizer.__new__(_RecordingTokenizer)
+    tok.inner = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tok.inner.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+    tok.lengths = []
+    return tok
+
+
+def test_prefixes_end_only_where_the_tokenizer_ends_a_word():
+    """Prefixes end before a space, where every pre-tokenizer that splits at spaces ends a word:
+    a metaspace keeps tabs and no-break spaces inside its words, and its unigram model chooses a
+    run's first pieces by where the run ends, so a cut at other whitespace would change them.
+    A byte-level BPE whose merges chain a word of 80 characters from its end, without a space in
+    it, is tokenized whole. A tokenizer that does not split at spaces is tokenized whole, once."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from dflash_core.data.tokenize import splits_at_spaces
+
+    def same_as_whole(tok, content: str, kept: int) -> None:
+        conv = Conversation([{"role": "assistant", "content": content}], "mem:1")
+        whole = encode_conversation(tok.inner, conv)
+        doc = encode_conversation(tok, conv, max_tokens=kept)
+        assert np.array_equal(doc.input_ids, whole.input_ids[:kept]), (kept, doc.input_ids[:8], whole.input_ids[:8])
+        assert np.array_equal(doc.loss_mask, whole.loss_mask[:kept])
+
+    pieces = [("<unk>", -20.0), ("<|im_end|>", 0.0), ("\u2581", -1.0), ("\u2581x", -1.0), ("y", -1.0)]
+    pieces += [(f"x{w}", -1.0) for w in "\t\u00a0"] + [(f"{w}x", -1.0) for w in "\t\u00a0"]
+    pieces += [("x", -10.0), ("\t", -10.0), ("\u00a0", -10.0), ("assistant:", -1.0)]
+    metaspace = Tokenizer(models.Unigram(pieces, unk_id=0))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok = _wrapped(metaspace)
+    assert splits_at_spaces(tok)
+    for space in "\t\u00a0":
+        for kept in (1, 2, 3, 7, 20, 50):
+            same_as_whole(tok, f"x{space}" * 2000 + "y z", kept)
+
+    # merges from the word's end: its first token depends on where it ends
+    chars = [c for i in range(40) for c in ("!#$%&*+-/<=>?@^|~"[i % 17], "\x1c\x1d"[i // 17 % 2])]
+    vocab = {c: i for i, c in enumerate(sorted(set(chars)))}
+    merges = []
+    for a, b in reversed(list(itertools.pairwise(chars))):
+        if (a, b) not in merges:
+            merges.append((a, b))
+            vocab.setdefault(a + b, len(vocab))
+    vocab.update({"<|im_end|>": len(vocab), "<unk>": len(vocab) + 1})
+    bpe = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    gpt_split = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    bpe.pre_tokenizer = pre_tokenizers.Split(Regex(gpt_split), behavior="isolated")
+    tok = _wrapped(bpe)
+    tok.inner.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for kept in (1, 2):
+        same_as_whole(tok, "".join(chars), kept)
+
+    bpe.pre_tokenizer = pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated")  # digits alone
+    assert not splits_at_spaces(_wrapped(bpe))
+    bpe.pre_tokenizer = None
+    tok = _wrapped(bpe)
+    text = "! # " * 500
+    doc = encode_conversation(tok, Conversation([{"role": "assistant", "content": text}], "mem:1"), max_tokens=3)
+    assert not splits_at_spaces(tok) and doc.cut and len(tok.lengths) == 1 and tok.lengths[0] > len(text)
+
+
+def _check_prefix_tokens(tok: _RecordingTokenizer, answer: str, kept: int, longest_word: int) -> None:
+    """encode_conversation with max_tokens=kept gives the whole text's first tokens and mask, from
+    prefixes no longer than a few times the kept tokens' characters and the longest word."""
+    conv = Conversation([{"role": "user", "content": "go"}, {"role": "assistant", "content": answer}], "mem:1")
+    whole = encode_conversation(tok.inner, conv)
+    tok.lengths.clear()
+    doc = encode_conversation(tok, conv, max_tokens=kept)
+    assert doc.cut and len(doc.input_ids) == kept
+    assert np.array_equal(doc.input_ids, whole.input_ids[:kept])
+    assert np.array_equal(doc.loss_mask, whole.loss_mask[:kept]) and doc.loss_mask.any()
+    # doubling until a prefix reaches past the word its cut fell in
+    assert max(tok.lengths) <= 4 * (16 * kept + longest_word) < len(answer) // 2, tok.lengths
+    # a record within its bound is tokenized whole and not counted as cut
+    short = encode_conversation(tok, conv, max_tokens=len(whole.input_ids))
+    assert not short.cut and np.array_equal(short.input_ids, whole.input_ids)
+    assert np.array_equal(short.loss_mask, whole.loss_mask)
+
+
+def test_a_long_record_is_tokenized_from_prefixes_with_the_tokens_of_the_whole():
+    """A record far longer than the tokens kept: only prefixes are tokenized, and the tokens and
+    mask kept are the whole text's first ones. Byte-level BPE over words, digit runs, runs of
+    spaces and newlines, accented letters and words thousands of characters long, so that a
+    prefix's cut falls inside every kind of piece; and a unigram model where the cut changes the
+    kept tokens themselves until a prefix reaches past the run it cut."""
+    tok = _RecordingTokenizer("bpe")
+    pieces = ["the", "red", "dog", "12345", "café", "   ", "\n\n", ";", "ünïcode", "x" * 3000, "ab" * 1500]
+    p = [0.14, 0.14, 0.14, 0.1, 0.1, 0.1, 0.1, 0.1, 0.076, 0.002, 0.002]
+    for seed in range(2):
+        answer = " ".join(np.random.default_rng(seed).choice(pieces, size=8_000, p=p).tolist())
+        for kept in (64, 700):
+            _check_prefix_tokens(tok, answer, kept, 3000)
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        encode_conversation(tok, Conversation([{"role": "assistant", "content": "a " * 9000}], "x:1"), max_tokens=0)
+    tok = _RecordingTokenizer("unigram")
+    for run in (5000, 5001, 5002):
+        for kept in (48, 64, 96):  # 48 and 96: prefixes of 16 and 32 times kept agree on a cut run
+            _check_prefix_tokens(tok, "a" * run + " b" * 30_000, kept, run)

@@ -5,15 +5,17 @@ templates, checked against the tokenizer's own assistant mask."""
 
 from __future__ import annotations
 
+import glob
 import gzip
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_core.data import chunks, prepare
+from dflash_core.data import chunks, prepare, sources
 from dflash_core.data.conversations import Conversation, DatasetError, read_conversations
 from dflash_core.data.inspect import check_dataset
 from dflash_core.data.prepare import Tokenization, prepare_corpus, save_tokenizer
@@ -118,6 +120,27 @@ def test_workers_give_the_same_tokens_as_one_process(layouts, tokenization, tmp_
         for a, b in zip(one.document(i), many.document(i), strict=True):
             assert np.array_equal(a, b)
     assert np.array_equal(one.shards[0].positions, many.shards[0].positions)  # line numbers survive chunking
+
+
+def test_large_array_elements_are_sent_to_workers_in_batches_bounded_by_their_text(tmp_path):
+    """A JSON array's and a gzip JSONL file's records are parsed by the preparing process and sent
+    to the workers in batches: a batch ends at CHUNK_BYTES of message text as well as at
+    ARRAY_BATCH records, so elements of a megabyte do not put a thousand megabytes in flight."""
+    from dflash_core.data.sources import dataset_files
+
+    big = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a " * (1 << 19)}]}
+    # what else a record carries is not sent to the workers (nor counted)
+    small = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "image": "x" * 500}
+    records = [big] * 12 + [small] * 3000
+    (tmp_path / "array.json").write_text(json.dumps(records))
+    with gzip.open(tmp_path / "lines.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    for name in ("array.json", "lines.jsonl.gz"):
+        (src,) = dataset_files(tmp_path / name)
+        batches = [task[1] for task, _ in chunks.chunk_tasks(src)]
+        assert [len(b) for b in batches] == [4, 4, 4, 1024, 1024, 952], name
+        assert [position for b in batches for position, _ in b] == list(range(1, len(records) + 1))
+        assert all(list(record) == ["messages"] for b in batches for _, record in b)
 
 
 def test_a_changed_file_is_tokenized_again(records, tokenization, tmp_path):
@@ -247,6 +270,76 @@ def test_loss_mask_equals_the_tokenizers_assistant_mask(default_assets, name, kw
         assert list(doc.input_ids) == list(ref["input_ids"])
         assert np.array_equal(doc.loss_mask, np.asarray(ref["assistant_masks"], dtype=bool)), messages
         assert doc.loss_mask.any() and not doc.loss_mask.all()
+    # a conversation of 1,200 turns cut to its first 50 tokens: the same tokens and mask, and only
+    # the turns the kept tokens reach are rendered for their spans (each such render covers the
+    # conversation up to the turn, so rendering every turn grows with the square of the turns)
+    turns = [*convs[-1][:1], *(convs[-1][-2:] + conversations_for_templates()[1][-4:]) * 200]
+    ref = tok.apply_chat_template(turns, chat_template=template.template, return_dict=True, **kwargs)
+    mask = tok.apply_chat_template(
+        turns, chat_template=template.template, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+    )["assistant_masks"]
+    counting = _CountingRenders(tok)
+    doc = encode_conversation(counting, Conversation(turns, "x:1"), template, max_tokens=50)
+    assert doc.cut and list(doc.input_ids) == list(ref["input_ids"][:50])
+    assert np.array_equal(doc.loss_mask, np.asarray(mask[:50], dtype=bool)) and doc.loss_mask.any()
+    assert 3 <= counting.renders <= 30, counting.renders
+
+
+class _CountingRenders:
+    """A tokenizer that counts its chat template's renders."""
+
+    def __init__(self, tok):
+        self.tok, self.renders = tok, 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.renders += 1
+        return self.tok.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.tok(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_json_array_element_up_to_the_record_bound_is_read_and_one_past_it_is_named(tmp_path, monkeypatch):
+    """An element is read through however many blocks it spans (the buffer grows by what the
+    element holds so far, so a large one is parsed a few times, not once per block), up to the
+    record bound in UTF-8 bytes; one past it is the bad record at its line and the elements around
+    it are read, whatever came before it in the buffer; one whose end lies past twice the bound
+    ends the file. (The bound and the block made small here: 64 KiB and 4 KiB.)"""
+    from dflash_core.data import sources
+
+    bound = 64 << 10
+    monkeypatch.setattr(sources, "MAX_RECORD_BYTES", bound)
+    monkeypatch.setattr(sources, "_READ_CHUNK", 4 << 10)
+
+    def element(size: int, char: str = "a") -> str:
+        head = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "'
+        return head + char * (size - len(head) - 4) + '"}]}'
+
+    def read(*elements: str) -> list:
+        path = tmp_path / "big.json"
+        path.write_text("[" + ",\n".join(elements) + "]")
+        return [
+            (p, isinstance(r, DatasetError) and str(r))
+            for p, r in sources.iter_records(sources.file_source(path, "big.json"))
+        ]
+
+    small, too_large = element(100), "big.json:2: element larger than"
+    assert read(small, element(bound - 10), small) == [(1, False), (2, False), (3, False)]
+    for before in (small, element(3000)):  # what the buffer holds past the first element differs
+        got = read(before, element(bound + bound // 2), small)
+        assert [p for p, _ in got] == [1, 2, 3] and got[1][1].startswith(too_large) and not got[2][1], got
+    got = read(small, element(bound // 3 + 1000, "€"), small)  # fewer characters than the bound, more bytes
+    assert [p for p, _ in got] == [1, 2, 3] and got[1][1].startswith(too_large), got
+    got = read(small, element(2 * bound + (16 << 10)), small)  # its end is not looked for
+    assert [p for p, _ in got] == [1, 2] and got[1][1].startswith(too_large), got
+    got = read(small, element(bound, "\U0001f600"), small)  # as many characters, four times the bytes
+    assert [p for p, _ in got] == [1, 2] and got[1][1].startswith(too_large), got
+    # a syntax error is named as such at once, however much of the file follows it
+    got = read(small, '{"messages": [1 2]}', *[element(bound // 2)] * 8)
+    assert got == [(1, False), (2, "big.json:2: invalid JSON: Expecting ',' delimiter")], got
 
 
 def test_json_array_elements_on_one_line_are_told_apart(records, tokenization, tmp_path):
@@ -356,6 +449,126 @@ def test_a_damaged_parquet_row_group_is_named_and_the_others_are_read(records, t
     errors = [str(e) for e in corpus.errors()]
     assert errors[0].startswith(f"{path} row 21: row group 1 (rows 21-40) cannot be read (")
     assert list(corpus.shards[0].positions) == [*range(1, 21), *range(41, len(records) + 1)]
+
+
+def test_tasks_in_one_huge_row_group_hold_a_batch_and_break_where_one_pass_breaks(tmp_path, monkeypatch):
+    """A parquet file written as one row group (pandas' and pyarrow's default up to a million
+    rows): the tasks a worker gets (every third here) stream the group, so Arrow holds about a
+    batch of it, never the decoded group; they read the rows the one-pass reader reads. With a
+    page in the middle of the group damaged, the tasks read the rows before it and break at the
+    row where one pass breaks; each later task is one error at its first row. A task holding the
+    whole damaged group reads what one pass reads of it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_core.data.sources import file_source, iter_records
+
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 1000)
+    records = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"{i} " * 120}]}
+        for i in range(40_000)
+    ]
+    table = pa.Table.from_pylist(records)
+    decoded = table.nbytes
+    path = tmp_path / "one-group.parquet"
+    pq.write_table(table, path, row_group_size=len(records), data_page_size=1 << 16, compression="snappy")
+    del table
+    src = file_source(path, "one-group.parquet")
+    tasks = [task for task, _ in chunks.chunk_tasks(src)]
+    assert len(tasks) == 40 and pq.ParquetFile(path).metadata.num_row_groups == 1
+    base = pa.total_allocated_bytes()  # what else this process holds in Arrow's pool
+    peak, got = 0, []
+    for task in tasks[::3]:
+        for position, record in chunks._chunk_records(src, task):
+            peak = max(peak, pa.total_allocated_bytes() - base)
+            got.append((position, record))
+    chunks.release_kept()
+    assert got == [(p, r) for p, r in iter_records(src) if (p - 1) // 1000 % 3 == 0]
+    assert peak < decoded / 4, (peak, decoded)  # the group whole before: peak = decoded
+
+    # a page in the middle of the group overwritten
+    data = bytearray(path.read_bytes())
+    column = pq.ParquetFile(path).metadata.row_group(0).column(1)  # the assistant turns' content
+    middle = column.data_page_offset + column.total_compressed_size // 2
+    data[middle : middle + 64] = bytes(b ^ 0x5A for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+    one_pass = list(iter_records(src))
+    broke = next(p for p, r in one_pass if isinstance(r, DatasetError))
+    assert 1000 < broke < 39_000 and str(one_pass[-1][1]).startswith(f"one-group.parquet row {broke}: row group 0")
+    read = [item for task in tasks for item in chunks._chunk_records(src, task)]
+    assert [p for p, r in read if not isinstance(r, DatasetError)] == list(range(1, broke))
+    errors = [(p, str(r)) for p, r in read if isinstance(r, DatasetError)]
+    assert [p for p, _ in errors] == [broke, *range((broke - 1) // 1000 * 1000 + 1001, 40_000, 1000)]
+    assert errors[0][1] == str(one_pass[-1][1]) and "from row" in errors[-1][1]
+    # a task that holds the whole group reads it whole, and where that fails, the rows before the page
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 50_000)
+    (task,) = [task for task, _ in chunks.chunk_tasks(src)]
+
+    def shown(items):
+        return [(p, str(r) if isinstance(r, DatasetError) else r) for p, r in items]
+
+    assert shown(chunks._chunk_records(src, task)) == shown(one_pass)
+
+
+def test_text_that_is_not_utf8_in_a_parquet_page_is_a_bad_batch_and_the_rest_is_read(tmp_path, monkeypatch):
+    """An uncompressed page whose bytes were changed reads, but a string in it is not UTF-8: the
+    1,024-row batch holding it is one bad record (per task that holds some of it), and the rows
+    after it are read, by one pass, by tasks that cut the group and by a task that holds it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i:05d}"}]}
+        for i in range(4000)
+    ]
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pylist(records), path, compression="NONE", use_dictionary=False)
+    data = path.read_bytes()
+    at = data.index(b"answer 01500")
+    path.write_bytes(data[:at] + b"\xff" + data[at + 1 :])
+    src = sources.file_source(path, path.name)
+
+    def shown(items):
+        return [(p, str(r) if isinstance(r, DatasetError) else r) for p, r in items]
+
+    one_pass = shown(sources.iter_records(src))
+    bad = [(p, r) for p, r in one_pass if isinstance(r, str)]
+    assert bad == [(1025, bad[0][1])] and bad[0][1].startswith("plain.parquet row 1025: rows 1025-2048 of row group 0")
+    assert [p for p, _ in one_pass] == [*range(1, 1026), *range(2049, 4001)]
+    for rows, errors in ((1000, [1025, 2001]), (8192, [1025])):
+        monkeypatch.setattr(chunks, "CHUNK_ROWS", rows)
+        tasks = shown(item for task, _ in chunks.chunk_tasks(src) for item in chunks._chunk_records(src, task))
+        assert [p for p, r in tasks if isinstance(r, str)] == errors
+        assert [(p, r) for p, r in tasks if not isinstance(r, str)] == [
+            (p, r) for p, r in one_pass if not isinstance(r, str)
+        ]
+
+
+def test_a_worker_closes_a_kept_row_group_stream_when_it_moves_to_another_file(
+    records, tokenization, tmp_path, monkeypatch
+):
+    """A process keeps the stream of a row group that a task cut for its next task in the group;
+    a task of another file closes it (another worker may read the rest of the group)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 10)
+    one_group = tmp_path / "one-group.parquet"
+    pq.write_table(pa.Table.from_pylist(records[:40]), one_group, row_group_size=40)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in records[:5]))
+
+    def open_here(path: Path) -> bool:
+        return any(os.path.realpath(fd) == str(path) for fd in glob.glob("/proc/self/fd/*"))
+
+    src = sources.file_source(one_group, one_group.name)
+    first, *_ = [task for task, _ in chunks.chunk_tasks(src)]
+    assert chunks.tokenize_chunk(src, first, tokenization, 0).records == 10
+    assert open_here(one_group)  # kept for this process's next task in the group
+    jsonl = sources.file_source(other, other.name)
+    (task,) = [task for task, _ in chunks.chunk_tasks(jsonl)]
+    assert chunks.tokenize_chunk(jsonl, task, tokenization, 0).records == 5
+    assert not open_here(one_group)
 
 
 OPEN_FILES_SCRIPT = """

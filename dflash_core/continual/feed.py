@@ -146,7 +146,7 @@ class Feed:
         """A conversation tokenized into the pool (under the tokenizer lock); False when its
         template fails (skipped and counted)."""
         try:
-            encoded = encode_conversation(self.tokenizer, conversation, self.template)
+            encoded = encode_conversation(self.tokenizer, conversation, self.template, self.pool.seq_len)
         except DatasetError as e:
             self.skip(str(e))
             return False

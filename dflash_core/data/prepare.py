@@ -48,7 +48,7 @@ from .cache_entry import (
     verified_meta,
     write_meta,
 )
-from .chunks import MAX_REPORTED_ERRORS, ChunkResult, PrepareCancelled, chunk_tasks, tokenize_chunk
+from .chunks import MAX_REPORTED_ERRORS, ChunkResult, PrepareCancelled, chunk_tasks, release_kept, tokenize_chunk
 from .conversations import Conversation, DatasetError, parse_conversation
 from .sources import SourceFile, dataset_files, file_size, iter_records, text_bytes, unreadable
 from .tokenization import Tokenization
@@ -434,8 +434,11 @@ def _results(
     being tokenized, not only between chunks (PrepareCancelled)."""
     try:
         if pool is None:
-            for task, size in chunk_tasks(src):
-                yield tokenize_chunk(src, task, tok, size, should_stop)
+            try:
+                for task, size in chunk_tasks(src):
+                    yield tokenize_chunk(src, task, tok, size, should_stop)
+            finally:
+                release_kept()
             return
         pending: list[cf.Future[ChunkResult]] = []
         for task, size in chunk_tasks(src):

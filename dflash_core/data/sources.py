@@ -185,11 +185,11 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
         reader = codecs.getincrementaldecoder("utf-8")()
         buf, pos, line, eof = "", 0, 1, False
 
-        def more() -> bool:
+        def more(size: int = _READ_CHUNK) -> bool:
             nonlocal buf, eof
             if eof:
                 return False
-            raw = f.read(_READ_CHUNK)
+            raw = f.read(size)
             eof = not raw
             try:
                 buf += reader.decode(raw, final=eof)
@@ -232,15 +232,23 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
                             path, start_line, f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
                         ) from None
                     except json.JSONDecodeError as e:
-                        if len(buf) - pos > MAX_RECORD_BYTES:
+                        if _not_truncation(e, len(buf)):  # more of the file cannot mend it
+                            raise DatasetError(path, start_line + e.lineno - 1, f"invalid JSON: {e.msg}") from None
+                        have = _utf8_size(buf, pos, len(buf))  # bytes, as the bound and the reads count
+                        if have > 2 * MAX_RECORD_BYTES:  # its end is not looked for further
                             raise DatasetError(
                                 path, start_line, f"element larger than {MAX_RECORD_BYTES >> 20} MiB"
                             ) from None
-                        if not more():
+                        # as much again as the element has so far (up to just past twice the bound):
+                        # an element of n bytes is parsed about log(n) times, not once per block read
+                        if not more(min(max(_READ_CHUNK, have), 2 * MAX_RECORD_BYTES + 1 - have)):
                             raise DatasetError(path, start_line + e.lineno - 1, f"invalid JSON: {e.msg}") from None
                 line += buf.count("\n", pos, end)
-                pos = end
-                if too_deep(obj):
+                start, pos = pos, end
+                # found whole within twice the bound: one bad record, and the next ones are read
+                if _utf8_size(buf, start, end) > MAX_RECORD_BYTES:
+                    yield ordinal, DatasetError(path, start_line, f"element larger than {MAX_RECORD_BYTES >> 20} MiB")
+                elif too_deep(obj):
                     yield ordinal, DatasetError(path, start_line, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
                 else:
                     yield ordinal, obj
@@ -254,6 +262,29 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
                 skip_space()
         except DatasetError as err:
             yield err.line, err  # the rest of the file cannot be located: the error ends it
+
+
+def _not_truncation(error: json.JSONDecodeError, buffered: int) -> bool:
+    """Whether a parse error lies far enough before the end of what is buffered that reading more
+    cannot change it: an error that the end of the buffer causes (a literal, a number or an escape
+    cut short) stands within a few characters of it, except an unterminated string, which may end
+    anywhere further on."""
+    return not error.msg.startswith("Unterminated string") and buffered - error.pos > 16
+
+
+def batch_error(src: SourceFile, group: int, first: int, last: int, error: BaseException) -> DatasetError:
+    """Rows first .. last of a parquet row group, read but not convertible (text that is not
+    UTF-8), as the bad record at the first of them; the rows after them are read."""
+    reason = " ".join(_named(error, src).split())[:300] or type(error).__name__
+    return DatasetError(src.name, first, f"rows {first}-{last} of row group {group} cannot be read ({reason})", "row")
+
+
+def _utf8_size(text: str, start: int, end: int) -> int:
+    """The bytes text[start:end] takes in the file (encoded only where its characters alone could
+    pass the record bound: a character is at most 4 bytes)."""
+    if end - start <= MAX_RECORD_BYTES // 4:
+        return end - start
+    return len(text[start:end].encode("utf-8", "surrogatepass"))
 
 
 def _conversation_column(names: list[str], path: str, columns: tuple[str, ...] = CONVERSATION_COLUMNS) -> str:
@@ -303,19 +334,55 @@ def _parquet(src: SourceFile, columns: tuple[str, ...]) -> Iterator[tuple[int, o
 def _parquet_group(src: SourceFile, pf, group: int, column: str, first: int, count: int):
     """The rows of one row group, numbered from `first`; a damaged page ends the group with one
     DatasetError naming it and the row it broke at (the next group is read: groups are apart)."""
-    row = first
-    batches = pf.iter_batches(batch_size=1024, row_groups=[group], columns=[column])
-    while True:
-        try:
-            batch = next(batches, None)
-        except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page (ArrowIOError, ArrowInvalid)
-            yield row, row_group_error(src, group, first, count, e, row)
-            return
-        if batch is None:
-            return
-        for value in batch.column(0).to_pylist():
-            yield row, {column: value}
-            row += 1
+    yield from GroupRows(src, pf, group, column, first, count).rows(first, first + count)
+
+
+class GroupRows:
+    """One parquet row group's rows (numbered from `first`), read forward in batches of 1,024 by
+    any number of calls to rows(): the one-pass reader takes them all at once, a tokenization task
+    the range it was given. A damaged page ends the group: one DatasetError at the row it broke
+    at, or at a later call's first row. Text that is not UTF-8 (an uncompressed page) spoils one
+    batch: a DatasetError for its rows, and the batches after it are read."""
+
+    def __init__(self, src: SourceFile, pf, group: int, column: str, first: int, count: int):
+        self.batches = pf.iter_batches(batch_size=1024, row_groups=[group], columns=[column])
+        self.src, self.group, self.column, self.first, self.count = src, group, column, first, count
+        self.next_row = first  # the row values[at] holds
+        self.values: list = []
+        self.at = 0
+        self.error: BaseException | None = None
+
+    def rows(self, first: int, stop: int) -> Iterator[tuple[int, object]]:
+        """Rows first .. stop - 1 (those before `first` are passed over: decoded by Arrow, never
+        turned into Python objects)."""
+        while self.next_row < stop:
+            if self.at == len(self.values):
+                batch = None
+                if self.error is None:
+                    try:
+                        batch = next(self.batches, None)
+                    except (OSError, ValueError) as e:  # pyarrow's errors for a damaged page
+                        self.error = e
+                if batch is None:
+                    break
+                if self.next_row + batch.num_rows <= first:
+                    self.next_row += batch.num_rows
+                    continue
+                try:
+                    self.values, self.at = batch.column(0).to_pylist(), 0
+                except ValueError as e:  # text that is not UTF-8: this batch's rows in the range
+                    row = max(first, self.next_row)
+                    last = min(self.next_row + batch.num_rows, stop) - 1
+                    self.next_row += batch.num_rows
+                    yield row, batch_error(self.src, self.group, row, last, e)
+                    continue
+            if self.next_row >= first:
+                yield self.next_row, {self.column: self.values[self.at]}
+            self.at += 1
+            self.next_row += 1
+        if self.error is not None and self.next_row < stop:
+            row = max(first, self.next_row)
+            yield row, row_group_error(self.src, self.group, self.first, self.count, self.error, row)
 
 
 def row_group_error(

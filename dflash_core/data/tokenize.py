@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ class Document:
     input_ids: np.ndarray  # int64 [T]
     loss_mask: np.ndarray  # bool [T]
     source: str
+    cut: bool = False  # tokens past a max_tokens were left out
 
 
 @dataclass(frozen=True)
@@ -45,25 +48,35 @@ DEFAULT_TEMPLATE = ChatTemplate()
 
 
 def assistant_char_spans(
-    tokenizer, messages: list[dict[str, str]], template: ChatTemplate = DEFAULT_TEMPLATE
+    tokenizer,
+    messages: list[dict[str, str]],
+    template: ChatTemplate = DEFAULT_TEMPLATE,
+    full: str | None = None,
+    until: int | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the character spans produced by assistant turns.
+    """The rendered text (`full`, when the caller has rendered it) and the character spans produced
+    by assistant turns, those that start before character `until` where given.
 
     A turn's span runs from the end of the generation prompt to the end of the turn (its
     end-of-turn marker included: the drafter must learn to stop). Templates that render history
     differently from the last turn (e.g. Qwen3's empty think block) break prefix stability; then
     the span is found by searching the turn's content and the end marker in the full text.
+    Each turn renders the conversation up to it, so the work grows with the square of the turns:
+    `until` (the end of the tokens kept) stops it where the tokens kept end.
     """
 
     def _render(tok, msgs, add_generation_prompt: bool) -> str:
         return template.render(tok, msgs, add_generation_prompt)
 
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    if full is None:
+        full = _render(tokenizer, messages, add_generation_prompt=False)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        if until is not None and cursor >= until:
+            break  # every later span starts at or after the cursor: past the tokens kept
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if full.startswith(through) and through.startswith(before) and len(before) >= cursor:
@@ -88,19 +101,121 @@ def assistant_char_spans(
     return full, spans
 
 
-def encode_conversation(tokenizer, conv: Conversation, template: ChatTemplate = DEFAULT_TEMPLATE) -> Document:
-    """Full conversation; packing truncates to the micro-batch budget (and counts what it cut)."""
+# A text longer than twice this many characters per token kept is tokenized from prefixes, not
+# whole (tokens average a few characters in every tokenizer the daemon serves, so a prefix this
+# long almost always holds the tokens kept): a record of megabytes would otherwise cost gigabytes
+# of token objects for the few thousand tokens a micro-batch takes of it.
+PREFIX_CHARS_PER_TOKEN = 16
+
+
+def encode_conversation(
+    tokenizer, conv: Conversation, template: ChatTemplate = DEFAULT_TEMPLATE, max_tokens: int | None = None
+) -> Document:
+    """The conversation's tokens and loss mask: all of them, or at most max_tokens, the rest
+    counted as cut (packing truncates each document to the micro-batch's length anyway). The
+    assistant turns past the tokens kept are not looked for, so a template that fails only on
+    such a turn's history does not fail the record."""
     try:
-        text, spans = assistant_char_spans(tokenizer, conv.messages, template)
+        text = template.render(tokenizer, conv.messages, add_generation_prompt=False)
     except Exception as e:  # noqa: BLE001 - template errors carry no location: add it
         raise conv.error(f"chat template failed: {e}") from None
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    offsets = enc["offset_mapping"]
+    ids, offsets, cut = _encode(tokenizer, text, max_tokens)
+    try:  # the turns past the tokens kept need no span
+        _, spans = assistant_char_spans(tokenizer, conv.messages, template, text, int(offsets[-1, 1]) if cut else None)
+    except Exception as e:  # noqa: BLE001 - as above
+        raise conv.error(f"chat template failed: {e}") from None
     mask = np.zeros(len(ids), dtype=bool)
-    if spans:
-        starts = np.asarray([o[0] for o in offsets])
-        ends = np.asarray([o[1] for o in offsets])
+    if spans and len(ids):
+        starts, ends = offsets[:, 0], offsets[:, 1]
         for lo, hi in spans:
             mask |= (starts >= lo) & (ends <= hi) & (ends > starts)
-    return Document(ids, mask, conv.source)
+    return Document(ids, mask, conv.source, cut)
+
+
+def _encode(tokenizer, text: str, max_tokens: int | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(ids, [T, 2] character offsets, whether tokens were cut) of text's first max_tokens tokens.
+
+    A long text is tokenized from prefixes that end before a space, of doubling length, until
+    two of them agree on the tokens kept, where the tokenizer splits its text into words at spaces
+    before its model sees it (a GPT-style regex, whitespace, a splitting metaspace): its model
+    then tokenizes each word alone, so a prefix that ends with a whole word has the whole text's
+    tokens (the second prefix guards pre-tokenizers that join a space to the word before it). A
+    text with no space to cut at in the second half of a prefix's length is tokenized from a
+    longer prefix, or whole; so is every text of a tokenizer that does not split at spaces (its
+    model may choose a word's first pieces by where the word ends).
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    long = max_tokens is not None and len(text) > 2 * PREFIX_CHARS_PER_TOKEN * max_tokens
+    if long and max_tokens is not None and splits_at_spaces(tokenizer):
+        earlier: tuple[np.ndarray, np.ndarray] | None = None
+        length = PREFIX_CHARS_PER_TOKEN * max_tokens
+        while length < len(text):
+            cut = _word_end(text, length)
+            if cut:
+                prefix = _tokens(tokenizer, text[:cut])
+                if earlier is not None and len(earlier[0]) > max_tokens and _agree(*earlier, *prefix, max_tokens):
+                    return earlier[0][:max_tokens], earlier[1][:max_tokens], True
+                earlier = prefix
+            length *= 2
+    ids, offsets = _tokens(tokenizer, text)
+    if max_tokens is not None and len(ids) > max_tokens:
+        return ids[:max_tokens], offsets[:max_tokens], True
+    return ids, offsets, False
+
+
+# pre-tokenizers that end a word where a non-space character meets a space (U+0020), besides
+# byte-level with its regex, a splitting metaspace and the regex splits of the GPT family (a
+# space starts a word there, never ends one): whitespace splits and BERT's
+_SPLITTING = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
+
+
+def splits_at_spaces(tokenizer) -> bool:
+    """Whether the tokenizer's words end where a non-space character meets a space: a fast
+    tokenizer whose pre-tokenizer (or one in its sequence) is such a split."""
+    pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    return pre is not None and _splits_json(pre.__getstate__())
+
+
+@functools.lru_cache(maxsize=64)
+def _splits_json(spec: bytes) -> bool:
+    return _splits(json.loads(spec))
+
+
+def _splits(spec: object) -> bool:
+    if not isinstance(spec, dict):
+        return False
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return any(_splits(member) for member in spec.get("pretokenizers") or [])
+    if kind == "ByteLevel":
+        return bool(spec.get("use_regex", True))
+    if kind == "Metaspace":
+        return bool(spec.get("split", True))
+    if kind == "Split":  # a regex split of the GPT family matches whitespace; a split on digits alone does not
+        pattern = spec.get("pattern") or {}
+        return pattern.get("String") == " " or "\\s" in (pattern.get("Regex") or "")
+    return kind in _SPLITTING
+
+
+_WORD_END = re.compile(r"\S(?= )")
+
+
+def _word_end(text: str, length: int) -> int:
+    """The end of the last word that a space follows at most `length` characters in and in the
+    second half of them (the space not included), or 0 where none does."""
+    for lo in (max(length // 2, length - 4096), length // 2):  # near the end first
+        ends = [m.end() for m in _WORD_END.finditer(text, lo, length + 1)]
+        if ends:
+            return ends[-1]
+    return 0
+
+
+def _tokens(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    return np.asarray(enc["input_ids"], dtype=np.int64), offsets
+
+
+def _agree(ids: np.ndarray, offsets: np.ndarray, ids2: np.ndarray, offsets2: np.ndarray, n: int) -> bool:
+    return len(ids2) >= n and np.array_equal(ids[:n], ids2[:n]) and np.array_equal(offsets[:n], offsets2[:n])

@@ -209,6 +209,9 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     configure_logging(json_lines=config.log_json, level=config.log_level)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     use_bytecode_cache(config.data_dir / BYTECODE_DIR)  # what `serve` on this data directory reads
+    from dflash_core.libraries import import_engine_libraries
+
+    import_engine_libraries()
     from dflash_core.engine import Engine
 
     t = time.monotonic()

@@ -74,6 +74,9 @@ class EngineHost:
     def _build(self) -> None:
         try:
             engine_config = self.config.engine
+            from dflash_core.libraries import import_engine_libraries
+
+            import_engine_libraries()  # torch, with the garbage collector paused (libraries.py)
             from dflash_core.engine import Engine
 
             group = None

@@ -95,13 +95,18 @@ def prepare() -> None:
     with (the drafter's RoPE is transformers' Qwen3 one, so its modeling module too). The CUDA
     context waits for the spec: the build creates its own first (a GPU in exclusive-process mode
     takes one process only)."""
-    import torch._dynamo
-    import torch._inductor.compile_fx  # noqa: F401
+    import gc
 
+    from ..libraries import collector_paused
     from ..transformers_imports import skip_unused_imports
 
-    skip_unused_imports()
-    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    with collector_paused():  # libraries.py says why
+        import torch._dynamo
+        import torch._inductor.compile_fx  # noqa: F401
+
+        skip_unused_imports()
+        import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    gc.freeze()
 
 
 def main() -> int:

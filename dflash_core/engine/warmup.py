@@ -24,11 +24,11 @@ import torch
 from ..config import DrafterConfig, LossConfig, ShapeConfig
 from ..data.batches import MicroBatch, synthetic_micro_batch
 from ..devices import CudaContexts, compute_dtype, default_devices
+from ..libraries import import_target_libraries
 from ..parity import check_serving_parity
 from ..recipes import recipe_named
 from ..target import TargetModel
 from ..target_fusion import relative_error
-from ..transformers_imports import skip_unused_imports
 from .api import WarmupRecord
 from .compile import compile_delta, compile_snapshot, raise_recompile_limit, start_compile_workers
 from .config import EngineConfig, StepPlan, step_plan
@@ -185,7 +185,7 @@ class _Build:
                 timeline.mark("build:compile_workers_started")  # ready by the first drafter compile
             timeline.enter("loading_target")
             target_path, layer_ids = _target_source(config, data_dir)
-            skip_unused_imports()  # before the build's first import of transformers
+            import_target_libraries()  # the build's first import of transformers (libraries.py)
             tokenizer, drafter_config = self.drafter_config(target_path, layer_ids)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
             cuda.wait()

@@ -10,9 +10,9 @@ mostly these imports.
 The build imports in two steps, each where it does now: the engine (torch) before the engine
 object exists, transformers when the build loads the target, after the engine has pointed the
 compile caches at the data directory (dynamo, which transformers imports, fixes inductor's cache
-directory when it is imported) and while the devices' CUDA contexts are created beside it. After
-the second, `gc.freeze()` moves what the imports created to the permanent generation: the
-collections of a long-running daemon do not walk the libraries' objects again and again.
+directory when it is imported) and while the devices' CUDA contexts are created beside it.
+Nothing is frozen (`gc.freeze()`): a process that builds several engines (a test run, a
+benchmark) would keep whatever an earlier build left in reference cycles, device memory included.
 """
 
 from __future__ import annotations
@@ -53,12 +53,11 @@ def import_engine_libraries() -> None:
 
 def import_target_libraries() -> None:
     """transformers' auto classes, without the optional imports the daemon never uses
-    (transformers_imports.py), with the collector paused; then the process's objects frozen
-    (module docstring). Later imports of these modules are free."""
+    (transformers_imports.py), with the collector paused. Later imports of these modules are
+    free."""
     from .transformers_imports import skip_unused_imports
 
     with collector_paused():
         skip_unused_imports()  # before transformers' generation utilities are first imported
         for name in TRANSFORMERS_MODULES:
             importlib.import_module(name)
-    gc.freeze()

@@ -95,8 +95,6 @@ def prepare() -> None:
     with (the drafter's RoPE is transformers' Qwen3 one, so its modeling module too). The CUDA
     context waits for the spec: the build creates its own first (a GPU in exclusive-process mode
     takes one process only)."""
-    import gc
-
     from ..libraries import collector_paused
     from ..transformers_imports import skip_unused_imports
 
@@ -106,7 +104,6 @@ def prepare() -> None:
 
         skip_unused_imports()
         import transformers.models.qwen3.modeling_qwen3  # noqa: F401
-    gc.freeze()
 
 
 def main() -> int:

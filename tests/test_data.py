@@ -210,7 +210,7 @@ def test_prefixes_end_only_where_the_tokenizer_ends_a_word():
     run's first pieces by where the run ends, so a cut at other whitespace would change them.
     A byte-level BPE whose merges chain a word of 80 characters from its end, without a space in
     it, is tokenized whole. A tokenizer that does not split at spaces is tokenized whole, once."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
     from dflash_core.data.tokenize import splits_at_spaces
 
@@ -251,6 +251,12 @@ def test_prefixes_end_only_where_the_tokenizer_ends_a_word():
 
     bpe.pre_tokenizer = pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), behavior="isolated")  # digits alone
     assert not splits_at_spaces(_wrapped(bpe))
+    # a split on spaces behind a normalizer that leaves none (Gemma's): it splits nothing
+    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    assert splits_at_spaces(_wrapped(bpe))
+    bpe.normalizer = normalizers.Replace(" ", "\u2581")
+    assert not splits_at_spaces(_wrapped(bpe))
+    bpe.normalizer = None
     bpe.pre_tokenizer = None
     tok = _wrapped(bpe)
     text = "! # " * 500

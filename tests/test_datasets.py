@@ -340,6 +340,11 @@ def test_a_json_array_element_up_to_the_record_bound_is_read_and_one_past_it_is_
     # a syntax error is named as such at once, however much of the file follows it
     got = read(small, '{"messages": [1 2]}', *[element(bound // 2)] * 8)
     assert got == [(1, False), (2, "big.json:2: invalid JSON: Expecting ',' delimiter")], got
+    # a number that a block's end cuts is read whole, and the elements after it are read
+    path = tmp_path / "cut.json"
+    path.write_text("[" + " " * ((4 << 10) - 3) + "12345, " + small + "]")
+    got = [r for _, r in sources.iter_records(sources.file_source(path, "cut.json"))]
+    assert got[0] == 12345 and isinstance(got[1], dict) and len(got) == 2, got
 
 
 def test_json_array_elements_on_one_line_are_told_apart(records, tokenization, tmp_path):

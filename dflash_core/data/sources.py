@@ -226,7 +226,9 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
                 while True:
                     try:
                         obj, end = decoder.raw_decode(buf, pos)
-                        break
+                        if end < len(buf) or not more():  # a number that ends the buffer may go on in the file
+                            break
+                        continue
                     except RecursionError:  # where it ends cannot be found: the error ends the file
                         raise DatasetError(
                             path, start_line, f"JSON nested deeper than {MAX_JSON_DEPTH} levels"

@@ -172,9 +172,16 @@ _SPLITTING = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
 
 def splits_at_spaces(tokenizer) -> bool:
     """Whether the tokenizer's words end where a non-space character meets a space: a fast
-    tokenizer whose pre-tokenizer (or one in its sequence) is such a split."""
-    pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
-    return pre is not None and _splits_json(pre.__getstate__())
+    tokenizer whose pre-tokenizer (or one in its sequence) is such a split, and whose normalizer
+    leaves it spaces to split at (Gemma's replaces them with its metaspace character before a
+    split on spaces, which then splits nothing)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    pre = getattr(backend, "pre_tokenizer", None)
+    if pre is None or not _splits_json(pre.__getstate__()):
+        return False
+    normalizer = getattr(backend, "normalizer", None)
+    probe = normalizer.normalize_str("ab cd") if normalizer is not None else "ab cd"
+    return len(pre.pre_tokenize_str(probe)) > 1
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..libraries import collector_paused
 from ..trust import problem, tree_problem
 
 log = logging.getLogger("dflash.engine")
@@ -128,7 +129,8 @@ def start_compile_workers() -> bool:
     (TORCHINDUCTOR_COMPILE_THREADS=1, TORCH_WARM_POOL=0, no Triton), has no such call, or the
     start failed."""
     try:
-        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+        with collector_paused():  # inductor's modules: an import as large as torch's (libraries.py)
+            from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
     except ImportError:
         return False
     try:

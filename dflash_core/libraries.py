@@ -7,11 +7,10 @@ object tracked, so an import of that size spends a good part of its time walking
 almost none is garbage. Paused, the same imports cost markedly less, and a daemon's start is
 mostly these imports.
 
-The build imports in three steps, each where it does now: the engine (torch) before the engine
-object exists; inductor when the build starts its compile workers (engine/compile.py); and
-transformers when the build loads the target. The last two come after the engine has pointed the
-compile caches at the data directory (dynamo, which both import, fixes inductor's cache
-directory when it is imported), transformers while the devices' CUDA contexts are created beside it.
+The build imports in two steps, each where it does now: the engine (torch) before the engine
+object exists, transformers when the build loads the target, after the engine has pointed the
+compile caches at the data directory (dynamo, which transformers imports, fixes inductor's cache
+directory when it is imported) and while the devices' CUDA contexts are created beside it.
 Nothing is frozen (`gc.freeze()`): a process that builds several engines (a test run, a
 benchmark) would keep whatever an earlier build left in reference cycles, device memory included.
 """

@@ -14,12 +14,11 @@ pytest.importorskip("triton")  # inductor uses no worker pool without Triton
 # one call per argument, with TORCH_WARM_POOL set to it (torch reads it at each call; the compile
 # thread count only when inductor's config is imported, so that one is set for the interpreter)
 PROBE = """
-import gc, os, sys
+import os, sys
 from dflash_core.engine.compile import start_compile_workers
 for warm in sys.argv[1:]:
     os.environ["TORCH_WARM_POOL"] = warm
     print(start_compile_workers())
-    assert gc.isenabled(), "the collector paused for inductor's import stayed off"
 """
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from ..libraries import collector_paused
 from ..trust import problem, tree_problem
 
 log = logging.getLogger("dflash.engine")
@@ -129,8 +128,7 @@ def start_compile_workers() -> bool:
     (TORCHINDUCTOR_COMPILE_THREADS=1, TORCH_WARM_POOL=0, no Triton), has no such call, or the
     start failed."""
     try:
-        with collector_paused():  # inductor's modules: an import as large as torch's (libraries.py)
-            from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+        from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
     except ImportError:
         return False
     try:

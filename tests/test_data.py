@@ -301,3 +301,27 @@ def test_a_long_record_is_tokenized_from_prefixes_with_the_tokens_of_the_whole()
     for run in (5000, 5001, 5002):
         for kept in (48, 64, 96):  # 48 and 96: prefixes of 16 and 32 times kept agree on a cut run
             _check_prefix_tokens(tok, "a" * run + " b" * 30_000, kept, run)
+
+
+def test_tokens_from_the_backend_are_the_tokenizers_own(target_tokenizer):
+    """Where the tokenizer's call is transformers' own, its tokens and offsets come from its
+    backend directly, the same as the call gives: byte-level BPE, unigram and the embedded
+    target's tokenizer, special tokens in the text included. A backend the call would first
+    change (truncation set, special tokens split) is left to the call."""
+    from dflash_core.data.tokenize import _plain_backend, _tokens
+
+    texts = ["", "the red dog<|im_end|>\n", "naïve café  12345\n\n;x", "<|im_end|><|im_end|> ab" * 40]
+    for tok in (_RecordingTokenizer("bpe").inner, _RecordingTokenizer("unigram").inner, target_tokenizer):
+        assert _plain_backend(tok) is not None, type(tok)
+        vocab = [t for t in tok.convert_ids_to_tokens(list(range(min(40, len(tok))))) if t]
+        for text in texts + ["user: " + " ".join(vocab)]:
+            ids, offsets = _tokens(tok, text)
+            call = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            assert ids.tolist() == call["input_ids"] and offsets.tolist() == [list(o) for o in call["offset_mapping"]]
+    tok = _RecordingTokenizer("bpe").inner
+    tok.backend_tokenizer.enable_truncation(3)
+    assert _plain_backend(tok) is None and len(_tokens(tok, texts[1])[0]) > 3
+    tok.split_special_tokens = True
+    assert _plain_backend(tok) is None
+    ids, _ = _tokens(tok, texts[1])
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in ids.tolist()

@@ -78,7 +78,8 @@ def assistant_char_spans(
         if until is not None and cursor >= until:
             break  # every later span starts at or after the cursor: past the tokens kept
         before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        # the last turn's render is the whole conversation's, which `full` already is
+        through = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if full.startswith(through) and through.startswith(before) and len(before) >= cursor:
             spans.append((len(before), len(through)))
             cursor = len(through)
@@ -219,9 +220,48 @@ def _word_end(text: str, length: int) -> int:
 
 
 def _tokens(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    return np.asarray(enc["input_ids"], dtype=np.int64), offsets
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
+        # what the call below runs (its encode_batch of one text), without the Python around it:
+        # half of a short record's tokenizing. `encode` keeps the GIL, where encode_batch lets it
+        # go and takes it back for every text, which costs a training thread beside this one
+        # more than the tokenizing itself
+        enc = backend.encode(text, add_special_tokens=False)
+        ids, offsets = enc.ids, enc.offsets
+    else:
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = out["input_ids"], out["offset_mapping"]
+    return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+
+
+def _plain_backend(tokenizer):
+    """The fast tokenizer's backend where calling the tokenizer (no special tokens added, no
+    truncation, no padding) is one `encode_batch` of it: transformers' own encode path, not a
+    class's override of it, and a backend with no truncation or padding set (the call would
+    switch them off first) and the tokenizer's own choice of splitting special tokens; else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or _encode_path(type(tokenizer)) is None:
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+@functools.lru_cache(maxsize=64)
+def _encode_path(cls: type) -> type | None:
+    """The transformers class whose `__call__` and `_encode_plus` the class runs unchanged, or None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the call itself
+        return None
+    if not issubclass(cls, TokenizersBackend):
+        return None
+    same = cls.__call__ is PreTrainedTokenizerBase.__call__ and cls._encode_plus is TokenizersBackend._encode_plus
+    # a class with an input mode (source-language tokens and the like) sets it at each call
+    return TokenizersBackend if same and not hasattr(cls, "_switch_to_input_mode") else None
 
 
 def _agree(ids: np.ndarray, offsets: np.ndarray, ids2: np.ndarray, offsets2: np.ndarray, n: int) -> bool:

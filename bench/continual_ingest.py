@@ -1,21 +1,62 @@
-"""What ingesting records costs a continual job's training: its step rate on the embedded default
-(CPU) with a backlog large enough that it never waits for data, first with nothing arriving,
-then while a writer appends RATE records per second to a watched JSONL file.
+"""What ingesting records costs a continual job's training: its step time on the embedded default
+(CPU), with a backlog large enough that it never waits for data, while a writer process appends
+RATE records per second to a watched JSONL file in windows that alternate with windows of
+nothing arriving.
 
-    python -m bench.continual_ingest [--steps 60] [--rate 1000] [--data-dir DIR]
+    python -m bench.continual_ingest [--steps 600] [--rate 1000] [--window 2] [--data-dir DIR]
+    python -m bench.continual_ingest --per-record [--records 5000]
 
-Prints one JSON line per phase (steps/s over the steps after the first few, records ingested)
-and the relative cost. On a machine shared with other work, run it twice and read the spread.
+The two conditions take turns every `--window` seconds inside one job, since a CPU host's step
+rate drifts from minute to minute by more than the cost being measured: separate phases of a
+minute each read costs from -6 % to +22 % for the same code. A step counts for the window it
+ran in; steps that cross a window's edge, or start within `--settle` seconds of it (the last
+poll's records of a busy window are still being read), count for neither, nor do the first
+`--warmup` seconds (the backlog's first read). The writer is a process of its own, as a serving
+stack's or an RL trainer's would be. Prints one JSON line per window kind (median step, steps,
+records written and ingested) and the cost: 1 - the quiet windows' median step over the busy
+windows'.
+
+`--per-record` times the ingest thread's own work instead, without training beside it: one poll
+of a JSONL file of `--records` records through the job's feed (read, parse, chat template,
+tokenize, loss mask, into the pool), CPU seconds of the polling thread per record, the median
+of five files after one more.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+WRITER = """
+import json, sys, time
+path, rate, window, t0 = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+written = 0
+with open(path, "a") as f:
+    while True:
+        now = time.time() - t0
+        if int(now // window) % 2 == 1:  # busy windows are the odd ones
+            start = int(now // window) * window
+            due = int((now - start) * rate) - written
+            if due > 0:
+                for k in range(due):
+                    i = 10**6 + written + k
+                    turns = [{"role": "user", "content": f"What is {i % 97} plus {i % 13}?"},
+                             {"role": "assistant", "content": f"{i % 97} plus {i % 13} is {i % 97 + i % 13}. Anything else?"}]
+                    f.write(json.dumps({"messages": turns}) + "\\n")
+                f.flush()
+                written += due
+                print(written, flush=True)
+        else:
+            written = 0
+        time.sleep(0.01)
+"""
 
 
 def conversation(i: int) -> str:
@@ -26,74 +67,119 @@ def conversation(i: int) -> str:
     return json.dumps({"messages": turns}) + "\n"
 
 
-def phase(engine, work: Path, name: str, steps: int, rate: int) -> dict:
+def classify(steps: list[tuple[float, float]], window: float, settle: float, warmup: float) -> dict[str, list[float]]:
+    """Step durations (s) by the window they ran in, from (start, end) seconds since the windows
+    began: 'quiet' (even windows) and 'busy' (odd ones)."""
+    kinds: dict[str, list[float]] = {"quiet": [], "busy": []}
+    for start, end in steps:
+        index = int(start // window)
+        if start < warmup or int(end // window) != index or start - index * window < settle:
+            continue
+        kinds["busy" if index % 2 else "quiet"].append(end - start)
+    return kinds
+
+
+def run(engine, work: Path, args: argparse.Namespace) -> dict:
     from dflash_core.continual.job import ContinualJob
     from dflash_core.engine import JobCallbacks
 
-    source = work / f"source-{name}"
+    source = work / "source"
     source.mkdir()
     # a backlog of new records for every step, so the job never waits for data
-    (source / "backlog.jsonl").write_text("".join(conversation(i) for i in range(steps * 40)))
-    times: list[float] = []
-    stop = threading.Event()
-    written = [0]
-
-    def writer() -> None:
-        with (source / "live.jsonl").open("a") as f:
-            t0 = time.monotonic()
-            while not stop.is_set():
-                due = int((time.monotonic() - t0) * rate) - written[0]
-                if due > 0:
-                    f.write("".join(conversation(10**6 + written[0] + k) for k in range(due)))
-                    f.flush()
-                    written[0] += due
-                time.sleep(0.01)
+    (source / "backlog.jsonl").write_text("".join(conversation(i) for i in range(args.steps * 20)))
+    ends: list[float] = []
 
     class Callbacks(JobCallbacks):
         ingested = 0
 
         def on_step(self, stats) -> None:
-            times.append(time.monotonic())
+            ends.append(time.time())
 
         def on_records(self, progress) -> None:
             self.ingested = int(progress["ingested"])
 
         def should_cancel(self) -> bool:
-            return len(times) >= steps
+            return len(ends) >= args.steps
 
     job = ContinualJob(
         datasets=[],
-        output_dir=str(work / f"out-{name}"),
+        output_dir=str(work / "out"),
         sources=[str(source)],
-        publish_dir=str(work / f"out-{name}" / "published"),
+        publish_dir=str(work / "out" / "published"),
         publish_every_steps=10**6,
         checkpoint_interval=10**6,
         replay_ratio=0.5,
         poll_seconds=0.2,
         max_pending_records=10**7,
     )
-    thread = threading.Thread(target=writer, daemon=True) if rate else None
+    t0 = time.time()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(source / "live.jsonl"), str(args.rate), str(args.window), str(t0)],
+        stdout=subprocess.DEVNULL,
+    )
     callbacks = Callbacks()
-    if thread is not None:
-        thread.start()
-    engine.run_job(job, callbacks)
-    stop.set()
-    skip = min(5, len(times) - 2)
-    rate_steps = (len(times) - 1 - skip) / (times[-1] - times[skip])
+    try:
+        engine.run_job(job, callbacks)
+    finally:
+        writer.kill()
+        writer.wait()
+    live = source / "live.jsonl"
+    written = live.read_bytes().count(b"\n") if live.exists() else 0
+    steps = [(a - t0, b - t0) for a, b in itertools.pairwise(ends)]
+    kinds = classify(steps, args.window, args.settle, args.warmup)
+    medians = {k: statistics.median(v) for k, v in kinds.items() if v}
+    for kind, durations in kinds.items():
+        median = medians.get(kind)
+        print(
+            json.dumps({"windows": kind, "steps": len(durations), "median_step_ms": median and round(median * 1e3, 2)})
+        )
+    cost = 1 - medians["quiet"] / medians["busy"] if len(medians) == 2 else None
     return {
-        "phase": name,
-        "steps_per_s": round(rate_steps, 3),
-        "records_written": written[0],
+        "rate": args.rate,
+        "records_written": written,
         "ingested": callbacks.ingested,
+        "step_rate_cost": cost if cost is None else round(cost, 4),
     }
+
+
+def per_record(data: Path, records: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from dflash_core.continual.feed import Feed
+    from dflash_core.continual.replay import RecordPool
+    from dflash_core.continual.sources import SourceWatcher
+    from dflash_core.data.tokenize import ChatTemplate
+    from dflash_core.defaults import ensure_default_assets
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_assets(data).target))
+    cpu_us = []
+    for i in range(6):
+        source = data / f"per-record-{i}"
+        source.mkdir()
+        (source / "records.jsonl").write_text("".join(conversation(k) for k in range(records)))
+        watcher = SourceWatcher([(source, str(source), [str(data)])], None)
+        feed = Feed(watcher, RecordPool(512, records, 32, 50), tokenizer, ChatTemplate(), 0.2, None, 10**9)
+        t = time.thread_time()
+        added = feed.poll_once()
+        cpu_us.append((time.thread_time() - t) / max(1, added) * 1e6)
+    return {"records": records, "cpu_us_per_record": round(statistics.median(cpu_us[1:]), 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rate", type=int, default=1000, help="records per second appended in the second phase")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--rate", type=int, default=1000, help="records per second appended in busy windows")
+    parser.add_argument("--window", type=float, default=2.0, help="seconds of each window")
+    parser.add_argument("--settle", type=float, default=0.5, help="seconds at a window's start that count for neither")
+    parser.add_argument("--warmup", type=float, default=6.0, help="seconds at the start that count for neither")
+    parser.add_argument("--per-record", action="store_true", help="the ingest thread's CPU per record, alone")
+    parser.add_argument("--records", type=int, default=5000, help="records per file with --per-record")
     parser.add_argument("--data-dir", help="default: a temporary directory")
     args = parser.parse_args(argv)
+    if args.per_record:
+        with tempfile.TemporaryDirectory(prefix="dflash-continual-") as tmp:
+            print(json.dumps(per_record(Path(args.data_dir or tmp), args.records)), flush=True)
+        return
     from dflash_core.defaults import ensure_default_assets
     from dflash_core.engine import Engine, EngineConfig
 
@@ -102,12 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         ensure_default_assets(data)
         engine = Engine(EngineConfig(drafter_devices=["cpu"]), data).build()
         try:
-            quiet = phase(engine, Path(tmp), "quiet", args.steps, 0)
-            print(json.dumps(quiet), flush=True)
-            busy = phase(engine, Path(tmp), f"ingest-{args.rate}", args.steps, args.rate)
-            print(json.dumps(busy), flush=True)
-            cost = 1 - busy["steps_per_s"] / quiet["steps_per_s"]
-            print(json.dumps({"step_rate_cost": round(cost, 4)}), flush=True)
+            print(json.dumps(run(engine, Path(tmp), args)), flush=True)
         finally:
             engine.close()
 

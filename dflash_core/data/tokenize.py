@@ -223,9 +223,9 @@ def _tokens(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     backend = _plain_backend(tokenizer)
     if backend is not None:
         # what the call below runs (its encode_batch of one text), without the Python around it:
-        # half of a short record's tokenizing. `encode` keeps the GIL, where encode_batch lets it
-        # go and takes it back for every text, which costs a training thread beside this one
-        # more than the tokenizing itself
+        # half of a short record's tokenizing. `encode` keeps the GIL, where encode_batch gives it
+        # up and takes it back for each text: one handoff fewer per record between the ingest
+        # thread and a training thread beside it
         enc = backend.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
     else:

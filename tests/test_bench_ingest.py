@@ -36,9 +36,11 @@ def test_the_writer_appends_in_busy_windows_only(tmp_path):
         quiet = path.read_text().count("\n") if path.exists() else 0
         read_in_time = time.time() < t0 + 2.0  # a loaded host may wake this thread late
         time.sleep(max(0.0, t0 + 4.3 - time.time()))
-        busy = path.read_text().count("\n")
+        busy = path.read_text().count("\n") if path.exists() else 0
+        before_next_busy = time.time() < t0 + 6.0
     finally:
         proc.kill()
         proc.wait()
     assert quiet == 0 or not read_in_time
-    assert 200 <= busy <= 400, busy  # 2 s at 200 records/s, less what a late last wake-up missed
+    assert busy >= 200, busy  # 2 s at 200 records/s, less what a late last wake-up missed
+    assert busy <= 400 or not before_next_busy, busy

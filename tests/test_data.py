@@ -303,21 +303,48 @@ def test_a_long_record_is_tokenized_from_prefixes_with_the_tokens_of_the_whole()
             _check_prefix_tokens(tok, "a" * run + " b" * 30_000, kept, run)
 
 
+def _bos_byte_bpe():
+    """A byte-level BPE over every byte (whitespace of every kind kept as tokens) whose post-processor
+    adds a BOS: tokens differ where special tokens are added."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(["the red dog\n\tran  far;\r\n café 12345"] * 20, trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>")
+
+
 def test_tokens_from_the_backend_are_the_tokenizers_own(target_tokenizer):
     """Where the tokenizer's call is transformers' own, its tokens and offsets come from its
-    backend directly, the same as the call gives: byte-level BPE, unigram and the embedded
-    target's tokenizer, special tokens in the text included. A backend the call would first
-    change (truncation set, special tokens split) is left to the call."""
+    backend directly, the same as the call gives: byte-level BPE (with and without whitespace
+    tokens and a BOS its post-processor adds), unigram and the embedded target's tokenizer,
+    special tokens in the text included. A backend the call would first change (truncation or
+    padding set, special tokens split), or a class that overrides the call, is left to the call."""
+    from transformers import PreTrainedTokenizerFast
+
     from dflash_core.data.tokenize import _plain_backend, _tokens
 
     texts = ["", "the red dog<|im_end|>\n", "naïve café  12345\n\n;x", "<|im_end|><|im_end|> ab" * 40]
-    for tok in (_RecordingTokenizer("bpe").inner, _RecordingTokenizer("unigram").inner, target_tokenizer):
+    texts += [" \t the\r\n\n  dog \u00a0 ran\t\t", "\n"]
+    tokenizers = [_RecordingTokenizer("bpe").inner, _RecordingTokenizer("unigram").inner, target_tokenizer]
+    for tok in tokenizers + [_bos_byte_bpe()]:
         assert _plain_backend(tok) is not None, type(tok)
         vocab = [t for t in tok.convert_ids_to_tokens(list(range(min(40, len(tok))))) if t]
         for text in texts + ["user: " + " ".join(vocab)]:
             ids, offsets = _tokens(tok, text)
             call = tok(text, add_special_tokens=False, return_offsets_mapping=True)
             assert ids.tolist() == call["input_ids"] and offsets.tolist() == [list(o) for o in call["offset_mapping"]]
+    bos = _bos_byte_bpe()
+    assert len(_tokens(bos, texts[4])[0]) > 8  # the whitespace is tokens here, and no BOS was added
     tok = _RecordingTokenizer("bpe").inner
     tok.backend_tokenizer.enable_truncation(3)
     assert _plain_backend(tok) is None and len(_tokens(tok, texts[1])[0]) > 3
@@ -325,3 +352,12 @@ def test_tokens_from_the_backend_are_the_tokenizers_own(target_tokenizer):
     assert _plain_backend(tok) is None
     ids, _ = _tokens(tok, texts[1])
     assert tok.convert_tokens_to_ids("<|im_end|>") not in ids.tolist()
+    tok = _RecordingTokenizer("bpe").inner
+    tok.backend_tokenizer.enable_padding(length=64)
+    assert _plain_backend(tok) is None and len(_tokens(tok, texts[1])[0]) < 64
+
+    class Overriding(PreTrainedTokenizerFast):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    assert _plain_backend(Overriding(tokenizer_object=bos.backend_tokenizer, eos_token="<|im_end|>")) is None

@@ -222,11 +222,10 @@ def _word_end(text: str, length: int) -> int:
 def _tokens(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     backend = _plain_backend(tokenizer)
     if backend is not None:
-        # what the call below runs (its encode_batch of one text), without the Python around it:
-        # half of a short record's tokenizing. `encode` keeps the GIL, where encode_batch gives it
-        # up and takes it back for each text: one handoff fewer per record between the ingest
-        # thread and a training thread beside it
-        enc = backend.encode(text, add_special_tokens=False)
+        # what the call below runs, without the Python around it: half of a short record's
+        # tokenizing. encode_batch, as the call uses it, lets the GIL go while it tokenizes
+        # (`encode` would hold it: a long text would stall a training thread beside this one)
+        enc = backend.encode_batch([text], add_special_tokens=False)[0]
         ids, offsets = enc.ids, enc.offsets
     else:
         out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -4,8 +4,10 @@ Importing torch (with sympy and dynamo behind it) and transformers' model classe
 millions of long-lived objects: functions, classes, their dictionaries. CPython runs a collection
 each time allocations outrun deallocations by its threshold, and every so often one over every
 object tracked, so an import of that size spends a good part of its time walking objects of which
-almost none is garbage. Paused, the same imports cost markedly less, and a daemon's start is
-mostly these imports.
+almost none is garbage, over and over as the heap grows. Paused, those walks are skipped; the
+objects the import made are walked once the collector is back on, by whatever allocates next, so
+the gain is the repeated walks, not all of them (a daemon's start, timed to ready, is shorter;
+the import alone looks shorter than it is). A daemon's start is mostly these imports.
 
 The build imports in two steps, each where it does now: the engine (torch) before the engine
 object exists, transformers when the build loads the target, after the engine has pointed the

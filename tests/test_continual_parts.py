@@ -263,6 +263,71 @@ def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path, default_assets)
     assert feed.poll_once() == 0 and set(watcher.files) == {str(src / "part-0.jsonl")}
 
 
+def test_the_jobs_thread_waits_for_a_record_not_for_a_whole_poll(tmp_path, default_assets):
+    """While the ingest thread works through a large file, the job's thread gets the tokenizer
+    after the record in hand (the ingest then waits, mid-file, until the job's thread is done), and
+    what the job's thread reads of the cursor after every step and at checkpoints does not wait
+    for the poll either."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.continual.feed import Feed
+    from dflash_core.data.tokenize import ChatTemplate
+
+    records = 4000
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.jsonl").write_text("".join(json.dumps(conv(i)) + "\n" for i in range(records)))
+    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
+    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    feed = Feed(SourceWatcher([(src, "src", [str(tmp_path)])], None), pool, tokenizer, ChatTemplate(), 1.0)
+    poller = threading.Thread(target=feed.poll_once)
+    poller.start()
+    deadline = time.monotonic() + 60
+    while pool.added == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with feed.tokenizer_turns.first():
+        during = pool.added
+        answers: list = []
+        # in a thread of its own, so that a reader waiting for the poll fails here instead of hanging
+        reader = threading.Thread(target=lambda: answers.append((feed.lines_read(src), feed.cursor_through(0))))
+        reader.start()
+        reader.join(timeout=10)
+        time.sleep(0.2)
+        assert 0 < during == pool.added < records  # stopped mid-file while the job's thread holds its turn
+    assert answers == [({"big.jsonl": 0}, {"files": {}})]  # the file's lines count once all are in the pool
+    poller.join(timeout=120)
+    assert pool.added == records and feed.lines_read(src) == {"big.jsonl": records}
+    assert feed.cursor_through(records)["files"][str(src / "big.jsonl")]["line"] == records + 1
+
+
+def test_a_feed_closed_mid_poll_stops_at_the_next_record(tmp_path, default_assets):
+    """A job that ends while its ingest thread is in a large file does not wait for the file's
+    end, and the cursor a checkpoint would save keeps none of the poll it left."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.continual.feed import Feed
+    from dflash_core.data.tokenize import ChatTemplate
+
+    records = 4000
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.jsonl").write_text("".join(json.dumps(conv(i)) + "\n" for i in range(records)))
+    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
+    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    feed = Feed(SourceWatcher([(src, "src", [str(tmp_path)])], None), pool, tokenizer, ChatTemplate(), 1.0).start()
+    deadline = time.monotonic() + 60
+    while pool.added == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with feed.tokenizer_turns.first():  # the ingest thread waits at its next record
+        closing = threading.Thread(target=feed.close)
+        closing.start()
+        time.sleep(0.1)
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+    assert 0 < pool.added < records and feed.error is None
+    assert feed.cursor_through(pool.added) == {"files": {}}
+
+
 def test_the_spool_rolls_over_and_read_files_go_while_a_cursor_still_needs_none(tmp_path):
     from dflash_core.confine import ConfinedDir
     from dflash_core.continual.sources import drop_read_spool

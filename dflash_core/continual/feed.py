@@ -6,8 +6,10 @@ A bad record (unreadable, not a conversation) is skipped and counted, never the 
 a live source is written by someone else while the job runs, and one broken line must not stop
 a job that has no end. The first few are reported with their places.
 
-Tokenization shares the tokenizer with the evaluation that decides a publish; they take turns
-through `tokenizer_lock` (a fast tokenizer is not safe to call from two threads at once).
+Tokenization shares the tokenizer with the job's thread (the evaluation that decides a publish,
+answered prompts); they take turns record by record (`turns.py`), and the watcher's cursor is locked
+only while the watcher reads, so the job's thread, which reports how far the ingest spool was read
+after every step, never waits for a whole poll.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..data.tokenize import ChatTemplate, encode_conversation
 from .answer import Answerer
 from .replay import Doc, RecordPool
 from .sources import SourceWatcher
+from .turns import TokenizerTurns
 
 log = logging.getLogger("dflash.continual")
 FIRST_ERRORS = 10
@@ -55,7 +58,7 @@ class Feed:
         self.answerer = answerer
         self.max_pending = max_pending
         self.poll_seconds = max(0.05, poll_seconds)
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_turns = TokenizerTurns()
         self.counts = FeedCounts()
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -104,11 +107,22 @@ class Feed:
     def poll_once(self) -> int:
         """Read what the sources hold now into the pool; the records added."""
         added = 0
-        with self._lock, self.tokenizer_lock:
-            # a full pool ends the poll between files: a backlog waits in its files, not in memory
-            for record in self.watcher.poll(enough=lambda: self.full):
+        # a full pool ends the poll between files: a backlog waits in its files, not in memory
+        records = self.watcher.poll(enough=lambda: self.full)
+        try:
+            while True:
+                with self._lock:  # the watcher's cursor moves only while it reads
+                    record = next(records, None)
+                if record is None:
+                    break
+                if self._stop.is_set():  # the job ends: what this poll read is read again on resume
+                    return added
                 if self._add(record.source, record.value):
                     added += 1
+        finally:
+            with self._lock:
+                records.close()
+        with self._lock:
             changed = {k: dict(v) for k, v in self.watcher.files.items() if self._last.get(k) != v}
             if changed:
                 self._last.update(changed)
@@ -143,10 +157,11 @@ class Feed:
         return self.add_conversation(Conversation(conversation.messages, source))
 
     def add_conversation(self, conversation: Conversation) -> bool:
-        """A conversation tokenized into the pool (under the tokenizer lock); False when its
+        """A conversation tokenized into the pool (in a turn at the tokenizer); False when its
         template fails (skipped and counted)."""
         try:
-            encoded = encode_conversation(self.tokenizer, conversation, self.template, self.pool.seq_len)
+            with self.tokenizer_turns.turn():
+                encoded = encode_conversation(self.tokenizer, conversation, self.template, self.pool.seq_len)
         except DatasetError as e:
             self.skip(str(e))
             return False

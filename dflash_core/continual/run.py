@@ -265,13 +265,12 @@ class ContinualRun(TrainRun):
             return
         self._reported = now
         assert self.feed is not None
+        # the lines read first: a record read after them is then counted as pending and as a line
+        # not read yet (the ingest route's bound errs on the safe side), never as neither
+        read = self.feed.lines_read(self.job.spool_dir())
         waiting = self.answerer.pending if self.answerer is not None else 0
         self.cb.on_records(
-            {
-                "ingested": self.feed.counts.ingested,
-                "pending": self.pool.pending + waiting,
-                "spool_lines_read": self.feed.lines_read(self.job.spool_dir()),
-            }
+            {"ingested": self.feed.counts.ingested, "pending": self.pool.pending + waiting, "spool_lines_read": read}
         )
         skipped = self.feed.new_skips()
         if skipped is not None:
@@ -315,7 +314,7 @@ class ContinualRun(TrainRun):
         if self.answerer is None or not self.answerer.pending:
             return
         assert self.feed is not None
-        with self.feed.tokenizer_lock:
+        with self.feed.tokenizer_turns.first():
             conversations, skipped = self.answerer.answer()
             for conversation in conversations:
                 self.feed.add_conversation(conversation)
@@ -363,7 +362,7 @@ class ContinualRun(TrainRun):
         latest, window = self.publisher.latest, self.pool.heldout_window()
         if latest is None or not window:
             return
-        with self.feed.tokenizer_lock:
+        with self.feed.tokenizer_turns.first():
             tau = self._published_tau_on(latest, window)
         self.cb.on_event(
             "drift",
@@ -392,7 +391,7 @@ class ContinualRun(TrainRun):
         target, tokenizer = self.parts.targets[0], self.parts.tokenizer
         self._report_publish(wait=True)  # the previous version is the one to beat
         latest = self.publisher.latest
-        with self.feed.tokenizer_lock:
+        with self.feed.tokenizer_turns.first():
             candidate = self.drafters.evaluate(target, tokenizer, window, self.job)["acceptance_length"]
             published = self._published_tau_on(latest, window) if latest is not None else None
         self._published_tau = published

@@ -17,7 +17,7 @@ How far each file was read is the watcher's cursor: it is saved beside each chec
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,7 @@ class SourceWatcher:
     def cursor(self) -> dict[str, Any]:
         return {"files": {k: dict(v) for k, v in self.files.items()}}
 
-    def poll(self, enough: Callable[[], bool] = lambda: False) -> Iterator[Record]:
+    def poll(self, enough: Callable[[], bool] = lambda: False) -> Generator[Record, None, None]:
         """The records that arrived since the last poll, file by file in name order; enough() is
         asked before each file, and True ends the poll there (the files after it are read at a
         later poll), so that a backlog of many files is not read into memory at once."""

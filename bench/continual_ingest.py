@@ -3,8 +3,9 @@
 RATE records per second to a watched JSONL file in windows that alternate with windows of
 nothing arriving.
 
-    python -m bench.continual_ingest [--steps 600] [--rate 1000] [--window 2] [--data-dir DIR]
+    python -m bench.continual_ingest [--steps 600] [--rate 1000] [--window 2] [--device cuda] [--data-dir DIR]
     python -m bench.continual_ingest --per-record [--records 5000]
+    python -m bench.continual_ingest --burst 20000 [--steps 300]
 
 The two conditions take turns every `--window` seconds inside one job, since a CPU host's step
 rate drifts from minute to minute by more than the cost being measured: separate phases of a
@@ -15,6 +16,16 @@ poll's records of a busy window are still being read), count for neither, nor do
 stack's or an RL trainer's would be. Prints one JSON line per window kind (median step, steps,
 records written and ingested) and the cost: 1 - the quiet windows' median step over the busy
 windows'.
+
+`--device` runs the target and the drafter there (default: the CPU); on a GPU the step's kernels
+let go of the GIL, so what remains of the cost is the host's share of the step against the ingest
+thread's.
+
+`--burst N` drops one file of N records into the watched source once the warm-up has passed (no
+writer, no windows) and prints the steps around it: the median step before it, the steps while
+the ingest thread works through it, the longest of them and its excess over that median. What a
+large file costs the job's thread beside the ingest's CPU: a wait for the ingest thread shows
+there as a step of about the file's whole ingest.
 
 `--per-record` times the ingest thread's own work instead, without training beside it: one poll
 of a JSONL file of `--records` records through the job's feed (read, parse, chat template,
@@ -142,6 +153,68 @@ def run(engine, work: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def burst(engine, work: Path, args: argparse.Namespace) -> dict:
+    from dflash_core.continual.job import ContinualJob
+    from dflash_core.engine import JobCallbacks
+
+    source = work / "source"
+    source.mkdir()
+    backlog = args.steps * 20
+    (source / "backlog.jsonl").write_text("".join(conversation(i) for i in range(backlog)))
+    # written now under a dot name (the watcher leaves those alone), dropped in by a rename
+    hidden = source / ".burst.jsonl"
+    hidden.write_text("".join(conversation(backlog + i) for i in range(args.burst)))
+    ends: list[float] = []
+    marks: dict[str, float] = {}
+
+    class Callbacks(JobCallbacks):
+        def on_step(self, stats) -> None:
+            ends.append(time.time())
+            if "dropped" not in marks and ends[-1] - ends[0] >= args.warmup:
+                hidden.rename(source / "burst.jsonl")
+                marks["dropped"] = time.time()
+
+        def on_records(self, progress) -> None:
+            if "dropped" in marks and "ingested" not in marks and int(progress["ingested"]) >= backlog + args.burst:
+                marks["ingested"] = time.time()
+
+        def should_cancel(self) -> bool:
+            return len(ends) >= args.steps
+
+    job = ContinualJob(
+        datasets=[],
+        output_dir=str(work / "out"),
+        sources=[str(source)],
+        publish_dir=str(work / "out" / "published"),
+        publish_every_steps=10**6,
+        checkpoint_interval=10**6,
+        replay_ratio=0.5,
+        poll_seconds=0.2,
+        max_pending_records=10**7,
+    )
+    engine.run_job(job, Callbacks())
+    if "ingested" not in marks:
+        raise SystemExit("the job ended before the burst was ingested: more --steps")
+    return {"burst_records": args.burst, **around(ends, marks["dropped"], marks["ingested"], args.warmup)}
+
+
+def around(ends: list[float], dropped: float, ingested: float, warmup: float) -> dict:
+    """The steps (from their end times) before a file was dropped in, from half the warm-up on,
+    against those that overlap its ingest, from `dropped` to `ingested`."""
+    steps = list(itertools.pairwise(ends))
+    before = [b - a for a, b in steps if ends[0] + warmup / 2 <= a and b <= dropped]
+    during = [b - a for a, b in steps if a < ingested and b > dropped]
+    median = statistics.median(before)
+    return {
+        "ingest_s": round(ingested - dropped, 3),
+        "median_step_ms_before": round(median * 1e3, 2),
+        "steps_during": len(during),
+        "median_step_ms_during": round(statistics.median(during) * 1e3, 2),
+        "longest_step_ms_during": round(max(during) * 1e3, 2),
+        "longest_excess_ms": round((max(during) - median) * 1e3, 2),
+    }
+
+
 def per_record(data: Path, records: int) -> dict:
     from transformers import AutoTokenizer
 
@@ -174,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=6.0, help="seconds at the start that count for neither")
     parser.add_argument("--per-record", action="store_true", help="the ingest thread's CPU per record, alone")
     parser.add_argument("--records", type=int, default=5000, help="records per file with --per-record")
+    parser.add_argument("--burst", type=int, default=0, help="records of the one file dropped in (no windows)")
+    parser.add_argument("--device", default="cpu", help="where the target and the drafter run, e.g. cuda:0")
     parser.add_argument("--data-dir", help="default: a temporary directory")
     args = parser.parse_args(argv)
     if args.per_record:
@@ -186,9 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dflash-continual-") as tmp:
         data = Path(args.data_dir or tmp)
         ensure_default_assets(data)
-        engine = Engine(EngineConfig(drafter_devices=["cpu"]), data).build()
+        engine = Engine(EngineConfig(drafter_devices=[args.device], target_devices=[args.device]), data).build()
         try:
-            print(json.dumps(run(engine, Path(tmp), args)), flush=True)
+            print(json.dumps((burst if args.burst else run)(engine, Path(tmp), args)), flush=True)
         finally:
             engine.close()
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench.continual_ingest import WRITER, classify
+from bench.continual_ingest import WRITER, around, classify
 
 
 def test_steps_count_for_their_window_only():
@@ -22,6 +22,15 @@ def test_steps_count_for_their_window_only():
     kinds = classify(steps, window=1.0, settle=0.5, warmup=2.0)
     assert [round(d, 3) for d in kinds["quiet"]] == [0.1, 0.1]
     assert [round(d, 3) for d in kinds["busy"]] == [0.2]
+
+
+def test_a_burst_is_read_from_the_steps_that_overlap_its_ingest():
+    ends = [0.0, 1.0, 2.0, 3.0, 4.0, 4.5, 5.0, 8.0, 8.1]  # the file dropped at 4.2, read by 7.0
+    got = around(ends, dropped=4.2, ingested=7.0, warmup=4.0)
+    # before: steps starting from 2.0 and ending by 4.2 (1 s each); during: 4.0-4.5, 4.5-5.0, 5.0-8.0
+    assert got["median_step_ms_before"] == 1000.0 and got["steps_during"] == 3
+    assert got["longest_step_ms_during"] == 3000.0 and got["longest_excess_ms"] == 2000.0
+    assert got["median_step_ms_during"] == 500.0 and got["ingest_s"] == 2.8
 
 
 @pytest.mark.slow  # a writer process through two 2-second windows

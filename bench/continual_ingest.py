@@ -90,8 +90,24 @@ def classify(steps: list[tuple[float, float]], window: float, settle: float, war
     return kinds
 
 
-def run(engine, work: Path, args: argparse.Namespace) -> dict:
+def training_job(work: Path, source: Path):
+    """A continual job on `source` that trains on without publishing or checkpointing."""
     from dflash_core.continual.job import ContinualJob
+
+    return ContinualJob(
+        datasets=[],
+        output_dir=str(work / "out"),
+        sources=[str(source)],
+        publish_dir=str(work / "out" / "published"),
+        publish_every_steps=10**6,
+        checkpoint_interval=10**6,
+        replay_ratio=0.5,
+        poll_seconds=0.2,
+        max_pending_records=10**7,
+    )
+
+
+def run(engine, work: Path, args: argparse.Namespace) -> dict:
     from dflash_core.engine import JobCallbacks
 
     source = work / "source"
@@ -112,17 +128,7 @@ def run(engine, work: Path, args: argparse.Namespace) -> dict:
         def should_cancel(self) -> bool:
             return len(ends) >= args.steps
 
-    job = ContinualJob(
-        datasets=[],
-        output_dir=str(work / "out"),
-        sources=[str(source)],
-        publish_dir=str(work / "out" / "published"),
-        publish_every_steps=10**6,
-        checkpoint_interval=10**6,
-        replay_ratio=0.5,
-        poll_seconds=0.2,
-        max_pending_records=10**7,
-    )
+    job = training_job(work, source)
     t0 = time.time()
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(source / "live.jsonl"), str(args.rate), str(args.window), str(t0)],
@@ -154,7 +160,6 @@ def run(engine, work: Path, args: argparse.Namespace) -> dict:
 
 
 def burst(engine, work: Path, args: argparse.Namespace) -> dict:
-    from dflash_core.continual.job import ContinualJob
     from dflash_core.engine import JobCallbacks
 
     source = work / "source"
@@ -181,17 +186,7 @@ def burst(engine, work: Path, args: argparse.Namespace) -> dict:
         def should_cancel(self) -> bool:
             return len(ends) >= args.steps
 
-    job = ContinualJob(
-        datasets=[],
-        output_dir=str(work / "out"),
-        sources=[str(source)],
-        publish_dir=str(work / "out" / "published"),
-        publish_every_steps=10**6,
-        checkpoint_interval=10**6,
-        replay_ratio=0.5,
-        poll_seconds=0.2,
-        max_pending_records=10**7,
-    )
+    job = training_job(work, source)
     engine.run_job(job, Callbacks())
     if "ingested" not in marks:
         raise SystemExit("the job ended before the burst was ingested: more --steps")

@@ -263,28 +263,37 @@ def test_the_feed_stops_reading_while_the_pool_is_full(tmp_path, default_assets)
     assert feed.poll_once() == 0 and set(watcher.files) == {str(src / "part-0.jsonl")}
 
 
-def test_the_jobs_thread_waits_for_a_record_not_for_a_whole_poll(tmp_path, default_assets):
-    """While the ingest thread works through a large file, the job's thread gets the tokenizer
-    after the record in hand (the ingest then waits, mid-file, until the job's thread is done), and
-    what the job's thread reads of the cursor after every step and at checkpoints does not wait
-    for the poll either."""
+def _feed_on_one_large_file(src, records: int, default_assets):
+    """A feed (not started) on `src`, which holds one JSONL file of `records` conversations."""
     from transformers import AutoTokenizer
 
     from dflash_core.continual.feed import Feed
     from dflash_core.data.tokenize import ChatTemplate
 
-    records = 4000
-    src = tmp_path / "src"
     src.mkdir()
     (src / "big.jsonl").write_text("".join(json.dumps(conv(i)) + "\n" for i in range(records)))
     tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
     pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
-    feed = Feed(SourceWatcher([(src, "src", [str(tmp_path)])], None), pool, tokenizer, ChatTemplate(), 1.0)
-    poller = threading.Thread(target=feed.poll_once)
-    poller.start()
+    watcher = SourceWatcher([(src, "src", [str(src.parent)])], None)
+    return Feed(watcher, pool, tokenizer, ChatTemplate(), 1.0), pool
+
+
+def _wait_for_a_record(pool) -> None:
     deadline = time.monotonic() + 60
     while pool.added == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def test_the_jobs_thread_waits_for_a_record_not_for_a_whole_poll(tmp_path, default_assets):
+    """While the ingest thread works through a large file, the job's thread gets the tokenizer
+    after the record in hand (the ingest then waits, mid-file, until the job's thread is done), and
+    what the job's thread reads of the cursor after every step and at checkpoints does not wait
+    for the poll either."""
+    src, records = tmp_path / "src", 4000
+    feed, pool = _feed_on_one_large_file(src, records, default_assets)
+    poller = threading.Thread(target=feed.poll_once)
+    poller.start()
+    _wait_for_a_record(pool)
     with feed.tokenizer_turns.first():
         during = pool.added
         answers: list = []
@@ -303,21 +312,10 @@ def test_the_jobs_thread_waits_for_a_record_not_for_a_whole_poll(tmp_path, defau
 def test_a_feed_closed_mid_poll_stops_at_the_next_record(tmp_path, default_assets):
     """A job that ends while its ingest thread is in a large file does not wait for the file's
     end, and the cursor a checkpoint would save keeps none of the poll it left."""
-    from transformers import AutoTokenizer
-
-    from dflash_core.continual.feed import Feed
-    from dflash_core.data.tokenize import ChatTemplate
-
     records = 4000
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "big.jsonl").write_text("".join(json.dumps(conv(i)) + "\n" for i in range(records)))
-    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
-    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
-    feed = Feed(SourceWatcher([(src, "src", [str(tmp_path)])], None), pool, tokenizer, ChatTemplate(), 1.0).start()
-    deadline = time.monotonic() + 60
-    while pool.added == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
+    feed, pool = _feed_on_one_large_file(tmp_path / "src", records, default_assets)
+    feed.start()
+    _wait_for_a_record(pool)
     with feed.tokenizer_turns.first():  # the ingest thread waits at its next record
         closing = threading.Thread(target=feed.close)
         closing.start()

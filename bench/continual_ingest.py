@@ -19,7 +19,9 @@ windows'.
 
 `--device` runs the target and the drafter there (default: the CPU); on a GPU the step's kernels
 let go of the GIL, so what remains of the cost is the host's share of the step against the ingest
-thread's.
+thread's. `--reference` (on cuda:0) trains at the reference shape instead of the embedded default:
+a random-weight Qwen3-8B-shaped target, a 5-layer drafter, 3,072 context tokens and 512 anchors
+in blocks of 16, FP8 drafter and target; its records are the same conversations.
 
 `--burst N` drops one file of N records into the watched source once the warm-up has passed (no
 writer, no windows) and prints the steps around it: the median step before it, the steps while
@@ -90,6 +92,12 @@ def classify(steps: list[tuple[float, float]], window: float, settle: float, war
     return kinds
 
 
+def backlog_records(args: argparse.Namespace) -> int:
+    """New records enough for every step (a step packs about 20 of these records at 512 context
+    tokens, about 120 at the reference shape's 3,072), so the job never waits for data."""
+    return args.steps * (120 if args.reference else 20)
+
+
 def training_job(work: Path, source: Path):
     """A continual job on `source` that trains on without publishing or checkpointing."""
     from dflash_core.continual.job import ContinualJob
@@ -113,7 +121,7 @@ def run(engine, work: Path, args: argparse.Namespace) -> dict:
     source = work / "source"
     source.mkdir()
     # a backlog of new records for every step, so the job never waits for data
-    (source / "backlog.jsonl").write_text("".join(conversation(i) for i in range(args.steps * 20)))
+    (source / "backlog.jsonl").write_text("".join(conversation(i) for i in range(backlog_records(args))))
     ends: list[float] = []
 
     class Callbacks(JobCallbacks):
@@ -164,7 +172,7 @@ def burst(engine, work: Path, args: argparse.Namespace) -> dict:
 
     source = work / "source"
     source.mkdir()
-    backlog = args.steps * 20
+    backlog = backlog_records(args)
     (source / "backlog.jsonl").write_text("".join(conversation(i) for i in range(backlog)))
     # written now under a dot name (the watcher leaves those alone), dropped in by a rename
     hidden = source / ".burst.jsonl"
@@ -233,6 +241,25 @@ def per_record(data: Path, records: int) -> dict:
     return {"records": records, "cpu_us_per_record": round(statistics.median(cpu_us[1:]), 1)}
 
 
+def engine_config(args: argparse.Namespace, data: Path):
+    from dflash_core.engine import EngineConfig
+
+    if not args.reference:
+        return EngineConfig(drafter_devices=[args.device], target_devices=[args.device])
+    from bench.common import random_target_engine_config, write_target_dir
+
+    return random_target_engine_config(
+        write_target_dir(data / "reference-target"),
+        ["cuda:0"],
+        3072,
+        512,
+        drafter_layers=5,
+        target_layer_ids=[1, 9, 17, 25, 33],
+        precision="fp8",
+        target_precision="fp8",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
@@ -244,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--records", type=int, default=5000, help="records per file with --per-record")
     parser.add_argument("--burst", type=int, default=0, help="records of the one file dropped in (no windows)")
     parser.add_argument("--device", default="cpu", help="where the target and the drafter run, e.g. cuda:0")
+    parser.add_argument("--reference", action="store_true", help="the reference shape on cuda:0 (FP8)")
     parser.add_argument("--data-dir", help="default: a temporary directory")
     args = parser.parse_args(argv)
     if args.per_record:
@@ -251,12 +279,12 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(per_record(Path(args.data_dir or tmp), args.records)), flush=True)
         return
     from dflash_core.defaults import ensure_default_assets
-    from dflash_core.engine import Engine, EngineConfig
+    from dflash_core.engine import Engine
 
     with tempfile.TemporaryDirectory(prefix="dflash-continual-") as tmp:
         data = Path(args.data_dir or tmp)
         ensure_default_assets(data)
-        engine = Engine(EngineConfig(drafter_devices=[args.device], target_devices=[args.device]), data).build()
+        engine = Engine(engine_config(args, data), data).build()
         try:
             print(json.dumps((burst if args.burst else run)(engine, Path(tmp), args)), flush=True)
         finally:

@@ -3,7 +3,8 @@
 RATE records per second to a watched JSONL file in windows that alternate with windows of
 nothing arriving.
 
-    python -m bench.continual_ingest [--steps 600] [--rate 1000] [--window 2] [--device cuda] [--data-dir DIR]
+    python -m bench.continual_ingest [--steps 600] [--rate 1000] [--window 2] [--device cuda | --reference]
+        [--data-dir DIR]
     python -m bench.continual_ingest --per-record [--records 5000]
     python -m bench.continual_ingest --burst 20000 [--steps 300]
 

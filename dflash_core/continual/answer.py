@@ -80,7 +80,8 @@ class Answerer:
 
     def answer(self) -> tuple[list[Conversation], list[str]]:
         """Answer up to `slots` waiting prompts: their conversations, and why any was skipped
-        (a prompt that leaves no room for an answer). Call under the tokenizer lock."""
+        (a prompt that leaves no room for an answer). Call in a turn at the tokenizer (the feed's
+        `tokenizer_turns`)."""
         with self.lock:
             batch = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.decoder.slots))]
         if not batch:

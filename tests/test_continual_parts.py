@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +56,23 @@ def test_watcher_reads_appended_lines_and_finished_files(tmp_path):
     with log.open("a") as f:
         f.write(json.dumps(conv(9)) + "\n")
     assert values(again.poll()) == [conv(9)]
+
+
+def test_the_watchers_cursor_moves_record_by_record(tmp_path):
+    """A line counts as read once the next record is asked for (the one before was handled), so
+    a cursor read mid-poll never counts a line whose record is still in hand, and never misses
+    one that is handled."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [json.dumps(conv(i)) + "\n" for i in range(3)]
+    (src / "log.jsonl").write_text(lines[0] + "\n" + lines[1] + lines[2])  # a blank line between
+    watcher = SourceWatcher([(src, "src", [str(tmp_path)])], None)
+    records = watcher.poll()
+    state = lambda: watcher.files[str(src / "log.jsonl")]  # noqa: E731
+    assert next(records).value == conv(0) and state() == {"offset": 0, "line": 1}
+    assert next(records).value == conv(1) and state() == {"offset": len(lines[0]), "line": 2}
+    assert next(records).value == conv(2) and state() == {"offset": len(lines[0]) + 1 + len(lines[1]), "line": 4}
+    assert next(records, None) is None and state() == {"offset": len("".join(lines)) + 1, "line": 5}
 
 
 def test_watcher_lines_are_the_training_readers_lines(tmp_path):
@@ -293,18 +311,23 @@ def test_the_jobs_thread_waits_for_a_record_not_for_a_whole_poll(tmp_path, defau
     feed, pool = _feed_on_one_large_file(src, records, default_assets)
     poller = threading.Thread(target=feed.poll_once)
     poller.start()
-    _wait_for_a_record(pool)
-    with feed.tokenizer_turns.first():
-        during = pool.added
-        answers: list = []
-        # in a thread of its own, so that a reader waiting for the poll fails here instead of hanging
-        reader = threading.Thread(target=lambda: answers.append((feed.lines_read(src), feed.cursor_through(0))))
-        reader.start()
-        reader.join(timeout=10)
-        time.sleep(0.2)
-        assert 0 < during == pool.added < records  # stopped mid-file while the job's thread holds its turn
-    assert answers == [({"big.jsonl": 0}, {"files": {}})]  # the file's lines count once all are in the pool
-    poller.join(timeout=120)
+    try:
+        _wait_for_a_record(pool)
+        with feed.tokenizer_turns.first():
+            during = pool.added
+            answers: list = []
+            # in a thread of its own, so that a reader waiting for the poll fails here, not hangs
+            reader = threading.Thread(target=lambda: answers.append((feed.lines_read(src), feed.cursor_through(0))))
+            reader.start()
+            reader.join(timeout=10)
+            time.sleep(0.2)
+            assert 0 < during == pool.added < records  # stopped mid-file while the job's thread has its turn
+    finally:
+        poller.join(timeout=120)
+    # a line counts as read once its record is in the pool (the one in hand may not count yet); the
+    # checkpoint's cursor waits for the poll's end
+    assert len(answers) == 1 and during - 1 <= answers[0][0]["big.jsonl"] <= during
+    assert answers[0][1] == {"files": {}}
     assert pool.added == records and feed.lines_read(src) == {"big.jsonl": records}
     assert feed.cursor_through(records)["files"][str(src / "big.jsonl")]["line"] == records + 1
 
@@ -324,6 +347,73 @@ def test_a_feed_closed_mid_poll_stops_at_the_next_record(tmp_path, default_asset
     assert not closing.is_alive()
     assert 0 < pool.added < records and feed.error is None
     assert feed.cursor_through(pool.added) == {"files": {}}
+
+
+def test_a_checkpoint_cursor_waits_for_the_answers_to_its_prompts(tmp_path, default_assets):
+    """A prompt goes to the answerer, not the pool: the poll that read it is in a checkpoint's
+    cursor only once its answer is trained, so a resume from that checkpoint reads the prompt again
+    rather than losing it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    prompt = {"messages": [{"role": "user", "content": "q9"}]}
+    (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (conv(0), prompt, conv(1))))
+    feed, pool, answerer = _feed_with_answerer(src, default_assets)
+    assert feed.poll_once() == 3 and pool.added == 2 and answerer.pending == 1
+    assert feed.cursor_through(10**6) == {"files": {}}  # every record trained but the unanswered prompt
+    conversations, skipped = answerer.answer(feed.tokenizer_turns.first)
+    assert len(conversations) == 1 and not skipped
+    assert feed.add_conversation(conversations[0]) and pool.added == 3
+    feed.answered(answerer.answered_through)
+    assert feed.cursor_through(2) == {"files": {}}  # the answer (arrival 3) not trained yet
+    assert feed.cursor_through(3)["files"][str(src / "a.jsonl")]["line"] == 4
+    with (src / "a.jsonl").open("a") as f:  # a later poll without prompts folds on its own records
+        f.write(json.dumps(conv(2)) + "\n")
+    assert feed.poll_once() == 1
+    assert feed.cursor_through(4)["files"][str(src / "a.jsonl")]["line"] == 5
+
+
+def test_a_prompt_answered_while_its_poll_still_reads_is_not_lost(tmp_path, default_assets):
+    """The job's thread may answer a prompt before the poll that read it has ended (and a
+    checkpoint may come in between): the poll's cursor still waits for that answer, and moves on
+    once it is trained."""
+    src = tmp_path / "src"
+    src.mkdir()
+    records = [{"messages": [{"role": "user", "content": "q9"}]}] + [conv(i) for i in range(4000)]
+    (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    feed, pool, answerer = _feed_with_answerer(src, default_assets)
+    poller = threading.Thread(target=feed.poll_once)
+    poller.start()
+    try:
+        deadline = time.monotonic() + 60
+        while answerer.pending == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with feed.tokenizer_turns.first():  # the poll waits at its next record meanwhile
+            conversations, _ = answerer.answer(feed.tokenizer_turns.first)
+            assert feed.add_conversation(conversations[0])
+            feed.answered(answerer.answered_through)
+            assert feed.cursor_through(10**6) == {"files": {}}  # a checkpoint mid-poll
+            assert pool.added < len(records)
+    finally:
+        poller.join(timeout=120)
+    assert feed.cursor_through(10**6)["files"][str(src / "a.jsonl")]["line"] == len(records) + 1
+
+
+def _feed_with_answerer(src, default_assets):
+    """A feed on `src` with an answerer on the embedded target (greedy, 4 new tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_core.continual.answer import Answerer, AnswerSettings
+    from dflash_core.continual.feed import Feed
+    from dflash_core.data.tokenize import ChatTemplate
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_assets.target))
+    model = AutoModelForCausalLM.from_pretrained(str(default_assets.target), dtype=torch.float32).eval()
+    target = types.SimpleNamespace(model=model)  # what the answerer uses of a loaded target
+    answerer = Answerer(target, tokenizer, ChatTemplate(), AnswerSettings(max_new_tokens=4, slots=2), 64, ())
+    pool = RecordPool(64, replay_capacity=4, heldout_capacity=1, heldout_every=0)
+    watcher = SourceWatcher([(src, "src", [str(src.parent)])], None)
+    return Feed(watcher, pool, tokenizer, ChatTemplate(), 1.0, answerer), pool, answerer
 
 
 def test_the_spool_rolls_over_and_read_files_go_while_a_cursor_still_needs_none(tmp_path):

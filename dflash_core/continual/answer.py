@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +67,7 @@ class Answerer:
         self.lock = threading.Lock()  # the ingest thread adds, the job's thread answers
         self.arrived = 0
         self.answered = 0
+        self.answered_through = 0  # the arrival number of the newest prompt answered (or skipped)
         self.seconds = 0.0  # spent answering since the last report
         self.tokens = 0
         self._reported = 0.0  # the first answers are reported at once
@@ -78,34 +81,38 @@ class Answerer:
     def pending(self) -> int:
         return len(self.waiting)
 
-    def answer(self) -> tuple[list[Conversation], list[str]]:
+    def answer(self, turn: Callable[[], AbstractContextManager]) -> tuple[list[Conversation], list[str]]:
         """Answer up to `slots` waiting prompts: their conversations, and why any was skipped
-        (a prompt that leaves no room for an answer). Call in a turn at the tokenizer (the feed's
-        `tokenizer_turns`)."""
+        (a prompt that leaves no room for an answer). The tokenizer is used only inside `turn()`
+        (the feed's turns at it), so the ingest thread tokenizes while the target decodes."""
         with self.lock:
             batch = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.decoder.slots))]
         if not batch:
             return [], []
         began = time.monotonic()
         requests, skipped = [], []
-        for i, prompt in enumerate(batch):
-            text = self.template.render(self.tokenizer, prompt.messages, True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) >= self.length:
-                skipped.append(
-                    f"{prompt.source}: the prompt has {len(ids)} tokens; the generation length is {self.length}"
-                )
-                continue
-            requests.append(Request(i, ids, self.settings.max_new_tokens, row_seed(self.settings.seed, prompt.seq, 0)))
+        with turn():
+            for i, prompt in enumerate(batch):
+                text = self.template.render(self.tokenizer, prompt.messages, True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) >= self.length:
+                    skipped.append(
+                        f"{prompt.source}: the prompt has {len(ids)} tokens; the generation length is {self.length}"
+                    )
+                    continue
+                seed = row_seed(self.settings.seed, prompt.seq, 0)
+                requests.append(Request(i, ids, self.settings.max_new_tokens, seed))
         out: list[Conversation] = []
         for completion in self.decoder.generate(requests, self.sampling):
             prompt = batch[int(completion.key)]  # type: ignore[call-overload]
             tokens = completion.tokens
             if completion.finish_reason == "stop" and tokens and tokens[-1] in self.sampling.stop_token_ids:
                 tokens = tokens[:-1]
-            answer = {"role": "assistant", "content": self.tokenizer.decode(tokens)}
+            with turn():
+                answer = {"role": "assistant", "content": self.tokenizer.decode(tokens)}
             out.append(Conversation([*prompt.messages, answer], prompt.source))
             self.tokens += len(completion.tokens)
+        self.answered_through = batch[-1].seq  # answered in arrival order: every prompt up to it
         self.answered += len(out)
         self.seconds += time.monotonic() - began
         return out, skipped

@@ -8,12 +8,14 @@ a job that has no end. The first few are reported with their places.
 
 Tokenization shares the tokenizer with the job's thread (the evaluation that decides a publish,
 answered prompts); they take turns record by record (`turns.py`), and the watcher's cursor is locked
-only while the watcher reads, so the job's thread, which reports how far the ingest spool was read
-after every step, never waits for a whole poll.
+only while the watcher reads (one step of its generator: at most a listing of the sources or one
+chunk of a file), so the job's thread, which reports how far the ingest spool was read after every
+step, never waits for a whole poll.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -62,16 +64,22 @@ class Feed:
         self.counts = FeedCounts()
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # the watcher's cursor: polled here, saved by the job's thread
+        # the watcher's cursor (moved here, read by the job's thread) and the checkpoint's cursor
+        # below (_base, _last, _deltas, _answered)
+        self._lock = threading.Lock()
         self._counting = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="continual-ingest", daemon=True)
         # a checkpoint saves the newest cursor all of whose records are trained (cursor_through):
         # the cursor at the oldest such point (_base), then what each poll that read something
-        # changed, with the records arrived by then (_deltas). Deltas, not whole cursors: a source
-        # of many files would otherwise copy every file's entry at every poll until a checkpoint
+        # changed, with the records arrived by then and the newest prompt it sent to be answered (0:
+        # none) (_deltas). Deltas, not whole cursors: a source of many files would otherwise copy
+        # every file's entry at every poll until a checkpoint. A prompt's line is trained once its
+        # answer is: _answered holds (prompts answered through that arrival, records arrived by
+        # then), both growing, as the job's thread adds the answers
         self._base: dict[str, dict[str, Any]] = watcher.cursor()["files"]
         self._last: dict[str, dict[str, Any]] = {k: dict(v) for k, v in self._base.items()}
-        self._deltas: list[tuple[int, dict[str, dict[str, Any]]]] = []
+        self._deltas: list[tuple[int, int, dict[str, dict[str, Any]]]] = []
+        self._answered: list[tuple[int, int]] = []
 
     def start(self) -> Feed:
         self._thread.start()
@@ -93,11 +101,32 @@ class Feed:
         a job resumed from it reads again only what it had not trained."""
         with self._lock:
             trained = 0
-            while trained < len(self._deltas) and self._deltas[trained][0] <= seq:
-                self._base.update(self._deltas[trained][1])
+            while trained < len(self._deltas) and self._trained(*self._deltas[trained][:2], seq):
+                self._base.update(self._deltas[trained][2])
                 trained += 1
             del self._deltas[:trained]
+            # the marks no delta left waits for go, but the newest: a poll still reading may have
+            # sent prompts that are answered already
+            waiting = [prompts for _, prompts, _ in self._deltas if prompts]
+            older = [m for m in self._answered[:-1] if waiting and m[0] >= waiting[0]]
+            self._answered = older + self._answered[-1:]
             return {"files": {k: dict(v) for k, v in self._base.items()}}
+
+    def _trained(self, arrived: int, prompts: int, seq: int) -> bool:
+        """Whether the records of a poll (arrival numbers up to `arrived`) and the answers to its
+        prompts (arrival numbers up to `prompts` at the answerer) are all trained by `seq`."""
+        if arrived > seq:
+            return False
+        if not prompts:
+            return True
+        # the first mark past the poll's prompts is the earliest point all of them were answered
+        at = bisect.bisect_left(self._answered, (prompts, -1))
+        return at < len(self._answered) and self._answered[at][1] <= seq
+
+    def answered(self, through: int) -> None:
+        """The job's thread added the answers to the prompts up to arrival number `through`."""
+        with self._lock:
+            self._answered.append((through, self.pool.added))
 
     @property
     def full(self) -> bool:
@@ -107,6 +136,7 @@ class Feed:
     def poll_once(self) -> int:
         """Read what the sources hold now into the pool; the records added."""
         added = 0
+        prompts_before = self.answerer.arrived if self.answerer is not None else 0
         # a full pool ends the poll between files: a backlog waits in its files, not in memory
         records = self.watcher.poll(enough=lambda: self.full)
         try:
@@ -126,7 +156,8 @@ class Feed:
             changed = {k: dict(v) for k, v in self.watcher.files.items() if self._last.get(k) != v}
             if changed:
                 self._last.update(changed)
-                self._deltas.append((self.pool.added, changed))
+                prompted = self.answerer.arrived if self.answerer is not None else 0
+                self._deltas.append((self.pool.added, prompted if prompted > prompts_before else 0, changed))
         return added
 
     def _run(self) -> None:
@@ -159,13 +190,14 @@ class Feed:
     def add_conversation(self, conversation: Conversation) -> bool:
         """A conversation tokenized into the pool (in a turn at the tokenizer); False when its
         template fails (skipped and counted)."""
-        try:
-            with self.tokenizer_turns.turn():
+        # in the pool before the turn ends: a thread given the next turn sees every record tokenized
+        with self.tokenizer_turns.turn():
+            try:
                 encoded = encode_conversation(self.tokenizer, conversation, self.template, self.pool.seq_len)
-        except DatasetError as e:
-            self.skip(str(e))
-            return False
-        self.pool.add(conversation, Doc(encoded.input_ids, encoded.loss_mask))
+            except DatasetError as e:
+                self.skip(str(e))
+                return False
+            self.pool.add(conversation, Doc(encoded.input_ids, encoded.loss_mask))
         with self._counting:  # the ingest thread and the job's thread (answered prompts) both count
             self.counts.ingested += 1
         return True

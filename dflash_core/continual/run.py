@@ -314,10 +314,11 @@ class ContinualRun(TrainRun):
         if self.answerer is None or not self.answerer.pending:
             return
         assert self.feed is not None
+        conversations, skipped = self.answerer.answer(self.feed.tokenizer_turns.first)
         with self.feed.tokenizer_turns.first():
-            conversations, skipped = self.answerer.answer()
             for conversation in conversations:
                 self.feed.add_conversation(conversation)
+        self.feed.answered(self.answerer.answered_through)
         for reason in skipped:
             self.feed.skip(reason)
         report = self.answerer.report(self._train_seconds)

@@ -16,6 +16,7 @@ How far each file was read is the watcher's cursor: it is saved beside each chec
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -152,10 +153,13 @@ class SourceWatcher:
         # whitespace inside a record, not the end of a line
         lines = chunk[:end].split(b"\n")[:-1]
         lines = [line + b"\n" for line in lines]
-        for line_no, value in jsonl_lines(src.name, lines, state["line"]):
+        base, first = state["offset"], state["line"]
+        ends = list(itertools.accumulate(len(line) for line in lines))
+        for line_no, value in jsonl_lines(src.name, lines, first):
             yield Record(f"{src.name}:{line_no}", value)
-        state["offset"] += end
-        state["line"] += len(lines)
+            # asked for the next one: this record was handled, so the cursor moves past its line
+            state.update(offset=base + ends[line_no - first], line=line_no + 1)
+        state.update(offset=base + end, line=first + len(lines))
 
     @staticmethod
     def _skip_long_line(path: Path, offset: int) -> int:

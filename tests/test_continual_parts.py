@@ -163,7 +163,35 @@ def test_pool_mixes_new_records_with_replay_at_one_shape():
     stream.get(1)
     assert pool.pending == 0 and len(pool.replay) == 4  # the replay ring stays bounded
     assert stream.built(0, 2) and not stream.built(2, 3)
-    assert stream.trained_seq == 11  # the newest arrival number in the micro-batches built
+    assert stream.trained_seq == 12  # every record trained, the held-out 12 too
+
+
+def test_trained_seq_is_a_prefix_of_the_records_trained():
+    """What a checkpoint's cursor may move past: every record up to trained_seq is trained,
+    though target threads pack micro-batches out of order, and a rewind (a target swap) gives
+    records back behind others already trained."""
+    shape = ShapeConfig(seq_len=64, num_anchors=4, block_size=4)
+    pool = RecordPool(shape.seq_len, replay_capacity=100, heldout_capacity=1, heldout_every=0)
+    for i in range(40):
+        pool.add(Conversation(conv(i)["messages"], f"s:{i}"), doc(8))
+    stream = ContinualStream(pool, shape, pad_token_id=0, seed=0, replay_ratio=0.5)
+
+    def new(g: int) -> list[int]:  # a packed micro-batch's new records: four of 8 tokens each
+        return [d.seq for d in stream._new[g]]
+
+    stream.get(0), stream.get(1), stream.get(3)  # a second target thread ran ahead to 3
+    stream.get(2)
+    assert [new(1), new(3), new(2)] == [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    assert stream.built(0, 2) and stream.trained_seq == 8
+    assert stream.built(2, 3) and stream.trained_seq == 8  # 13-16 trained, 9-12 not yet
+    assert stream.built(3, 4) and stream.trained_seq == 16
+    stream.get(4), stream.get(5), stream.get(6)
+    assert stream.built(4, 5) and stream.trained_seq == 20
+    stream.rewind(5)  # 21-28 back in the pool, and in the replay ring since they were first taken
+    assert pool.pending == 20 and pool.oldest_waiting() == 21
+    stream.get(5)
+    assert new(5) == [21, 22, 23, 24]
+    assert stream.built(5, 6) and stream.trained_seq == 24  # whatever micro-batch 5 replayed
 
 
 def test_stream_waits_for_new_records_and_stops_when_asked():
@@ -382,17 +410,17 @@ def test_a_prompt_answered_while_its_poll_still_reads_is_not_lost(tmp_path, defa
     (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     feed, pool, answerer = _feed_with_answerer(src, default_assets)
     poller = threading.Thread(target=feed.poll_once)
-    poller.start()
     try:
-        deadline = time.monotonic() + 60
-        while answerer.pending == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        with feed.tokenizer_turns.first():  # the poll waits at its next record meanwhile
+        # the prompt needs no turn at the tokenizer; the poll then waits at the next record
+        with feed.tokenizer_turns.first():
+            poller.start()
+            deadline = time.monotonic() + 60
+            while answerer.pending == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
             conversations, _ = answerer.answer(feed.tokenizer_turns.first)
-            assert feed.add_conversation(conversations[0])
+            assert feed.add_conversation(conversations[0]) and pool.added == 1
             feed.answered(answerer.answered_through)
-            assert feed.cursor_through(10**6) == {"files": {}}  # a checkpoint mid-poll
-            assert pool.added < len(records)
+            feed.cursor_through(10**6)  # a checkpoint while the poll that read the prompt goes on
     finally:
         poller.join(timeout=120)
     assert feed.cursor_through(10**6)["files"][str(src / "a.jsonl")]["line"] == len(records) + 1

@@ -103,15 +103,20 @@ class Answerer:
                 seed = row_seed(self.settings.seed, prompt.seq, 0)
                 requests.append(Request(i, ids, self.settings.max_new_tokens, seed))
         out: list[Conversation] = []
-        for completion in self.decoder.generate(requests, self.sampling):
-            prompt = batch[int(completion.key)]  # type: ignore[call-overload]
-            tokens = completion.tokens
-            if completion.finish_reason == "stop" and tokens and tokens[-1] in self.sampling.stop_token_ids:
-                tokens = tokens[:-1]
-            with turn():
-                answer = {"role": "assistant", "content": self.tokenizer.decode(tokens)}
-            out.append(Conversation([*prompt.messages, answer], prompt.source))
-            self.tokens += len(completion.tokens)
+        try:
+            for completion in self.decoder.generate(requests, self.sampling):
+                prompt = batch[int(completion.key)]  # type: ignore[call-overload]
+                tokens = completion.tokens
+                if completion.finish_reason == "stop" and tokens and tokens[-1] in self.sampling.stop_token_ids:
+                    tokens = tokens[:-1]
+                with turn():
+                    answer = {"role": "assistant", "content": self.tokenizer.decode(tokens)}
+                out.append(Conversation([*prompt.messages, answer], prompt.source))
+                self.tokens += len(completion.tokens)
+        except BaseException:
+            with self.lock:  # not answered: back first in line, never counted as answered
+                self.waiting.extendleft(reversed(batch))
+            raise
         self.answered_through = batch[-1].seq  # answered in arrival order: every prompt up to it
         self.answered += len(out)
         self.seconds += time.monotonic() - began

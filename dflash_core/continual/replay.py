@@ -50,6 +50,10 @@ class RecordPool:
     def __init__(self, seq_len: int, replay_capacity: int, heldout_capacity: int, heldout_every: int):
         self.seq_len = seq_len
         self.fresh: collections.deque[Doc | int] = collections.deque()  # an int: a corpus document
+        # the arrival numbers of the records in `fresh`, in its order, which is theirs (records
+        # arrive in order, are taken from the front and given back to it sorted): the oldest
+        # record not yet taken is the first
+        self._waiting: collections.deque[int] = collections.deque()
         self.replay: list[Doc] = []  # a ring of the last replay_capacity records trained
         self.replay_capacity = max(1, replay_capacity)
         self._ring_at = 0
@@ -73,6 +77,7 @@ class RecordPool:
                 self.heldout.append(conversation)
                 return
             self.fresh.append(doc)
+            self._waiting.append(doc.seq)
             self.cond.notify_all()
 
     def set_corpus(self, corpus, heldout: list[Conversation], exclude: np.ndarray, *, fresh: bool) -> None:
@@ -139,6 +144,8 @@ class RecordPool:
                     break
                 doc = self._next_fresh()
                 self.fresh.popleft()
+                if doc.seq >= 0:
+                    self._waiting.popleft()
                 docs.append(doc)
                 used += len(doc.input_ids)
                 self.trained_new += 1
@@ -159,10 +166,18 @@ class RecordPool:
                 budget -= len(doc.input_ids)
         return docs, fresh
 
+    def oldest_waiting(self) -> int | None:
+        """The arrival number of the oldest record not yet taken (None: none waits). Call under
+        self.cond."""
+        return self._waiting[0] if self._waiting else None
+
     def give_back(self, docs: list[Doc]) -> None:
-        """New records of micro-batches that will not be trained, first in line again."""
+        """New records of micro-batches that will not be trained, first in line again (in their
+        arrival order: micro-batches packed out of order hold them out of order)."""
+        docs = sorted(docs, key=lambda d: d.seq)
         with self.cond:
             self.fresh.extendleft(reversed(docs))
+            self._waiting.extendleft(reversed([d.seq for d in docs if d.seq >= 0]))
             self.trained_new -= len(docs)
             self.cond.notify_all()
 
@@ -179,10 +194,14 @@ class ContinualStream:
         self.pool, self.shape, self.pad, self.seed = pool, shape, pad_token_id, seed
         self.replay_ratio = replay_ratio
         self.stop = threading.Event()
-        self._built: dict[int, int] = {}  # packed micro-batch -> the newest record arrival number in it
+        self._built: set[int] = set()  # packed micro-batches not yet trained
         self._new: dict[int, list[Doc]] = {}  # packed micro-batch -> its new records (until it is trained)
         self._low = 0  # every index below is built and forgotten
-        self.trained_seq = 0  # every record with an arrival number up to this is in a trained micro-batch
+        # every record with an arrival number up to this is trained (or held out): a prefix, what a
+        # checkpoint's cursor may move past; never the newest record trained, since micro-batches
+        # are packed out of order by several target threads, and after a rewind given-back records
+        # wait behind others already trained
+        self.trained_seq = 0
 
     def get(self, index: int) -> MicroBatch:
         rng = np.random.default_rng([self.seed, 2, index])
@@ -192,7 +211,7 @@ class ContinualStream:
                     raise StreamStopped
                 self.pool.cond.wait(WAIT_SECONDS)
             docs, fresh = taken
-            self._built[index] = max((d.seq for d in docs), default=-1)
+            self._built.add(index)
             self._new[index] = docs[:fresh]
             self.pool.cond.notify_all()
         seq = build_sequence([(d.input_ids, d.loss_mask) for d in docs], self.shape.seq_len, self.pad)
@@ -204,10 +223,20 @@ class ContinualStream:
             done = all(i in self._built or i < self._low for i in range(lo, hi))
             if done:
                 for i in [i for i in self._built if i < hi]:
-                    self.trained_seq = max(self.trained_seq, self._built.pop(i))
+                    self._built.discard(i)
                     self._new.pop(i, None)
                 self._low = max(self._low, hi)
+                self.trained_seq = self._trained_prefix()
             return done
+
+    def _trained_prefix(self) -> int:
+        """One less than the oldest record not trained: in a micro-batch packed but not trained,
+        or not taken yet (all records, when none waits). Call under pool.cond."""
+        untrained = [d.seq for docs in self._new.values() for d in docs if d.seq >= 0]
+        waiting = self.pool.oldest_waiting()
+        if waiting is not None:
+            untrained.append(waiting)
+        return min(untrained) - 1 if untrained else self.pool.added
 
     def wait_built(self, lo: int, hi: int, stop: Callable[[], bool]) -> bool:
         """Wait until micro-batches lo..hi-1 are packed; False when `stop()` said stop first."""
@@ -230,7 +259,7 @@ class ContinualStream:
         with self.pool.cond:
             dropped = sorted(i for i in self._built if i >= first)
             docs = [d for i in dropped for d in self._new.pop(i, [])]
-            for i in dropped:
-                del self._built[i]
+            self._built.difference_update(dropped)
             self.stop.clear()
-        self.pool.give_back(docs)
+            # in the same hold of the lock: the records are never out of both the stream and the pool
+            self.pool.give_back(docs)

@@ -192,6 +192,14 @@ def test_trained_seq_is_a_prefix_of_the_records_trained():
     stream.get(5)
     assert new(5) == [21, 22, 23, 24]
     assert stream.built(5, 6) and stream.trained_seq == 24  # whatever micro-batch 5 replayed
+    # packed out of order, then given back: in the pool in arrival order again
+    stream.get(7), stream.get(6)
+    assert [new(7), new(6)] == [[25, 26, 27, 28], [29, 30, 31, 32]]
+    stream.rewind(6)
+    assert [d.seq for d in list(pool.fresh)[:8]] == list(range(25, 33)) and pool.oldest_waiting() == 25
+    with pytest.raises(StreamStopped):  # a thread of the closed pipeline, late for a packed index
+        stream.get(5)
+    assert pool.oldest_waiting() == 25 and stream.built(6, 7) is False
 
 
 def test_stream_waits_for_new_records_and_stops_when_asked():

@@ -206,6 +206,10 @@ class ContinualStream:
     def get(self, index: int) -> MicroBatch:
         rng = np.random.default_rng([self.seed, 2, index])
         with self.pool.cond:
+            if index in self._built or index < self._low:
+                # a thread of a closed pipeline, late: its micro-batch is packed again (or trained)
+                # by the new one, and records taken here would count as trained without training
+                raise StreamStopped
             while (taken := self.pool.take(self.replay_ratio, rng)) is None:
                 if self.stop.is_set():
                     raise StreamStopped

@@ -194,8 +194,7 @@ class ContinualStream:
         self.pool, self.shape, self.pad, self.seed = pool, shape, pad_token_id, seed
         self.replay_ratio = replay_ratio
         self.stop = threading.Event()
-        self._built: set[int] = set()  # packed micro-batches not yet trained
-        self._new: dict[int, list[Doc]] = {}  # packed micro-batch -> its new records (until it is trained)
+        self._new: dict[int, list[Doc]] = {}  # packed micro-batch not yet trained -> its new records
         self._low = 0  # every index below is built and forgotten
         # every record with an arrival number up to this is trained (or held out): a prefix, what a
         # checkpoint's cursor may move past; never the newest record trained, since micro-batches
@@ -206,7 +205,7 @@ class ContinualStream:
     def get(self, index: int) -> MicroBatch:
         rng = np.random.default_rng([self.seed, 2, index])
         with self.pool.cond:
-            if index in self._built or index < self._low:
+            if index in self._new or index < self._low:
                 # a thread of a closed pipeline, late: its micro-batch is packed again (or trained)
                 # by the new one, and records taken here would count as trained without training
                 raise StreamStopped
@@ -215,7 +214,6 @@ class ContinualStream:
                     raise StreamStopped
                 self.pool.cond.wait(WAIT_SECONDS)
             docs, fresh = taken
-            self._built.add(index)
             self._new[index] = docs[:fresh]
             self.pool.cond.notify_all()
         seq = build_sequence([(d.input_ids, d.loss_mask) for d in docs], self.shape.seq_len, self.pad)
@@ -224,11 +222,10 @@ class ContinualStream:
     def built(self, lo: int, hi: int) -> bool:
         """Micro-batches lo..hi-1 are packed (asked in step order: the step about to run)."""
         with self.pool.cond:
-            done = all(i in self._built or i < self._low for i in range(lo, hi))
+            done = all(i in self._new or i < self._low for i in range(lo, hi))
             if done:
-                for i in [i for i in self._built if i < hi]:
-                    self._built.discard(i)
-                    self._new.pop(i, None)
+                for i in [i for i in self._new if i < hi]:
+                    del self._new[i]
                 self._low = max(self._low, hi)
                 self.trained_seq = self._trained_prefix()
             return done
@@ -261,9 +258,8 @@ class ContinualStream:
         there on are dropped and their new records go back to the pool, first in line; the
         stream can be read again (a new pipeline starts at `first`)."""
         with self.pool.cond:
-            dropped = sorted(i for i in self._built if i >= first)
-            docs = [d for i in dropped for d in self._new.pop(i, [])]
-            self._built.difference_update(dropped)
+            dropped = sorted(i for i in self._new if i >= first)
+            docs = [d for i in dropped for d in self._new.pop(i)]
             self.stop.clear()
             # in the same hold of the lock: the records are never out of both the stream and the pool
             self.pool.give_back(docs)

@@ -239,7 +239,7 @@ def _plain_backend(tokenizer):
     class's override of it, and a backend with no truncation or padding set (the call would
     switch them off first) and the tokenizer's own choice of splitting special tokens; else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or _encode_path(type(tokenizer)) is None:
+    if backend is None or not _plain_call(type(tokenizer)):
         return None
     if backend.truncation is not None or backend.padding is not None:
         return None
@@ -249,18 +249,18 @@ def _plain_backend(tokenizer):
 
 
 @functools.lru_cache(maxsize=64)
-def _encode_path(cls: type) -> type | None:
-    """The transformers class whose `__call__` and `_encode_plus` the class runs unchanged, or None."""
+def _plain_call(cls: type) -> bool:
+    """Whether the class runs transformers' fast `__call__` and `_encode_plus` unchanged."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: the call itself
-        return None
+        return False
     if not issubclass(cls, TokenizersBackend):
-        return None
+        return False
     same = cls.__call__ is PreTrainedTokenizerBase.__call__ and cls._encode_plus is TokenizersBackend._encode_plus
     # a class with an input mode (source-language tokens and the like) sets it at each call
-    return TokenizersBackend if same and not hasattr(cls, "_switch_to_input_mode") else None
+    return same and not hasattr(cls, "_switch_to_input_mode")
 
 
 def _agree(ids: np.ndarray, offsets: np.ndarray, ids2: np.ndarray, offsets2: np.ndarray, n: int) -> bool:

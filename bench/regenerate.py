@@ -21,6 +21,9 @@ on,norms,off: a row of each.
 
 `--waves N` decodes N times as many requests as there are slots (the prompts repeated), the
 slots refilled as they free: end to end and the prefills' time over the N waves.
+`--ride R` (comma-separated, a row each) lets the freed slots' prompts ride in the decode steps,
+R prompt tokens a step (chunked prefill, regenerate/ride.py; 0: every prompt prefilled whole).
+
 `--new-tokens-spread F` gives each request its own count of new tokens, drawn evenly from
 new-tokens x (1 - F) to new-tokens x (1 + F) (the same mean), so that sequences end apart, as
 stop tokens and differing lengths make them in a real job, and prompts are prefilled while other
@@ -61,6 +64,9 @@ A row per precision, attention and slot count:
                  work included)
   prefill_s      the run's time in prefills (SlotDecoder.prefill_seconds: every prompt, in
                  chunks, host work included)
+  steps, steps_riding  the run's decode steps, and those of them that carried riding rows
+  ride_ms        a step with every riding row filled (prompts of the bench's width from their
+                 first token), the slots at the mean position: decode_ms plus what the rows cost
   prefill_ideal_s  the run's prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
                  for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
                  prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
@@ -75,7 +81,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
         [--fused on,eager-sampler,three-gemms,norms,off] [--hf-batch 128]
-        [--prompt-len 512] [--new-tokens 512] [--waves 1]
+        [--prompt-len 512] [--new-tokens 512] [--waves 1] [--new-tokens-spread 0] [--ride 0]
 """
 
 from __future__ import annotations
@@ -174,13 +180,32 @@ def new_token_counts(requests: int, new_tokens: int, spread: float, seed: int = 
     return torch.randint(lo, hi + 1, (requests,), generator=gen).tolist()
 
 
-def time_step(dec: SlotDecoder, mode: str, position: int) -> float:
+def time_step(dec: SlotDecoder, mode: str, position: int, ride_width: int = 0) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
     enough to centre on it (each step moves the slots on by one; the last position a sequence
-    feeds holds them)."""
+    feeds holds them). ride_width: the step with riding rows, every one filled as prompts of
+    this width riding from their first token fill them (they write into the first slots'
+    caches, which no later timing reads as a sequence's)."""
     last = dec.length - 2
     dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
-    return median(cuda_time_ms(lambda: dec._replay(mode), warmup=WARMUP, iters=ITERS))
+    ride = ride_width > 0
+    if ride:
+        rows = torch.arange(dec.ride_rows, device=dec.device)
+        dec.ride.copy_(torch.stack((rows % 1000 + 10, (rows // ride_width) % dec.slots, rows % ride_width)))
+    return median(cuda_time_ms(lambda: dec._replay(mode, ride), warmup=WARMUP, iters=ITERS))
+
+
+def count_ride_steps(dec) -> list[bool]:
+    """Whether each decode step of `dec` carries riding rows, appended as it runs."""
+    steps: list[bool] = []
+    step = dec._step
+
+    def counted(mode, ride=False):
+        steps.append(ride)
+        return step(mode, ride)
+
+    dec._step = counted
+    return steps
 
 
 @torch.no_grad()
@@ -197,6 +222,7 @@ def run_slots(
     head_flops: float | None = None,
     waves: int = 1,
     spread: float = 0.0,
+    ride_rows: int = 0,
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
     head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts')."""
@@ -206,7 +232,13 @@ def run_slots(
     counts = new_token_counts(waves * len(wave), new_tokens, spread)
     cache_length = prompt_len + max(counts)
     dec = SlotDecoder(
-        model, slots, cache_length, use_graph=use_graph, attention_kernel=kernel, fused_kernels=fused != "off"
+        model,
+        slots,
+        cache_length,
+        use_graph=use_graph,
+        attention_kernel=kernel,
+        fused_kernels=fused != "off",
+        ride_rows=ride_rows,
     )
     if fused == "norms":  # the decoder as it was before its rotary and cache-write kernels
         dec.rope = None
@@ -221,11 +253,13 @@ def run_slots(
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
     dec.prefill_seconds = 0.0
+    ride_steps = count_ride_steps(dec)
     t = time.perf_counter()
     done = list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     prefill_s = dec.prefill_seconds
+    steps_run, steps_riding = len(ride_steps), sum(ride_steps)
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
     assert generated == sum(counts), generated
@@ -237,6 +271,7 @@ def run_slots(
     mean_valid = prompt_len + new_tokens // 2  # positions a step reads per slot, over the run
     full_ms = time_step(dec, "greedy", length - 1)
     decode_ms = time_step(dec, "greedy", mean_valid - 1)
+    ride_ms = time_step(dec, "greedy", mean_valid - 1, ride_width=prompt_len) if ride_rows else None
     sampled = {}
     for name, sampling in (
         ("sampled_ms", Sampling(temperature=0.7, top_p=0.8, ignore_stop=True)),
@@ -255,6 +290,7 @@ def run_slots(
         "attention": "kernel" if dec.attention_kernel else "masked",
         "fused": fused_label(dec),
         "slots": slots,
+        "ride_rows": ride_rows,
         "waves": waves,
         "new_tokens_spread": spread,
         "graph": dec.use_graph,
@@ -274,6 +310,9 @@ def run_slots(
         "e2e_tok_s": round(generated / wall),
         "e2e_s": round(wall, 2),
         "prefill_s": round(prefill_s, 2),
+        "steps": steps_run,
+        "steps_riding": steps_riding,
+        "ride_ms": round(ride_ms, 3) if ride_ms is not None else None,
         "prefill_ideal_s": round(2 * prefill_weights(model) * len(requests) * prompt_len / matmul_flops, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
@@ -408,23 +447,31 @@ def bench_precision(
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    for slots, (kernel, settings), fused in itertools.product(slot_counts, kernels, fused_rows):
+    rides = [int(r) for r in args.ride.split(",")]
+    for slots, (kernel, settings), fused, ride in itertools.product(slot_counts, kernels, fused_rows, rides):
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
             with kernel_settings(settings):
-                row = run_slots(*run, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread)
+                row = run_slots(
+                    *run, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread, ride_rows=ride
+                )
         except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
             traceback.print_exc()
             torch.cuda.empty_cache()
             try:
                 with kernel_settings(settings):
                     row = run_slots(
-                        *run, use_graph=False, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread
+                        *run,
+                        use_graph=False,
+                        head_flops=bf16_flops,
+                        waves=args.waves,
+                        spread=args.new_tokens_spread,
+                        ride_rows=ride,
                     )
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
                 row = {"attention": "kernel" if kernel else "masked", "fused": f"{fused} (asked)"}
-                row.update(slots=slots, error=type(e).__name__)
+                row.update(slots=slots, ride_rows=ride, error=type(e).__name__)
         if settings is not None:
             row["attention"] += " " + "/".join(map(str, settings))
         rows.append({"precision": precision, **row})
@@ -467,7 +514,15 @@ def main(argv=None) -> None:
         default=0.0,
         help="each request's new tokens drawn evenly within new-tokens x (1 +- this), in [0, 1): sequences end apart",
     )
+    p.add_argument(
+        "--ride",
+        default="0",
+        help="rows, comma-separated: prompt tokens a decode step carries beside its slots (chunked prefill, "
+        "regenerate/ride.py); 0: prompts prefilled whole",
+    )
     args = p.parse_args(argv)
+    if not all(r.strip().isdigit() for r in args.ride.split(",")):
+        p.error("--ride takes comma-separated counts of rows, 0 for none")
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
     if not precisions or not set(precisions) <= {"bf16", "fp8"}:
         p.error("--precisions takes bf16 and fp8")

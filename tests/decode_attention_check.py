@@ -113,6 +113,37 @@ def kernel_cases(device: str = "cpu") -> dict:
     }
 
 
+def rows_cases(device: str = "cpu") -> dict:
+    """Queries that name the cache row they read (ranges [B, 3]): 7 queries over 3 sequences'
+    caches, several at different positions of one sequence (a chunked prefill's prompt tokens
+    beside its decode queries), against the float64 reference over each query's row, gathered;
+    and the same queries through the [B, 2] ranges over the gathered copy."""
+    out = {}
+    for dtype, splits, window in ((torch.bfloat16, None, None), (torch.float32, 3, None), (torch.float32, 1, 9)):
+        g = torch.Generator().manual_seed(12)
+        rows = torch.tensor([0, 2, 2, 2, 1, 0, 2])
+        positions = torch.tensor([40, 0, 1, 17, 59, 3, 30])
+        length, kv_heads, groups, d = 60, 2, 4, 64
+        query = torch.randn(len(rows), kv_heads * groups, d, generator=g).to(device, dtype)
+        key = torch.randn(3, kv_heads, length, d, generator=g).to(device, dtype)
+        value = torch.randn(3, kv_heads, length, d, generator=g).to(device, dtype)
+        hi = positions + 1
+        lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+        two = torch.stack([lo, hi], -1).to(torch.int32).to(device)
+        three = torch.stack([lo, hi, rows], -1).to(torch.int32).to(device)
+        scale = d**-0.5
+        got = decode_attention(query, key, value, three, scale, splits=splits)
+        gathered = decode_attention(query, key[rows.to(device)], value[rows.to(device)], two, scale, splits=splits)
+        ref = reference(query, key[rows.to(device)], value[rows.to(device)], two, scale)
+        top = ref.abs().max()
+        name = f"{str(dtype)[6:]}_splits{splits}_window{window}"
+        out[name] = {
+            "rel": float((got.double() - ref).abs().max() / top),
+            "equals_gathered": bool(torch.equal(got, gathered)),
+        }
+    return out
+
+
 # tokens the decoder check generates for prompt k: NEW_TOKENS + k (each sequence longer than the
 # sliding window, and ending at a different step)
 NEW_TOKENS = 6
@@ -177,22 +208,34 @@ def _sliced_norm_cases(device: str) -> dict:
     return out
 
 
-def decoder_compare(device: str = "cpu", build=sliding_qwen3) -> dict:
+def decoder_compare(device: str = "cpu", build=sliding_qwen3, ride_rows: int = 0) -> dict:
     """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
     generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
-    too), sequences longer than the sliding window."""
+    too), sequences longer than the sliding window. ride_rows: refilled prompts ride in the
+    decode steps (regenerate/ride.py), that many tokens a step; `rode` counts those steps."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
     model = build().to(device)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6)]
     outputs = []
+    rode = []
     for kernel in (True, False):
-        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=kernel, fused_kernels=kernel)
+        dec = SlotDecoder(
+            model,
+            slots=3,
+            length=40,
+            use_graph=False,
+            attention_kernel=kernel,
+            fused_kernels=kernel,
+            ride_rows=ride_rows,
+        )
         assert dec.attention_kernel is kernel and (dec.norms is not None) is kernel
         assert dec.cache.write_kernel is kernel  # the decode step's cache writes through slot_write
+        steps = _ride_steps(dec)
         done = dec.generate([Request(k, p, NEW_TOKENS + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
         outputs.append({c.key: c.tokens for c in done})
+        rode.append(sum(steps))
     generated = {}
     with torch.no_grad():
         for k, p in enumerate(prompts):
@@ -204,7 +247,21 @@ def decoder_compare(device: str = "cpu", build=sliding_qwen3) -> dict:
         "equal": outputs[0] == outputs[1],
         "equals_generate": outputs[0] == generated,
         "tokens": sum(len(t) for t in outputs[0].values()),
+        "rode": rode,
     }
+
+
+def _ride_steps(dec) -> list[bool]:
+    """Whether each decode step of `dec` carried riding rows, appended as it runs."""
+    steps: list[bool] = []
+    step = dec._step
+
+    def counted(mode, ride=False):
+        steps.append(ride)
+        return step(mode, ride)
+
+    dec._step = counted
+    return steps
 
 
 def rope_cases(device: str = "cpu") -> dict:
@@ -565,19 +622,27 @@ def slot_write_cases(device: str = "cpu") -> dict:
         write_slots(k, v, k_new, v_new, positions)
         kept_k, kept_v = k.clone(), v.clone()
         write_slots(k, v, k_new * 2, v_new * 2, torch.tensor([length, -1, length + 3, 99, -5], device=device))
+        untouched = torch.equal(k, kept_k) and torch.equal(v, kept_v)
+        # rows that name their slot: 3 rows into slots 4, 1 and 4 (a chunked prefill's two tokens)
+        at_slots, at = torch.tensor([4, 1, 4], device=device), torch.tensor([2, 9, 3], device=device)
+        want_k[at_slots, :, at] = k_new[:3, :, 0]
+        want_v[at_slots, :, at] = v_new[:3, :, 0]
+        write_slots(k, v, k_new[:3], v_new[:3], at, at_slots)
         out[str(dtype)[6:]] = {
-            "written": torch.equal(kept_k, want_k) and torch.equal(kept_v, want_v),
-            "outside_untouched": torch.equal(k, kept_k) and torch.equal(v, kept_v),
+            "written": torch.equal(k, want_k) and torch.equal(v, want_v),
+            "outside_untouched": untouched,
         }
     return out
 
 
 if __name__ == "__main__":
     result = {"kernel": kernel_cases(), "norms": norm_cases(), "rope": rope_cases(), "slot_write": slot_write_cases()}
+    result["rows"] = rows_cases()
     result["decoder_kernels"] = decoder_kernels_case()
     result["sampler"], result["decoder_sampler"] = sampler_cases(), decoder_sampler_case()
     result["top_p"] = top_p_cases()
     if "--decoder" in sys.argv:
         result["decoder"] = decoder_compare()
         result["decoder_one_kind"] = decoder_compare(build=tiny_llama)
+        result["decoder_riding"] = decoder_compare(ride_rows=4)
     print(json.dumps(result))

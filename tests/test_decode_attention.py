@@ -179,3 +179,27 @@ def test_sampling_kernel_draws_the_tokens_of_the_torch_ops(checked):
         got = checked["decoder_sampler"][mode]
         assert got["equal"] and got["kernel_calls"] > 0 and got["eager_calls"] == 0, (mode, got)
         assert (got["floor_calls"] > 0) == (mode == "top-p"), (mode, got)  # the floor in top-p alone
+
+
+@pytest.mark.parametrize(
+    "name", ["bfloat16_splitsNone_windowNone", "float32_splits3_windowNone", "float32_splits1_window9"]
+)
+def test_kernel_reads_the_cache_row_each_query_names(checked, name):
+    """Ranges of three columns (lo, hi, row): several queries at different positions of one
+    sequence's cache, as a chunked prefill's prompt tokens ride beside the decode queries; the
+    same output as the two-column ranges over the rows gathered, bit for bit, and the float64
+    reference's within the dtype's rounding."""
+    got = checked["rows"][name]
+    assert got["equals_gathered"], got
+    assert got["rel"] < (1e-5 if name.startswith("float32") else 1e-2), got
+
+
+def test_decoder_with_prompts_riding_in_the_kernel_step(checked):
+    """The decoder of the test above with refilled prompts riding in its decode steps (4 tokens a
+    step): the kernel path (the attention reading each query's slot from its range, the cache
+    writes naming each row's slot) and the masked path (each row's slot's keys gathered) give
+    transformers' tokens, and both rode."""
+    got = checked["decoder_riding"]
+    assert got["equal"] and got["equals_generate"], got
+    assert got["tokens"] == sum(6 + k for k in range(5)), got
+    assert all(n > 0 for n in got["rode"]), got

@@ -6,6 +6,8 @@ layers; seeded sampling that depends on the seed alone."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 
@@ -247,3 +249,94 @@ def test_causal_prefill_attention_equals_the_masked_one():
     masked, _ = slot_attention(None, query, key, value, mask)
     assert causal.shape == (2, 7, 6, 16)
     torch.testing.assert_close(causal, masked)
+
+
+def _ride_steps(decoder) -> list[bool]:
+    """Whether each decode step of `decoder` carried riding rows, appended as it runs."""
+    steps: list[bool] = []
+    step = decoder._step
+
+    def counted(mode, ride=False):
+        steps.append(ride)
+        return step(mode, ride)
+
+    decoder._step = counted
+    return steps
+
+
+def test_prompts_riding_in_the_decode_steps_equal_generate(target, prompts, reference):
+    """Chunked prefill (regenerate/ride.py): with most slots decoding, refilled prompts ride in
+    the decode steps, 16 tokens a step (a prompt over several steps); the first wave is prefilled
+    whole. Greedy tokens equal generate's, and seeded sampling gives the tokens the decoder gives
+    with every prompt prefilled whole."""
+    model, _ = target
+    eos = model.generation_config.eos_token_id
+    requests = [Request(k, p, MAX_NEW, seed=k) for k, p in enumerate(prompts)]
+    riding = SlotDecoder(model, slots=3, length=160, ride_rows=16)
+    steps = _ride_steps(riding)
+    done = {c.key: c.tokens for c in riding.generate(requests, Sampling(stop_token_ids=(eos,)))}
+    assert [done[k] for k in range(len(prompts))] == reference
+    assert 0 < sum(steps) < len(steps), "some steps carry prompt rows, the others none"
+    assert riding.prefill_seconds > 0  # the first wave's prompts, prefilled whole
+    sampling = Sampling(temperature=1.1, top_p=0.9, stop_token_ids=(eos,))
+    whole = {c.key: c.tokens for c in SlotDecoder(model, slots=3, length=160).generate(requests, sampling)}
+    rode = {c.key: c.tokens for c in riding.generate(requests, sampling)}
+    assert rode == whole
+
+
+@pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama])
+def test_riding_prompts_over_several_steps_equal_generate(build):
+    """Prompts of 1 to 14 tokens riding 3 tokens a step (most over several steps, past the sliding
+    window of 6; a one-token prompt rides none, its token is its slot's query at once), sequences
+    ending apart so that slots free while others decode: generate's greedy tokens."""
+    model = build()
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(3)
+    widths = [1, 14, 5, 9, 1, 12, 3, 7, 14, 2, 11, 6]
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in widths]
+    news = [2 + (5 * k) % 9 for k in range(len(prompts))]
+    dec = SlotDecoder(model, slots=4, length=40, ride_rows=3)
+    steps = _ride_steps(dec)
+    done = {
+        c.key: c.tokens
+        for c in dec.generate([Request(k, p, n) for k, (p, n) in enumerate(zip(prompts, news))], Sampling())
+    }
+    assert sum(steps) >= 10, steps
+    for k, (p, n) in enumerate(zip(prompts, news)):
+        with torch.no_grad():
+            full = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+        assert done[k] == full[0, len(p) :].tolist(), k
+
+
+def _refuse(request):
+    raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit")
+
+
+def test_ride_queue_feeds_prompts_in_order_and_seats_their_last_token():
+    from dflash_core.regenerate.ride import RideQueue
+
+    queue = RideQueue(rows=4, parked=99)
+    a, b, c = Request("a", [10, 11, 12, 13, 14, 15], 5), Request("b", [20], 5), Request("c", [30, 31, 32], 5)
+    for slot, request in ((2, a), (0, b), (5, c)):
+        queue.add(slot, request)
+    assert queue.backlog() == 5 + 0 + 2
+    first = queue.next_rows()  # a's first four tokens; a goes on next step
+    assert (first.tokens, first.slots, first.positions) == ([10, 11, 12, 13], [2] * 4, [0, 1, 2, 3])
+    assert first.filled == 4 and first.seated == []
+    second = queue.next_rows()  # a's fifth (its sixth is slot 2's query), b seated with no row, c's two
+    assert second.tokens == [14, 30, 31, 0] and second.slots == [2, 5, 5, 0]
+    assert second.positions == [4, 0, 1, 99] and second.filled == 3
+    assert [(s, r.key) for s, r in second.seated] == [(2, "a"), (0, "b"), (5, "c")]
+    assert len(queue) == 0 and queue.backlog() == 0
+    idle = queue.next_rows()
+    assert idle.filled == 0 and idle.positions == [99] * 4 and idle.seated == []
+    queue.add(1, a)
+    assert queue.drop() == [1] and len(queue) == 0
+    # boarding: prompts of 8 tokens (7 rows each) while the queue holds at most 4 steps' 16 rows
+    free, pending = deque([3, 6, 7, 1]), deque(Request(k, [1] * 8, 5) for k in range(3))
+    queue.board(free, pending, lambda r: r)
+    assert [r.key for r in pending] == [2] and list(free) == [7, 1] and queue.backlog() == 14
+    with pytest.raises(ValueError, match="does not fit"):
+        queue.board(deque([0]), deque([Request("long", [1] * 3, 5)]), _refuse)
+    with pytest.raises(ValueError, match="at least one row"):
+        RideQueue(rows=0, parked=99)

@@ -17,6 +17,10 @@ denominator, and a second kernel combines the splits. Splits exist for few seque
 sequences x kv heads alone would leave most of the device idle); at hundreds of sequences one
 split is enough and the partial sums are never written.
 
+A query reads the cache row of its own index, or the row its range names (a third column): so
+several queries may read one sequence's cache, each at its own position, as the prompt tokens of
+a chunked prefill do beside the decode step's queries (regenerate/ride.py).
+
 Same function as softmax(q k^T * scale masked to [lo, hi)) v with fp32 accumulation; tests compare
 it with a float64 reference through Triton's interpreter on CPU (tests/decode_attention_check.py).
 """
@@ -78,6 +82,7 @@ def _split_kernel(
     head_dim,
     split_len,
     qk_scale,
+    RANGE_COLS: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,8 +92,12 @@ def _split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    lo = tl.load(ranges_ptr + 2 * b)
-    hi = tl.load(ranges_ptr + 2 * b + 1)
+    lo = tl.load(ranges_ptr + RANGE_COLS * b)
+    hi = tl.load(ranges_ptr + RANGE_COLS * b + 1)
+    if RANGE_COLS == 3:  # noqa: SIM108 - a static branch of the jit function: the cache row this query reads
+        cache_row = tl.load(ranges_ptr + RANGE_COLS * b + 2).to(tl.int64)
+    else:
+        cache_row = b.to(tl.int64)
     start = tl.maximum(lo, split * split_len)
     end = tl.minimum(hi, (split + 1) * split_len)
 
@@ -99,8 +108,8 @@ def _split_kernel(
     d_ok = d < head_dim
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * sq_b + heads[:, None] * sq_h + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = k_ptr + b64 * sk_b + kvh.to(tl.int64) * sk_h
-    v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
+    k_base = k_ptr + cache_row * sk_b + kvh.to(tl.int64) * sk_h
+    v_base = v_ptr + cache_row * sv_b + kvh.to(tl.int64) * sv_h
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)  # noqa: E741 - the softmax denominator, as the literature names it
@@ -190,20 +199,25 @@ def decode_attention(
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query per sequence over its cache positions [lo, hi).
 
-    query [B, Hq, D]; key, value [B, Hkv, L, D] (Hq a multiple of Hkv; their last dimension
-    contiguous); ranges int32 [B, 2]: (lo, hi) per sequence, 0 <= lo < hi <= L. Returns [B, Hq, D]
+    query [B, Hq, D]; key, value [R, Hkv, L, D] (Hq a multiple of Hkv; their last dimension
+    contiguous); ranges int32 [B, 2]: (lo, hi) per query, 0 <= lo < hi <= L, query b reading
+    cache row b (R = B); or [B, 3]: (lo, hi, row), the cache row each query reads, 0 <= row < R.
+    Returns [B, Hq, D]
     in the query's dtype. splits: the cache length is cut in this many ranges processed apart
     (None: split_count); block_n (None: BLOCK_N's rule), num_warps, num_stages (None: NUM_WARPS,
     NUM_STAGES): launch settings."""
     b, hq, d = query.shape
     kb, hkv, length, kd = key.shape
-    if kb != b or kd != d or value.shape != key.shape or hq % hkv:
+    cols = ranges.shape[-1] if ranges.dim() == 2 else 0
+    if (kb != b and cols != 3) or kd != d or value.shape != key.shape or hq % hkv:
         raise ValueError(f"query {list(query.shape)} does not match keys {list(key.shape)}, {list(value.shape)}")
     query = query if query.stride(-1) == 1 else query.contiguous()
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dimension contiguous")
-    if ranges.dtype != torch.int32 or tuple(ranges.shape) != (b, 2) or not ranges.is_contiguous():
-        raise ValueError(f"ranges must be a contiguous int32 [{b}, 2] tensor, not {ranges.dtype} {list(ranges.shape)}")
+    if ranges.dtype != torch.int32 or tuple(ranges.shape) not in ((b, 2), (b, 3)) or not ranges.is_contiguous():
+        raise ValueError(
+            f"ranges must be a contiguous int32 [{b}, 2] or [{b}, 3] tensor, not {ranges.dtype} {list(ranges.shape)}"
+        )
     groups = hq // hkv
     block_n = block_n or (BLOCK_N if d <= 128 else BLOCK_N // 2)
     num_warps = num_warps or NUM_WARPS
@@ -241,6 +255,7 @@ def decode_attention(
             d,
             split_len,
             float(scale) * _LOG2E,
+            RANGE_COLS=cols,
             SPLITS=splits,
             BLOCK_G=block_g,
             BLOCK_N=block_n,

@@ -7,6 +7,9 @@ This kernel writes both tensors in one launch: a program per slot and tensor, ev
 A copy: the cache holds exactly what the eager put would, for positions inside the cache. A
 position outside it writes nothing, where the eager put would wrap a negative one or raise: a
 recorded graph cannot raise, and the decoder's positions stay inside the cache.
+
+The new rows are one per slot, or any number with the slot of each given (`slots`): a chunked
+prefill's prompt tokens ride in the decode step as rows of their own (regenerate/ride.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def _slot_write_kernel(
     k_cache,
     v_cache,
     positions,
+    slots,
     length,
     heads,
     kn_s,
@@ -54,50 +58,69 @@ def _slot_write_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLOTS_GIVEN: tl.constexpr,
 ):
-    slot = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements: a large cache's slots
-    pos = tl.load(positions + slot)
+    row = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements: a large cache's slots
+    pos = tl.load(positions + row)
+    if SLOTS_GIVEN:  # noqa: SIM108 - a static branch of the jit function
+        slot = tl.load(slots + row).to(tl.int64)
+    else:
+        slot = row
     ok = (pos >= 0) & (pos < length)  # never a write outside the slot's cache row
     if tl.program_id(1) == 0:
         _copy_heads(
-            k_new + slot * kn_s, k_cache + slot * kc_s + pos * kc_p, heads, kn_h, kc_h, ok, HEAD_DIM, BLOCK_H, BLOCK_D
+            k_new + row * kn_s, k_cache + slot * kc_s + pos * kc_p, heads, kn_h, kc_h, ok, HEAD_DIM, BLOCK_H, BLOCK_D
         )
     else:
         _copy_heads(
-            v_new + slot * vn_s, v_cache + slot * vc_s + pos * vc_p, heads, vn_h, vc_h, ok, HEAD_DIM, BLOCK_H, BLOCK_D
+            v_new + row * vn_s, v_cache + slot * vc_s + pos * vc_p, heads, vn_h, vc_h, ok, HEAD_DIM, BLOCK_H, BLOCK_D
         )
 
 
-def supports(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
+def supports(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots_given: bool = False
+) -> bool:
     """Whether the kernel takes these: caches [slots, heads, length, D] and one new position per
-    slot [slots, heads, 1, D], of one dtype and device, every last dimension contiguous."""
+    slot [slots, heads, 1, D] (slots_given: [rows, heads, 1, D], any number of rows), of one dtype
+    and device, every last dimension contiguous."""
     tensors = (k_cache, v_cache, k_new, v_new)
     if any(t.dim() != 4 or t.dtype != k_cache.dtype or t.device != k_cache.device for t in tensors):
         return False
     if any(t.stride(-1) != 1 for t in tensors) or v_cache.shape != k_cache.shape:
         return False
     slots, heads, _, dim = k_cache.shape
-    new_shape = (slots, heads, 1, dim)
+    new_shape = (k_new.shape[0] if slots_given else slots, heads, 1, dim)
     return k_new.shape == new_shape and v_new.shape == new_shape and 0 < heads * dim <= MAX_ELEMENTS
 
 
 def write_slots(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor | None = None,
 ) -> None:
     """k_cache[s, :, positions[s]] = k_new[s, :, 0] for every slot s, and the same for the values
-    (a position outside the cache writes nothing)."""
-    if not supports(k_cache, v_cache, k_new, v_new) or positions.shape != (k_cache.shape[0],):
+    (a position outside the cache writes nothing); with `slots` [rows], row r of the new ones
+    goes to slot slots[r] at positions[r]."""
+    rows = k_new.shape[0]
+    given = slots is not None
+    if not supports(k_cache, v_cache, k_new, v_new, given) or positions.shape != (rows,):
         raise ValueError(
             f"write_slots takes caches [slots, heads, length, D], new rows [slots, heads, 1, D] and positions "
             f"[slots], not {tuple(k_cache.shape)}, {tuple(k_new.shape)}, {tuple(positions.shape)}"
         )
-    slots, heads, length, dim = k_cache.shape
+    if slots is not None and slots.shape != (rows,):
+        raise ValueError(f"write_slots takes a slot per new row, [{rows}], not {tuple(slots.shape)}")
+    _, heads, length, dim = k_cache.shape
     with triton_launch_device(k_cache.device):
-        _slot_write_kernel[(slots, 2)](
-            k_new, v_new, k_cache, v_cache, positions.contiguous(), length, heads,
+        _slot_write_kernel[(rows, 2)](
+            k_new, v_new, k_cache, v_cache, positions.contiguous(),
+            slots.contiguous() if slots is not None else positions, length, heads,
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
-            num_warps=4,
+            SLOTS_GIVEN=given, num_warps=4,
         )  # fmt: skip

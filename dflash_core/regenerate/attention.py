@@ -29,17 +29,21 @@ SLOT_ATTENTION = "dflash_slots"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def decode_ranges(positions: torch.Tensor, window: int | None, parked: int | None = None) -> torch.Tensor:
+def decode_ranges(
+    positions: torch.Tensor, window: int | None, parked: int | None = None, slot_of: torch.Tensor | None = None
+) -> torch.Tensor:
     """The cache positions [lo, hi) each slot's query sees, as int32 [slots, 1, 1, 2]: hi is the
     slot's position plus one (the key written this step is seen); lo is 0, or hi - window for a
     sliding layer (the keys at positions > position - window, the rule of the masks). A slot at
     position `parked` holds no sequence (decode.SlotDecoder parks them there): it sees the one key
-    it writes, so an idle slot reads one position, not its whole cache."""
+    it writes, so an idle slot reads one position, not its whole cache. With slot_of (the slot of
+    each query, where a step has more queries than slots: ride.py), [rows, 1, 1, 3]: (lo, hi, slot)."""
     hi = positions + 1
     lo = (hi - int(window)).clamp(min=0) if window else torch.zeros_like(hi)
     if parked is not None:
         lo = torch.where(positions == parked, positions, lo)
-    return torch.stack((lo, hi), dim=-1).to(torch.int32).view(-1, 1, 1, 2)
+    cols = (lo, hi) if slot_of is None else (lo, hi, slot_of)
+    return torch.stack(cols, dim=-1).to(torch.int32).view(-1, 1, 1, len(cols))
 
 
 def is_ranges(attention_mask) -> bool:
@@ -90,7 +94,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
             raise ValueError("slot ranges stand for the mask of a decode step (one query per slot)")
         from ..kernels.decode_attention import decode_attention
 
-        out = decode_attention(query[:, :, 0], key, value, attention_mask.view(b, 2), scale)
+        out = decode_attention(query[:, :, 0], key, value, attention_mask.view(b, -1), scale)
         return out.view(b, 1, hq, d), None  # [b, 1, hq, d]: the layout of query.transpose(1, 2)
     if is_causal(attention_mask):
         if key.shape[2] != q:

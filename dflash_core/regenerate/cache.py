@@ -10,7 +10,9 @@ class SlotCache:
     `Cache.update`: while prefilling, the given rows' keys go to positions 0..T-1 of their slots
     and attention sees only the prompt; while decoding, every slot's one new key goes to that
     slot's position and attention gets the whole cache (the mask, or the slots' ranges, say which
-    positions count)."""
+    positions count). A decode step with prompt tokens riding in it (ride.py) has more rows than
+    slots: `slot_of` names each row's slot, and where the attention reads the keys as given (a
+    mask, not ranges that name each query's cache row) it gets each row's slot's keys, gathered."""
 
     def __init__(self, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, device, dtype):
         shape = (slots, kv_heads, length, head_dim)
@@ -18,7 +20,9 @@ class SlotCache:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.slot_index = torch.arange(slots, device=device)
         self.rows: torch.Tensor | None = None  # prefill: the slots of the rows
-        self.positions: torch.Tensor | None = None  # decode: [slots] the position written
+        self.positions: torch.Tensor | None = None  # decode: [rows] the position written
+        self.slot_of: torch.Tensor | None = None  # decode: [rows] each row's slot (None: row i is slot i)
+        self.gather = False  # decode with slot_of: the keys returned per row, not the whole cache
         self.write_kernel = False  # decode: the new rows written by kernels/slot_write.py
 
     def kernel_takes(self, dtype: torch.dtype) -> bool:
@@ -44,11 +48,15 @@ class SlotCache:
             v[self.rows, :, :t] = value_states
             return key_states, value_states
         assert self.positions is not None
-        if self.write_kernel and _slot_write().supports(k, v, key_states, value_states):
-            _slot_write().write_slots(k, v, key_states, value_states, self.positions)
+        rows = self.slot_of
+        if self.write_kernel and _slot_write().supports(k, v, key_states, value_states, rows is not None):
+            _slot_write().write_slots(k, v, key_states, value_states, self.positions, rows)
         else:
-            k[self.slot_index, :, self.positions] = key_states[:, :, 0]
-            v[self.slot_index, :, self.positions] = value_states[:, :, 0]
+            at = self.slot_index if rows is None else rows
+            k[at, :, self.positions] = key_states[:, :, 0]
+            v[at, :, self.positions] = value_states[:, :, 0]
+        if rows is not None and self.gather:
+            return k[rows], v[rows]
         return k, v
 
     # what transformers may ask a cache besides update()

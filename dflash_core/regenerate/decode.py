@@ -8,7 +8,8 @@ attention.py), so on CUDA the step is recorded once as a CUDA graph and replayed
 (the tests compare that loop with transformers' own `generate`). A finished sequence frees its
 slot, and the next prompts go into the free slots while the others keep decoding (continuous
 batching); prompts are prefilled several at a time, right-padded, with only the last prompt
-position's logits computed (prefill.py). A slot without a sequence (never filled, or finished)
+position's logits computed (prefill.py), or, while most slots decode, ride in the decode steps as
+rows of their own (ride.py: chunked prefill). A slot without a sequence (never filled, or finished)
 is parked at the cache's last position, which no sequence feeds (a prompt of P tokens leaves room
 for at most length - P tokens, the last of them never fed: positions up to length - 2); its
 range is that one position (decode_ranges), so with the kernel an idle slot's step reads one key
@@ -43,6 +44,7 @@ from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
+from .ride import RideQueue
 from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
 
 log = logging.getLogger("dflash.generate")
@@ -107,7 +109,9 @@ class SlotDecoder:
     probed on its own: the sorted cut's tokens but where a sum rounds across top_p); and each
     attention layer's query, key and value projections run as one GEMM over a copy of their
     weights stacked (target_qkv.py; copied in again at every `generate`; stacked_qkv: whether,
-    None: with the fused kernels)."""
+    None: with the fused kernels). ride_rows: prompt tokens a decode step carries beside its slots
+    (chunked prefill, ride.py), while at least half the slots decode; 0 (None's choice): prompts
+    are prefilled alone."""
 
     def __init__(
         self,
@@ -118,6 +122,7 @@ class SlotDecoder:
         attention_kernel: bool | None = None,
         fused_kernels: bool | None = None,
         stacked_qkv: bool | None = None,
+        ride_rows: int | None = None,
     ):
         self.model: Any = model  # a transformers causal LM
         self.config: Any = self.model.config
@@ -160,7 +165,11 @@ class SlotDecoder:
         self.qkv = fused_qkv(model) if stack else None
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
-        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}  # per sampling mode
+        self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}  # per sampling mode, and riding or not
+        self.ride_rows = max(0, int(ride_rows or 0))
+        # the riding rows' tokens, slots and positions; rows no prompt fills are parked at slot 0
+        self.ride = torch.zeros(3, self.ride_rows, dtype=torch.long, device=dev)
+        self.ride[2].fill_(self.parked)
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
@@ -204,23 +213,35 @@ class SlotDecoder:
             self.config._attn_implementation = saved
         return out.last_hidden_state
 
-    def _decode_step(self, mode: str) -> None:
+    def _decode_step(self, mode: str, ride: bool = False) -> None:
         """One token for every slot from self.tokens at self.positions into self.next_tokens; then
-        the inputs move on by one (what the next step reads). Fixed shapes: a graph records it."""
+        the inputs move on by one (what the next step reads). ride: the riding rows (self.ride)
+        go through the layers too, after the slots' rows. Fixed shapes: a graph records it."""
         cache = self.cache
-        cache.rows, cache.positions = None, self.positions
+        tokens, positions, slot_of = self.tokens, self.positions, None
+        if ride:
+            tokens = torch.cat((self.tokens, self.ride[0]))
+            positions = torch.cat((self.positions, self.ride[2]))
+            slot_of = torch.cat((cache.slot_index, self.ride[1]))
+        cache.rows, cache.positions, cache.slot_of = None, positions, slot_of
+        cache.gather = ride and not self.attention_kernel
         if self.attention_kernel:  # each slot's valid range per layer kind, in place of its mask
             masks = {
-                kind: decode_ranges(self.positions, self.window if kind == "sliding_attention" else None, self.parked)
+                kind: decode_ranges(
+                    positions, self.window if kind == "sliding_attention" else None, self.parked, slot_of
+                )
                 for kind in dict.fromkeys(self.kinds)
             }
         else:
             masks = {
                 kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
-                for kind, m in self._mask(self.positions.unsqueeze(-1), self.key_index).items()
+                for kind, m in self._mask(positions.unsqueeze(-1), self.key_index).items()
             }
-        hidden = self._hidden(self.tokens.unsqueeze(-1), self.positions.unsqueeze(-1), masks)
-        logits = self.head(hidden[:, -1])
+        try:
+            hidden = self._hidden(tokens.unsqueeze(-1), positions.unsqueeze(-1), masks)
+        finally:
+            cache.slot_of, cache.gather = None, False
+        logits = self.head(hidden[: self.slots, -1])
         chosen = choose_tokens(
             logits,
             self.seeds,
@@ -240,55 +261,58 @@ class SlotDecoder:
         self.positions.copy_(torch.where(self.positions == self.parked, self.positions, moved))
         self.steps.add_(1)
 
-    def _record(self, mode: str) -> torch.cuda.CUDAGraph:
+    def _record(self, mode: str, ride: bool) -> torch.cuda.CUDAGraph:
         dev = self.device
         saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) outside the graph
             for _ in range(2):
-                self._decode_step(mode)
+                self._decode_step(mode, ride)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may make
         # CUDA calls meanwhile; they are not part of this capture
         capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
         with torch.cuda.device(dev), capture:
-            self._decode_step(mode)
+            self._decode_step(mode, ride)
         torch.cuda.synchronize(dev)
         for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
             t.copy_(s)
         return graph
 
     def warm(self, sampling: Sampling) -> None:
-        """Record (CUDA) or run once (CPU) the decode step for this sampling mode."""
+        """Record (CUDA) or run once (CPU) the decode step for this sampling mode, with riding
+        rows and without where the decoder has them."""
         with torch.no_grad():
             self._set_sampling(sampling)
-            if self.use_graph:
-                if sampling.mode not in self._graphs:
-                    self._graphs[sampling.mode] = self._record(sampling.mode)
-            else:
-                saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
-                self._decode_step(sampling.mode)
-                for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
-                    t.copy_(s)
+            for ride in (False, True) if self.ride_rows else (False,):
+                key = (sampling.mode, ride)
+                if self.use_graph:
+                    if key not in self._graphs:
+                        self._graphs[key] = self._record(*key)
+                else:
+                    saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
+                    self._decode_step(*key)
+                    for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
+                        t.copy_(s)
 
     def _set_sampling(self, sampling: Sampling) -> None:
         self.temperature.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
         self.top_k.fill_(max(0, sampling.top_k))
         self.top_p.fill_(sampling.top_p)
 
-    def _replay(self, mode: str) -> None:
+    def _replay(self, mode: str, ride: bool = False) -> None:
         """One decode step, queued."""
-        graph = self._graphs.get(mode) if self.use_graph else None
+        graph = self._graphs.get((mode, ride)) if self.use_graph else None
         if graph is not None:
             graph.replay()
         else:
-            self._decode_step(mode)
+            self._decode_step(mode, ride)
 
-    def _step(self, mode: str) -> list[int]:
+    def _step(self, mode: str, ride: bool = False) -> list[int]:
         """One decode step; every slot's token."""
-        self._replay(mode)
+        self._replay(mode, ride)
         return self.next_tokens.tolist()
 
     def _park(self, slots: list[int]) -> None:
@@ -341,6 +365,7 @@ class SlotDecoder:
         active: dict[int, _Slot] = {}
         free = deque(range(self.slots))
         pending: deque[Request] = deque()
+        riding = RideQueue(self.ride_rows, self.parked) if self.ride_rows else None
         exhausted = False
         while True:
             if should_stop():
@@ -351,15 +376,19 @@ class SlotDecoder:
                     exhausted = True
                 else:
                     pending.append(nxt)
+            # while most slots decode, a freed slot's prompt rides in their steps (ride.py)
+            if riding is not None and free and pending and len(active) >= self.slots // 2:
+                riding.board(free, pending, self._fits)
             # prompts go in once a few slots are free (each prefill is an eager forward: one per
             # freed slot would cost more host time than the idle slots cost steps), or when none runs
             if free and pending and (len(free) >= self.admit_batch or not active):
                 yield from self._admit(active, free, pending, mode, stops)
-            if not active:
+            if not active and not riding:
                 if exhausted and not pending:
                     return
                 continue
-            chosen = self._step(mode)
+            ride = riding is not None and self._ride_inputs(riding, active)
+            chosen = self._step(mode, ride)
             self.tokens_generated += len(active)
             finished = []
             for slot in list(active):
@@ -373,14 +402,40 @@ class SlotDecoder:
             self._park(finished)
             free.extend(finished)
 
+    def _fits(self, request: Request) -> Request:
+        if not request.prompt or len(request.prompt) >= self.length:
+            raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a cache of {self.length}")
+        return request
+
+    def _limit(self, request: Request) -> int:
+        return max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
+
+    def _ride_inputs(self, riding: RideQueue, active: dict[int, _Slot]) -> bool:
+        """The next step's riding rows into self.ride, and the prompts whose last token is their
+        slot's query in that step seated there (active from it on, at step 0 as after a prefill);
+        whether the step has riding rows."""
+        rows = riding.next_rows()
+        dev = self.device
+        if rows.filled:
+            self.ride.copy_(torch.tensor([rows.tokens, rows.slots, rows.positions], dtype=torch.long))
+        if rows.seated:
+            slots = torch.tensor([s for s, _ in rows.seated], dtype=torch.long, device=dev)
+            inputs = torch.tensor(
+                [[r.prompt[-1], len(r.prompt) - 1, r.seed & M32] for _, r in rows.seated], dtype=torch.long
+            ).to(dev)
+            self.tokens[slots] = inputs[:, 0]
+            self.positions[slots] = inputs[:, 1]
+            self.seeds[slots] = inputs[:, 2]
+            self.steps[slots] = 0
+            for slot, request in rows.seated:
+                active[slot] = _Slot(request, self._limit(request))
+        return rows.filled > 0
+
     def _admit(self, active, free, pending, mode, stops) -> Iterator[Completion]:
         """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
         batch: list[tuple[int, Request]] = []
         while free and pending:
-            request = pending.popleft()
-            if not request.prompt or len(request.prompt) >= self.length:
-                raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a cache of {self.length}")
-            batch.append((free.popleft(), request))
+            batch.append((free.popleft(), self._fits(pending.popleft())))
         dev = self.device
         for start, end in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens):
             chunk = batch[start:end]
@@ -396,7 +451,7 @@ class SlotDecoder:
             self.tokens_generated += len(chunk)
             ended = []
             for (slot, request), token in zip(chunk, tokens, strict=True):
-                limit = max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
+                limit = self._limit(request)
                 state = _Slot(request, limit, [token])
                 if token in stops or limit <= 1:
                     ended.append(slot)

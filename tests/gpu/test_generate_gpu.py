@@ -28,10 +28,12 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, ride_rows=0):
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
-    dec = SlotDecoder(model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel)
+    dec = SlotDecoder(
+        model, slots=slots, length=192, use_graph=use_graph, attention_kernel=attention_kernel, ride_rows=ride_rows
+    )
     if configure is not None:
         configure(dec)
     assert dec.use_graph == use_graph
@@ -62,6 +64,47 @@ def test_graph_equals_eager_and_generate(setup):
     torch.cuda.synchronize()
     assert again == graph
     assert torch.cuda.memory_reserved() == reserved
+
+
+def test_recorded_riding_step_equals_eager_and_generate(setup):
+    """Refilled prompts riding in the recorded decode step (its own graph, 24 prompt tokens a
+    step beside 4 slots: the kernel reading each query's slot from its range, the cache writes
+    naming each row's slot): generate's greedy tokens, the eager decoder's sampled ones, and
+    reserved memory flat over a second run."""
+    from dflash_core.regenerate.decode import Request, Sampling
+
+    model, prompts = setup
+    eos = model.generation_config.eos_token_id
+    greedy = Sampling(stop_token_ids=(eos,))
+    steps: list[bool] = []
+
+    def count(dec):
+        step = dec._step
+
+        def counted(mode, ride=False):
+            steps.append(ride)
+            return step(mode, ride)
+
+        dec._step = counted
+
+    graph, dec = _run(model, prompts, greedy, True, ride_rows=24, configure=count)
+    assert dec.attention_kernel and ("greedy", True) in dec._graphs
+    assert 0 < sum(steps) < len(steps), steps
+    for k, ids in enumerate(prompts):
+        with torch.no_grad():
+            full = model.generate(
+                torch.tensor([ids], device="cuda"), do_sample=False, max_new_tokens=32, pad_token_id=0
+            )
+        assert graph[k] == full[0, len(ids) :].tolist(), k
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    again = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], greedy)}
+    torch.cuda.synchronize()
+    assert again == graph and torch.cuda.memory_reserved() == reserved
+    sampling = Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))
+    recorded, _ = _run(model, prompts, sampling, True, ride_rows=24)
+    eager, _ = _run(model, prompts, sampling, False, slots=3)
+    assert recorded == eager
 
 
 def test_sampled_graph_equals_eager(setup):

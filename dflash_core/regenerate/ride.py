@@ -1,0 +1,104 @@
+"""Chunked prefill for the slot decoder (decode.SlotDecoder): prompts that ride in the decode steps.
+
+A prefill is a forward of its own: while it runs, no slot decodes. Where most slots are decoding
+and a few free up, their prompts can instead ride in the decode step as rows of their own: a
+prompt token at position p of slot s is one more query of the step, its key and value written at
+(s, p) with the decode rows' ones, its attention over positions 0..p of slot s's cache (the
+kernel reads each query's slot from its range; a mask path gets the slot's keys gathered). A
+layer writes every row's keys before any row attends, so a prompt's tokens may ride in one step
+or over several, oldest prompt first, `rows` tokens a step. Its last token is not a riding row:
+it is the slot's own decode query, in the step where the tokens before it are written (that step
+or an earlier one), so the slot's first generated token is that step's token, sampled at step 0
+as a prefill's would be. Until then the slot stays parked.
+
+The riding rows are a fixed count per step (the step is recorded as a CUDA graph): rows no prompt
+fills are parked, at slot 0's parked position, which no sequence reads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# a freed slot's prompt rides only while at most this many steps' rows hold what is queued: a
+# longer queue keeps its slots idle longer than a prefill would stop the others
+_RIDE_STEPS = 4
+
+
+@dataclass
+class _Riding:
+    slot: int
+    request: Any  # decode.Request
+    fed: int = 0  # prompt tokens written so far (positions 0..fed-1)
+
+
+@dataclass
+class RideRows:
+    """One step's riding rows (each list `rows` long) and the prompts whose last token is their
+    slot's query in that step."""
+
+    tokens: list[int]
+    slots: list[int]
+    positions: list[int]
+    filled: int  # rows holding a prompt token; the rest are parked
+    seated: list[tuple[int, Any]]  # (slot, request)
+
+
+class RideQueue:
+    """Prompts waiting to ride, each bound to its slot, fed `rows` tokens a step in arrival order."""
+
+    def __init__(self, rows: int, parked: int):
+        if rows < 1:
+            raise ValueError(f"a ride queue takes at least one row a step, not {rows}")
+        self.rows, self.parked = rows, parked
+        self._queue: deque[_Riding] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def backlog(self) -> int:
+        """Prompt tokens still to ride (each prompt's last token excluded: it is its slot's query)."""
+        return sum(len(r.request.prompt) - 1 - r.fed for r in self._queue)
+
+    def add(self, slot: int, request) -> None:
+        self._queue.append(_Riding(slot, request))
+
+    def board(self, free: deque[int], pending: deque, fits: Callable[[Any], Any]) -> None:
+        """Pending prompts (each checked by `fits`) into free slots, in order, while the queue
+        stays within a few steps' rows; the rest wait for a prefill."""
+        room = _RIDE_STEPS * self.rows - self.backlog()
+        while free and pending and len(pending[0].prompt) - 1 <= room:
+            request = fits(pending.popleft())
+            room -= len(request.prompt) - 1
+            self.add(free.popleft(), request)
+
+    def next_rows(self) -> RideRows:
+        tokens: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        seated: list[tuple[int, Any]] = []
+        room = self.rows
+        while self._queue:
+            r = self._queue[0]
+            prompt = r.request.prompt
+            take = min(len(prompt) - 1 - r.fed, room)
+            tokens += prompt[r.fed : r.fed + take]
+            slots += [r.slot] * take
+            positions += range(r.fed, r.fed + take)
+            r.fed += take
+            room -= take
+            if r.fed < len(prompt) - 1:
+                break  # the step is full; this prompt goes on next step
+            seated.append((r.slot, r.request))
+            self._queue.popleft()
+        filled = len(tokens)
+        pad = self.rows - filled
+        return RideRows(tokens + [0] * pad, slots + [0] * pad, positions + [self.parked] * pad, filled, seated)
+
+    def drop(self) -> list[int]:
+        """Forget every riding prompt (a stopped generate); their slots."""
+        slots = [r.slot for r in self._queue]
+        self._queue.clear()
+        return slots

@@ -377,7 +377,7 @@ class SlotDecoder:
                 else:
                     pending.append(nxt)
             # while most slots decode, a freed slot's prompt rides in their steps (ride.py)
-            if riding is not None and free and pending and len(active) >= self.slots // 2:
+            if riding is not None and free and pending and active and 2 * len(active) >= self.slots:
                 riding.board(free, pending, self._fits)
             # prompts go in once a few slots are free (each prefill is an eager forward: one per
             # freed slot would cost more host time than the idle slots cost steps), or when none runs

@@ -196,10 +196,10 @@ def test_kernel_reads_the_cache_row_each_query_names(checked, name):
 
 def test_decoder_with_prompts_riding_in_the_kernel_step(checked):
     """The decoder of the test above with refilled prompts riding in its decode steps (4 tokens a
-    step): the kernel path (the attention reading each query's slot from its range, the cache
-    writes naming each row's slot) and the masked path (each row's slot's keys gathered) give
-    transformers' tokens, and both rode."""
+    step), the kernel path (the attention reading each query's slot from its range, the cache
+    writes naming each row's slot): transformers' tokens, and it rode (the masked path's riding
+    is in tests/test_generate.py)."""
     got = checked["decoder_riding"]
-    assert got["equal"] and got["equals_generate"], got
+    assert got["equals_generate"], got
     assert got["tokens"] == sum(6 + k for k in range(5)), got
-    assert all(n > 0 for n in got["rode"]), got
+    assert len(got["rode"]) == 1 and got["rode"][0] > 0, got

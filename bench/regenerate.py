@@ -22,7 +22,8 @@ on,norms,off: a row of each.
 `--waves N` decodes N times as many requests as there are slots (the prompts repeated), the
 slots refilled as they free: end to end and the prefills' time over the N waves.
 `--ride R` (comma-separated, a row each) lets the freed slots' prompts ride in the decode steps,
-R prompt tokens a step (chunked prefill, regenerate/ride.py; 0: every prompt prefilled whole).
+R prompt tokens a step (chunked prefill, regenerate/ride.py; 0: every prompt prefilled whole;
+default, the default: the decoder's own count, twice the slots up to 512 with the kernel).
 
 `--new-tokens-spread F` gives each request its own count of new tokens, drawn evenly from
 new-tokens x (1 - F) to new-tokens x (1 + F) (the same mean), so that sequences end apart, as
@@ -81,7 +82,7 @@ the whole call, and decode_ms as the time past the first token per step ((wall o
 
     python -m bench.regenerate [--slots 128,256,512] [--precisions bf16,fp8] [--kernel on,off]
         [--fused on,eager-sampler,three-gemms,norms,off] [--hf-batch 128]
-        [--prompt-len 512] [--new-tokens 512] [--waves 1] [--new-tokens-spread 0] [--ride 0]
+        [--prompt-len 512] [--new-tokens 512] [--waves 1] [--new-tokens-spread 0] [--ride default]
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def run_slots(
     head_flops: float | None = None,
     waves: int = 1,
     spread: float = 0.0,
-    ride_rows: int = 0,
+    ride_rows: int | None = None,
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
     head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts')."""
@@ -271,7 +272,7 @@ def run_slots(
     mean_valid = prompt_len + new_tokens // 2  # positions a step reads per slot, over the run
     full_ms = time_step(dec, "greedy", length - 1)
     decode_ms = time_step(dec, "greedy", mean_valid - 1)
-    ride_ms = time_step(dec, "greedy", mean_valid - 1, ride_width=prompt_len) if ride_rows else None
+    ride_ms = time_step(dec, "greedy", mean_valid - 1, ride_width=prompt_len) if dec.ride_rows else None
     sampled = {}
     for name, sampling in (
         ("sampled_ms", Sampling(temperature=0.7, top_p=0.8, ignore_stop=True)),
@@ -290,7 +291,7 @@ def run_slots(
         "attention": "kernel" if dec.attention_kernel else "masked",
         "fused": fused_label(dec),
         "slots": slots,
-        "ride_rows": ride_rows,
+        "ride_rows": dec.ride_rows,
         "waves": waves,
         "new_tokens_spread": spread,
         "graph": dec.use_graph,
@@ -447,7 +448,7 @@ def bench_precision(
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    rides = [int(r) for r in args.ride.split(",")]
+    rides = [None if r.strip() == "default" else int(r) for r in args.ride.split(",")]
     for slots, (kernel, settings), fused, ride in itertools.product(slot_counts, kernels, fused_rows, rides):
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
@@ -475,6 +476,7 @@ def bench_precision(
         if settings is not None:
             row["attention"] += " " + "/".join(map(str, settings))
         rows.append({"precision": precision, **row})
+        gc.collect()  # count_ride_steps's wrapper holds the decoder in a reference cycle
         torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
         print(rows[-1], flush=True)
     if args.hf_batch > 0:
@@ -516,13 +518,13 @@ def main(argv=None) -> None:
     )
     p.add_argument(
         "--ride",
-        default="0",
+        default="default",
         help="rows, comma-separated: prompt tokens a decode step carries beside its slots (chunked prefill, "
-        "regenerate/ride.py); 0: prompts prefilled whole",
+        "regenerate/ride.py); 0: prompts prefilled whole; default: the decoder's own choice",
     )
     args = p.parse_args(argv)
-    if not all(r.strip().isdigit() for r in args.ride.split(",")):
-        p.error("--ride takes comma-separated counts of rows, 0 for none")
+    if not all(r.strip().isdigit() or r.strip() == "default" for r in args.ride.split(",")):
+        p.error("--ride takes comma-separated counts of rows (0 for none) or default")
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
     if not precisions or not set(precisions) <= {"bf16", "fp8"}:
         p.error("--precisions takes bf16 and fp8")

@@ -137,7 +137,8 @@ def _event_message(event: dict[str, Any]) -> str | None:
         return (
             f"decoder: {event.get('slots')} slots x {event.get('length')} positions, KV cache "
             f"{(event.get('kv_cache_bytes') or 0) / 2**30:.2f} GiB, stacked q/k/v weights "
-            f"{(event.get('stacked_qkv_bytes') or 0) / 2**30:.2f} GiB, CUDA graph {'yes' if event.get('cuda_graph') else 'no'}"
+            f"{(event.get('stacked_qkv_bytes') or 0) / 2**30:.2f} GiB, CUDA graph {'yes' if event.get('cuda_graph') else 'no'}, "
+            f"prompt tokens riding per step {event.get('ride_rows') or 0}"
         )
     if kind == "prompts":
         return f"prompts: {event.get('prompts')}, {event.get('rows')} rows in {event.get('shards')} shards"

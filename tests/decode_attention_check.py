@@ -406,7 +406,9 @@ def decoder_kernels_case(device: str = "cpu") -> dict:
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 6, 2, 4)]
     outputs, counts = [], {}
     for fused in (True, False):
-        dec = SlotDecoder(model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True)
+        dec = SlotDecoder(
+            model, slots=3, length=40, use_graph=False, attention_kernel=True, fused_kernels=True, ride_rows=0
+        )
         if not fused:
             dec.rope, dec.cache.write_kernel, dec.qkv = None, False, None
         stacked = _count_stacked(dec)

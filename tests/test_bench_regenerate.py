@@ -132,3 +132,10 @@ def test_a_spread_outside_zero_to_one_is_refused_before_the_gpu(capsys):
         main(["--new-tokens-spread", "1.5"])
     assert e.value.code == 2
     assert "--new-tokens-spread" in capsys.readouterr().err
+
+
+def test_a_ride_that_is_not_a_count_is_refused_before_the_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--ride", "0,half"])
+    assert e.value.code == 2
+    assert "--ride takes" in capsys.readouterr().err

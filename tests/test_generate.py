@@ -340,3 +340,15 @@ def test_ride_queue_feeds_prompts_in_order_and_seats_their_last_token():
         queue.board(deque([0]), deque([Request("long", [1] * 3, 5)]), _refuse)
     with pytest.raises(ValueError, match="at least one row"):
         RideQueue(rows=0, parked=99)
+
+
+def test_riding_rows_by_default_where_the_kernel_attends(target):
+    """Twice the slots, at most 512, where the step attends through the kernel (CUDA); none on
+    the masked path, so a CPU decoder prefills every prompt unless told otherwise."""
+    from dflash_core.regenerate.ride import riding_rows
+
+    assert [riding_rows(n, True) for n in (3, 128, 256, 512)] == [6, 256, 512, 512]
+    assert riding_rows(256, False) == 0
+    model, _ = target
+    assert SlotDecoder(model, slots=4, length=64).ride_rows == 0
+    assert SlotDecoder(model, slots=4, length=64, attention_kernel=True, use_graph=False).ride_rows == 8

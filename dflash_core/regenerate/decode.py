@@ -44,7 +44,7 @@ from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
-from .ride import RideQueue
+from .ride import RideQueue, riding_rows
 from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
 
 log = logging.getLogger("dflash.generate")
@@ -110,8 +110,8 @@ class SlotDecoder:
     attention layer's query, key and value projections run as one GEMM over a copy of their
     weights stacked (target_qkv.py; copied in again at every `generate`; stacked_qkv: whether,
     None: with the fused kernels). ride_rows: prompt tokens a decode step carries beside its slots
-    (chunked prefill, ride.py), while at least half the slots decode; 0 (None's choice): prompts
-    are prefilled alone."""
+    (chunked prefill, ride.py) while at least half the slots decode (None: riding_rows' choice;
+    0: every prompt is prefilled)."""
 
     def __init__(
         self,
@@ -166,7 +166,7 @@ class SlotDecoder:
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
         self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}  # per sampling mode, and riding or not
-        self.ride_rows = max(0, int(ride_rows or 0))
+        self.ride_rows = riding_rows(slots, self.attention_kernel) if ride_rows is None else max(0, int(ride_rows))
         # the riding rows' tokens, slots and positions; rows no prompt fills are parked at slot 0
         self.ride = torch.zeros(3, self.ride_rows, dtype=torch.long, device=dev)
         self.ride[2].fill_(self.parked)

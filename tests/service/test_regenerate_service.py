@@ -154,6 +154,7 @@ def test_cli_regenerates_then_trains_on_the_output(daemon):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "prompts 64/64" in done.stdout and "SUCCEEDED" in done.stdout
     assert "decoder: 2 slots x 512 positions" in done.stdout and "CUDA graph no" in done.stdout
+    assert "prompt tokens riding per step 0" in done.stdout  # the CPU prefills every prompt
     job_id = done.stdout.split()[0]
     status = cli("status", job_id, url=daemon.url)
     assert "kind        regenerate" in status.stdout and "prompts 64/64" in status.stdout

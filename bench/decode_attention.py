@@ -119,7 +119,8 @@ def profile_step(slots: int, prompt_len: int, new_tokens: int, bandwidth: float)
     them: its token budget of prompts of prompt_len), each by kernel class."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, kv_bytes_per_token
+    from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
+    from dflash_core.regenerate.sizing import kv_bytes_per_token
     from dflash_core.target import TargetModel
 
     target_dir = write_target_dir(Path(tempfile.mkdtemp()) / "target", QWEN3_8B)

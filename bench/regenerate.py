@@ -109,15 +109,8 @@ from bench.common import (
     report,
     write_target_dir,
 )
-from dflash_core.regenerate.decode import (
-    Request,
-    Sampling,
-    SlotDecoder,
-    decoder_bytes,
-    kv_bytes_per_token,
-    slots_for_memory,
-    weight_bytes,
-)
+from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
+from dflash_core.regenerate.sizing import decoder_bytes, kv_bytes_per_token, slots_for_memory, weight_bytes
 from dflash_core.target import TargetModel
 
 WARMUP, ITERS = 5, 30  # graph replays before and in a timing
@@ -196,19 +189,6 @@ def time_step(dec: SlotDecoder, mode: str, position: int, ride_width: int = 0) -
     return median(cuda_time_ms(lambda: dec._replay(mode, ride), warmup=WARMUP, iters=ITERS))
 
 
-def count_ride_steps(dec) -> list[bool]:
-    """Whether each decode step of `dec` carries riding rows, appended as it runs."""
-    steps: list[bool] = []
-    step = dec._step
-
-    def counted(mode, ride=False):
-        steps.append(ride)
-        return step(mode, ride)
-
-    dec._step = counted
-    return steps
-
-
 @torch.no_grad()
 def run_slots(
     model,
@@ -254,13 +234,13 @@ def run_slots(
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
     dec.prefill_seconds = 0.0
-    ride_steps = count_ride_steps(dec)
+    dec.decode_steps = dec.riding_steps = 0
     t = time.perf_counter()
     done = list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     prefill_s = dec.prefill_seconds
-    steps_run, steps_riding = len(ride_steps), sum(ride_steps)
+    steps_run, steps_riding = dec.decode_steps, dec.riding_steps
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
     assert generated == sum(counts), generated
@@ -476,7 +456,6 @@ def bench_precision(
         if settings is not None:
             row["attention"] += " " + "/".join(map(str, settings))
         rows.append({"precision": precision, **row})
-        gc.collect()  # count_ride_steps's wrapper holds the decoder in a reference cycle
         torch.cuda.empty_cache()  # the decoder of this slot count is gone: its cache goes back
         print(rows[-1], flush=True)
     if args.hf_batch > 0:

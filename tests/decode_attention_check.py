@@ -233,10 +233,9 @@ def decoder_compare(device: str = "cpu", build=sliding_qwen3, ride_rows: int = 0
         )
         assert dec.attention_kernel is kernel and (dec.norms is not None) is kernel
         assert dec.cache.write_kernel is kernel  # the decode step's cache writes through slot_write
-        steps = _ride_steps(dec)
         done = dec.generate([Request(k, p, NEW_TOKENS + k) for k, p in enumerate(prompts)], Sampling(ignore_stop=True))
         outputs.append({c.key: c.tokens for c in done})
-        rode.append(sum(steps))
+        rode.append(dec.riding_steps)
     generated = {}
     with torch.no_grad():
         for k, p in enumerate(prompts):
@@ -250,19 +249,6 @@ def decoder_compare(device: str = "cpu", build=sliding_qwen3, ride_rows: int = 0
         "tokens": sum(len(t) for t in outputs[0].values()),
         "rode": rode,
     }
-
-
-def _ride_steps(dec) -> list[bool]:
-    """Whether each decode step of `dec` carried riding rows, appended as it runs."""
-    steps: list[bool] = []
-    step = dec._step
-
-    def counted(mode, ride=False):
-        steps.append(ride)
-        return step(mode, ride)
-
-    dec._step = counted
-    return steps
 
 
 def rope_cases(device: str = "cpu") -> dict:
@@ -631,9 +617,12 @@ def slot_write_cases(device: str = "cpu") -> dict:
         want_k[at_slots, :, at] = k_new[:3, :, 0]
         want_v[at_slots, :, at] = v_new[:3, :, 0]
         write_slots(k, v, k_new[:3], v_new[:3], at, at_slots)
+        written = torch.equal(k, want_k) and torch.equal(v, want_v)
+        # a slot outside the cache writes nothing either
+        write_slots(k, v, k_new[:2] * 3, v_new[:2] * 3, at[:2], torch.tensor([slots, -1], device=device))
         out[str(dtype)[6:]] = {
-            "written": torch.equal(k, want_k) and torch.equal(v, want_v),
-            "outside_untouched": untouched,
+            "written": written,
+            "outside_untouched": untouched and torch.equal(k, want_k) and torch.equal(v, want_v),
         }
     return out
 

@@ -202,4 +202,4 @@ def test_decoder_with_prompts_riding_in_the_kernel_step(checked):
     got = checked["decoder_riding"]
     assert got["equals_generate"], got
     assert got["tokens"] == sum(6 + k for k in range(5)), got
-    assert len(got["rode"]) == 1 and got["rode"][0] > 0, got
+    assert got["rode"][0] > 0, got

@@ -251,19 +251,6 @@ def test_causal_prefill_attention_equals_the_masked_one():
     torch.testing.assert_close(causal, masked)
 
 
-def _ride_steps(decoder) -> list[bool]:
-    """Whether each decode step of `decoder` carried riding rows, appended as it runs."""
-    steps: list[bool] = []
-    step = decoder._step
-
-    def counted(mode, ride=False):
-        steps.append(ride)
-        return step(mode, ride)
-
-    decoder._step = counted
-    return steps
-
-
 def test_prompts_riding_in_the_decode_steps_equal_generate(target, prompts, reference):
     """Chunked prefill (regenerate/ride.py): with most slots decoding, refilled prompts ride in
     the decode steps, 16 tokens a step (a prompt over several steps); the first wave is prefilled
@@ -273,10 +260,9 @@ def test_prompts_riding_in_the_decode_steps_equal_generate(target, prompts, refe
     eos = model.generation_config.eos_token_id
     requests = [Request(k, p, MAX_NEW, seed=k) for k, p in enumerate(prompts)]
     riding = SlotDecoder(model, slots=3, length=160, ride_rows=16)
-    steps = _ride_steps(riding)
     done = {c.key: c.tokens for c in riding.generate(requests, Sampling(stop_token_ids=(eos,)))}
     assert [done[k] for k in range(len(prompts))] == reference
-    assert 0 < sum(steps) < len(steps), "some steps carry prompt rows, the others none"
+    assert 0 < riding.riding_steps < riding.decode_steps, "some steps carry prompt rows, the others none"
     assert riding.prefill_seconds > 0  # the first wave's prompts, prefilled whole
     sampling = Sampling(temperature=1.1, top_p=0.9, stop_token_ids=(eos,))
     whole = {c.key: c.tokens for c in SlotDecoder(model, slots=3, length=160).generate(requests, sampling)}
@@ -286,23 +272,24 @@ def test_prompts_riding_in_the_decode_steps_equal_generate(target, prompts, refe
 
 @pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama])
 def test_riding_prompts_over_several_steps_equal_generate(build):
-    """Prompts of 1 to 14 tokens riding 3 tokens a step (most over several steps, past the sliding
-    window of 6; a one-token prompt rides none, its token is its slot's query at once), sequences
-    ending apart so that slots free while others decode: generate's greedy tokens."""
+    """Prompts of 1 to 38 tokens in a cache of 40 riding 10 tokens a step (most over several
+    steps, past the sliding window of 6; a one-token prompt rides none, its token is its slot's
+    query at once; the longest leave room for 2 and 4 tokens), sequences ending apart so that
+    slots free while others decode: generate's greedy tokens, from a decoder whose previous
+    generate was stopped while prompts rode."""
     model = build()
     model.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(3)
-    widths = [1, 14, 5, 9, 1, 12, 3, 7, 14, 2, 11, 6]
+    widths = [1, 14, 5, 9, 1, 12, 38, 3, 7, 36, 2, 11, 6]
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in widths]
-    news = [2 + (5 * k) % 9 for k in range(len(prompts))]
-    dec = SlotDecoder(model, slots=4, length=40, ride_rows=3)
-    steps = _ride_steps(dec)
-    done = {
-        c.key: c.tokens
-        for c in dec.generate([Request(k, p, n) for k, (p, n) in enumerate(zip(prompts, news))], Sampling())
-    }
-    assert sum(steps) >= 10, steps
-    for k, (p, n) in enumerate(zip(prompts, news)):
+    limits = [min(2 + (5 * k) % 9, 40 - len(p)) for k, p in enumerate(prompts)]
+    requests = [Request(k, p, n) for k, (p, n) in enumerate(zip(prompts, limits))]
+    dec = SlotDecoder(model, slots=4, length=40, ride_rows=10)
+    stopped = list(dec.generate(requests, Sampling(), lambda: dec.riding_steps >= 3))
+    assert dec.riding_steps == 3 and len(stopped) < len(requests)
+    done = {c.key: c.tokens for c in dec.generate(requests, Sampling())}
+    assert dec.riding_steps >= 3 + 6, dec.riding_steps
+    for k, (p, n) in enumerate(zip(prompts, limits)):
         with torch.no_grad():
             full = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, pad_token_id=0)
         assert done[k] == full[0, len(p) :].tolist(), k
@@ -330,8 +317,6 @@ def test_ride_queue_feeds_prompts_in_order_and_seats_their_last_token():
     assert len(queue) == 0 and queue.backlog() == 0
     idle = queue.next_rows()
     assert idle.filled == 0 and idle.positions == [99] * 4 and idle.seated == []
-    queue.add(1, a)
-    assert queue.drop() == [1] and len(queue) == 0
     # boarding: prompts of 8 tokens (7 rows each) while the queue holds at most 4 steps' 16 rows
     free, pending = deque([3, 6, 7, 1]), deque(Request(k, [1] * 8, 5) for k in range(3))
     queue.board(free, pending, lambda r: r)

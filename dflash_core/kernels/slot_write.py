@@ -5,7 +5,7 @@ the index tensors broadcast and linearised, then the put, several launches for t
 many for the values, per decoder layer, each a fixed cost at a decode step's few hundred rows.
 This kernel writes both tensors in one launch: a program per slot and tensor, every head of it.
 A copy: the cache holds exactly what the eager put would, for positions inside the cache. A
-position outside it writes nothing, where the eager put would wrap a negative one or raise: a
+position (or a given slot) outside it writes nothing, where the eager put would wrap a negative one or raise: a
 recorded graph cannot raise, and the decoder's positions stay inside the cache.
 
 The new rows are one per slot, or any number with the slot of each given (`slots`): a chunked
@@ -43,6 +43,7 @@ def _slot_write_kernel(
     v_cache,
     positions,
     slots,
+    slots_n,
     length,
     heads,
     kn_s,
@@ -66,7 +67,7 @@ def _slot_write_kernel(
         slot = tl.load(slots + row).to(tl.int64)
     else:
         slot = row
-    ok = (pos >= 0) & (pos < length)  # never a write outside the slot's cache row
+    ok = (pos >= 0) & (pos < length) & (slot >= 0) & (slot < slots_n)  # never a write outside the cache
     if tl.program_id(1) == 0:
         _copy_heads(
             k_new + row * kn_s, k_cache + slot * kc_s + pos * kc_p, heads, kn_h, kc_h, ok, HEAD_DIM, BLOCK_H, BLOCK_D
@@ -108,8 +109,9 @@ def write_slots(
     given = slots is not None
     if not supports(k_cache, v_cache, k_new, v_new, given) or positions.shape != (rows,):
         raise ValueError(
-            f"write_slots takes caches [slots, heads, length, D], new rows [slots, heads, 1, D] and positions "
-            f"[slots], not {tuple(k_cache.shape)}, {tuple(k_new.shape)}, {tuple(positions.shape)}"
+            f"write_slots takes caches [slots, heads, length, D], new rows [rows, heads, 1, D] (rows = slots "
+            f"unless each row's slot is given) and positions [rows], not {tuple(k_cache.shape)}, "
+            f"{tuple(k_new.shape)}, {tuple(positions.shape)}"
         )
     if slots is not None and slots.shape != (rows,):
         raise ValueError(f"write_slots takes a slot per new row, [{rows}], not {tuple(slots.shape)}")
@@ -117,7 +119,7 @@ def write_slots(
     with triton_launch_device(k_cache.device):
         _slot_write_kernel[(rows, 2)](
             k_new, v_new, k_cache, v_cache, positions.contiguous(),
-            slots.contiguous() if slots is not None else positions, length, heads,
+            slots.contiguous() if slots is not None else positions, k_cache.shape[0], length, heads,
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

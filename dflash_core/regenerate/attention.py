@@ -1,10 +1,12 @@
 """The slot decoder's attention (decode.SlotDecoder), registered with transformers as
 SLOT_ATTENTION, and what the decoder hands it in place of a mask.
 
-A decode step has one query per slot. Its attention takes, per layer kind (full, sliding), either
-a mask over the whole static cache (the CPU, and CUDA without the kernel: a batched GEMM of the
-grouped queries against every cache position, masked) or the slots' valid ranges (CUDA: the
-Triton kernel of kernels/decode_attention.py reads only those positions).
+A decode step has one query per row: one per slot, and one per prompt token riding in the step
+(ride.py), each at its own position of its slot's cache. Its attention takes, per layer kind
+(full, sliding), either a mask over the whole static cache (the CPU, and CUDA without the kernel:
+a batched GEMM of the grouped queries against every cache position, masked; a riding row's slot's
+keys gathered by the cache) or the rows' valid ranges (CUDA: the Triton kernel of
+kernels/decode_attention.py reads only those positions, of the cache row a range names).
 
 A prefill has the prompts' queries against their own keys. Prompts are right-padded, so under
 plain causal attention a prompt's query at position i sees its keys 0..i, all real, and a padding
@@ -72,12 +74,13 @@ def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """With ranges (decode_ranges, one query per slot): the Triton kernel over each slot's valid
-    positions. With the causal marker (prefill_causal: a prefill, the prompts' own keys): SDPA's
+    """With ranges (decode_ranges, one query per row): the Triton kernel over each row's valid
+    positions of its slot's cache. With the causal marker (prefill_causal: a prefill, the prompts' own keys): SDPA's
     causal attention, each key-value head's keys shared by its query heads (enable_gqa), which its
     flash backend takes as they are. With one query per slot and a mask: the query heads of each
     key-value head multiplied against that head's keys in one batched GEMM, so the cache is read
-    once per step (SDPA given a mask repeats the keys and values for every query head: a copy of
+    once per step (one query per row: the keys are the rows' own, gathered by the cache where
+    rows ride) (SDPA given a mask repeats the keys and values for every query head: a copy of
     the whole cache per layer and step). With several queries and a mask (a prefill's sliding
     layers wider than the window): SDPA over keys repeated per query head, which its
     memory-efficient backend takes with the mask. A mask is [N, 1, Q, K] (or [1, 1, Q, K], the
@@ -91,7 +94,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     scale = scaling if scaling is not None else d**-0.5
     if is_ranges(attention_mask):
         if q != 1:
-            raise ValueError("slot ranges stand for the mask of a decode step (one query per slot)")
+            raise ValueError("slot ranges stand for the mask of a decode step (one query per row)")
         from ..kernels.decode_attention import decode_attention
 
         out = decode_attention(query[:, :, 0], key, value, attention_mask.view(b, -1), scale)

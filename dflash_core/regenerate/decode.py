@@ -44,7 +44,7 @@ from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
-from .ride import RideQueue, riding_rows
+from .ride import RideQueue, RideRows, riding_rows
 from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
 
 log = logging.getLogger("dflash.generate")
@@ -87,13 +87,6 @@ def layer_kinds(config) -> list[str]:
     if bad:
         raise ValueError(f"regeneration decodes full and sliding attention layers only, not {bad}")
     return kinds
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Cache bytes one token takes over every layer (keys and values)."""
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return 2 * int(config.num_hidden_layers) * heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class SlotDecoder:
@@ -173,6 +166,7 @@ class SlotDecoder:
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
+        self.decode_steps = self.riding_steps = 0  # steps run, and those of them with riding rows
         # wall time of the prefills: each ends reading its tokens on the host, so its device work is in it
         self.prefill_seconds = 0.0
 
@@ -261,24 +255,32 @@ class SlotDecoder:
         self.positions.copy_(torch.where(self.positions == self.parked, self.positions, moved))
         self.steps.add_(1)
 
+    @contextlib.contextmanager
+    def _inputs_kept(self) -> Iterator[None]:
+        """Steps run inside (warm-ups, a capture) leave the step's inputs as they found them."""
+        saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
+        try:
+            yield
+        finally:
+            for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
+                t.copy_(s)
+
     def _record(self, mode: str, ride: bool) -> torch.cuda.CUDAGraph:
         dev = self.device
-        saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) outside the graph
-            for _ in range(2):
-                self._decode_step(mode, ride)
-        torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may make
-        # CUDA calls meanwhile; they are not part of this capture
-        capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
-        with torch.cuda.device(dev), capture:
-            self._decode_step(mode, ride)
-        torch.cuda.synchronize(dev)
-        for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
-            t.copy_(s)
+        with self._inputs_kept():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) outside the graph
+                for _ in range(2):
+                    self._decode_step(mode, ride)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may
+            # make CUDA calls meanwhile; they are not part of this capture
+            capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
+            with torch.cuda.device(dev), capture:
+                self._decode_step(mode, ride)
+            torch.cuda.synchronize(dev)
         return graph
 
     def warm(self, sampling: Sampling) -> None:
@@ -292,10 +294,8 @@ class SlotDecoder:
                     if key not in self._graphs:
                         self._graphs[key] = self._record(*key)
                 else:
-                    saved = [t.clone() for t in (self.tokens, self.positions, self.steps)]
-                    self._decode_step(*key)
-                    for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
-                        t.copy_(s)
+                    with self._inputs_kept():
+                        self._decode_step(*key)
 
     def _set_sampling(self, sampling: Sampling) -> None:
         self.temperature.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
@@ -387,8 +387,14 @@ class SlotDecoder:
                 if exhausted and not pending:
                     return
                 continue
-            ride = riding is not None and self._ride_inputs(riding, active)
+            ride = False
+            if riding is not None:
+                rows = riding.next_rows()
+                ride = self._load_ride(rows)
+                self._seat(rows.seated, active)
             chosen = self._step(mode, ride)
+            self.decode_steps += 1
+            self.riding_steps += ride
             self.tokens_generated += len(active)
             finished = []
             for slot in list(active):
@@ -410,26 +416,27 @@ class SlotDecoder:
     def _limit(self, request: Request) -> int:
         return max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
 
-    def _ride_inputs(self, riding: RideQueue, active: dict[int, _Slot]) -> bool:
-        """The next step's riding rows into self.ride, and the prompts whose last token is their
-        slot's query in that step seated there (active from it on, at step 0 as after a prefill);
-        whether the step has riding rows."""
-        rows = riding.next_rows()
-        dev = self.device
+    def _load_ride(self, rows: RideRows) -> bool:
+        """The next step's riding rows into self.ride; whether it has any."""
         if rows.filled:
             self.ride.copy_(torch.tensor([rows.tokens, rows.slots, rows.positions], dtype=torch.long))
-        if rows.seated:
-            slots = torch.tensor([s for s, _ in rows.seated], dtype=torch.long, device=dev)
-            inputs = torch.tensor(
-                [[r.prompt[-1], len(r.prompt) - 1, r.seed & M32] for _, r in rows.seated], dtype=torch.long
-            ).to(dev)
-            self.tokens[slots] = inputs[:, 0]
-            self.positions[slots] = inputs[:, 1]
-            self.seeds[slots] = inputs[:, 2]
-            self.steps[slots] = 0
-            for slot, request in rows.seated:
-                active[slot] = _Slot(request, self._limit(request))
         return rows.filled > 0
+
+    def _seat(self, seated: list[tuple[int, Request]], active: dict[int, _Slot]) -> None:
+        """Each prompt's last token as its slot's query from the next step on, at step 0 as after
+        a prefill (the tokens before it are written by then): the slot is active from that step."""
+        if not seated:
+            return
+        dev = self.device
+        slots = torch.tensor([s for s, _ in seated], dtype=torch.long, device=dev)
+        inputs = torch.tensor([[r.prompt[-1], len(r.prompt) - 1, r.seed & M32] for _, r in seated], dtype=torch.long)
+        inputs = inputs.to(dev)
+        self.tokens[slots] = inputs[:, 0]
+        self.positions[slots] = inputs[:, 1]
+        self.seeds[slots] = inputs[:, 2]
+        self.steps[slots] = 0
+        for slot, request in seated:
+            active[slot] = _Slot(request, self._limit(request))
 
     def _admit(self, active, free, pending, mode, stops) -> Iterator[Completion]:
         """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
@@ -470,28 +477,3 @@ def fused_qkv(model: nn.Module) -> FusedQkv | None:
     """The stacked q/k/v weights of the model's attention layers, where any layer has them."""
     dispatch = QkvDispatch.of(model)
     return FusedQkv(dispatch) if dispatch.groups else None
-
-
-def decoder_bytes(model: nn.Module) -> int:
-    """Device bytes a decoder of the model holds beside its cache with its kernels on (CUDA's
-    default): the stacked q/k/v weights."""
-    return QkvDispatch.of(model).stacked_bytes()
-
-
-def slots_for_memory(free_bytes: int, per_token: int, length: int, cap: int = 512, share: float = 0.85) -> int:
-    """Slots whose cache of `length` positions fits `share` of `free_bytes` (what the device has
-    left: the decode step's activations and the sampler's scratch need the rest), a multiple of
-    8, at most `cap` (the weights are read once per step whatever the slots: past a few hundred
-    slots the cache dominates the bytes a step reads, and more slots add little), at least 1."""
-    n = int(free_bytes * share) // max(1, per_token * length)
-    n = min(cap, n)
-    return max(1, n - n % 8 if n >= 8 else n)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (an FP8 linear keeps its weight and scale as
-    buffers), a tensor shared by several modules (tied embeddings) once."""
-    seen: dict[int, int] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-    return sum(seen.values())

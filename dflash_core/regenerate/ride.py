@@ -103,9 +103,3 @@ class RideQueue:
         filled = len(tokens)
         pad = self.rows - filled
         return RideRows(tokens + [0] * pad, slots + [0] * pad, positions + [self.parked] * pad, filled, seated)
-
-    def drop(self) -> list[int]:
-        """Forget every riding prompt (a stopped generate); their slots."""
-        slots = [r.slot for r in self._queue]
-        self._queue.clear()
-        return slots

@@ -40,9 +40,10 @@ from ..engine.config import job_template
 from ..engine.context import RunContext
 from ..engine.failures import readable_failures
 from ..target_identity import config_sha256, target_identity
-from .decode import Request, Sampling, SlotDecoder, decoder_bytes, kv_bytes_per_token, slots_for_memory
+from .decode import Request, Sampling, SlotDecoder
 from .job import RegenerateJob, row_seed
 from .output import ShardOutput
+from .sizing import decoder_bytes, kv_bytes_per_token, slots_for_memory
 
 log = logging.getLogger("dflash.regenerate")
 PROGRESS_SECONDS = 2.0  # how often a regeneration reports its progress

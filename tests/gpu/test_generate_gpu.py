@@ -42,7 +42,7 @@ def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, co
 
 
 def test_graph_equals_eager_and_generate(setup):
-    from dflash_core.regenerate.decode import Request, Sampling
+    from dflash_core.regenerate.decode import Sampling
 
     model, prompts = setup
     eos = model.generation_config.eos_token_id
@@ -51,18 +51,26 @@ def test_graph_equals_eager_and_generate(setup):
     assert dec.norms is not None  # the default on CUDA: generate below runs the norms' own forwards
     eager, _ = _run(model, prompts, greedy, False)
     assert graph == eager
+    _equals_generate_then_again_flat(model, prompts, dec, graph, greedy)
+
+
+def _equals_generate_then_again_flat(model, prompts, dec, tokens, greedy):
+    """`tokens` (dec's greedy run) are those of transformers' generate, and a second run of dec
+    gives them again without growing the reserved memory."""
+    from dflash_core.regenerate.decode import Request
+
     for k, ids in enumerate(prompts):
         with torch.no_grad():
             full = model.generate(
                 torch.tensor([ids], device="cuda"), do_sample=False, max_new_tokens=32, pad_token_id=0
             )
-        assert graph[k] == full[0, len(ids) :].tolist(), k
+        assert tokens[k] == full[0, len(ids) :].tolist(), k
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
     requests = [Request(k, p, 32, seed=k) for k, p in enumerate(prompts)]
     again = {c.key: c.tokens for c in dec.generate(requests, greedy)}
     torch.cuda.synchronize()
-    assert again == graph
+    assert again == tokens
     assert torch.cuda.memory_reserved() == reserved
 
 
@@ -71,7 +79,7 @@ def test_recorded_riding_step_equals_eager_and_generate(setup):
     step beside 4 slots: the kernel reading each query's slot from its range, the cache writes
     naming each row's slot): generate's greedy tokens, the eager decoder's sampled ones, and
     reserved memory flat over a second run."""
-    from dflash_core.regenerate.decode import Request, Sampling
+    from dflash_core.regenerate.decode import Sampling
 
     model, prompts = setup
     eos = model.generation_config.eos_token_id
@@ -79,17 +87,7 @@ def test_recorded_riding_step_equals_eager_and_generate(setup):
     graph, dec = _run(model, prompts, greedy, True, ride_rows=24)
     assert dec.attention_kernel and ("greedy", True) in dec._graphs
     assert 0 < dec.riding_steps < dec.decode_steps, (dec.riding_steps, dec.decode_steps)
-    for k, ids in enumerate(prompts):
-        with torch.no_grad():
-            full = model.generate(
-                torch.tensor([ids], device="cuda"), do_sample=False, max_new_tokens=32, pad_token_id=0
-            )
-        assert graph[k] == full[0, len(ids) :].tolist(), k
-    torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
-    again = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], greedy)}
-    torch.cuda.synchronize()
-    assert again == graph and torch.cuda.memory_reserved() == reserved
+    _equals_generate_then_again_flat(model, prompts, dec, graph, greedy)
     sampling = Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))
     recorded, _ = _run(model, prompts, sampling, True, ride_rows=24)
     eager, _ = _run(model, prompts, sampling, False, slots=3)

@@ -423,8 +423,9 @@ class SlotDecoder:
         return rows.filled > 0
 
     def _seat(self, seated: list[tuple[int, Request]], active: dict[int, _Slot]) -> None:
-        """Each prompt's last token as its slot's query from the next step on, at step 0 as after
-        a prefill (the tokens before it are written by then): the slot is active from that step."""
+        """Each prompt's last token as its slot's query in the step about to run, at step 0 as
+        after a prefill (that step writes the tokens before it, or an earlier one did): the slot
+        is active from that step on."""
         if not seated:
             return
         dev = self.device

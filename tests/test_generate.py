@@ -333,7 +333,7 @@ def test_riding_rows_by_default_where_the_kernel_attends(target):
     from dflash_core.regenerate.ride import riding_rows
 
     assert [riding_rows(n, True) for n in (3, 128, 256, 512)] == [6, 256, 512, 512]
-    assert riding_rows(256, False) == 0
+    assert riding_rows(256, False) == 0 and riding_rows(1, True) == 0
     model, _ = target
     assert SlotDecoder(model, slots=4, length=64).ride_rows == 0
     assert SlotDecoder(model, slots=4, length=64, attention_kernel=True, use_graph=False).ride_rows == 8

@@ -29,9 +29,9 @@ _RIDE_STEPS = 4
 
 def riding_rows(slots: int, attention_kernel: bool) -> int:
     """Prompt tokens a decode step carries by default: twice the slots, at most 512, where the
-    step attends through the kernel (the masked step reads the whole cache for every riding row);
-    else none."""
-    return min(2 * slots, 512) if attention_kernel else 0
+    step attends through the kernel (the masked step reads the whole cache for every riding row)
+    and there are two slots or more (one slot never frees beside a decoding one); else none."""
+    return min(2 * slots, 512) if attention_kernel and slots > 1 else 0
 
 
 @dataclass

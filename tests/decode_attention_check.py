@@ -208,17 +208,19 @@ def _sliced_norm_cases(device: str) -> dict:
     return out
 
 
-def decoder_compare(device: str = "cpu", build=sliding_qwen3, ride_rows: int = 0, kernels=(True, False)) -> dict:
+def decoder_compare(
+    device: str = "cpu", build=sliding_qwen3, ride_rows: int = 0, kernels=(True, False), widths=(3, 9, 1, 14, 6)
+) -> dict:
     """Greedy tokens of the slot decoder with the kernel, with the masked path and of transformers'
     generate: 3 slots, 5 prompts of different lengths (so slots are refilled and idle ones decode
     too), sequences longer than the sliding window. ride_rows: refilled prompts ride in the
     decode steps (regenerate/ride.py), that many tokens a step; `rode` counts those steps.
-    kernels: the paths run (the first is held against generate)."""
+    kernels: the paths run (the first is held against generate); widths: the prompts' lengths."""
     from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 
     model = build().to(device)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6)]
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in widths]
     outputs = []
     rode = []
     for kernel in kernels:
@@ -637,5 +639,7 @@ if __name__ == "__main__":
         result["decoder"] = decoder_compare()
         result["decoder_one_kind"] = decoder_compare(build=tiny_llama)
         # the masked path with riding rows runs in tests/test_generate.py, outside the interpreter
-        result["decoder_riding"] = decoder_compare(ride_rows=4, kernels=(True,))
+        # (through the interpreter each step costs seconds: four prompts, the fourth riding over
+        # four steps once the first ends)
+        result["decoder_riding"] = decoder_compare(ride_rows=4, kernels=(True,), widths=(3, 9, 1, 14))
     print(json.dumps(result))

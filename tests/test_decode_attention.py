@@ -195,11 +195,12 @@ def test_kernel_reads_the_cache_row_each_query_names(checked, name):
 
 
 def test_decoder_with_prompts_riding_in_the_kernel_step(checked):
-    """The decoder of the test above with refilled prompts riding in its decode steps (4 tokens a
-    step), the kernel path (the attention reading each query's slot from its range, the cache
-    writes naming each row's slot): transformers' tokens, and it rode (the masked path's riding
-    is in tests/test_generate.py)."""
+    """The decoder of the test above, its first four prompts, the fourth riding in the decode
+    steps once the first ends (4 tokens a step, over four steps, past the sliding window), on the
+    kernel path (the attention reading each query's slot from its range, the cache writes naming
+    each row's slot): transformers' tokens, and it rode (the masked path's riding is in
+    tests/test_generate.py)."""
     got = checked["decoder_riding"]
     assert got["equals_generate"], got
-    assert got["tokens"] == sum(6 + k for k in range(5)), got
+    assert got["tokens"] == sum(6 + k for k in range(4)), got
     assert got["rode"][0] > 0, got

@@ -424,8 +424,8 @@ class SlotDecoder:
 
     def _seat(self, seated: list[tuple[int, Request]], active: dict[int, _Slot]) -> None:
         """Each prompt's last token as its slot's query in the step about to run, at step 0 as
-        after a prefill (that step writes the tokens before it, or an earlier one did): the slot
-        is active from that step on."""
+        after a prefill (that step carries the last of the tokens before it): the slot is active
+        from that step on."""
         if not seated:
             return
         dev = self.device

@@ -7,9 +7,9 @@ prompt token at position p of slot s is one more query of the step, its key and 
 kernel reads each query's slot from its range; a mask path gets the slot's keys gathered). A
 layer writes every row's keys before any row attends, so a prompt's tokens may ride in one step
 or over several, oldest prompt first, `rows` tokens a step. Its last token is not a riding row:
-it is the slot's own decode query, in the step where the tokens before it are written (that step
-or an earlier one), so the slot's first generated token is that step's token, sampled at step 0
-as a prefill's would be. Until then the slot stays parked.
+it is the slot's own decode query, in the step that carries the last of the tokens before it (the
+first step, for a one-token prompt), so the slot's first generated token is that step's token,
+sampled at step 0 as a prefill's would be. Until then the slot stays parked.
 
 The riding rows are a fixed count per step (the step is recorded as a CUDA graph): rows no prompt
 fills are parked, at slot 0's parked position, which no sequence reads.

@@ -428,34 +428,34 @@ class SlotDecoder:
         from that step on."""
         if not seated:
             return
-        dev = self.device
-        slots = torch.tensor([s for s, _ in seated], dtype=torch.long, device=dev)
-        inputs = torch.tensor([[r.prompt[-1], len(r.prompt) - 1, r.seed & M32] for _, r in seated], dtype=torch.long)
-        inputs = inputs.to(dev)
-        self.tokens[slots] = inputs[:, 0]
-        self.positions[slots] = inputs[:, 1]
-        self.seeds[slots] = inputs[:, 2]
-        self.steps[slots] = 0
+        lasts = torch.tensor([r.prompt[-1] for _, r in seated], dtype=torch.long)
+        self._place(seated, lasts, [len(r.prompt) - 1 for _, r in seated], 0)
         for slot, request in seated:
             active[slot] = _Slot(request, self._limit(request))
+
+    def _place(self, placed: list[tuple[int, Request]], tokens: torch.Tensor, positions: list[int], step: int) -> None:
+        """What each placed slot's next step reads: its token (host or device), its position, its
+        sampling step and its request's seed."""
+        dev = self.device
+        slots = torch.tensor([s for s, _ in placed], dtype=torch.long, device=dev)
+        host = torch.tensor([positions, [r.seed & M32 for _, r in placed]], dtype=torch.long).to(dev)
+        self.tokens[slots] = tokens.to(device=dev, dtype=torch.long)
+        self.positions[slots] = host[0]
+        self.seeds[slots] = host[1]
+        self.steps[slots] = step
 
     def _admit(self, active, free, pending, mode, stops) -> Iterator[Completion]:
         """Prefill as many pending prompts as there are free slots, in chunks of similar width."""
         batch: list[tuple[int, Request]] = []
         while free and pending:
             batch.append((free.popleft(), self._fits(pending.popleft())))
-        dev = self.device
         for start, end in chunk_bounds([len(r.prompt) for _, r in batch], self.prefill_tokens):
             chunk = batch[start:end]
             began = time.perf_counter()
             firsts = self._prefill(chunk, mode)
             tokens = firsts.tolist()
             self.prefill_seconds += time.perf_counter() - began
-            slots = torch.tensor([s for s, _ in chunk], dtype=torch.long, device=dev)
-            self.tokens[slots] = firsts.to(torch.long)
-            self.positions[slots] = torch.tensor([len(r.prompt) for _, r in chunk], dtype=torch.long, device=dev)
-            self.steps[slots] = 1
-            self.seeds[slots] = torch.tensor([r.seed & M32 for _, r in chunk], dtype=torch.long, device=dev)
+            self._place(chunk, firsts, [len(r.prompt) for _, r in chunk], 1)
             self.tokens_generated += len(chunk)
             ended = []
             for (slot, request), token in zip(chunk, tokens, strict=True):

@@ -22,8 +22,10 @@ on,norms,off: a row of each.
 `--waves N` decodes N times as many requests as there are slots (the prompts repeated), the
 slots refilled as they free: end to end and the prefills' time over the N waves.
 `--ride R` (comma-separated, a row each) lets the freed slots' prompts ride in the decode steps,
-R prompt tokens a step (chunked prefill, regenerate/ride.py; 0: every prompt prefilled whole;
-default, the default: the decoder's own count, twice the slots up to 512 with the kernel).
+up to R prompt tokens a step (chunked prefill, regenerate/ride.py; 0: every prompt prefilled
+whole; default, the default: the decoder's own count, twice the slots up to 512 with the
+kernel), each step at the narrowest of the decoder's widths that holds its tokens; R:widest rides
+every step at R rows (one width, as the decoder did before it had several).
 
 `--new-tokens-spread F` gives each request its own count of new tokens, drawn evenly from
 new-tokens x (1 - F) to new-tokens x (1 + F) (the same mean), so that sequences end apart, as
@@ -65,9 +67,13 @@ A row per precision, attention and slot count:
                  work included)
   prefill_s      the run's time in prefills (SlotDecoder.prefill_seconds: every prompt, in
                  chunks, host work included)
+  ride_widths    the riding step's widths (rows), widest first
   steps, steps_riding  the run's decode steps, and those of them that carried riding rows
-  ride_ms        a step with every riding row filled (prompts of the bench's width from their
-                 first token), the slots at the mean position: decode_ms plus what the rows cost
+  steps_by_width the riding steps per width, width:steps
+  ride_ms        a step with every riding row of the widest width filled (prompts of the bench's
+                 width from their first token), the slots at the mean position: decode_ms plus
+                 what the rows cost
+  ride_ms_by_width  the same at each width, width:ms
   prefill_ideal_s  the run's prefills' matmul FLOPs at the measured dense bf16 matmul rate (twice it
                  for fp8: Hopper's FP8 tensor-core rate): 2 * the decoder layers' weights * the
                  prompt tokens (the embedding is a lookup and the LM head runs at each prompt's
@@ -174,18 +180,17 @@ def new_token_counts(requests: int, new_tokens: int, spread: float, seed: int = 
     return torch.randint(lo, hi + 1, (requests,), generator=gen).tolist()
 
 
-def time_step(dec: SlotDecoder, mode: str, position: int, ride_width: int = 0) -> float:
+def time_step(dec: SlotDecoder, mode: str, position: int, ride: int = 0, prompt_len: int = 1) -> float:
     """Median ms of the decode step with every slot at `position`: the timed steps start early
     enough to centre on it (each step moves the slots on by one; the last position a sequence
-    feeds holds them). ride_width: the step with riding rows, every one filled as prompts of
-    this width riding from their first token fill them (they write into the first slots'
+    feeds holds them). ride: the step at this riding width, every row filled as prompts of
+    prompt_len tokens riding from their first token fill them (they write into the first slots'
     caches, which no later timing reads as a sequence's)."""
     last = dec.length - 2
     dec.positions.fill_(last if position >= last else max(0, position - WARMUP - ITERS // 2))
-    ride = ride_width > 0
     if ride:
-        rows = torch.arange(dec.ride_rows, device=dec.device)
-        dec.ride.copy_(torch.stack((rows % 1000 + 10, (rows // ride_width) % dec.slots, rows % ride_width)))
+        rows = torch.arange(ride, device=dec.device)
+        dec.ride[:, :ride] = torch.stack((rows % 1000 + 10, (rows // prompt_len) % dec.slots, rows % prompt_len))
     return median(cuda_time_ms(lambda: dec._replay(mode, ride), warmup=WARMUP, iters=ITERS))
 
 
@@ -204,9 +209,11 @@ def run_slots(
     waves: int = 1,
     spread: float = 0.0,
     ride_rows: int | None = None,
+    ride_widest: bool = False,
 ) -> dict:
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
-    head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts')."""
+    head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts';
+    ride_widest: every riding step at the widest width)."""
     prompt_len = len(prompts[0])
     length = prompt_len + new_tokens  # what the step timings and the bounds count
     wave = prompts[:slots]
@@ -228,6 +235,8 @@ def run_slots(
         dec.qkv = None
     if fused in ("norms", "eager-sampler"):  # the sampling as torch ops, as before its kernels
         dec.sample_kernel = dec.floor_kernel = False
+    if ride_widest:  # one riding width, as before the narrower ones
+        dec.ride_widths = dec.ride_widths[:1]
     requests = [Request(i, wave[i % len(wave)], n, seed=i) for i, n in enumerate(counts)]
     greedy = Sampling(ignore_stop=True)
     list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
@@ -235,12 +244,13 @@ def run_slots(
     reserved_before = torch.cuda.memory_reserved()
     dec.prefill_seconds = 0.0
     dec.decode_steps = dec.riding_steps = 0
+    dec.width_steps.clear()
     t = time.perf_counter()
     done = list(dec.generate(requests, greedy))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     prefill_s = dec.prefill_seconds
-    steps_run, steps_riding = dec.decode_steps, dec.riding_steps
+    steps_run, steps_riding, width_steps = dec.decode_steps, dec.riding_steps, dict(dec.width_steps)
     reserved_after = torch.cuda.memory_reserved()
     generated = sum(len(c.tokens) for c in done)
     assert generated == sum(counts), generated
@@ -252,7 +262,7 @@ def run_slots(
     mean_valid = prompt_len + new_tokens // 2  # positions a step reads per slot, over the run
     full_ms = time_step(dec, "greedy", length - 1)
     decode_ms = time_step(dec, "greedy", mean_valid - 1)
-    ride_ms = time_step(dec, "greedy", mean_valid - 1, ride_width=prompt_len) if dec.ride_rows else None
+    ride_ms = {w: time_step(dec, "greedy", mean_valid - 1, w, prompt_len) for w in dec.ride_widths}
     sampled = {}
     for name, sampling in (
         ("sampled_ms", Sampling(temperature=0.7, top_p=0.8, ignore_stop=True)),
@@ -272,6 +282,7 @@ def run_slots(
         "fused": fused_label(dec),
         "slots": slots,
         "ride_rows": dec.ride_rows,
+        "ride_widths": "/".join(map(str, dec.ride_widths)),
         "waves": waves,
         "new_tokens_spread": spread,
         "graph": dec.use_graph,
@@ -293,7 +304,9 @@ def run_slots(
         "prefill_s": round(prefill_s, 2),
         "steps": steps_run,
         "steps_riding": steps_riding,
-        "ride_ms": round(ride_ms, 3) if ride_ms is not None else None,
+        "steps_by_width": " ".join(f"{w}:{width_steps.get(w, 0)}" for w in dec.ride_widths),
+        "ride_ms": round(ride_ms[dec.ride_widths[0]], 3) if ride_ms else None,
+        "ride_ms_by_width": " ".join(f"{w}:{ms:.2f}" for w, ms in ride_ms.items()),
         "prefill_ideal_s": round(2 * prefill_weights(model) * len(requests) * prompt_len / matmul_flops, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
@@ -399,6 +412,19 @@ def parse_fused(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_rides(spec: str) -> list[tuple[int | None, bool]]:
+    """--ride's rows: (rows, or None for the decoder's default; whether every step rides at the widest width)."""
+    rides = []
+    for part in (p.strip() for p in spec.split(",")):
+        rows, _, how = part.partition(":")
+        if not (rows == "default" or rows.isdigit()) or how not in ("", "widest"):
+            raise ValueError(
+                f"--ride takes comma-separated counts of rows (0 for none), R:widest or default, not {part!r}"
+            )
+        rides.append((None if rows == "default" else int(rows), how == "widest"))
+    return rides
+
+
 def fused_label(dec) -> str:
     """Which of its kernels a decoder runs: norms, rope, writes, qkv, sampler joined by '+', or
     eager."""
@@ -428,13 +454,18 @@ def bench_precision(
     most = max([*slot_counts, args.hf_batch])
     prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
     rows = []
-    rides = [None if r.strip() == "default" else int(r) for r in args.ride.split(",")]
-    for slots, (kernel, settings), fused, ride in itertools.product(slot_counts, kernels, fused_rows, rides):
+    rides = parse_rides(args.ride)
+    for slots, (kernel, settings), fused, (ride, widest) in itertools.product(slot_counts, kernels, fused_rows, rides):
         run = (target.model, slots, prompts, args.new_tokens, bandwidth, matmul_flops, kernel, fused)
         try:
             with kernel_settings(settings):
                 row = run_slots(
-                    *run, head_flops=bf16_flops, waves=args.waves, spread=args.new_tokens_spread, ride_rows=ride
+                    *run,
+                    head_flops=bf16_flops,
+                    waves=args.waves,
+                    spread=args.new_tokens_spread,
+                    ride_rows=ride,
+                    ride_widest=widest,
                 )
         except Exception:  # noqa: BLE001 - the eager step still measures what the graph failed to
             traceback.print_exc()
@@ -448,6 +479,7 @@ def bench_precision(
                         waves=args.waves,
                         spread=args.new_tokens_spread,
                         ride_rows=ride,
+                        ride_widest=widest,
                     )
             except Exception as e:  # noqa: BLE001 - a row that says why; the other rows still come
                 traceback.print_exc()
@@ -498,12 +530,15 @@ def main(argv=None) -> None:
     p.add_argument(
         "--ride",
         default="default",
-        help="rows, comma-separated: prompt tokens a decode step carries beside its slots (chunked prefill, "
-        "regenerate/ride.py); 0: prompts prefilled whole; default: the decoder's own choice",
+        help="rows, comma-separated: prompt tokens a decode step carries at most beside its slots (chunked "
+        "prefill, regenerate/ride.py); 0: prompts prefilled whole; default: the decoder's own choice; "
+        "R:widest: every riding step at R rows",
     )
     args = p.parse_args(argv)
-    if not all(r.strip().isdigit() or r.strip() == "default" for r in args.ride.split(",")):
-        p.error("--ride takes comma-separated counts of rows (0 for none) or default")
+    try:
+        parse_rides(args.ride)
+    except ValueError as e:
+        p.error(str(e))
     precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
     if not precisions or not set(precisions) <= {"bf16", "fp8"}:
         p.error("--precisions takes bf16 and fp8")

@@ -139,3 +139,13 @@ def test_a_ride_that_is_not_a_count_is_refused_before_the_gpu(capsys):
         main(["--ride", "0,half"])
     assert e.value.code == 2
     assert "--ride takes" in capsys.readouterr().err
+
+
+def test_rides_are_counts_default_or_one_width():
+    from bench.regenerate import parse_rides
+
+    got = parse_rides("default, 0,512:widest,256,default:widest")
+    assert got == [(None, False), (0, False), (512, True), (256, False), (None, True)]
+    for bad in ("512:narrow", ":widest", "-4", "half"):
+        with pytest.raises(ValueError, match="--ride takes"):
+            parse_rides(bad)

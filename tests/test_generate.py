@@ -272,11 +272,12 @@ def test_prompts_riding_in_the_decode_steps_equal_generate(target, prompts, refe
 
 @pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama])
 def test_riding_prompts_over_several_steps_equal_generate(build):
-    """Prompts of 1 to 38 tokens in a cache of 40 riding 10 tokens a step (most over several
-    steps, past the sliding window of 6; a one-token prompt rides none, its token is its slot's
-    query at once; the longest leave room for 2 and 4 tokens), sequences ending apart so that
-    slots free while others decode: generate's greedy tokens, from a decoder whose previous
-    generate was stopped while prompts rode."""
+    """Prompts of 1 to 38 tokens in a cache of 40 riding up to 16 tokens a step (the long ones
+    over several steps, past the sliding window of 6; steps of a few tokens at the narrow width of
+    4 rows; a one-token prompt rides none, its token is its slot's query at once; the longest
+    leave room for 2 and 4 tokens), sequences ending apart so that slots free while others
+    decode: generate's greedy tokens, from a decoder whose previous generate was stopped while
+    prompts rode."""
     model = build()
     model.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(3)
@@ -284,11 +285,11 @@ def test_riding_prompts_over_several_steps_equal_generate(build):
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in widths]
     limits = [min(2 + (5 * k) % 9, 40 - len(p)) for k, p in enumerate(prompts)]
     requests = [Request(k, p, n) for k, (p, n) in enumerate(zip(prompts, limits))]
-    dec = SlotDecoder(model, slots=4, length=40, ride_rows=10)
+    dec = SlotDecoder(model, slots=4, length=40, ride_rows=16)
     stopped = list(dec.generate(requests, Sampling(), lambda: dec.riding_steps >= 3))
     assert dec.riding_steps == 3 and len(stopped) < len(requests)
     done = {c.key: c.tokens for c in dec.generate(requests, Sampling())}
-    assert dec.riding_steps >= 3 + 6, dec.riding_steps
+    assert dec.riding_steps >= 3 + 6 and set(dec.width_steps) == {16, 4}, dec.width_steps
     for k, (p, n) in enumerate(zip(prompts, limits)):
         with torch.no_grad():
             full = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, pad_token_id=0)
@@ -302,21 +303,25 @@ def _refuse(request):
 def test_ride_queue_feeds_prompts_in_order_and_seats_their_last_token():
     from dflash_core.regenerate.ride import RideQueue
 
-    queue = RideQueue(rows=4, parked=99)
+    queue = RideQueue((1, 4), parked=99)
     a, b, c = Request("a", [10, 11, 12, 13, 14, 15], 5), Request("b", [20], 5), Request("c", [30, 31, 32], 5)
     for slot, request in ((2, a), (0, b), (5, c)):
         queue.add(slot, request)
     assert queue.backlog() == 5 + 0 + 2
     first = queue.next_rows()  # a's first four tokens; a goes on next step
     assert (first.tokens, first.slots, first.positions) == ([10, 11, 12, 13], [2] * 4, [0, 1, 2, 3])
-    assert first.filled == 4 and first.seated == []
+    assert first.filled == 4 and first.width == 4 and first.seated == []
     second = queue.next_rows()  # a's fifth (its sixth is slot 2's query), b seated with no row, c's two
     assert second.tokens == [14, 30, 31, 0] and second.slots == [2, 5, 5, 0]
-    assert second.positions == [4, 0, 1, 99] and second.filled == 3
+    assert second.positions == [4, 0, 1, 99] and second.filled == 3 and second.width == 4
     assert [(s, r.key) for s, r in second.seated] == [(2, "a"), (0, "b"), (5, "c")]
     assert len(queue) == 0 and queue.backlog() == 0
     idle = queue.next_rows()
-    assert idle.filled == 0 and idle.positions == [99] * 4 and idle.seated == []
+    assert idle.filled == idle.width == 0 and idle.positions == [] and idle.seated == []
+    # one token to ride: the narrow width, no parked row
+    queue.add(1, Request("d", [40, 41], 5))
+    narrow = queue.next_rows()
+    assert (narrow.tokens, narrow.slots, narrow.positions, narrow.width) == ([40], [1], [0], 1)
     # boarding: prompts of 8 tokens (7 rows each) while the queue holds at most 4 steps' 16 rows
     free, pending = deque([3, 6, 7, 1]), deque(Request(k, [1] * 8, 5) for k in range(3))
     queue.board(free, pending, lambda r: r)
@@ -324,16 +329,22 @@ def test_ride_queue_feeds_prompts_in_order_and_seats_their_last_token():
     with pytest.raises(ValueError, match="does not fit"):
         queue.board(deque([0]), deque([Request("long", [1] * 3, 5)]), _refuse)
     with pytest.raises(ValueError, match="at least one row"):
-        RideQueue(rows=0, parked=99)
+        RideQueue((0, 4), parked=99)
+    with pytest.raises(ValueError, match="at least one row"):
+        RideQueue((), parked=99)
 
 
 def test_riding_rows_by_default_where_the_kernel_attends(target):
     """Twice the slots, at most 512, where the step attends through the kernel (CUDA); none on
-    the masked path, so a CPU decoder prefills every prompt unless told otherwise."""
-    from dflash_core.regenerate.ride import riding_rows
+    the masked path, so a CPU decoder prefills every prompt unless told otherwise. The widths of
+    a riding step: the rows, then each a quarter of the one before, down to a few rows."""
+    from dflash_core.regenerate.ride import riding_rows, riding_widths
 
     assert [riding_rows(n, True) for n in (3, 128, 256, 512)] == [6, 256, 512, 512]
     assert riding_rows(256, False) == 0 and riding_rows(1, True) == 0
+    assert riding_widths(512) == (512, 128, 32, 8) and riding_widths(24) == (24, 6)
+    assert riding_widths(15) == (15,) and riding_widths(16) == (16, 4) and riding_widths(0) == ()
     model, _ = target
-    assert SlotDecoder(model, slots=4, length=64).ride_rows == 0
-    assert SlotDecoder(model, slots=4, length=64, attention_kernel=True, use_graph=False).ride_rows == 8
+    assert SlotDecoder(model, slots=4, length=64).ride_widths == ()
+    dec = SlotDecoder(model, slots=4, length=64, attention_kernel=True, use_graph=False)
+    assert dec.ride_rows == 8 and dec.ride_widths == (8,)

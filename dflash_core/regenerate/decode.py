@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +44,7 @@ from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
-from .ride import RideQueue, RideRows, riding_rows
+from .ride import RideQueue, RideRows, riding_rows, riding_widths
 from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
 
 log = logging.getLogger("dflash.generate")
@@ -103,8 +103,8 @@ class SlotDecoder:
     attention layer's query, key and value projections run as one GEMM over a copy of their
     weights stacked (target_qkv.py; copied in again at every `generate`; stacked_qkv: whether,
     None: with the fused kernels). ride_rows: prompt tokens a decode step carries beside its slots
-    (chunked prefill, ride.py) while at least half the slots decode (None: riding_rows' choice;
-    0: every prompt is prefilled)."""
+    at most (chunked prefill, ride.py; a step narrower where fewer ride) while at least half the
+    slots decode (None: riding_rows' choice; 0: every prompt is prefilled)."""
 
     def __init__(
         self,
@@ -158,8 +158,12 @@ class SlotDecoder:
         self.qkv = fused_qkv(model) if stack else None
         self.sample_kernel = fuse and sample_kernel_matches(str(dev))
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
-        self._graphs: dict[tuple[str, bool], torch.cuda.CUDAGraph] = {}  # per sampling mode, and riding or not
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # per sampling mode and riding width
+        # one memory pool for all of them: they never run at once, and each copies what it gives
+        # into the fixed tensors above, so a narrower step reuses what a wider one was given
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self.ride_rows = riding_rows(slots, self.attention_kernel) if ride_rows is None else max(0, int(ride_rows))
+        self.ride_widths = riding_widths(self.ride_rows)
         # the riding rows' tokens, slots and positions; rows no prompt fills are parked at slot 0
         self.ride = torch.zeros(3, self.ride_rows, dtype=torch.long, device=dev)
         self.ride[2].fill_(self.parked)
@@ -167,6 +171,7 @@ class SlotDecoder:
         self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
         self.decode_steps = self.riding_steps = 0  # steps run, and those of them with riding rows
+        self.width_steps: Counter[int] = Counter()  # the riding steps by width
         # wall time of the prefills: each ends reading its tokens on the host, so its device work is in it
         self.prefill_seconds = 0.0
 
@@ -207,18 +212,20 @@ class SlotDecoder:
             self.config._attn_implementation = saved
         return out.last_hidden_state
 
-    def _decode_step(self, mode: str, ride: bool = False) -> None:
+    def _decode_step(self, mode: str, ride: int = 0) -> None:
         """One token for every slot from self.tokens at self.positions into self.next_tokens; then
-        the inputs move on by one (what the next step reads). ride: the riding rows (self.ride)
-        go through the layers too, after the slots' rows. Fixed shapes: a graph records it."""
+        the inputs move on by one (what the next step reads). ride: the first `ride` riding rows
+        (self.ride) go through the layers too, after the slots' rows. Fixed shapes: a graph
+        records it."""
         cache = self.cache
         tokens, positions, slot_of = self.tokens, self.positions, None
         if ride:
-            tokens = torch.cat((self.tokens, self.ride[0]))
-            positions = torch.cat((self.positions, self.ride[2]))
-            slot_of = torch.cat((cache.slot_index, self.ride[1]))
+            rows = self.ride[:, :ride]
+            tokens = torch.cat((self.tokens, rows[0]))
+            positions = torch.cat((self.positions, rows[2]))
+            slot_of = torch.cat((cache.slot_index, rows[1]))
         cache.rows, cache.positions, cache.slot_of = None, positions, slot_of
-        cache.gather = ride and not self.attention_kernel
+        cache.gather = bool(ride) and not self.attention_kernel
         if self.attention_kernel:  # each slot's valid range per layer kind, in place of its mask
             masks = {
                 kind: decode_ranges(
@@ -265,7 +272,7 @@ class SlotDecoder:
             for t, s in zip((self.tokens, self.positions, self.steps), saved, strict=True):
                 t.copy_(s)
 
-    def _record(self, mode: str, ride: bool) -> torch.cuda.CUDAGraph:
+    def _record(self, mode: str, ride: int) -> torch.cuda.CUDAGraph:
         dev = self.device
         graph = torch.cuda.CUDAGraph()
         with self._inputs_kept():
@@ -277,18 +284,20 @@ class SlotDecoder:
             torch.cuda.current_stream(dev).wait_stream(side)
             # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may
             # make CUDA calls meanwhile; they are not part of this capture
-            capture = torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local")
+            capture = torch.cuda.graph(
+                graph, pool=self._pool, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"
+            )
             with torch.cuda.device(dev), capture:
                 self._decode_step(mode, ride)
             torch.cuda.synchronize(dev)
         return graph
 
     def warm(self, sampling: Sampling) -> None:
-        """Record (CUDA) or run once (CPU) the decode step for this sampling mode, with riding
-        rows and without where the decoder has them."""
+        """Record (CUDA) or run once (CPU) the decode step for this sampling mode, at each riding
+        width (widest first: the narrower ones reuse its memory) and without riding rows."""
         with torch.no_grad():
             self._set_sampling(sampling)
-            for ride in (False, True) if self.ride_rows else (False,):
+            for ride in (*self.ride_widths, 0):
                 key = (sampling.mode, ride)
                 if self.use_graph:
                     if key not in self._graphs:
@@ -302,7 +311,7 @@ class SlotDecoder:
         self.top_k.fill_(max(0, sampling.top_k))
         self.top_p.fill_(sampling.top_p)
 
-    def _replay(self, mode: str, ride: bool = False) -> None:
+    def _replay(self, mode: str, ride: int = 0) -> None:
         """One decode step, queued."""
         graph = self._graphs.get((mode, ride)) if self.use_graph else None
         if graph is not None:
@@ -310,7 +319,7 @@ class SlotDecoder:
         else:
             self._decode_step(mode, ride)
 
-    def _step(self, mode: str, ride: bool = False) -> list[int]:
+    def _step(self, mode: str, ride: int = 0) -> list[int]:
         """One decode step; every slot's token."""
         self._replay(mode, ride)
         return self.next_tokens.tolist()
@@ -365,7 +374,7 @@ class SlotDecoder:
         active: dict[int, _Slot] = {}
         free = deque(range(self.slots))
         pending: deque[Request] = deque()
-        riding = RideQueue(self.ride_rows, self.parked) if self.ride_rows else None
+        riding = RideQueue(self.ride_widths, self.parked) if self.ride_widths else None
         exhausted = False
         while True:
             if should_stop():
@@ -387,14 +396,16 @@ class SlotDecoder:
                 if exhausted and not pending:
                     return
                 continue
-            ride = False
+            ride = 0
             if riding is not None:
                 rows = riding.next_rows()
                 ride = self._load_ride(rows)
                 self._seat(rows.seated, active)
             chosen = self._step(mode, ride)
             self.decode_steps += 1
-            self.riding_steps += ride
+            if ride:
+                self.riding_steps += 1
+                self.width_steps[ride] += 1
             self.tokens_generated += len(active)
             finished = []
             for slot in list(active):
@@ -416,11 +427,11 @@ class SlotDecoder:
     def _limit(self, request: Request) -> int:
         return max(1, min(request.max_new_tokens, self.length - len(request.prompt)))
 
-    def _load_ride(self, rows: RideRows) -> bool:
-        """The next step's riding rows into self.ride; whether it has any."""
-        if rows.filled:
-            self.ride.copy_(torch.tensor([rows.tokens, rows.slots, rows.positions], dtype=torch.long))
-        return rows.filled > 0
+    def _load_ride(self, rows: RideRows) -> int:
+        """The next step's riding rows into self.ride; their width (0: none)."""
+        if rows.width:
+            self.ride[:, : rows.width] = torch.tensor([rows.tokens, rows.slots, rows.positions], dtype=torch.long)
+        return rows.width
 
     def _seat(self, seated: list[tuple[int, Request]], active: dict[int, _Slot]) -> None:
         """Each prompt's last token as its slot's query in the step about to run, at step 0 as

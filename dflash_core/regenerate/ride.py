@@ -11,8 +11,11 @@ it is the slot's own decode query, in the step that carries the last of the toke
 first step, for a one-token prompt), so the slot's first generated token is that step's token,
 sampled at step 0 as a prefill's would be. Until then the slot stays parked.
 
-The riding rows are a fixed count per step (the step is recorded as a CUDA graph): rows no prompt
-fills are parked, at slot 0's parked position, which no sequence reads.
+A riding step is recorded as a CUDA graph, so its rows are a fixed count: one of a few widths, the
+widest `rows`, each of the others a quarter of the one above it (riding_widths). A step takes the
+narrowest width that holds its prompt tokens, since every row costs GEMM work whether a prompt
+fills it or not: a short prompt does not pay for the widest step. Rows no prompt fills are
+parked, at slot 0's parked position, which no sequence reads.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from typing import Any
 # a freed slot's prompt rides only while at most this many steps' rows hold what is queued: a
 # longer queue keeps its slots idle longer than a prefill would stop the others
 _RIDE_STEPS = 4
+# each riding width a quarter of the next wider one, down to a few rows: a step pays at most four
+# times the rows it fills, for a handful of recorded graphs per sampling mode
+_WIDTH_RATIO = 4
+_NARROWEST = 4
 
 
 def riding_rows(slots: int, attention_kernel: bool) -> int:
@@ -32,6 +39,15 @@ def riding_rows(slots: int, attention_kernel: bool) -> int:
     step attends through the kernel (the masked step reads the whole cache for every riding row)
     and there are two slots or more (one slot never frees beside a decoding one); else none."""
     return min(2 * slots, 512) if attention_kernel and slots > 1 else 0
+
+
+def riding_widths(rows: int) -> tuple[int, ...]:
+    """The riding step's widths, widest first: rows, then each a quarter of the one before while
+    that is at least a few rows (none for no rows)."""
+    widths = [rows] if rows > 0 else []
+    while widths[-1:] and widths[-1] // _WIDTH_RATIO >= _NARROWEST:
+        widths.append(widths[-1] // _WIDTH_RATIO)
+    return tuple(widths)
 
 
 @dataclass
@@ -43,23 +59,26 @@ class _Riding:
 
 @dataclass
 class RideRows:
-    """One step's riding rows (each list `rows` long) and the prompts whose last token is their
-    slot's query in that step."""
+    """One step's riding rows (each list `width` long: the narrowest width holding them, 0 for a
+    step without) and the prompts whose last token is their slot's query in that step."""
 
     tokens: list[int]
     slots: list[int]
     positions: list[int]
     filled: int  # rows holding a prompt token; the rest are parked
+    width: int
     seated: list[tuple[int, Any]]  # (slot, request)
 
 
 class RideQueue:
-    """Prompts waiting to ride, each bound to its slot, fed `rows` tokens a step in arrival order."""
+    """Prompts waiting to ride, each bound to its slot, fed up to the widest width's tokens a step
+    in arrival order; a step's rows padded to the narrowest of `widths` that holds them."""
 
-    def __init__(self, rows: int, parked: int):
-        if rows < 1:
-            raise ValueError(f"a ride queue takes at least one row a step, not {rows}")
-        self.rows, self.parked = rows, parked
+    def __init__(self, widths: tuple[int, ...], parked: int):
+        if not widths or min(widths) < 1:
+            raise ValueError(f"a ride queue takes widths of at least one row a step, not {widths}")
+        self.widths = tuple(sorted(widths))
+        self.rows, self.parked = self.widths[-1], parked
         self._queue: deque[_Riding] = deque()
 
     def __len__(self) -> int:
@@ -101,5 +120,6 @@ class RideQueue:
             seated.append((r.slot, r.request))
             self._queue.popleft()
         filled = len(tokens)
-        pad = self.rows - filled
-        return RideRows(tokens + [0] * pad, slots + [0] * pad, positions + [self.parked] * pad, filled, seated)
+        width = next((w for w in self.widths if w >= filled), self.rows) if filled else 0
+        pad = width - filled
+        return RideRows(tokens + [0] * pad, slots + [0] * pad, positions + [self.parked] * pad, filled, width, seated)

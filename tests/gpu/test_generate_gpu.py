@@ -28,7 +28,8 @@ def setup(default_assets):
     return model, heldout_prompt_ids(default_assets.heldout, tok, 9)
 
 
-def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, ride_rows=0):
+def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, configure=None, ride_rows=0, limits=None):
+    """The decoder's completions of `prompts` (32 new tokens each, or limits[k]), and the decoder."""
     from dflash_core.regenerate.decode import Request, SlotDecoder
 
     dec = SlotDecoder(
@@ -37,7 +38,9 @@ def _run(model, prompts, sampling, use_graph, slots=4, attention_kernel=None, co
     if configure is not None:
         configure(dec)
     assert dec.use_graph == use_graph
-    done = {c.key: c.tokens for c in dec.generate([Request(k, p, 32, seed=k) for k, p in enumerate(prompts)], sampling)}
+    limits = limits or [32] * len(prompts)
+    requests = [Request(k, p, limits[k], seed=k) for k, p in enumerate(prompts)]
+    done = {c.key: c.tokens for c in dec.generate(requests, sampling)}
     return done, dec
 
 
@@ -75,17 +78,17 @@ def _equals_generate_then_again_flat(model, prompts, dec, tokens, greedy):
 
 
 def test_recorded_riding_step_equals_eager_and_generate(setup):
-    """Refilled prompts riding in the recorded decode step (its own graph, 24 prompt tokens a
-    step beside 4 slots: the kernel reading each query's slot from its range, the cache writes
-    naming each row's slot): generate's greedy tokens, the eager decoder's sampled ones, and
-    reserved memory flat over a second run."""
+    """Refilled prompts riding in the recorded decode step (a graph per width, up to 24 prompt
+    tokens a step beside 4 slots, 6 in the narrow one: the kernel reading each query's slot from
+    its range, the cache writes naming each row's slot): generate's greedy tokens, the eager
+    decoder's sampled ones, and reserved memory flat over a second run."""
     from dflash_core.regenerate.decode import Sampling
 
     model, prompts = setup
     eos = model.generation_config.eos_token_id
     greedy = Sampling(stop_token_ids=(eos,))
     graph, dec = _run(model, prompts, greedy, True, ride_rows=24)
-    assert dec.attention_kernel and ("greedy", True) in dec._graphs
+    assert dec.attention_kernel and {("greedy", 24), ("greedy", 6)} <= set(dec._graphs)
     assert 0 < dec.riding_steps < dec.decode_steps, (dec.riding_steps, dec.decode_steps)
     _equals_generate_then_again_flat(model, prompts, dec, graph, greedy)
     sampling = Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))
@@ -278,3 +281,39 @@ def test_fp8_target_decodes_through_the_recorded_kernel_step(setup):
     eager, _ = _run(fp8, prompts, greedy, False)
     assert dec.attention_kernel and dec._graphs
     assert graph == eager and all(len(t) == 32 for t in graph.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_riding_in_bf16_and_fp8_targets_records_the_eager_steps(setup, precision):
+    """A bf16 target, and the FP8 one (its linears pad the step's rows, slots plus a riding
+    width, to their GEMM's multiple): sequences of 14 to 32 tokens, so that slots free apart, and
+    every other prompt cut to 5 tokens, so that prompts ride at both widths; the recorded decoder's greedy tokens are the eager decoder's
+    (the same steps, the same shapes), and a second run gives them again with reserved memory
+    flat."""
+    import copy
+
+    from dflash_core.regenerate.decode import Sampling
+    from dflash_core.target_precision import quantize_decoder_linears
+
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 matmuls")
+    model, prompts = setup
+    prompts = [p if k % 2 == 0 else p[:5] for k, p in enumerate(prompts)]
+    target = copy.deepcopy(model).to(torch.bfloat16)
+    if precision == "fp8":
+        assert quantize_decoder_linears(target.get_decoder().layers) is not None
+    greedy = Sampling(ignore_stop=True)
+    limits = [32 - 6 * (k % 4) for k in range(len(prompts))]
+    graph, dec = _run(target, prompts, greedy, True, ride_rows=24, limits=limits)
+    assert set(dec.width_steps) == {24, 6}, dec.width_steps
+    eager, plain = _run(target, prompts, greedy, False, ride_rows=24, limits=limits)
+    assert plain.width_steps == dec.width_steps
+    assert graph == eager and [len(graph[k]) for k in range(len(prompts))] == limits
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    from dflash_core.regenerate.decode import Request
+
+    requests = [Request(k, p, limits[k], seed=k) for k, p in enumerate(prompts)]
+    again = {c.key: c.tokens for c in dec.generate(requests, greedy)}
+    torch.cuda.synchronize()
+    assert again == graph and torch.cuda.memory_reserved() == reserved

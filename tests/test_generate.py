@@ -273,7 +273,7 @@ def test_prompts_riding_in_the_decode_steps_equal_generate(target, prompts, refe
 @pytest.mark.parametrize("build", [tiny_sliding_qwen3, tiny_llama])
 def test_riding_prompts_over_several_steps_equal_generate(build):
     """Prompts of 1 to 38 tokens in a cache of 40 riding up to 16 tokens a step (the long ones
-    over several steps, past the sliding window of 6; steps of a few tokens at the narrow width of
+    over several steps, past the sliding window of 6; a step of 4 tokens at the narrow width of
     4 rows; a one-token prompt rides none, its token is its slot's query at once; the longest
     leave room for 2 and 4 tokens), sequences ending apart so that slots free while others
     decode: generate's greedy tokens, from a decoder whose previous generate was stopped while
@@ -290,6 +290,62 @@ def test_riding_prompts_over_several_steps_equal_generate(build):
     assert dec.riding_steps == 3 and len(stopped) < len(requests)
     done = {c.key: c.tokens for c in dec.generate(requests, Sampling())}
     assert dec.riding_steps >= 3 + 6 and set(dec.width_steps) == {16, 4}, dec.width_steps
+    for k, (p, n) in enumerate(zip(prompts, limits)):
+        with torch.no_grad():
+            full = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+        assert done[k] == full[0, len(p) :].tolist(), k
+
+
+def test_a_riding_step_runs_its_width_of_rows_the_unfilled_ones_parked(monkeypatch):
+    """Each riding step's rows as its first layer writes them: the slots' rows, then exactly the
+    width the queue chose (no row past it, whatever a wider step left there), the unfilled ones
+    at slot 0's parked position; steps at both widths, narrow ones partly filled and right after
+    wide ones; generate's tokens."""
+    from dflash_core.regenerate import ride
+    from dflash_core.regenerate.cache import SlotCache
+
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(5)
+    lens = [3, 20, 2, 4, 17, 3, 9, 2, 30, 5, 12, 3]
+    prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in lens]
+    limits = [min(3 + (5 * k) % 9, 40 - len(p)) for k, p in enumerate(prompts)]
+    given, seen, inside = [], [], [False]
+    next_rows, step, update = ride.RideQueue.next_rows, SlotDecoder._step, SlotCache.update
+
+    # spies: each calls through to the code it watches
+    def rows_spy(self):
+        given.append(next_rows(self))
+        return given[-1]
+
+    def step_spy(self, mode, width=0):
+        inside[0] = True
+        try:
+            return step(self, mode, width)
+        finally:
+            inside[0] = False
+
+    def update_spy(self, k, v, layer_idx, *args, **kwargs):
+        if inside[0] and layer_idx == 0:
+            seen.append((self.positions.tolist(), None if self.slot_of is None else self.slot_of.tolist()))
+        return update(self, k, v, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(ride.RideQueue, "next_rows", rows_spy)
+    monkeypatch.setattr(SlotDecoder, "_step", step_spy)
+    monkeypatch.setattr(SlotCache, "update", update_spy)
+    dec = SlotDecoder(model, slots=4, length=40, ride_rows=16)
+    requests = [Request(k, p, n) for k, (p, n) in enumerate(zip(prompts, limits))]
+    done = {c.key: c.tokens for c in dec.generate(requests, Sampling())}
+    assert len(seen) == len(given)
+    for rows, (positions, slot_of) in zip(given, seen):
+        assert len(positions) == dec.slots + rows.width
+        if rows.width:
+            assert positions[dec.slots :] == rows.positions and slot_of[dec.slots :] == rows.slots
+            pad = rows.width - rows.filled
+            assert rows.positions[rows.filled :] == [dec.parked] * pad and rows.slots[rows.filled :] == [0] * pad
+    widths = {r.width for r in given if r.width}
+    assert widths == {16, 4} and any(0 < r.filled < 4 for r in given), [(r.filled, r.width) for r in given]
+    assert any(r.width == 4 and i and given[i - 1].width == 16 for i, r in enumerate(given))  # narrow after wide
     for k, (p, n) in enumerate(zip(prompts, limits)):
         with torch.no_grad():
             full = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, pad_token_id=0)

@@ -160,8 +160,10 @@ class SlotDecoder:
         self.floor_kernel = self.sample_kernel and floor_kernel_matches(str(dev))
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # per sampling mode and riding width
         # one memory pool for all of them: they never run at once, and each copies what it gives
-        # into the fixed tensors above, so a narrower step reuses what a wider one was given
+        # into the fixed tensors above, so a narrower step reuses what a wider one was given. The
+        # allocator hands a freed block only to the stream that freed it: one capture stream too
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        self._capture_stream = torch.cuda.Stream(dev) if self.use_graph else None
         self.ride_rows = riding_rows(slots, self.attention_kernel) if ride_rows is None else max(0, int(ride_rows))
         self.ride_widths = riding_widths(self.ride_rows)
         # the riding rows' tokens, slots and positions; rows no prompt fills are parked at slot 0
@@ -240,8 +242,8 @@ class SlotDecoder:
             }
         try:
             hidden = self._hidden(tokens.unsqueeze(-1), positions.unsqueeze(-1), masks)
-        finally:
-            cache.slot_of, cache.gather = None, False
+        finally:  # nothing of a recorded step's memory stays reachable once it is recorded
+            cache.positions, cache.slot_of, cache.gather = None, None, False
         logits = self.head(hidden[: self.slots, -1])
         chosen = choose_tokens(
             logits,
@@ -275,18 +277,18 @@ class SlotDecoder:
     def _record(self, mode: str, ride: int) -> torch.cuda.CUDAGraph:
         dev = self.device
         graph = torch.cuda.CUDAGraph()
+        stream = self._capture_stream
+        assert stream is not None
         with self._inputs_kept():
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # lazy initialisations (cuBLAS handles, workspaces) outside the graph
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            # lazy initialisations (cuBLAS handles, the stream's workspaces) outside the graph
+            with torch.cuda.stream(stream):
                 for _ in range(2):
                     self._decode_step(mode, ride)
-            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.current_stream(dev).wait_stream(stream)
             # thread_local: a daemon's other threads (a metrics scrape reading the allocator) may
             # make CUDA calls meanwhile; they are not part of this capture
-            capture = torch.cuda.graph(
-                graph, pool=self._pool, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"
-            )
+            capture = torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local")
             with torch.cuda.device(dev), capture:
                 self._decode_step(mode, ride)
             torch.cuda.synchronize(dev)

@@ -6,7 +6,7 @@ prompt token at position p of slot s is one more query of the step, its key and 
 (s, p) with the decode rows' ones, its attention over positions 0..p of slot s's cache (the
 kernel reads each query's slot from its range; a mask path gets the slot's keys gathered). A
 layer writes every row's keys before any row attends, so a prompt's tokens may ride in one step
-or over several, oldest prompt first, `rows` tokens a step. Its last token is not a riding row:
+or over several, oldest prompt first, up to `rows` tokens a step. Its last token is not a riding row:
 it is the slot's own decode query, in the step that carries the last of the tokens before it (the
 first step, for a one-token prompt), so the slot's first generated token is that step's token,
 sampled at step 0 as a prefill's would be. Until then the slot stays parked.

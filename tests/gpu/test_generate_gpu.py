@@ -80,21 +80,26 @@ def _equals_generate_then_again_flat(model, prompts, dec, tokens, greedy):
 def test_recorded_riding_step_equals_eager_and_generate(setup):
     """Refilled prompts riding in the recorded decode step (a graph per width, up to 24 prompt
     tokens a step beside 4 slots, 6 in the narrow one: the kernel reading each query's slot from
-    its range, the cache writes naming each row's slot): generate's greedy tokens, the eager
-    decoder's sampled ones, and reserved memory flat over a second run."""
-    from dflash_core.regenerate.decode import Sampling
+    its range, the cache writes naming each row's slot): generate's greedy tokens, and reserved
+    memory flat over a second run; then the same decoder sampled (its graphs recorded into the
+    same pool) gives the eager decoder's tokens, and greedy again its first tokens."""
+    from dflash_core.regenerate.decode import Request, Sampling
 
     model, prompts = setup
     eos = model.generation_config.eos_token_id
     greedy = Sampling(stop_token_ids=(eos,))
     graph, dec = _run(model, prompts, greedy, True, ride_rows=24)
-    assert dec.attention_kernel and {("greedy", 24), ("greedy", 6)} <= set(dec._graphs)
+    assert dec.attention_kernel and dec.ride_widths == (24, 6)
     assert 0 < dec.riding_steps < dec.decode_steps, (dec.riding_steps, dec.decode_steps)
     _equals_generate_then_again_flat(model, prompts, dec, graph, greedy)
+    # a second sampling mode recorded later into the same graph pool, then the first mode again
     sampling = Sampling(temperature=0.8, top_p=0.9, stop_token_ids=(eos,))
-    recorded, _ = _run(model, prompts, sampling, True, ride_rows=24)
+    requests = [Request(k, p, 32, seed=k) for k, p in enumerate(prompts)]
+    recorded = {c.key: c.tokens for c in dec.generate(requests, sampling)}
+    assert (sampling.mode, 24) in dec._graphs
     eager, _ = _run(model, prompts, sampling, False, slots=3)
     assert recorded == eager
+    assert {c.key: c.tokens for c in dec.generate(requests, greedy)} == graph
 
 
 def test_sampled_graph_equals_eager(setup):
@@ -317,3 +322,41 @@ def test_riding_in_bf16_and_fp8_targets_records_the_eager_steps(setup, precision
     again = {c.key: c.tokens for c in dec.generate(requests, greedy)}
     torch.cuda.synchronize()
     assert again == graph and torch.cuda.memory_reserved() == reserved
+
+
+def test_narrower_riding_graphs_take_the_widest_ones_memory():
+    """The decoder's graphs share one memory pool and one capture stream: recorded after the
+    widest riding step, the narrower ones and the plain step grow reserved memory by a small part
+    of what the widest took (their logits and activations fit in its blocks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_core.regenerate.decode import Sampling, SlotDecoder
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
+    model = LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    dec = SlotDecoder(model, slots=64, length=1024, ride_rows=512)
+    assert dec.ride_widths == (512, 128, 32, 8)
+    dec._set_sampling(Sampling())
+
+    def grown(width: int) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        with torch.no_grad():
+            dec._graphs[("greedy", width)] = dec._record("greedy", width)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved() - before
+
+    widest = grown(512)
+    rest = [grown(w) for w in (128, 32, 8, 0)]
+    assert widest > 0 and sum(rest) <= widest // 4, (widest, rest)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import QWEN3_8B, env_record, report, write_target_dir
+from bench.tables import columns_of
 from dflash_core.regenerate.decode import Sampling, SlotDecoder
 from dflash_core.target import TargetModel
 
@@ -75,16 +76,13 @@ def main(argv=None) -> None:
         rows.append(graph_memory(model, args.slots, args.length, args.ride, pools))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    cols: list[str] = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
     report(
         "graph_pool",
         {"env": env_record(), "args": vars(args), "rows": rows},
         f"reserved MiB per recorded greedy graph, {args.layers} layers of Qwen3-8B's widths (bf16), "
         f"{args.slots} slots of {args.length} positions",
         rows,
-        cols,
+        columns_of(rows),
     )
 
 

@@ -115,6 +115,7 @@ from bench.common import (
     report,
     write_target_dir,
 )
+from bench.tables import columns_of
 from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 from dflash_core.regenerate.sizing import decoder_bytes, kv_bytes_per_token, slots_for_memory, weight_bytes
 from dflash_core.target import TargetModel
@@ -561,9 +562,6 @@ def main(argv=None) -> None:
         rows += bench_precision(precision, args, kernels, fused_rows, bandwidth, bf16_flops)
         gc.collect()  # the target's forward hooks hold it in a reference cycle
         torch.cuda.empty_cache()
-    cols: list[str] = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
     report(
         "regenerate",
         {
@@ -576,7 +574,7 @@ def main(argv=None) -> None:
         f"regeneration decode, Qwen3-8B shape (random weights), prompts {args.prompt_len} + {args.new_tokens} new "
         f"tokens, copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {bf16_flops / 1e12:.0f} TFLOP/s",
         rows,
-        cols,
+        columns_of(rows),
     )
 
 

@@ -13,6 +13,14 @@ def out_dir() -> Path:
     return p
 
 
+def columns_of(rows: list[dict]) -> list[str]:
+    """Every key of the rows, in the order they first appear."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    return cols
+
+
 def print_table(rows: list[dict], cols: list[str]) -> None:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))

@@ -1,4 +1,5 @@
-"""bench/graph_pool.py's arguments, refused before any GPU work (the bench itself needs CUDA)."""
+"""bench/graph_pool.py's arguments, refused before any GPU work (the bench itself needs CUDA), and
+the benchmarks' tables (bench/tables.py)."""
 
 import pytest
 import torch
@@ -20,3 +21,15 @@ def test_without_cuda_it_says_so(capsys):
         main([])
     assert e.value.code == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_table_has_every_rows_columns_in_the_order_they_first_appear(capsys):
+    from bench.tables import columns_of, print_table
+
+    rows = [{"a": 1, "b": 22}, {"a": 3, "error": "OutOfMemoryError"}, {"c": 4, "b": 5}]
+    cols = columns_of(rows)
+    assert cols == ["a", "b", "error", "c"]
+    print_table(rows, cols)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(" | ")[-1].strip() == "c" and "OutOfMemoryError" in lines[3]
+    assert len({len(line) for line in lines[2:]}) == 1  # every row as wide as the others

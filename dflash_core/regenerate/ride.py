@@ -28,8 +28,9 @@ from typing import Any
 # a freed slot's prompt rides only while at most this many steps' rows hold what is queued: a
 # longer queue keeps its slots idle longer than a prefill would stop the others
 _RIDE_STEPS = 4
-# each riding width a quarter of the next wider one, down to a few rows: a step pays at most four
-# times the rows it fills, for a handful of recorded graphs per sampling mode
+# each riding width a quarter of the next wider one, down to a few rows: a step pays for at most
+# four times the rows it fills (or the narrowest width), for a handful of recorded graphs per
+# sampling mode
 _WIDTH_RATIO = 4
 _NARROWEST = 4
 

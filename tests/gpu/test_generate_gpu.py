@@ -6,7 +6,9 @@ and the recorded step with it equal to the step without it; the RMSNorm kernel a
 classes, and the decoder's default (norms through it) equal to generate; the rotary and
 cache-write kernels bit for bit against the eager code, and a bf16 decoder's tokens unchanged by them;
 the stacked q/k/v GEMM against the three, and the tokens with it; the sampling kernel's tokens
-those of the torch ops it replaces, alone and in the recorded step."""
+those of the torch ops it replaces, alone and in the recorded step; prompts riding in the
+recorded step at two widths (fp32 against generate, bf16 and FP8 against the eager step), and
+the narrower riding graphs in the widest one's memory."""
 
 import pytest
 import torch
@@ -292,12 +294,12 @@ def test_fp8_target_decodes_through_the_recorded_kernel_step(setup):
 def test_riding_in_bf16_and_fp8_targets_records_the_eager_steps(setup, precision):
     """A bf16 target, and the FP8 one (its linears pad the step's rows, slots plus a riding
     width, to their GEMM's multiple): sequences of 14 to 32 tokens, so that slots free apart, and
-    every other prompt cut to 5 tokens, so that prompts ride at both widths; the recorded decoder's greedy tokens are the eager decoder's
-    (the same steps, the same shapes), and a second run gives them again with reserved memory
-    flat."""
+    every other prompt cut to 5 tokens, so that prompts ride at both widths; the recorded
+    decoder's greedy tokens are the eager decoder's (the same steps, the same shapes), and a
+    second run gives them again with reserved memory flat."""
     import copy
 
-    from dflash_core.regenerate.decode import Sampling
+    from dflash_core.regenerate.decode import Request, Sampling
     from dflash_core.target_precision import quantize_decoder_linears
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -316,8 +318,6 @@ def test_riding_in_bf16_and_fp8_targets_records_the_eager_steps(setup, precision
     assert graph == eager and [len(graph[k]) for k in range(len(prompts))] == limits
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
-    from dflash_core.regenerate.decode import Request
-
     requests = [Request(k, p, limits[k], seed=k) for k, p in enumerate(prompts)]
     again = {c.key: c.tokens for c in dec.generate(requests, greedy)}
     torch.cuda.synchronize()

@@ -112,6 +112,14 @@ def follow_job(
     return client.job(job_id)
 
 
+def _riding(event: dict[str, Any]) -> str:
+    """A decoder event's riding rows: up to the widest, at each width it records."""
+    rows, widths = event.get("ride_rows") or 0, event.get("ride_widths") or []
+    if not rows:
+        return "0"
+    return f"up to {rows}" + (f" (steps of {'/'.join(map(str, widths))} rows)" if len(widths) > 1 else "")
+
+
 def _event_message(event: dict[str, Any]) -> str | None:
     kind = event["kind"]
     if kind == "state":
@@ -138,7 +146,7 @@ def _event_message(event: dict[str, Any]) -> str | None:
             f"decoder: {event.get('slots')} slots x {event.get('length')} positions, KV cache "
             f"{(event.get('kv_cache_bytes') or 0) / 2**30:.2f} GiB, stacked q/k/v weights "
             f"{(event.get('stacked_qkv_bytes') or 0) / 2**30:.2f} GiB, CUDA graph {'yes' if event.get('cuda_graph') else 'no'}, "
-            f"prompt tokens riding per step {event.get('ride_rows') or 0}"
+            f"prompt tokens riding per step {_riding(event)}"
         )
     if kind == "prompts":
         return f"prompts: {event.get('prompts')}, {event.get('rows')} rows in {event.get('shards')} shards"

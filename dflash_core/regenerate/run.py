@@ -206,6 +206,7 @@ class RegenerationRun:
             "stacked_qkv_bytes": decoder.qkv.nbytes if decoder.qkv is not None else 0,
             "cuda_graph": decoder.use_graph,
             "ride_rows": decoder.ride_rows,
+            "ride_widths": list(decoder.ride_widths),
         }
         log.info("regeneration decoder", extra={"fields": {**fields, "device": str(target.device)}})
         self.cb.on_event("decoder", fields)

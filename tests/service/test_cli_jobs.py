@@ -106,6 +106,18 @@ def test_the_eta_of_a_real_job_is_its_recent_step_rate_over_the_steps_left(daemo
     assert elapsed == pytest.approx(t1 - running)
 
 
+def test_a_decoder_line_says_its_riding_rows_and_widths():
+    from service.cli_jobs import _event_message
+
+    base = {"kind": "decoder", "slots": 256, "length": 1024, "kv_cache_bytes": 2**30, "cuda_graph": True}
+    wide = _event_message({**base, "ride_rows": 512, "ride_widths": [512, 128, 32, 8]})
+    assert wide is not None and wide.endswith("prompt tokens riding per step up to 512 (steps of 512/128/32/8 rows)")
+    one = _event_message({**base, "ride_rows": 6, "ride_widths": [6]})
+    assert one is not None and one.endswith("prompt tokens riding per step up to 6")
+    none = _event_message({**base, "ride_rows": 0, "ride_widths": []})
+    assert none is not None and none.endswith("prompt tokens riding per step 0")
+
+
 def test_a_regeneration_shard_is_told_as_a_shard_not_a_step():
     from service.cli_jobs import _event_message
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -163,30 +164,37 @@ def evaluate_acceptance(
     drafter_device=None,
     head: FrozenHead | None = None,
     check_lossless: bool = False,
+    tokenizer_turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> EvalResult:
     """tau over held-out prompts (conversations or message lists). With check_lossless, each
-    speculative output is also compared with target-only greedy decoding."""
+    speculative output is also compared with target-only greedy decoding. tokenizer_turn: held
+    around each use of the tokenizer, and only then (a thread sharing it takes its turns while
+    the target and drafter decode)."""
     ddev = torch.device(drafter_device) if drafter_device is not None else next(drafter.parameters()).device
     if head is None:
         head = target.frozen_head().to(ddev, compute_dtype(ddev))
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if ddev.type == "cuda" else contextlib.nullcontext
-    stops = stop_ids(tokenizer)
+    with tokenizer_turn():
+        stops = stop_ids(tokenizer)
     was_training = drafter.training
     drafter.eval()
     result = EvalResult()
     try:
         for conv in conversations:
             messages = conv.messages if hasattr(conv, "messages") else conv
-            prompt = prompt_ids(tokenizer, messages)
+            with tokenizer_turn():
+                prompt = prompt_ids(tokenizer, messages)
             spec = speculative_generate(
                 target, drafter, head, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stops, autocast=autocast
             )
             result.acceptance_lengths += spec.acceptance_lengths
             result.confidence += spec.confidence
+            with tokenizer_turn():
+                texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in (prompt, spec.tokens)]
             result.samples.append(
                 {
-                    "prompt": tokenizer.decode(prompt, skip_special_tokens=True),
-                    "output": tokenizer.decode(spec.tokens, skip_special_tokens=True),
+                    "prompt": texts[0],
+                    "output": texts[1],
                     "acceptance_length": sum(spec.acceptance_lengths) / max(1, len(spec.acceptance_lengths)),
                 }
             )

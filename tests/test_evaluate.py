@@ -96,6 +96,61 @@ def test_untrained_tau_is_close_to_one(engine, untrained, heldout):
     assert 1.0 <= tau < 1.3, tau
 
 
+def test_the_tokenizer_is_taken_per_use_and_free_while_decoding(engine, untrained, heldout, monkeypatch):
+    """With a tokenizer_turn (a continual job's TokenizerTurns.first), evaluate_acceptance holds
+    it around each call of the tokenizer and not while the target and drafter decode: another
+    thread's turn at the tokenizer (the job's ingest) goes through during each decode. The
+    result is the one without turns."""
+    import threading
+
+    from dflash_core import evaluate as ev
+    from dflash_core.continual.turns import TokenizerTurns
+
+    turns, calls, others = TokenizerTurns(), [], []
+    tok = engine.tokenizer
+
+    class Watched:
+        """The real tokenizer; each call of it or of its methods notes whether the caller held a
+        turn then."""
+
+        def __call__(self, *args, **kwargs):
+            calls.append(turns._holder == threading.get_ident())
+            return tok(*args, **kwargs)
+
+        def __getattr__(self, name):
+            attr = getattr(tok, name)
+            if not callable(attr):
+                return attr
+
+            def call(*args, **kwargs):
+                calls.append(turns._holder == threading.get_ident())
+                return attr(*args, **kwargs)
+
+            return call
+
+    generate = ev.speculative_generate
+
+    def take_a_turn():
+        with turns.turn():
+            pass
+
+    def decode_beside_another_turn(*args, **kwargs):
+        other = threading.Thread(target=take_a_turn, daemon=True)
+        other.start()
+        other.join(timeout=20)
+        others.append(not other.is_alive())
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "speculative_generate", decode_beside_another_turn)
+    target, prompts = engine.targets[0], heldout[:3]
+    plain = evaluate_acceptance(target, untrained, tok, prompts, max_new_tokens=8)
+    others.clear()
+    taken = evaluate_acceptance(target, untrained, Watched(), prompts, max_new_tokens=8, tokenizer_turn=turns.first)
+    assert others == [True] * 3  # each decode: another thread took a turn meanwhile
+    assert len(calls) >= 6 and all(calls), calls  # every tokenizer call inside a turn
+    assert taken.acceptance_lengths == plain.acceptance_lengths and taken.samples == plain.samples
+
+
 @pytest.mark.slow  # needs the trained drafter (the default training job)
 def test_trained_tau_on_heldout_prompts(engine, trained, heldout):
     result = evaluate_acceptance(engine.targets[0], trained, engine.tokenizer, heldout[:32], max_new_tokens=48)

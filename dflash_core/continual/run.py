@@ -363,8 +363,7 @@ class ContinualRun(TrainRun):
         latest, window = self.publisher.latest, self.pool.heldout_window()
         if latest is None or not window:
             return
-        with self.feed.tokenizer_turns.first():
-            tau = self._published_tau_on(latest, window)
+        tau = self._published_tau_on(latest, window)
         self.cb.on_event(
             "drift",
             {"step": self.step, "version": version, "published_tau_before": self._published_tau, "published_tau": tau},
@@ -392,9 +391,10 @@ class ContinualRun(TrainRun):
         target, tokenizer = self.parts.targets[0], self.parts.tokenizer
         self._report_publish(wait=True)  # the previous version is the one to beat
         latest = self.publisher.latest
-        with self.feed.tokenizer_turns.first():
-            candidate = self.drafters.evaluate(target, tokenizer, window, self.job)["acceptance_length"]
-            published = self._published_tau_on(latest, window) if latest is not None else None
+        # the tokenizer taken per prompt, not for the whole evaluation: ingest goes on meanwhile
+        turn = self.feed.tokenizer_turns.first
+        candidate = self.drafters.evaluate(target, tokenizer, window, self.job, turn)["acceptance_length"]
+        published = self._published_tau_on(latest, window) if latest is not None else None
         self._published_tau = published
         payload.update(candidate_tau=candidate, published_tau=published)
         wins = published is None or (candidate > published and candidate >= published * (1 + self.job.publish_margin))
@@ -426,8 +426,9 @@ class ContinualRun(TrainRun):
             self.cb.on_publish({**payload, "published": False, "reason": f"{type(e).__name__}: {e}"})
 
     def _published_tau_on(self, latest: dict[str, Any], window: list[Any]) -> float:
-        """The published drafter's acceptance length on the same window, loaded once per version."""
-        assert self.publisher is not None
+        """The published drafter's acceptance length on the same window, loaded once per version
+        (the tokenizer taken per prompt, as ingest shares it)."""
+        assert self.publisher is not None and self.feed is not None
         rep = self.replicas[0]
         if self._published_drafter is None or self._published_drafter[0] != latest["version"]:
             drafter = load_drafter(self.publisher.path_of(latest), rep.device)
@@ -444,6 +445,7 @@ class ContinualRun(TrainRun):
                 max_new_tokens=self.job.eval_max_new_tokens,
                 drafter_device=rep.device,
                 head=rep.head,
+                tokenizer_turn=self.feed.tokenizer_turns.first,
             )
             .result()
         )

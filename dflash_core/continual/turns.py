@@ -1,8 +1,9 @@
 """Turns at the tokenizer between a continual job's two threads.
 
 The ingest thread tokenizes record after record; the job's thread needs the same tokenizer now and
-then (the evaluation that decides a publish, the answered prompts, the drift measured after a
-target swap), and a fast tokenizer is not safe to call from two threads at once. With a plain lock
+then (the answered prompts; and, from the drafter's thread that runs them for it, the evaluation
+that decides a publish and the drift measured after a target swap, which take a turn per prompt,
+not for the whole evaluation), and a fast tokenizer is not safe to call from two threads at once. With a plain lock
 held per record, the ingest thread would take it back the moment it let go, before the waiting
 job's thread woke, so a file of many records would keep the job's thread waiting to its end. Here
 the job's thread asks first: once it waits, the ingest thread takes no new turn, and the job's
@@ -25,7 +26,7 @@ class TokenizerTurns:
 
     @contextmanager
     def first(self) -> Iterator[None]:
-        """A turn that the ingest thread lets go first (the job's thread)."""
+        """A turn that the ingest thread lets go first (the job's thread, or a thread working for it)."""
         with self._cond:
             self._asking += 1
             try:

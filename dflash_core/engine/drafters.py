@@ -223,9 +223,16 @@ class Drafters:
         return per_dev, secs
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, target: Any, tokenizer: Any, conversations: list[Any], job: TrainJob) -> dict[str, Any]:
+    def evaluate(
+        self,
+        target: Any,
+        tokenizer: Any,
+        conversations: list[Any],
+        job: TrainJob,
+        tokenizer_turn: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> dict[str, Any]:
         """Acceptance length of the current drafter on held-out prompts (speculative decoding),
-        in the first replica's thread."""
+        in the first replica's thread (tokenizer_turn: evaluate_acceptance's)."""
         from ..evaluate import evaluate_acceptance
 
         rep = self.replicas[0]
@@ -240,6 +247,7 @@ class Drafters:
                 max_new_tokens=job.eval_max_new_tokens,
                 drafter_device=rep.device,
                 head=rep.head,
+                tokenizer_turn=tokenizer_turn,
             )
             .result()
         )

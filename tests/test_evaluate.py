@@ -110,14 +110,15 @@ def test_the_tokenizer_is_taken_per_use_and_free_while_decoding(engine, untraine
     tok = engine.tokenizer
 
     class Watched:
-        """The real tokenizer; each call of it or of its methods notes whether the caller held a
-        turn then."""
+        """The real tokenizer; each call of it and each read of its attributes (an id such as
+        eos_token_id is looked up through the tokenizer) notes whether the caller held a turn."""
 
         def __call__(self, *args, **kwargs):
             calls.append(turns._holder == threading.get_ident())
             return tok(*args, **kwargs)
 
         def __getattr__(self, name):
+            calls.append(turns._holder == threading.get_ident())
             attr = getattr(tok, name)
             if not callable(attr):
                 return attr
@@ -137,7 +138,7 @@ def test_the_tokenizer_is_taken_per_use_and_free_while_decoding(engine, untraine
     def decode_beside_another_turn(*args, **kwargs):
         other = threading.Thread(target=take_a_turn, daemon=True)
         other.start()
-        other.join(timeout=20)
+        other.join(timeout=5)
         others.append(not other.is_alive())
         return generate(*args, **kwargs)
 

@@ -6,8 +6,9 @@ A bad record (unreadable, not a conversation) is skipped and counted, never the 
 a live source is written by someone else while the job runs, and one broken line must not stop
 a job that has no end. The first few are reported with their places.
 
-Tokenization shares the tokenizer with the job's thread (the evaluation that decides a publish,
-answered prompts); they take turns record by record (`turns.py`), and the watcher's cursor is locked
+Tokenization shares the tokenizer with the job's thread (answered prompts) and with the drafter's
+thread evaluating for it (a publish, the drift after a target swap: a turn per prompt); they take
+turns record by record (`turns.py`), and the watcher's cursor is locked
 only while the watcher reads (one step of its generator: at most a listing of the sources or one
 chunk of a file), so the job's thread, which reports how far the ingest spool was read after every
 step, never waits for a whole poll.

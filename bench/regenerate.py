@@ -244,7 +244,7 @@ def run_slots(
     torch.cuda.synchronize()
     reserved_before = torch.cuda.memory_reserved()
     dec.prefill_seconds = 0.0
-    dec.decode_steps = dec.riding_steps = 0
+    dec.decode_steps = 0
     dec.width_steps.clear()
     t = time.perf_counter()
     done = list(dec.generate(requests, greedy))

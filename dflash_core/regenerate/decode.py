@@ -172,8 +172,8 @@ class SlotDecoder:
         self.prefill_tokens = _PREFILL_TOKENS_CUDA if dev.type == "cuda" else _PREFILL_TOKENS_CPU
         self.admit_batch = max(1, slots // 16)
         self.tokens_generated = 0
-        self.decode_steps = self.riding_steps = 0  # steps run, and those of them with riding rows
-        self.width_steps: Counter[int] = Counter()  # the riding steps by width
+        self.decode_steps = 0  # steps run
+        self.width_steps: Counter[int] = Counter()  # those with riding rows, by width
         # wall time of the prefills: each ends reading its tokens on the host, so its device work is in it
         self.prefill_seconds = 0.0
 
@@ -406,7 +406,6 @@ class SlotDecoder:
             chosen = self._step(mode, ride)
             self.decode_steps += 1
             if ride:
-                self.riding_steps += 1
                 self.width_steps[ride] += 1
             self.tokens_generated += len(active)
             finished = []
@@ -420,6 +419,11 @@ class SlotDecoder:
                     yield self._done(state, token in stops)
             self._park(finished)
             free.extend(finished)
+
+    @property
+    def riding_steps(self) -> int:
+        """Steps run with riding rows."""
+        return sum(self.width_steps.values())
 
     def _fits(self, request: Request) -> Request:
         if not request.prompt or len(request.prompt) >= self.length:

@@ -35,6 +35,9 @@ prompt + new-tokens.
 
 A row per precision, attention and slot count:
 
+  record_s       the decoder's start: the greedy step recorded at each riding width and without
+                 riding rows, then a 4-token generate (what a regeneration job pays before its
+                 first prompt, once per sampling mode)
   full_ms        one decode step (graph replay) with every slot at the last position a sequence
                  feeds (the cache's last but one: the last is where idle slots park), median after
                  warm-up: the step that reads the whole cache with either attention
@@ -240,8 +243,13 @@ def run_slots(
         dec.ride_widths = dec.ride_widths[:1]
     requests = [Request(i, wave[i % len(wave)], n, seed=i) for i, n in enumerate(counts)]
     greedy = Sampling(ignore_stop=True)
-    list(dec.generate([Request(-1, prompts[0], 4)], greedy))  # records the graph; the step's buffers settle
+    # the start a regeneration job pays: the greedy step recorded at each riding width and plain,
+    # then a short generate (the step's buffers settle)
     torch.cuda.synchronize()
+    began = time.perf_counter()
+    list(dec.generate([Request(-1, prompts[0], 4)], greedy))
+    torch.cuda.synchronize()
+    record_s = time.perf_counter() - began
     reserved_before = torch.cuda.memory_reserved()
     dec.prefill_seconds = 0.0
     dec.decode_steps = 0
@@ -287,6 +295,7 @@ def run_slots(
         "waves": waves,
         "new_tokens_spread": spread,
         "graph": dec.use_graph,
+        "record_s": round(record_s, 2),
         "kv_cache_gib": round(dec.cache.nbytes / 2**30, 2),
         "stacked_qkv_gib": round(dec.qkv.nbytes / 2**30, 2) if dec.qkv is not None else 0.0,
         "weights_gb": round(weights / 1e9, 2),

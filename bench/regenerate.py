@@ -31,7 +31,9 @@ every step at R rows (one width, as the decoder did before it had several).
 new-tokens x (1 - F) to new-tokens x (1 + F) (the same mean), so that sequences end apart, as
 stop tokens and differing lengths make them in a real job, and prompts are prefilled while other
 slots decode; the cache then holds the longest, and the step timings and bounds stay at
-prompt + new-tokens.
+prompt + new-tokens. `--prompt-len-spread F` does the same for the prompts' lengths (with
+`--hf-batch 0`): long prompts wait for a prefill where short ones ride, as in a real dataset; the
+timings and bounds then take the mean prompt (`prompt_len`), the cache the longest.
 
 A row per precision, attention and slot count:
 
@@ -218,11 +220,11 @@ def run_slots(
     """A row of the decoder at `slots` (matmul_flops: the decoder layers' dense matmul rate,
     head_flops the LM head's, FLOP/s; the same unless given; spread: new_token_counts';
     ride_widest: every riding step at the widest width)."""
-    prompt_len = len(prompts[0])
-    length = prompt_len + new_tokens  # what the step timings and the bounds count
     wave = prompts[:slots]
+    prompt_len = round(sum(map(len, wave)) / len(wave))  # the mean, where prompts differ in length
+    length = prompt_len + new_tokens  # what the step timings and the bounds count
     counts = new_token_counts(waves * len(wave), new_tokens, spread)
-    cache_length = prompt_len + max(counts)
+    cache_length = max(map(len, wave)) + max(counts)
     dec = SlotDecoder(
         model,
         slots,
@@ -293,6 +295,8 @@ def run_slots(
         "ride_rows": dec.ride_rows,
         "ride_widths": "/".join(map(str, dec.ride_widths)),
         "waves": waves,
+        "prompt_len": prompt_len,
+        "prompt_len_max": max(map(len, wave)),
         "new_tokens_spread": spread,
         "graph": dec.use_graph,
         "record_s": round(record_s, 2),
@@ -317,7 +321,7 @@ def run_slots(
         "steps_by_width": " ".join(f"{w}:{width_steps.get(w, 0)}" for w in dec.ride_widths),
         "ride_ms": round(ride_ms[dec.ride_widths[0]], 3) if ride_ms else None,
         "ride_ms_by_width": " ".join(f"{w}:{ms:.2f}" for w, ms in ride_ms.items()),
-        "prefill_ideal_s": round(2 * prefill_weights(model) * len(requests) * prompt_len / matmul_flops, 2),
+        "prefill_ideal_s": round(2 * prefill_weights(model) * sum(len(r.prompt) for r in requests) / matmul_flops, 2),
         "reserved_first_wave_mib": round((reserved_after - reserved_before) / 2**20, 1),
         "reserved_second_wave_mib": round(creep / 2**20, 1),
     }
@@ -457,12 +461,16 @@ def bench_precision(
     matmul_flops = bf16_flops * (2 if precision == "fp8" else 1)
     free, _ = torch.cuda.mem_get_info()
     per_token = kv_bytes_per_token(target.config, target.dtype)
-    derived = slots_for_memory(free - decoder_bytes(target.model), per_token, args.prompt_len + args.new_tokens)
+    longest = round(args.prompt_len * (1 + args.prompt_len_spread)) + round(
+        args.new_tokens * (1 + args.new_tokens_spread)
+    )
+    derived = slots_for_memory(free - decoder_bytes(target.model), per_token, longest)
     print(f"free {free / 2**30:.1f} GiB after the target: the daemon's default would be {derived} slots", flush=True)
     slot_counts = [int(s) for s in args.slots.split(",")]
     gen = torch.Generator().manual_seed(0)
     most = max([*slot_counts, args.hf_batch])
-    prompts = torch.randint(10, int(target.config.vocab_size), (most, args.prompt_len), generator=gen).tolist()
+    lengths = new_token_counts(most, args.prompt_len, args.prompt_len_spread, seed=1)
+    prompts = [torch.randint(10, int(target.config.vocab_size), (n,), generator=gen).tolist() for n in lengths]
     rows = []
     rides = parse_rides(args.ride)
     for slots, (kernel, settings), fused, (ride, widest) in itertools.product(slot_counts, kernels, fused_rows, rides):
@@ -530,6 +538,12 @@ def main(argv=None) -> None:
     p.add_argument("--waves", type=int, default=1, help="requests per slot (the prompts repeated)")
     p.add_argument("--hf-batch", type=int, default=128, help="transformers generate's batch (0: no such row)")
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument(
+        "--prompt-len-spread",
+        type=float,
+        default=0.0,
+        help="each prompt's length drawn evenly within prompt-len x (1 +- this), in [0, 1) (no generate row)",
+    )
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument(
         "--new-tokens-spread",
@@ -556,6 +570,10 @@ def main(argv=None) -> None:
         p.error("--waves takes a positive count")
     if not 0 <= args.new_tokens_spread < 1:
         p.error("--new-tokens-spread takes a fraction in [0, 1)")
+    if not 0 <= args.prompt_len_spread < 1:
+        p.error("--prompt-len-spread takes a fraction in [0, 1)")
+    if args.prompt_len_spread and args.hf_batch:
+        p.error("--prompt-len-spread needs --hf-batch 0: generate's row takes prompts of one length")
     try:
         kernels = parse_kernels(args.kernel)
         fused_rows = parse_fused(args.fused)

@@ -134,6 +134,20 @@ def test_a_spread_outside_zero_to_one_is_refused_before_the_gpu(capsys):
     assert "--new-tokens-spread" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--prompt-len-spread", "1.0", "--hf-batch", "0"], "--prompt-len-spread takes"),
+        (["--prompt-len-spread", "0.5"], "--hf-batch 0"),  # generate's row takes one prompt length
+    ],
+)
+def test_a_prompt_length_spread_is_checked_before_the_gpu(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_a_ride_that_is_not_a_count_is_refused_before_the_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--ride", "0,half"])

@@ -26,7 +26,7 @@ from .cli_jobs import (
     _print_outcome,
     follow_job,
 )
-from .client import BadArgument
+from .client import BadArgument, DaemonClient, DaemonError
 from .http_guard import MAX_BODY_BYTES
 
 FEED_BATCH_LINES = 1000
@@ -141,13 +141,22 @@ def _refusal(path: Path, answer: dict[str, Any], numbers: list[int]) -> str:
     return "\n".join(out)
 
 
+def _batch_lines(client: DaemonClient, args: argparse.Namespace) -> int:
+    """--batch, at most the job's max_pending_records: a larger batch could never be accepted."""
+    try:
+        limit = client.job(args.job_id).get("spec", {}).get("max_pending_records")
+    except DaemonError:  # no such job, say: the first batch's answer says so
+        return args.batch
+    return min(args.batch, limit) if isinstance(limit, int) and limit > 0 else args.batch
+
+
 def cmd_feed(args: argparse.Namespace, sleep: Callable[[float], None] = time.sleep) -> int:
     """Send a JSONL file's records to a running continual job, in batches; a full buffer (429) is
     waited out as the daemon's Retry-After says."""
     path = Path(args.file)
     accepted = sent = 0
     with open_file(path) as f, _client(args) as client:  # read as sent: a records file may be large
-        for body, numbers in batches(iter(f), args.batch, FEED_BATCH_BYTES):
+        for body, numbers in batches(iter(f), _batch_lines(client, args), FEED_BATCH_BYTES):
             sent += 1
             for _ in range(FEED_RETRIES):
                 status, answer, retry_after = client.post_records(args.job_id, body)

@@ -98,6 +98,10 @@ class SourceWatcher:
                 except OutsideRoots as e:
                     self.files[key] = {"done": True, "refused": True}
                     yield Record(label, DatasetError(label, 0, str(e)))
+                except DatasetError as e:  # a whole file that is not records (a corrupt or foreign
+                    # parquet, say): skipped and reported once, as a bad line is, not the job's end
+                    self.files[key] = {"done": True, "refused": True}
+                    yield Record(label, e)
                 except OSError as e:  # vanished or unreadable now: looked at again next poll
                     yield Record(label, DatasetError(label, 0, f"cannot be read ({e.strerror or type(e).__name__})"))
 

@@ -6,6 +6,7 @@ value would otherwise end in a bare RecursionError far from the file and line it
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -13,6 +14,12 @@ SCAN_BLOCK = 1 << 20
 # Conversations are a list of messages of a few fields; request bodies and template options a few
 # levels more. Far below the depth at which Python's JSON encoder, pydantic or Jinja recurse out.
 MAX_JSON_DEPTH = 32
+LONE_SURROGATE = "a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not text"
+# a JSON escape of a UTF-16 surrogate, the only way one gets into a parsed string (the bytes of
+# one are not UTF-8); a pair of them (an emoji, say) parses to one character and passes
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def bounded_lines(
@@ -79,4 +86,26 @@ def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
         if depth > limit:
             return True
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def lone_surrogate(raw: str | bytes, value: Any) -> bool:
+    """Whether `value`, parsed from the JSON text `raw`, holds a string (a key or a value) with an
+    unpaired UTF-16 surrogate: JSON lets an escape give one, but no text encoding takes it, so a
+    tokenizer or a UTF-8 writer would fail on it far from the line it came from. Walked only where
+    `raw` has such an escape at all."""
+    pattern = _SURROGATE_ESCAPE_BYTES if isinstance(raw, bytes) else _SURROGATE_ESCAPE
+    if pattern.search(raw) is None:  # type: ignore[arg-type]
+        return False
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
     return False

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO, cast
 
 from ..confine import UnsafeFile, open_regular
-from .bounded import MAX_JSON_DEPTH, bounded_lines, too_deep
+from .bounded import LONE_SURROGATE, MAX_JSON_DEPTH, bounded_lines, lone_surrogate, too_deep
 from .errors import DatasetError
 from .regenerated import MANIFEST, regenerated_sources
 from .source_file import SourceFile, child_name
@@ -171,6 +171,9 @@ def jsonl_lines(path: str, lines, first_line: int) -> Iterator[tuple[int, object
         if record is _DEEP or too_deep(record):
             yield line_no, DatasetError(path, line_no, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
             continue
+        if lone_surrogate(text, record):
+            yield line_no, DatasetError(path, line_no, LONE_SURROGATE)
+            continue
         yield line_no, record
 
 
@@ -252,6 +255,8 @@ def _json_array(src: SourceFile) -> Iterator[tuple[int, object]]:
                     yield ordinal, DatasetError(path, start_line, f"element larger than {MAX_RECORD_BYTES >> 20} MiB")
                 elif too_deep(obj):
                     yield ordinal, DatasetError(path, start_line, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+                elif lone_surrogate(buf[start:end], obj):
+                    yield ordinal, DatasetError(path, start_line, LONE_SURROGATE)
                 else:
                     yield ordinal, obj
                 skip_space()

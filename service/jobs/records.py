@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_core.confine import ConfinedDir, OutsideRoots
 from dflash_core.continual.job import SPOOL_DIR, SPOOL_FILE_BYTES, spool_name, spool_number
-from dflash_core.data.bounded import MAX_JSON_DEPTH, too_deep
+from dflash_core.data.bounded import LONE_SURROGATE, MAX_JSON_DEPTH, lone_surrogate, too_deep
 from dflash_core.data.conversations import parse_conversation
 from dflash_core.data.errors import DatasetError
 from dflash_core.data.prompts import parse_prompt
@@ -55,6 +55,9 @@ def parse_records(body: bytes, prompts_allowed: bool) -> list[str]:
             continue
         if too_deep(record, MAX_JSON_DEPTH):
             errors.append({"field": where, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"})
+            continue
+        if lone_surrogate(raw, record):
+            errors.append({"field": where, "message": LONE_SURROGATE})
             continue
         problem = _problem(record, prompts_allowed)
         if problem is not None:
@@ -155,7 +158,8 @@ class Ingest:
 
     def accept(self, job_id: str, body: bytes) -> int:
         """Append the body's records to the job's spool; how many. Raises JobNotFound (404),
-        JobConflict (409: not a running continual job), SpecError (422), BufferFull (429)."""
+        JobConflict (409: not a running continual job), SpecError (422: a bad line, or more lines than
+        the job may hold), BufferFull (429)."""
         job = self.worker.store.get_job(job_id, with_checkpoints=False)
         if job is None:
             raise JobNotFound(job_id)
@@ -166,6 +170,13 @@ class Ingest:
             )
         lines = parse_records(body, prompts_allowed=job.spec.get("regenerate") is not None)
         limit = int(job.spec.get("max_pending_records") or 1)
+        if len(lines) > limit:  # never accepted, however long it waits: not a 429 to send again
+            raise SpecError(
+                "body",
+                f"{len(lines)} records in one request, where job {job_id} holds at most {limit} not yet "
+                f"trained (max_pending_records): send at most {limit} a request",
+                subject="records",
+            )
         spool = self._spool(job_id, job.output_dir, self.worker.roots.for_engine()["output_roots"])
         with spool.lock:
             reported = self.worker.records_of(job_id)

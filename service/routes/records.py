@@ -24,7 +24,8 @@ router = APIRouter(prefix="/jobs")
         409: doc("the job is not a RUNNING continual job"),
         413: doc(f"a body of more than {MAX_BODY_BYTES} bytes"),
         422: doc(
-            "a line that is not a conversation (or a prompt, for a job that regenerates); `errors` names it",
+            "a line that is not a conversation (or a prompt, for a job that regenerates), `errors` naming it; "
+            "or more lines than the job's max_pending_records",
             models.InvalidRequest,
         ),
         429: {

@@ -6,6 +6,7 @@ accepted before a SIGKILL are in the spool and trained after the restart."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.cli_continual import _batch_lines
+from service.client import DaemonClient
 from service.demo import free_port
 
 pytestmark = pytest.mark.slow
@@ -164,9 +167,14 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
         in errors(http.post(f"/jobs/{job_id}/records", content=b'{"prompt": "hi"}\n', headers=ndjson))["line 1"]
     )
     assert http.post("/jobs/job-nope/records", content=records, headers=ndjson).status_code == 404
+    # more lines than the job may ever hold: refused for good (422 naming the bound), not a 429
     too_many = "\n".join(json.dumps(conversation(i)) for i in range(201)).encode()
-    full = http.post(f"/jobs/{job_id}/records", content=too_many, headers=ndjson)
-    assert full.status_code == 429 and int(full.headers["Retry-After"]) > 0
+    never = http.post(f"/jobs/{job_id}/records", content=too_many, headers=ndjson)
+    assert never.status_code == 422 and "max_pending_records" in errors(never)["body"], never.text
+    # so `feed` sends at most that many a request
+    with DaemonClient(daemon.url) as client:
+        assert _batch_lines(client, argparse.Namespace(job_id=job_id, batch=1000)) == 200
+        assert _batch_lines(client, argparse.Namespace(job_id=job_id, batch=16)) == 16
     r = http.post(f"/jobs/{job_id}/records", content=records, headers=ndjson)
     assert r.status_code == 202 and r.json() == {"accepted": 12}
 
@@ -190,6 +198,12 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
     time.sleep(1.0)
     assert daemon.job(job_id)["progress"]["step"] == idle_again <= idle + 4
 
+    # a full buffer: 429 with Retry-After (the job trains 200 records in far more than a request's time)
+    a_full_buffer = "\n".join(json.dumps(conversation(500 + i)) for i in range(200)).encode()
+    assert http.post(f"/jobs/{job_id}/records", content=a_full_buffer, headers=ndjson).status_code == 202
+    full = http.post(f"/jobs/{job_id}/records", content=a_full_buffer, headers=ndjson)
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) > 0
+
     # a queued job does not wait behind it: the continual job yields, the other runs, it resumes
     other = daemon.submit({"datasets": ["builtin://train"], "steps": 2, "checkpoint_interval": 2})
     assert daemon.wait_terminal(other["id"], timeout=120)["state"] == "SUCCEEDED"
@@ -207,7 +221,7 @@ def test_continual_job_trains_publishes_yields_and_survives_a_kill(daemon, reloa
     assert r.status_code == 202
     daemon.kill()
     spool = Path(job["output_dir"]) / "records" / "ingested-000001.jsonl"
-    assert len(spool.read_text().splitlines()) == 24
+    assert len(spool.read_text().splitlines()) == 12 + 200 + 12
     daemon.start()
     daemon.wait_ready()
     daemon.wait_job(job_id, lambda j: j["state"] == "RUNNING" and j["resumes"] >= 1, timeout=120)

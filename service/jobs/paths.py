@@ -137,6 +137,7 @@ class Roots:
             raise SpecError("output_dir", f"{raw[:200]!r} cannot be used ({_reason(e)})") from None
         if not_a_dir:
             raise SpecError("output_dir", f"{raw!r} exists and is not a directory")
+        _parents_are_directories(path, raw)
         return path
 
     def checkpoint(self, raw: str) -> Path:
@@ -148,6 +149,20 @@ class Roots:
         if not is_checkpoint:
             raise SpecError("init_from", f"{raw!r} is not a drafter checkpoint directory (no config.json)")
         return path
+
+
+def _parents_are_directories(path: Path, raw: str) -> None:
+    """The nearest of the output directory's parents that exists is a directory: a file there
+    (`dflash.sqlite3/x`) would fail the job when it starts; refused now instead."""
+    parent = path.parent
+    try:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        a_file = not parent.is_dir()
+    except OSError as e:
+        raise SpecError("output_dir", f"{raw[:200]!r} cannot be used ({_reason(e)})") from None
+    if a_file:
+        raise SpecError("output_dir", f"{raw!r}: {parent.name!r} on its path is a file, not a directory")
 
 
 def resolve_builtin(raw: str, field_name: str, data_dir: Path) -> Path:

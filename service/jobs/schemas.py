@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
-# Characters refused in a job's name and submission_id: C0/C1 controls (NUL, escape sequences,
+# Characters refused in a job's name, submission_id and output_dir: C0/C1 controls (NUL, escape sequences,
 # newlines) and the bidirectional controls that reorder what a terminal shows ("job-\u202egnp.exe"
 # reads as "job-exe.png"); `dflash-trainer status` prints names as they are.
 UNPRINTABLE = "\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029"
@@ -50,7 +50,9 @@ class SpecError(ValueError):
 
 def _document_checks(schema: dict[str, Any]) -> None:
     """What SpecModel's validators check, where JSON Schema can say it."""
-    for name in ("name", "submission_id"):
+    for name in ("name", "submission_id", "output_dir"):
+        if name not in schema["properties"]:
+            continue
         for variant in schema["properties"][name].get("anyOf", [schema["properties"][name]]):
             if variant.get("type") == "string":
                 variant["pattern"] = PRINTABLE_PATTERN
@@ -76,7 +78,7 @@ class SpecModel(BaseModel):
         datasets: list[str]
         chat_template_kwargs: dict[str, Any]
 
-    @field_validator("name", "submission_id", mode="before", check_fields=False)
+    @field_validator("name", "submission_id", "output_dir", mode="before", check_fields=False)
     @classmethod
     def _printable(cls, value: Any, info) -> Any:
         """Before whitespace is stripped: a trailing newline is refused too."""

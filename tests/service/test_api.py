@@ -406,6 +406,9 @@ def test_job_with_a_bad_dataset_line_fails_with_a_readable_error(daemon):
         ({"datasets": ["~nosuchuserxyz/a.jsonl"]}, "datasets[0]"),
         ({"datasets": ["x" * 5000]}, "datasets[0]"),
         ({"output_dir": "y" * 300}, "output_dir"),
+        ({"output_dir": "jobs/ok\nnewline"}, "output_dir"),  # `status` prints it
+        ({"output_dir": "jobs/real\u202edir"}, "output_dir"),  # reads reversed in a terminal
+        ({"output_dir": "dflash.sqlite3/x"}, "output_dir"),  # a file on its path: FAILED at start otherwise
     ],
 )
 def test_hostile_values_are_422_naming_the_field(daemon, patch, field):

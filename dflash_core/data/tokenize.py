@@ -5,6 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +47,46 @@ class ChatTemplate:
             **dict(self.kwargs),
         )
 
+    def probe(self, tokenizer, messages, add_generation_prompt: bool, seconds: float | None = None) -> str:
+        """render(), within `seconds` (default PROBE_SECONDS): the admission checks' render of a
+        small conversation, which a template that loops for hours would otherwise hold (with the
+        request waiting and a CPU core taken) past any client's patience; RenderTooSlow past it."""
+        with time_bound(PROBE_SECONDS if seconds is None else seconds, "rendering the chat template"):
+            return self.render(tokenizer, messages, add_generation_prompt)
+
 
 DEFAULT_TEMPLATE = ChatTemplate()
+# a template renders a short conversation in milliseconds; a probe that takes seconds is a loop
+PROBE_SECONDS = 5.0
+
+
+class RenderTooSlow(Exception):
+    """Python work that went on past its time bound (time_bound)."""
+
+
+@contextmanager
+def time_bound(seconds: float, what: str) -> Iterator[None]:
+    """Python code run inside, in this thread, raises RenderTooSlow once `seconds` have passed.
+    A trace function of this thread alone looks at the clock every few hundred lines: Jinja
+    compiles a template to Python, so its loops run such lines (a single long C call, a huge
+    string's repetition, say, is not interrupted). The thread's earlier trace function (a
+    coverage tool's) is put back after."""
+    deadline = time.monotonic() + seconds
+    events = 0
+
+    def local(frame, event, arg):
+        nonlocal events
+        events += 1
+        if events % 256 == 0 and time.monotonic() > deadline:
+            raise RenderTooSlow(f"{what} took more than {seconds:g} s")
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def assistant_char_spans(

@@ -115,7 +115,7 @@ def check_template(job: TrainJob, parts: Parts) -> None:
         raise JobError(f"cannot read the template: {e}", "chat_template") from None
     probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
     try:
-        text = template.render(parts.tokenizer, probe, add_generation_prompt=False)
+        text = template.probe(parts.tokenizer, probe, add_generation_prompt=False)
     except Exception as e:  # noqa: BLE001 - any template failure is the user's to fix
         raise JobError(f"the chat template cannot render a conversation: {type(e).__name__}: {e}", field) from None
     if "pong" not in text:

@@ -122,7 +122,13 @@ class RegenerationRun:
                 continue
             if first is None:
                 continue
-            n = len(tokenizer(template.render(tokenizer, first.messages, True), add_special_tokens=False)["input_ids"])
+            try:
+                text = template.probe(tokenizer, first.messages, True)
+            except Exception as e:  # noqa: BLE001 - any template failure is the user's to fix
+                raise JobError(
+                    f"the chat template cannot render its first prompt: {type(e).__name__}: {e}", f"datasets[{i}]"
+                ) from None
+            n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
             if n >= length:
                 raise JobError(
                     f"its first prompt has {n} tokens with the chat template; the generation length is {length} "
@@ -134,7 +140,7 @@ class RegenerationRun:
         field = "chat_template" if job.chat_template else "chat_template_kwargs"
         try:
             template = job_template(job)  # type: ignore[arg-type]  # the template fields of a job
-            text = template.render(self.context.tokenizer, [{"role": "user", "content": "ping"}], True)
+            text = template.probe(self.context.tokenizer, [{"role": "user", "content": "ping"}], True)
         except OutsideRoots as e:
             raise JobError(str(e), "chat_template") from None
         except Exception as e:  # noqa: BLE001 - any template failure is the user's to fix

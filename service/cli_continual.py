@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .cli_files import open_file, read_json_object
 from .cli_jobs import (
@@ -105,9 +105,13 @@ def _finite_float(value: str) -> float:
     return number
 
 
-def batches(lines: Iterator[bytes], max_lines: int, max_bytes: int) -> Iterator[tuple[bytes, list[int]]]:
-    """Non-empty lines grouped into bodies of at most max_lines lines and about max_bytes bytes,
-    each with the file line number (from 1) of each of its lines."""
+def batches(
+    lines: Iterator[bytes], max_lines: int | Callable[[], int], max_bytes: int
+) -> Iterator[tuple[bytes, list[int]]]:
+    """Non-empty lines grouped into bodies of at most max_lines lines (a callable: asked once the
+    first record is read) and about max_bytes bytes, each with the file line number (from 1) of
+    each of its lines."""
+    limit = max_lines if isinstance(max_lines, int) else None
     batch: list[bytes] = []
     numbers: list[int] = []
     size = 0
@@ -115,7 +119,9 @@ def batches(lines: Iterator[bytes], max_lines: int, max_bytes: int) -> Iterator[
         line = line.rstrip(b"\r\n")
         if not line.strip():
             continue
-        if batch and (len(batch) >= max_lines or size + len(line) + 1 > max_bytes):
+        if limit is None:
+            limit = cast(Callable[[], int], max_lines)()
+        if batch and (len(batch) >= limit or size + len(line) + 1 > max_bytes):
             yield b"\n".join(batch) + b"\n", numbers
             batch, numbers, size = [], [], 0
         batch.append(line)
@@ -156,7 +162,8 @@ def cmd_feed(args: argparse.Namespace, sleep: Callable[[float], None] = time.sle
     path = Path(args.file)
     accepted = sent = 0
     with open_file(path) as f, _client(args) as client:  # read as sent: a records file may be large
-        for body, numbers in batches(iter(f), _batch_lines(client, args), FEED_BATCH_BYTES):
+        # the job's bound asked once the file holds a record: a file of none is refused unsent
+        for body, numbers in batches(iter(f), lambda: _batch_lines(client, args), FEED_BATCH_BYTES):
             sent += 1
             for _ in range(FEED_RETRIES):
                 status, answer, retry_after = client.post_records(args.job_id, body)

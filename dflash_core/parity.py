@@ -65,7 +65,7 @@ def check_serving_parity(config: Any, num_decoder_layers: int, layer_ids: list[i
     - the target's last decoder layer: transformers ties `hidden_states[-1]` to the output of the
       final norm, so the reference's feature of layer L-1 is normed where our hook's is not
       (and vLLM / SGLang capture a layer's input, which the last layer's output never is);
-    - soft-capped or scaled target logits (Gemma 2, Cohere): the drafter's loss is a plain
+    - soft-capped or scaled target logits (Gemma 2, Cohere, Granite): the drafter's loss is a plain
       softmax over `hidden @ lm_head.T`, while the reference samples from the capped logits."""
     last = num_decoder_layers - 1
     if last in layer_ids:
@@ -78,9 +78,10 @@ def check_serving_parity(config: Any, num_decoder_layers: int, layer_ids: list[i
         raise TargetRefused(
             f"the target soft-caps its logits (final_logit_softcapping={softcap}); the drafter's loss does not"
         )
-    logit_scale = getattr(config, "logit_scale", None)
-    if logit_scale is not None and float(logit_scale) != 1.0:
-        raise TargetRefused(f"the target scales its logits (logit_scale={logit_scale}); the drafter's loss does not")
+    for name in ("logit_scale", "logits_scaling"):  # Cohere multiplies by it, Granite divides
+        value = getattr(config, name, None)
+        if value is not None and float(value) != 1.0:
+            raise TargetRefused(f"the target scales its logits ({name}={value}); the drafter's loss does not")
 
 
 def scaled_table(weight: torch.Tensor, scale: float) -> torch.Tensor:

@@ -157,3 +157,9 @@ class FusedQkv:
         if role == len(ROLES) - 1:
             self._pending = None  # the last of the three: the input and output go
         return pending[3][..., lo:hi]
+
+
+def fused_qkv(model: nn.Module) -> FusedQkv | None:
+    """The stacked q/k/v weights of the model's attention layers, where any layer has them."""
+    dispatch = QkvDispatch.of(model)
+    return FusedQkv(dispatch) if dispatch.groups else None

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from dflash_core.module_dispatch import base_class
-from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder, fused_qkv
+from dflash_core.regenerate.decode import Request, Sampling, SlotDecoder
 from dflash_core.regenerate.sizing import decoder_bytes
-from dflash_core.target_qkv import FusedQkv, QkvDispatch
+from dflash_core.target_qkv import FusedQkv, QkvDispatch, fused_qkv
 from tests.tiny_decoders import tiny_llama, tiny_qwen2, tiny_sliding_qwen3
 
 

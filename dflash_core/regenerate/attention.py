@@ -88,6 +88,8 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     dtype (0 or -inf), built once per step for every layer, so the scores take one pass to mask."""
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise ValueError("regeneration does not decode attention with sinks")
+    if kwargs.get("softcap") is not None:  # Gemma 2's attn_logit_softcapping: no path here caps scores
+        raise ValueError("regeneration does not decode attention with soft-capped scores")
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     groups = hq // hkv

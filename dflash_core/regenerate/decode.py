@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..target_norms import NormKernels
-from ..target_qkv import FusedQkv, QkvDispatch
+from ..target_qkv import fused_qkv
 from ..target_rope import RopeKernels
 from .attention import SLOT_ATTENTION, decode_ranges, kernel_available, register_attention
 from .cache import SlotCache
+from .logits import OutputLogits
 from .prefill import chunk_bounds, padded_prompts, prefill_attention
 from .ride import RideQueue, RideRows, riding_rows, riding_widths
 from .sampling import M32, Sampling, choose_tokens, floor_kernel_matches, sample_kernel_matches
@@ -86,6 +86,8 @@ def layer_kinds(config) -> list[str]:
     bad = sorted(set(kinds) - {"full_attention", "sliding_attention"})
     if bad:
         raise ValueError(f"regeneration decodes full and sliding attention layers only, not {bad}")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("regeneration does not decode attention with soft-capped scores (attn_logit_softcapping)")
     return kinds
 
 
@@ -133,6 +135,7 @@ class SlotDecoder:
         self.cache = SlotCache(int(cfg.num_hidden_layers), slots, length, heads, head_dim, self.device, self.dtype)
         dev = self.device
         self.vocab = int(self.head.weight.shape[0])
+        self.logits = OutputLogits(model)  # the head, and what the family's forward does after it
         # the decode step's inputs and outputs: fixed tensors a recorded graph reads and writes
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
         self.parked = length - 1  # the position of a slot without a sequence (see the module's doc)
@@ -240,11 +243,14 @@ class SlotDecoder:
                 kind: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, float("-inf"))
                 for kind, m in self._mask(positions.unsqueeze(-1), self.key_index).items()
             }
+        # the rotary positions: a parked row's at 0, since some embeddings (LongRoPE) pick their
+        # factors from the forward's largest position, which an idle slot must not decide
+        rotary = positions.masked_fill(positions == self.parked, 0)
         try:
-            hidden = self._hidden(tokens.unsqueeze(-1), positions.unsqueeze(-1), masks)
+            hidden = self._hidden(tokens.unsqueeze(-1), rotary.unsqueeze(-1), masks)
         finally:  # nothing of a recorded step's memory stays reachable once it is recorded
             cache.positions, cache.slot_of, cache.gather = None, None, False
-        logits = self.head(hidden[: self.slots, -1])
+        logits = self.logits(hidden[: self.slots, -1])
         chosen = choose_tokens(
             logits,
             self.seeds,
@@ -346,7 +352,7 @@ class SlotDecoder:
         finally:
             self.cache.rows = None
         last = hidden[torch.arange(len(admitted), device=dev), lens - 1]
-        logits = self.head(last)
+        logits = self.logits(last)
         return choose_tokens(
             logits, seeds, steps, mode, self.temperature, self.top_k, self.top_p, self.sample_kernel, self.floor_kernel
         )
@@ -489,9 +495,3 @@ class SlotDecoder:
     @staticmethod
     def _done(state: _Slot, stopped: bool) -> Completion:
         return Completion(state.request.key, state.tokens, "stop" if stopped else "length", len(state.request.prompt))
-
-
-def fused_qkv(model: nn.Module) -> FusedQkv | None:
-    """The stacked q/k/v weights of the model's attention layers, where any layer has them."""
-    dispatch = QkvDispatch.of(model)
-    return FusedQkv(dispatch) if dispatch.groups else None

@@ -222,7 +222,8 @@ def test_stacked_qkv_gemm_keeps_each_projection_and_the_tokens(setup):
 
     import torch.nn.functional as F
 
-    from dflash_core.regenerate.decode import Sampling, fused_qkv
+    from dflash_core.regenerate.decode import Sampling
+    from dflash_core.target_qkv import fused_qkv
 
     model, prompts = setup
     bf16 = copy.deepcopy(model).to(torch.bfloat16)

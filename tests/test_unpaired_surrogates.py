@@ -60,6 +60,13 @@ def test_the_ingest_route_names_the_line():
     with pytest.raises(SpecError) as e:
         parse_records((GOOD + "\n" + LONE + "\n" + PAIRED + "\n").encode(), prompts_allowed=False)
     assert [(x["field"], x["message"]) for x in e.value.errors] == [("line 2", LONE_SURROGATE)]
+    # UTF-16 bytes: json.loads alone decodes them, and the escape's bytes are not the UTF-8 ones
+    with pytest.raises(SpecError) as e:
+        parse_records(LONE.encode("utf-16-le"), prompts_allowed=False)
+    assert [x["field"] for x in e.value.errors] == ["line 1"], e.value.errors
+    with pytest.raises(SpecError) as e:
+        parse_records(b'{"prompt": "caf\xe9"}', prompts_allowed=True)
+    assert e.value.errors[0]["message"] == "not UTF-8 text (byte 15 of the line)", e.value.errors
     kept = parse_records((GOOD + "\n" + PAIRED + "\n").encode(), prompts_allowed=False)
     assert [line.encode("utf-8") for line in kept]  # the spool's UTF-8 write takes them
 

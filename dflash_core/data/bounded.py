@@ -18,7 +18,6 @@ LONE_SURROGATE = "a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\
 # a JSON escape of a UTF-16 surrogate, the only way one gets into a parsed string (the bytes of
 # one are not UTF-8); a pair of them (an emoji, say) parses to one character and passes
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -89,13 +88,12 @@ def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-def lone_surrogate(raw: str | bytes, value: Any) -> bool:
+def lone_surrogate(raw: str, value: Any) -> bool:
     """Whether `value`, parsed from the JSON text `raw`, holds a string (a key or a value) with an
     unpaired UTF-16 surrogate: JSON lets an escape give one, but no text encoding takes it, so a
     tokenizer or a UTF-8 writer would fail on it far from the line it came from. Walked only where
     `raw` has such an escape at all."""
-    pattern = _SURROGATE_ESCAPE_BYTES if isinstance(raw, bytes) else _SURROGATE_ESCAPE
-    if pattern.search(raw) is None:  # type: ignore[arg-type]
+    if _SURROGATE_ESCAPE.search(raw) is None:
         return False
     stack = [value]
     while stack:

@@ -48,15 +48,20 @@ def parse_records(body: bytes, prompts_allowed: bool) -> list[str]:
         if not raw.strip():
             continue
         where = f"line {n}"
+        try:  # UTF-8, as the spool stores it (json.loads would also take UTF-16 and UTF-32 bytes)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append({"field": where, "message": f"not UTF-8 text (byte {e.start} of the line)"})
+            continue
         try:
-            record = json.loads(raw)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            record = json.loads(text)
+        except (ValueError, RecursionError) as e:
             errors.append({"field": where, "message": f"not JSON ({type(e).__name__})"})
             continue
         if too_deep(record, MAX_JSON_DEPTH):
             errors.append({"field": where, "message": f"nested deeper than {MAX_JSON_DEPTH} levels"})
             continue
-        if lone_surrogate(raw, record):
+        if lone_surrogate(text, record):
             errors.append({"field": where, "message": LONE_SURROGATE})
             continue
         problem = _problem(record, prompts_allowed)

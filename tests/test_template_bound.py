@@ -61,3 +61,14 @@ def test_admission_refuses_it_naming_the_field(tokenizer, tmp_path, monkeypatch)
     with pytest.raises(JobError) as e:
         check_template(job, SimpleNamespace(tokenizer=tokenizer))
     assert e.value.field == "chat_template" and "RenderTooSlow" in str(e.value)
+
+
+def test_a_template_that_writes_an_unpaired_surrogate_is_refused(tokenizer, tmp_path):
+    (tmp_path / "s.jinja").write_text("{{ '\\ud800' }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    job = TrainJob(
+        datasets=["x"], output_dir=str(tmp_path / "out"), chat_template=str(tmp_path / "s.jinja"),
+        dataset_roots=[str(tmp_path)],
+    )  # fmt: skip
+    with pytest.raises(JobError) as e:
+        check_template(job, SimpleNamespace(tokenizer=tokenizer))
+    assert e.value.field == "chat_template" and "UnicodeEncodeError" in str(e.value)

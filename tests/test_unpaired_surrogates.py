@@ -92,3 +92,17 @@ def test_a_continual_source_skips_such_a_record_and_a_file_that_is_not_records(t
     # reported once, then passed over (a resumed job's cursor too)
     assert list(watcher.poll()) == []
     assert list(SourceWatcher([(src, "src", [str(tmp_path)])], watcher.cursor()).poll()) == []
+
+
+def test_a_byte_order_mark_on_the_ingest_route_is_taken():
+    assert parse_records(b"\xef\xbb\xbf" + GOOD.encode() + b"\n", prompts_allowed=False) == [
+        json.dumps(json.loads(GOOD), separators=(",", ":"))
+    ]
+
+
+def test_chat_template_kwargs_with_one_are_a_422_naming_the_field():
+    from service.jobs.schemas import JobSpec
+
+    with pytest.raises(Exception) as e:
+        JobSpec.model_validate({"datasets": ["builtin://train"], "chat_template_kwargs": {"x": "\ud800"}})
+    assert "chat_template_kwargs" in str(e.value) and "surrogate" in str(e.value)

@@ -52,7 +52,9 @@ class ChatTemplate:
         small conversation, which a template that loops for hours would otherwise hold (with the
         request waiting and a CPU core taken) past any client's patience; RenderTooSlow past it."""
         with time_bound(PROBE_SECONDS if seconds is None else seconds, "rendering the chat template"):
-            return self.render(tokenizer, messages, add_generation_prompt)
+            text = self.render(tokenizer, messages, add_generation_prompt)
+        text.encode("utf-8")  # a surrogate the template wrote would fail every tokenization later
+        return text
 
 
 DEFAULT_TEMPLATE = ChatTemplate()

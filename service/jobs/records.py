@@ -49,7 +49,7 @@ def parse_records(body: bytes, prompts_allowed: bool) -> list[str]:
             continue
         where = f"line {n}"
         try:  # UTF-8, as the spool stores it (json.loads would also take UTF-16 and UTF-32 bytes)
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark, as the file readers take it
         except UnicodeDecodeError as e:
             errors.append({"field": where, "message": f"not UTF-8 text (byte {e.start} of the line)"})
             continue

@@ -94,6 +94,10 @@ class SpecModel(BaseModel):
     def _shared_checks(self) -> Any:
         if len(canonical_json(self.chat_template_kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
             raise SpecError("chat_template_kwargs", f"larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        try:  # an unpaired surrogate escape: no answer or job list holding it could be encoded
+            json.dumps(self.chat_template_kwargs, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise SpecError("chat_template_kwargs", "a string holds an unpaired UTF-16 surrogate: not text") from None
         duplicates = sorted({d for d in self.datasets if self.datasets.count(d) > 1})
         if duplicates:
             raise SpecError("datasets", f"listed more than once: {', '.join(duplicates)}")

@@ -92,6 +92,12 @@ def test_a_continual_source_skips_such_a_record_and_a_file_that_is_not_records(t
     # reported once, then passed over (a resumed job's cursor too)
     assert list(watcher.poll()) == []
     assert list(SourceWatcher([(src, "src", [str(tmp_path)])], watcher.cursor()).poll()) == []
+    # one that was caught mid-write is read once its writer finishes it (its size changes)
+    pq.write_table(pa.table({"prompt": ["late"]}), src / "c.parquet")
+    later: list = []
+    for _ in range(3):
+        later += watcher.poll()
+    assert [r.value for r in later] == [{"prompt": "late"}]
 
 
 def test_a_byte_order_mark_on_the_ingest_route_is_taken():

@@ -84,6 +84,9 @@ class SourceWatcher:
                 state = self.files.get(key, {})
                 # refused (reported once), read whole already, or a JSONL file with nothing appended:
                 # passed over on its listing's stat alone, so that a poll of many files stays cheap
+                if "bad_size" in state and state["bad_size"] != size:  # a file that was no records grew
+                    del self.files[key]
+                    state = {}
                 if state.get("refused") or state.get("done") or state.get("offset", -1) == size:
                     continue
                 path = Path(key)
@@ -99,8 +102,9 @@ class SourceWatcher:
                     self.files[key] = {"done": True, "refused": True}
                     yield Record(label, DatasetError(label, 0, str(e)))
                 except DatasetError as e:  # a whole file that is not records (a corrupt or foreign
-                    # parquet, say): skipped and reported once, as a bad line is, not the job's end
-                    self.files[key] = {"done": True, "refused": True}
+                    # parquet, say): skipped and reported, as a bad line is, not the job's end; read
+                    # again once its size changes (a writer that paused mid-file)
+                    self.files[key] = {"done": True, "bad_size": size}
                     yield Record(label, e)
                 except OSError as e:  # vanished or unreadable now: looked at again next poll
                     yield Record(label, DatasetError(label, 0, f"cannot be read ({e.strerror or type(e).__name__})"))

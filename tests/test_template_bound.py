@@ -51,24 +51,24 @@ def test_the_threads_own_trace_function_is_put_back_and_others_are_untouched(tok
     assert other == [None]
 
 
-def test_admission_refuses_it_naming_the_field(tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenize, "PROBE_SECONDS", 0.3)
-    (tmp_path / "slow.jinja").write_text(SLOW)
+def _refused_at_admission(template: str, tokenizer, tmp_path) -> JobError:
+    """The training admission's template check of a job with this template file; its refusal."""
+    (tmp_path / "t.jinja").write_text(template)
     job = TrainJob(
-        datasets=["x"], output_dir=str(tmp_path / "out"), chat_template=str(tmp_path / "slow.jinja"),
+        datasets=["x"], output_dir=str(tmp_path / "out"), chat_template=str(tmp_path / "t.jinja"),
         dataset_roots=[str(tmp_path)],
     )  # fmt: skip
     with pytest.raises(JobError) as e:
         check_template(job, SimpleNamespace(tokenizer=tokenizer))
-    assert e.value.field == "chat_template" and "RenderTooSlow" in str(e.value)
+    return e.value
+
+
+def test_admission_refuses_it_naming_the_field(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenize, "PROBE_SECONDS", 0.3)
+    e = _refused_at_admission(SLOW, tokenizer, tmp_path)
+    assert e.field == "chat_template" and "RenderTooSlow" in str(e)
 
 
 def test_a_template_that_writes_an_unpaired_surrogate_is_refused(tokenizer, tmp_path):
-    (tmp_path / "s.jinja").write_text("{{ '\\ud800' }}{% for m in messages %}{{ m.content }}{% endfor %}")
-    job = TrainJob(
-        datasets=["x"], output_dir=str(tmp_path / "out"), chat_template=str(tmp_path / "s.jinja"),
-        dataset_roots=[str(tmp_path)],
-    )  # fmt: skip
-    with pytest.raises(JobError) as e:
-        check_template(job, SimpleNamespace(tokenizer=tokenizer))
-    assert e.value.field == "chat_template" and "UnicodeEncodeError" in str(e.value)
+    e = _refused_at_admission("{{ '\\ud800' }}{% for m in messages %}{{ m.content }}{% endfor %}", tokenizer, tmp_path)
+    assert e.field == "chat_template" and "UnicodeEncodeError" in str(e)
